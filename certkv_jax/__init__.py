@@ -1,0 +1,47 @@
+"""certkv_jax: KV-cache eviction that certifies its own attention error.
+
+Public API (see SPEC.md for the method):
+
+* :func:`offset_attention` -- attention with Hajek offsets + certificate stats.
+* :func:`certificate_radius` -- the per-call error radius.
+* :func:`inclusion_probabilities` -- Eq. 2 Poisson inclusion probabilities.
+* :mod:`certkv_jax.designs` -- eviction designs (deterministic and randomized).
+* :mod:`certkv_jax.cache` -- the fixed-capacity KV-cache pytree.
+* :mod:`certkv_jax.diagnostics` -- evaluation-mode truths (error, Assumption 2).
+"""
+
+from certkv_jax import cache
+from certkv_jax import certificate
+from certkv_jax import designs
+from certkv_jax import diagnostics
+from certkv_jax import sampling
+from certkv_jax import scores
+from certkv_jax.attention import OffsetAttentionResult
+from certkv_jax.attention import attention_probs
+from certkv_jax.attention import offset_attention
+from certkv_jax.cache import KVCache
+from certkv_jax.cache import init_cache
+from certkv_jax.certificate import anytime_delta
+from certkv_jax.certificate import certificate_radius
+from certkv_jax.designs import EvictionDesign
+from certkv_jax.sampling import inclusion_probabilities
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVCache",
+    "EvictionDesign",
+    "OffsetAttentionResult",
+    "anytime_delta",
+    "attention_probs",
+    "cache",
+    "certificate",
+    "certificate_radius",
+    "designs",
+    "diagnostics",
+    "inclusion_probabilities",
+    "init_cache",
+    "offset_attention",
+    "sampling",
+    "scores",
+]

@@ -1,0 +1,143 @@
+"""Offset attention: attention over kept slots with per-slot Hajek logit offsets.
+
+``offset_attention`` is the public entry point. Its arithmetic lives in
+``pallas_kernels.reference`` (one formula, one place; the Pallas kernels are
+tested against the same code). This module adds argument checking, numpy-style
+broadcasting of leading dimensions, and the result type.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from certkv_jax import _checks
+from pallas_kernels import reference
+
+Array = jax.Array
+
+
+class OffsetAttentionResult(NamedTuple):
+  """Output of :func:`offset_attention` (leading dims ``...`` broadcast).
+
+  Attributes:
+    out: [..., dv] the Hajek estimate ``o_hat`` (dtype of ``q``/``v`` promoted).
+    lse: [...] float32 log-normaliser ``log sum_S exp(s_i - log pi_i)``;
+      -inf for a row with no valid slot.
+    var_hat: [...] float32 ``V_hat = sum_S (1 - pi_i) p_i^2 ||v_i - o_hat||^2``.
+    range_hat: [...] float32 ``b_hat = max_{S, pi<1} (1 - pi_i) p_i ||v_i - o_hat||``.
+  """
+
+  out: Array
+  lse: Array
+  var_hat: Array
+  range_hat: Array
+
+
+def _check_shapes(q, k, v, log_pi, mask):
+  for name, x, min_ndim in (("q", q, 1), ("k", k, 2), ("v", v, 2), ("log_pi", log_pi, 1),
+                            ("mask", mask, 1)):
+    if jnp.ndim(x) < min_ndim:
+      raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {jnp.shape(x)}")
+  d, n = q.shape[-1], k.shape[-2]
+  if k.shape[-1] != d:
+    raise ValueError(f"k's last dim ({k.shape[-1]}) must equal q's last dim ({d}); "
+                     f"q {q.shape}, k {k.shape}")
+  if v.shape[-2] != n:
+    raise ValueError(f"v must have n={n} slots on axis -2 like k; k {k.shape}, v {v.shape}")
+  if log_pi.shape[-1] != n:
+    raise ValueError(f"log_pi must have n={n} slots on its last axis; got {log_pi.shape}")
+  if mask.shape[-1] != n:
+    raise ValueError(f"mask must have n={n} slots on its last axis; got {mask.shape}")
+  if mask.dtype != jnp.bool_:
+    raise TypeError(f"mask must be bool, got {mask.dtype}")
+  for name, x in (("q", q), ("k", k), ("v", v), ("log_pi", log_pi)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be a floating dtype, got {x.dtype}")
+  try:
+    batch = jnp.broadcast_shapes(q.shape[:-1], k.shape[:-2], v.shape[:-2],
+                                 log_pi.shape[:-1], mask.shape[:-1])
+  except ValueError as err:
+    raise ValueError(
+        "leading dimensions must broadcast (numpy rules): q[...] "
+        f"{q.shape[:-1]}, k[...] {k.shape[:-2]}, v[...] {v.shape[:-2]}, "
+        f"log_pi[...] {log_pi.shape[:-1]}, mask[...] {mask.shape[:-1]}") from err
+  return batch
+
+
+def offset_attention(
+    q,
+    k,
+    v,
+    log_pi,
+    mask,
+    *,
+    scale: Optional[float] = None,
+    block_size: Optional[int] = None,
+    range_mode: str = "exact",
+) -> OffsetAttentionResult:
+  """Attention over kept slots with Hajek offsets and certificate statistics.
+
+  Logits are ``q . k_i * scale - log_pi_i``; softmax over valid slots gives the
+  Hajek estimator ``o_hat = sum (a_i/pi_i) v_i / sum (a_i/pi_i)`` (SPEC section 3).
+  In the same sweep it accumulates the variance statistics of SPEC section 4.
+
+  Leading dimensions broadcast by numpy rules, so a GQA group
+  ``q [b, h_kv, g, d]`` attends over ``k [b, h_kv, 1, n, d]``.
+
+  Args:
+    q: [..., d] queries.
+    k: [..., n, d] keys.
+    v: [..., n, dv] values.
+    log_pi: [..., n] cumulative log inclusion probability of each slot (<= 0;
+      0 for certain tokens). Read only where ``mask`` is True.
+    mask: [..., n] bool, True for slots that hold a kept token.
+    scale: logit scale; default ``1/sqrt(d)``.
+    block_size: None computes all logits at once; an int sweeps the keys in
+      blocks with online-softmax rescaling (the kernel's algorithm).
+    range_mode: "exact" gives SPEC's ``b_hat``; "bound" a one-pass upper bound.
+
+  Returns:
+    OffsetAttentionResult(out, lse, var_hat, range_hat).
+
+  Raises:
+    ValueError/TypeError naming the argument for mismatched shapes or dtypes,
+    and (outside jit) for log_pi > 0 or NaN on a valid slot.
+  """
+  q, k, v, log_pi, mask = (jnp.asarray(x) for x in (q, k, v, log_pi, mask))
+  _check_shapes(q, k, v, log_pi, mask)
+  if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
+                                and scale > 0):
+    raise ValueError(f"scale must be a finite float > 0 or None, got {scale!r}")
+  lp = _checks.concrete_array(log_pi)
+  mk = _checks.concrete_array(mask)
+  if lp is not None and mk is not None:
+    lpb, mkb = np.broadcast_arrays(lp.astype(np.float64), mk)
+    lp_valid = lpb[mkb]
+    if lp_valid.size and not (lp_valid <= 0).all():
+      raise ValueError("log_pi must be <= 0 (a log probability) on every valid slot; "
+                       f"found max {lp_valid.max()} / NaN")
+  ref = reference.offset_attention_reference(
+      q, k, v, log_pi, mask, scale=scale, block_size=block_size, range_mode=range_mode)
+  out_dtype = jnp.result_type(q.dtype, v.dtype)
+  return OffsetAttentionResult(ref.out.astype(out_dtype), ref.lse, ref.var_hat, ref.range_hat)
+
+
+def attention_probs(q, k, log_pi, mask, *, scale: Optional[float] = None):
+  """Offset-attention probabilities ``p_i`` [..., n] (0 on invalid slots).
+
+  These are what the designs fold into their running importance statistics.
+  """
+  q, k, log_pi, mask = (jnp.asarray(x) for x in (q, k, log_pi, mask))
+  if scale is None:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+  l = reference.offset_logits(q, k, log_pi, mask, scale)
+  m = jnp.max(l, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  e = jnp.where(mask, jnp.exp(l - m), 0.0)
+  z = jnp.sum(e, axis=-1, keepdims=True)
+  return e / jnp.where(z > 0, z, 1.0)

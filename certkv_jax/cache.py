@@ -1,0 +1,191 @@
+"""The KV cache of one attention head: a fixed-capacity pytree.
+
+Written for one KV head; batch, heads and layers come from ``jax.vmap``.
+Slots are unordered (attention is permutation invariant): a token lives in a
+slot until it is evicted, and new tokens fill free slots. ``pos`` keeps each
+token's original position. Appending and evicting never change array shapes.
+
+Per-slot running importance statistics (what the designs score with) live here
+too, so that a slot's statistics move with its token:
+
+* ``acc``:  attention mass received from every query observed so far (H2O).
+* ``last``: attention of the most recent query (TOVA; ``pi ∝ a`` when the
+  query is known at eviction time).
+* ``obs``:  attention mass from observation-window queries only (SnapKV).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from certkv_jax import _checks
+
+Array = jax.Array
+
+
+class KVCache(NamedTuple):
+  """One head's cache. ``cap`` is the static capacity."""
+
+  k: Array  # [cap, d]   keys (zero in free slots)
+  v: Array  # [cap, dv]  values (zero in free slots)
+  log_pi: Array  # [cap] float32 cumulative log inclusion probability (0 = certain)
+  pos: Array  # [cap] int32 original token position (-1 in free slots)
+  valid: Array  # [cap] bool, slot holds a kept token
+  acc: Array  # [cap] float32 accumulated attention mass (H2O)
+  last: Array  # [cap] float32 attention of the latest query (TOVA)
+  obs: Array  # [cap] float32 attention mass of observation-window queries (SnapKV)
+  n_seen: Array  # [] int32 tokens appended so far (kept or not); next position
+  n_dropped: Array  # [] int32 tokens that found no free slot on append (should stay 0)
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[-2]
+
+  @property
+  def n_valid(self) -> Array:
+    return jnp.sum(self.valid, axis=-1).astype(jnp.int32)
+
+
+def init_cache(capacity: int, head_dim: int, value_dim: int | None = None,
+               dtype=jnp.float32) -> KVCache:
+  """An empty cache of ``capacity`` slots for one head."""
+  capacity = _checks.check_positive_int("capacity", capacity)
+  head_dim = _checks.check_positive_int("head_dim", head_dim)
+  value_dim = head_dim if value_dim is None else _checks.check_positive_int(
+      "value_dim", value_dim)
+  zeros = jnp.zeros((capacity,), jnp.float32)
+  return KVCache(
+      k=jnp.zeros((capacity, head_dim), dtype),
+      v=jnp.zeros((capacity, value_dim), dtype),
+      log_pi=zeros,
+      pos=jnp.full((capacity,), -1, jnp.int32),
+      valid=jnp.zeros((capacity,), bool),
+      acc=zeros,
+      last=zeros,
+      obs=zeros,
+      n_seen=jnp.zeros((), jnp.int32),
+      n_dropped=jnp.zeros((), jnp.int32),
+  )
+
+
+def append(cache: KVCache, k_new, v_new, new_valid=None) -> KVCache:
+  """Writes ``t`` new tokens into free slots.
+
+  Args:
+    cache: one head's cache.
+    k_new: [t, d] keys; v_new: [t, dv] values.
+    new_valid: optional [t] bool; False marks padding (ragged batches), which
+      takes neither a slot nor a position.
+
+  Returns:
+    The updated cache. Tokens are certain on arrival (``log_pi = 0``), with
+    zeroed statistics and positions ``n_seen, n_seen + 1, ...``. If there are
+    fewer free slots than new tokens the excess is not stored and is counted in
+    ``n_dropped``; outside ``jit`` that raises instead (size the capacity as
+    budget + chunk, and evict before appending).
+  """
+  cap = cache.capacity
+  k_new = jnp.asarray(k_new)
+  v_new = jnp.asarray(v_new)
+  if k_new.ndim != 2 or k_new.shape[-1] != cache.k.shape[-1]:
+    raise ValueError(f"k_new must be [t, {cache.k.shape[-1]}], got {k_new.shape}")
+  t = k_new.shape[0]
+  if v_new.shape != (t, cache.v.shape[-1]):
+    raise ValueError(f"v_new must be [{t}, {cache.v.shape[-1]}], got {v_new.shape}")
+  if new_valid is None:
+    new_valid = jnp.ones((t,), bool)
+  new_valid = jnp.asarray(new_valid)
+  if new_valid.shape != (t,) or new_valid.dtype != jnp.bool_:
+    raise ValueError(f"new_valid must be bool [{t}], got {new_valid.dtype} {new_valid.shape}")
+  rank_new = jnp.cumsum(new_valid) - 1  # j-th real token -> j
+  n_new = jnp.sum(new_valid).astype(jnp.int32)
+  free_slots = jnp.argsort(cache.valid, stable=True)  # free slots first, in slot order
+  n_free = cap - cache.n_valid
+  fits = new_valid & (rank_new < n_free)
+  idx = jnp.where(fits, free_slots[jnp.clip(rank_new, 0, cap - 1)], cap)  # cap = dropped
+  n_stored = jnp.sum(fits).astype(jnp.int32)
+  if _checks.is_concrete(n_new) and _checks.is_concrete(n_free) and int(n_new) > int(n_free):
+    raise ValueError(f"append of {int(n_new)} tokens needs free slots, but the cache "
+                     f"(capacity {cap}) has {int(n_free)}; evict first or raise capacity")
+  pos_new = cache.n_seen + rank_new.astype(jnp.int32)
+  z = jnp.zeros((t,), jnp.float32)
+  return cache._replace(
+      k=cache.k.at[idx].set(k_new.astype(cache.k.dtype), mode="drop"),
+      v=cache.v.at[idx].set(v_new.astype(cache.v.dtype), mode="drop"),
+      log_pi=cache.log_pi.at[idx].set(z, mode="drop"),
+      pos=cache.pos.at[idx].set(pos_new, mode="drop"),
+      valid=cache.valid.at[idx].set(True, mode="drop"),
+      acc=cache.acc.at[idx].set(z, mode="drop"),
+      last=cache.last.at[idx].set(z, mode="drop"),
+      obs=cache.obs.at[idx].set(z, mode="drop"),
+      n_seen=cache.n_seen + n_new,
+      n_dropped=cache.n_dropped + (n_new - n_stored),
+  )
+
+
+def observe(cache: KVCache, probs, *, observation: bool | Array = False) -> KVCache:
+  """Folds attention probabilities of new queries into the slot statistics.
+
+  Args:
+    cache: one KV head's cache.
+    probs: [cap], [q, cap] or [g, q, cap] attention probabilities over the
+      slots (``g`` query heads of a GQA group, averaged; ``q`` queries in order,
+      summed into ``acc``, the last one becomes ``last``).
+    observation: whether these queries belong to the observation window
+      (SnapKV); bool or traced bool scalar.
+
+  Returns:
+    The cache with ``acc``, ``last`` (and ``obs`` if observation) updated.
+  """
+  probs = jnp.asarray(probs, jnp.float32)
+  cap = cache.capacity
+  if probs.shape[-1] != cap or probs.ndim > 3:
+    raise ValueError(f"probs must be [cap], [q, cap] or [g, q, cap] with cap={cap}, "
+                     f"got {probs.shape}")
+  p = probs.reshape((1,) * (3 - probs.ndim) + probs.shape)
+  p = jnp.mean(p, axis=0)  # [q, cap], mean over the GQA group
+  p = jnp.where(cache.valid, p, 0.0)
+  mass = jnp.sum(p, axis=0)
+  obs_w = jnp.asarray(observation, jnp.float32)
+  return cache._replace(acc=cache.acc + mass, last=p[-1], obs=cache.obs + obs_w * mass)
+
+
+def reset_observation(cache: KVCache) -> KVCache:
+  """Clears the observation-window statistic (e.g. when a new question starts)."""
+  return cache._replace(obs=jnp.zeros_like(cache.obs))
+
+
+def keep_only(cache: KVCache, keep, log_pi_round) -> KVCache:
+  """Keeps the slots in ``keep`` and adds ``log_pi_round`` to their offsets.
+
+  Evicted slots are zeroed (keys, values, statistics), so that the retained
+  state holds no trace of the evicted tokens.
+
+  Args:
+    keep: [cap] bool (must be a subset of ``valid``).
+    log_pi_round: [cap] float32 log inclusion probability of this round (0 for
+      certain tokens).
+  """
+  keep = keep & cache.valid
+  f0 = jnp.zeros_like(cache.log_pi)
+  return cache._replace(
+      k=jnp.where(keep[:, None], cache.k, jnp.zeros_like(cache.k)),
+      v=jnp.where(keep[:, None], cache.v, jnp.zeros_like(cache.v)),
+      log_pi=jnp.where(keep, cache.log_pi + log_pi_round, f0),
+      pos=jnp.where(keep, cache.pos, -1),
+      valid=keep,
+      acc=jnp.where(keep, cache.acc, f0),
+      last=jnp.where(keep, cache.last, f0),
+      obs=jnp.where(keep, cache.obs, f0),
+  )
+
+
+def cache_bytes(cache: KVCache) -> dict:
+  """Bytes of the key/value payload and of the per-slot metadata."""
+  kv = cache.k.nbytes + cache.v.nbytes
+  meta = sum(x.nbytes for x in (cache.log_pi, cache.pos, cache.valid, cache.acc,
+                                cache.last, cache.obs, cache.n_seen, cache.n_dropped))
+  return {"kv": int(kv), "metadata": int(meta)}

@@ -1,0 +1,164 @@
+"""The per-call error certificate of SPEC section 5 and its aggregation.
+
+For one attention call with variance estimate ``V_hat`` and range ``b_hat``
+(fields ``var_hat`` and ``range_hat`` of an ``OffsetAttentionResult``)::
+
+    L = log(2 / delta)
+    r = sqrt(2 V_hat L) + (2/3) b_hat L        ("bernstein", the default)
+
+the empirical-Bernstein form of the vector Bernstein inequality (Pinelis): the
+error ``e = o_hat - o`` is, to first order, a sum of independent zero-mean
+vectors ``(I_i/pi_i - 1) a_i (v_i - o) / N`` with total variance ``V`` and
+terms bounded by ``b``. The alternative ``"chebyshev"`` form,
+``r = sqrt(V_hat / delta)``, uses only the variance (Markov on ``||e||^2``);
+it is wider at small delta and needs no range term. Both are approximate: they
+plug in estimates of ``V`` and ``b``, and the linearisation ignores the Hajek
+ratio's second-order terms.
+
+Everything here is elementwise or a reduction over given axes, so radii for
+all heads and layers come from ``jax.vmap`` of the attention call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from certkv_jax import _checks
+
+Array = jax.Array
+
+FORMS = ("bernstein", "chebyshev")
+
+
+def _check_delta(delta):
+  if isinstance(delta, (int, float)) and not isinstance(delta, bool):
+    if not (0.0 < delta < 1.0) or not math.isfinite(delta):
+      raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+  else:
+    _checks.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+
+
+def radius_from_stats(var_hat, range_hat, delta, form: str = "bernstein") -> Array:
+  """Radius from the statistics; ``delta`` is a scalar or broadcasts against them."""
+  _check_delta(delta)
+  if form not in FORMS:
+    raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+  var_hat = jnp.asarray(var_hat, jnp.float32)
+  delta = jnp.asarray(delta, jnp.float32)
+  if form == "chebyshev":
+    return jnp.sqrt(var_hat / delta)
+  log_term = jnp.log(2.0 / delta)
+  return jnp.sqrt(2.0 * var_hat * log_term) + (2.0 / 3.0) * jnp.asarray(
+      range_hat, jnp.float32) * log_term
+
+
+def certificate_radius(result, delta, form: str = "bernstein") -> Array:
+  """Radius ``r`` with ``P(||o_hat - o|| <= r) >= 1 - delta`` (approximately).
+
+  Args:
+    result: an ``OffsetAttentionResult`` (anything with ``var_hat`` and
+      ``range_hat``), any leading shape.
+    delta: miss probability in (0, 1): a float, or an array broadcasting
+      against the result (e.g. :func:`anytime_delta` per step).
+    form: "bernstein" (SPEC section 5) or "chebyshev".
+
+  Returns:
+    float32 radius with the result's leading shape.
+  """
+  return radius_from_stats(result.var_hat, result.range_hat, delta, form)
+
+
+def anytime_delta(delta: float, step) -> Array:
+  """``delta_t = delta / (t (t + 1))`` for steps ``t = 1, 2, ...``.
+
+  Since ``sum_t 1/(t(t+1)) = 1``, radii built with ``delta_t`` hold for every
+  step simultaneously with probability ``>= 1 - delta`` (a union bound: a
+  confidence sequence over decode steps).
+  """
+  _check_delta(delta)
+  step = jnp.asarray(step)
+  s = _checks.concrete_array(step)
+  if s is not None and (s < 1).any():
+    raise ValueError(f"step must be >= 1 (1-based decode step), got min {s.min()}")
+  t = step.astype(jnp.float32)
+  return delta / (t * (t + 1.0))
+
+
+def aggregate(radii, axis=None, how: str = "sum", mask=None) -> Array:
+  """Aggregates radii over heads/layers: "sum" (a bound on the summed error
+  norms, by the triangle inequality and a union bound at delta/#calls) or "max".
+
+  Args:
+    radii: array of radii.
+    axis: axes to reduce (default all).
+    how: "sum" or "max".
+    mask: optional bool array like ``radii``; only True entries count.
+  """
+  if how not in ("sum", "max"):
+    raise ValueError(f"how must be 'sum' or 'max', got {how!r}")
+  radii = jnp.asarray(radii, jnp.float32)
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    if mask.shape != radii.shape:
+      raise ValueError(f"mask shape {mask.shape} must equal radii shape {radii.shape}")
+    radii = jnp.where(mask, radii, 0.0)
+  if how == "sum":
+    return jnp.sum(radii, axis=axis)
+  return jnp.max(radii, axis=axis)
+
+
+def subsample_mask(key, shape, n_keep: int) -> Array:
+  """A uniformly random set of ``n_keep`` calls (e.g. (layer, head) pairs).
+
+  Computing certificates only there makes them cheaper; ``subsampled_sum``
+  turns the subsample into an unbiased estimate of the full sum.
+  """
+  shape = tuple(shape)
+  total = math.prod(shape)
+  _checks.check_positive_int("n_keep", n_keep)
+  if n_keep > total:
+    raise ValueError(f"n_keep must be <= {total} (the number of calls), got {n_keep}")
+  prio = jax.random.uniform(key, (total,))
+  order = jnp.argsort(prio)
+  chosen = jnp.zeros((total,), bool).at[order[:n_keep]].set(True)
+  return chosen.reshape(shape)
+
+
+def subsampled_sum(radii, mask) -> Array:
+  """Horvitz-Thompson estimate ``(total / n_keep) * sum_{mask} radii`` of the
+  full sum over all entries (simple random sampling without replacement)."""
+  radii = jnp.asarray(radii, jnp.float32)
+  mask = jnp.asarray(mask)
+  if mask.shape != radii.shape:
+    raise ValueError(f"mask shape {mask.shape} must equal radii shape {radii.shape}")
+  n_keep = jnp.sum(mask)
+  return radii.size / jnp.maximum(n_keep, 1) * jnp.sum(jnp.where(mask, radii, 0.0))
+
+
+def moving_window(per_step, window: int = 6, how: str = "mean") -> Array:
+  """Causal moving window over decode steps (axis 0): step t sees steps
+  ``max(0, t - window + 1) .. t`` (the paper uses 6 steps).
+
+  Args:
+    per_step: [T, ...] per-step scores.
+    window: window length >= 1.
+    how: "mean", "sum" or "max".
+  """
+  _checks.check_positive_int("window", window)
+  if how not in ("mean", "sum", "max"):
+    raise ValueError(f"how must be 'mean', 'sum' or 'max', got {how!r}")
+  x = jnp.asarray(per_step, jnp.float32)
+  steps = x.shape[0]
+  t = jnp.arange(steps)
+  in_win = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)  # [T, T]
+  w = in_win.reshape(in_win.shape + (1,) * (x.ndim - 1))
+  if how == "max":
+    return jnp.max(jnp.where(w, x[None], -jnp.inf), axis=1)
+  total = jnp.sum(jnp.where(w, x[None], 0.0), axis=1)
+  if how == "sum":
+    return total
+  count = jnp.sum(in_win, axis=1).reshape((steps,) + (1,) * (x.ndim - 1))
+  return total / count

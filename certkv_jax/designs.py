@@ -1,0 +1,423 @@
+"""Eviction designs: a certainty set composed with a tail rule, under a budget.
+
+A design is a frozen dataclass of hyperparameters with three pure functions,
+in the optax style (``init``/``update`` there, ``init``/``update``/``evict``
+here)::
+
+    state = design.init(cache)
+    cache, state = design.update(cache, state, probs)        # fold in a query
+    cache, state, info = design.evict(cache, state, key)     # down to budget
+
+It is a static pytree (no array leaves), so it can be passed as an argument to
+``jax.jit``; everything that varies at run time lives in the cache and state.
+Designs work on one KV head's cache; ``jax.vmap`` lifts them over heads,
+batch and layers (split the PRNG key per head).
+
+Composition (like ``optax.chain``): ``compose(certain, tail, budget)`` keeps
+the certainty set ``H`` (sinks, recent window, heavy hitters) and lets a tail
+rule choose among the rest ``T`` for the remaining slots. Deterministic tail
+rules (:class:`TopK`) keep the highest scores; :class:`UniformTail` keeps a
+uniformly random subset with no offset (an ablation); :class:`PoissonTail` is
+SPEC section 3's randomized design with Hajek offsets.
+
+Budget: ``int`` = tokens kept after eviction; ``float`` in (0, 1] = fraction of
+the tokens seen so far, ``floor(fraction * n_seen)`` (kvpress's convention).
+Eviction triggers only when more tokens are valid than the budget allows.
+Every design fills at most ``budget`` slots; :class:`PoissonTail` reserves its
+tail slots for a random count (see ``sampling.expected_tail_count``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from certkv_jax import _checks
+from certkv_jax import cache as cache_lib
+from certkv_jax import sampling
+from certkv_jax import scores
+from certkv_jax.cache import KVCache
+
+Array = jax.Array
+
+
+# --------------------------------------------------------------------------- budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """Tokens kept after eviction: a count, or a fraction of the tokens seen."""
+
+  tokens: Optional[int] = None
+  fraction: Optional[float] = None
+
+  def __post_init__(self):
+    if (self.tokens is None) == (self.fraction is None):
+      raise ValueError("budget needs exactly one of tokens or fraction")
+    if self.tokens is not None:
+      _checks.check_positive_int("budget", self.tokens)
+    else:
+      f = self.fraction
+      if isinstance(f, bool) or not isinstance(f, float) or not (0.0 < f <= 1.0):
+        raise ValueError(f"budget as a fraction must be a float in (0, 1], got {f!r}")
+
+  def target(self, cache: KVCache) -> Array:
+    """int32 [] number of tokens to keep."""
+    if self.tokens is not None:
+      return jnp.asarray(self.tokens, jnp.int32)
+    # floor(f * n) with a relative guard against float32 rounding (0.3 * 10).
+    n = cache.n_seen.astype(jnp.float32)
+    return jnp.floor(self.fraction * n * (1.0 + 1e-6)).astype(jnp.int32)
+
+
+def as_budget(budget: Union[int, float, Budget]) -> Budget:
+  """Reads a budget: int = tokens (>= 1), float in (0, 1] = fraction."""
+  if isinstance(budget, Budget):
+    return budget
+  if isinstance(budget, bool):
+    raise TypeError(f"budget must be an int token count or a float fraction, got {budget!r}")
+  if isinstance(budget, int):
+    return Budget(tokens=budget)
+  if isinstance(budget, float):
+    return Budget(fraction=budget)
+  raise TypeError(f"budget must be an int token count or a float fraction in (0, 1], "
+                  f"got {budget!r}")
+
+
+# --------------------------------------------------------------------------- certainty set
+
+
+@dataclasses.dataclass(frozen=True)
+class CertaintySet:
+  """Tokens kept with probability 1: sinks, recent window, heavy hitters.
+
+  Attributes:
+    n_sink: tokens at positions ``< n_sink`` (attention sinks).
+    window: the ``window`` most recent positions (``>= n_seen - window``).
+    heavy: the ``heavy`` highest ``heavy_score`` among the rest.
+    heavy_score: score for the heavy hitters (default accumulated attention).
+  """
+
+  n_sink: int = 0
+  window: int = 0
+  heavy: int = 0
+  heavy_score: object = scores.AccumulatedAttention()
+
+  def __post_init__(self):
+    for name in ("n_sink", "window", "heavy"):
+      _checks.check_nonneg_int(name, getattr(self, name))
+
+  @property
+  def size(self) -> int:
+    """Upper bound on the number of certain tokens."""
+    return self.n_sink + self.window + self.heavy
+
+  def __call__(self, cache: KVCache) -> Array:
+    valid = cache.valid
+    sink = valid & (cache.pos < self.n_sink)
+    recent = valid & (cache.pos >= cache.n_seen - self.window)
+    base = sink | recent
+    if self.heavy == 0:
+      return base
+    s = jnp.where(valid & ~base, self.heavy_score(cache), -jnp.inf)
+    heavy = (_rank_desc(s) < self.heavy) & valid & ~base
+    return base | heavy
+
+
+def _rank_desc(score) -> Array:
+  """Rank of each entry in descending order (0 = largest; ties by slot index)."""
+  order = jnp.argsort(-score, stable=True)
+  return jnp.zeros(score.shape, jnp.int32).at[order].set(
+      jnp.arange(score.shape[-1], dtype=jnp.int32))
+
+
+# --------------------------------------------------------------------------- tail rules
+
+
+class TailChoice(NamedTuple):
+  keep: Array  # [cap] bool, kept tail tokens
+  log_pi: Array  # [cap] float32, log inclusion probability applied as offset (0 = none)
+  pi: Array  # [cap] float32, this round's inclusion probability of each tail token
+  m: Array  # [] float32, expected number of kept tail tokens
+  n_redraws: Array  # [] int32
+  n_dropped: Array  # [] int32
+
+
+def _no_random(keep, pi, m):
+  zero = jnp.zeros((), jnp.int32)
+  return TailChoice(keep, jnp.zeros(keep.shape, jnp.float32), pi, m, zero, zero)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK:
+  """Deterministic: keep the ``slots`` tail tokens with the highest score."""
+
+  score: object = scores.AccumulatedAttention()
+  randomized = False
+
+  def select(self, cache, tail, slots, key) -> TailChoice:
+    del key
+    s = jnp.where(tail, self.score(cache).astype(jnp.float32), -jnp.inf)
+    keep = tail & (_rank_desc(s) < slots)
+    return _no_random(keep, keep.astype(jnp.float32), jnp.sum(keep).astype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformTail:
+  """Ablation: a uniformly random ``slots``-subset of the tail, no offset."""
+
+  randomized = True
+
+  def select(self, cache, tail, slots, key) -> TailChoice:
+    del cache
+    prio = jnp.where(tail, jax.random.uniform(key, tail.shape), -jnp.inf)
+    keep = tail & (_rank_desc(prio) < slots)
+    n_tail = jnp.sum(tail)
+    frac = jnp.minimum(slots, n_tail) / jnp.maximum(n_tail, 1)
+    return _no_random(keep, jnp.where(tail, frac, 0.0).astype(jnp.float32),
+                      jnp.sum(keep).astype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class PoissonTail:
+  """SPEC section 3: Poisson sampling of the tail with Hajek offsets.
+
+  ``pi_i = clip(m score_i / sum_T score, eps, 1)`` (Eq. 2, clipped mass moved
+  to H), each tail token kept independently with probability ``pi_i``, and a
+  kept token's cache offset decreases by ``log pi_i`` (cumulative across
+  rounds). ``m`` is the largest expected count whose overflow probability of
+  the available tail slots is <= ``overflow_prob`` (Chernoff bound);
+  overflowing draws are redrawn up to ``max_redraws`` times.
+
+  Attributes:
+    score: non-negative importance score (default accumulated attention;
+      ``scores.CurrentAttention()`` gives ``pi ∝ a``).
+    eps: probability floor in (0, 1].
+    overflow_prob: per-draw overflow bound in (0, 1).
+    max_redraws: redraws after an overflow (>= 0).
+  """
+
+  score: object = scores.AccumulatedAttention()
+  eps: float = 1e-6
+  overflow_prob: float = 1e-3
+  max_redraws: int = 3
+  randomized = True
+
+  def __post_init__(self):
+    sampling.check_eps(self.eps)
+    if not (isinstance(self.overflow_prob, float) and 0.0 < self.overflow_prob < 1.0):
+      raise ValueError(f"overflow_prob must be a float in (0, 1), got {self.overflow_prob!r}")
+    _checks.check_nonneg_int("max_redraws", self.max_redraws)
+
+  def select(self, cache, tail, slots, key) -> TailChoice:
+    s = self.score(cache).astype(jnp.float32)
+    s_tail = jnp.where(tail, s, 0.0)
+    s_conc = _checks.concrete_array(s_tail)
+    if s_conc is not None:
+      _checks.check_finite("score", s_conc)
+      if (s_conc < 0).any():
+        raise ValueError(f"PoissonTail needs a non-negative score; {self.score} gave "
+                         f"min {s_conc.min()} on the tail")
+    n_tail = jnp.sum(tail).astype(jnp.float32)
+    m = jnp.minimum(sampling.expected_tail_count(slots, self.overflow_prob), n_tail)
+    m_pos = jnp.maximum(m, 1e-30)
+    pi = sampling._solve(s_tail, m_pos, self.eps, tail)  # pylint: disable=protected-access
+    pi = jnp.where(m > 0, pi, 0.0)
+    draw = sampling.poisson_draw(key, pi, tail, slots, self.max_redraws)
+    log_pi = jnp.where(draw.keep, jnp.log(jnp.where(draw.keep, pi, 1.0)), 0.0)
+    return TailChoice(draw.keep, log_pi, pi, m, draw.n_redraws, draw.n_dropped)
+
+
+# --------------------------------------------------------------------------- the design
+
+
+class DesignState(NamedTuple):
+  rounds: Array  # [] int32 eviction rounds that evicted something
+  n_redraws: Array  # [] int32 total Poisson redraws after an overflow
+  n_dropped: Array  # [] int32 tokens dropped by the overflow fallback (expected 0)
+  n_over_budget: Array  # [] int32 rounds whose certainty set alone exceeded the budget
+
+
+class EvictionInfo(NamedTuple):
+  """What one ``evict`` call did (per slot, before compaction)."""
+
+  kept: Array  # [cap] bool, kept after this round
+  evicted: Array  # [cap] bool, valid before and removed now
+  certain: Array  # [cap] bool, in the certainty set H this round
+  pi: Array  # [cap] float32 this round's inclusion probability (1 = certain; 0 if invalid)
+  m: Array  # [] float32 expected kept tail count
+  n_tail: Array  # [] int32 size of the tail T
+  target: Array  # [] int32 budget in tokens
+  triggered: Array  # [] bool, whether eviction happened
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionDesign:
+  """A certainty set composed with a tail rule under a budget (static pytree)."""
+
+  name: str
+  certain: CertaintySet
+  tail: object
+  budget: Budget
+
+  @property
+  def randomized(self) -> bool:
+    return bool(self.tail.randomized)
+
+  @property
+  def hparams(self) -> dict:
+    return {"name": self.name, "budget": self.budget, "certain": self.certain,
+            "tail": self.tail}
+
+  def init(self, cache: KVCache) -> DesignState:
+    """Checks the cache against the design and returns a fresh state."""
+    cap = cache.capacity
+    if cap < self.certain.size:
+      raise ValueError(f"capacity {cap} is smaller than the certainty set of design "
+                       f"{self.name!r} (n_sink + window + heavy = {self.certain.size})")
+    if self.budget.tokens is not None and self.budget.tokens > cap:
+      raise ValueError(f"budget ({self.budget.tokens} tokens) exceeds the cache capacity "
+                       f"({cap}); use capacity >= budget + tokens appended between evictions")
+    z = jnp.zeros((), jnp.int32)
+    return DesignState(rounds=z, n_redraws=z, n_dropped=z, n_over_budget=z)
+
+  def update(self, cache: KVCache, state: DesignState, probs, *,
+             observation=False) -> tuple[KVCache, DesignState]:
+    """Folds the attention probabilities of new queries into the cache statistics.
+
+    Args:
+      probs: [cap], [q, cap] or [g, q, cap] probabilities over the slots.
+      observation: True for observation-window queries (SnapKV).
+    """
+    return cache_lib.observe(cache, probs, observation=observation), state
+
+  def evict(self, cache: KVCache, state: DesignState, key) -> tuple[KVCache, DesignState,
+                                                                    EvictionInfo]:
+    """Evicts down to the budget (a no-op when the cache is within budget)."""
+    valid = cache.valid
+    target = self.budget.target(cache)
+    triggered = cache.n_valid > target
+    certain = self.certain(cache) & valid
+    n_certain = jnp.sum(certain).astype(jnp.int32)
+    slots = jnp.maximum(target - n_certain, 0)
+    tail = valid & ~certain
+    choice = self.tail.select(cache, tail, slots, key)
+    keep = jnp.where(triggered, certain | choice.keep, valid)
+    round_log_pi = jnp.where(triggered, choice.log_pi, 0.0)
+    new_cache = cache_lib.keep_only(cache, keep, round_log_pi)
+    pi = jnp.where(certain, 1.0, choice.pi)
+    pi = jnp.where(triggered, pi, 1.0)
+    info = EvictionInfo(
+        kept=keep,
+        evicted=valid & ~keep,
+        certain=jnp.where(triggered, certain, valid),
+        pi=jnp.where(valid, pi, 0.0).astype(jnp.float32),
+        m=jnp.where(triggered, choice.m, 0.0),
+        n_tail=jnp.where(triggered, jnp.sum(tail), 0).astype(jnp.int32),
+        target=target,
+        triggered=triggered,
+    )
+    t = triggered.astype(jnp.int32)
+    new_state = DesignState(
+        rounds=state.rounds + t,
+        n_redraws=state.n_redraws + t * choice.n_redraws,
+        n_dropped=state.n_dropped + t * choice.n_dropped,
+        n_over_budget=state.n_over_budget + t * (n_certain > target).astype(jnp.int32),
+    )
+    return new_cache, new_state, info
+
+
+jax.tree_util.register_static(EvictionDesign)
+
+
+def _check_budget_vs_certain(budget: Budget, certain: CertaintySet, name: str):
+  if budget.tokens is not None and budget.tokens < certain.size:
+    raise ValueError(f"budget ({budget.tokens} tokens) is smaller than the certainty set of "
+                     f"{name!r} (n_sink + window + heavy = {certain.size})")
+
+
+def compose(certain: CertaintySet, tail, budget, name: str = "custom") -> EvictionDesign:
+  """A design from a certainty set, a tail rule and a budget."""
+  budget = as_budget(budget)
+  if not isinstance(certain, CertaintySet):
+    raise TypeError(f"certain must be a CertaintySet, got {type(certain).__name__}")
+  if not hasattr(tail, "select"):
+    raise TypeError(f"tail must be a tail rule (TopK, UniformTail, PoissonTail), got {tail!r}")
+  _check_budget_vs_certain(budget, certain, name)
+  return EvictionDesign(name=name, certain=certain, tail=tail, budget=budget)
+
+
+# --------------------------------------------------------------------------- factories
+
+
+def _maybe_value_aware(score, value_aware: bool):
+  return scores.ValueAware(score) if value_aware else score
+
+
+def sink_window(budget, n_sink: int = 4) -> EvictionDesign:
+  """StreamingLLM: the first ``n_sink`` tokens plus the most recent ones."""
+  return compose(CertaintySet(n_sink=n_sink), TopK(scores.Recency()), budget, "sink_window")
+
+
+def top_k(budget, score, n_sink: int = 0, window: int = 0, value_aware: bool = False,
+          name: str = "top_k") -> EvictionDesign:
+  """Sinks + recent window + the highest-scoring tokens (deterministic)."""
+  return compose(CertaintySet(n_sink=n_sink, window=window),
+                 TopK(_maybe_value_aware(score, value_aware)), budget, name)
+
+
+def h2o(budget, n_sink: int = 0, window: int = 0, value_aware: bool = False):
+  """H2O: accumulated attention mass (heavy hitters) + recent window."""
+  return top_k(budget, scores.AccumulatedAttention(), n_sink, window, value_aware, "h2o")
+
+
+def tova(budget, n_sink: int = 0, window: int = 0, value_aware: bool = False):
+  """TOVA: attention of the current query."""
+  return top_k(budget, scores.CurrentAttention(), n_sink, window, value_aware, "tova")
+
+
+def snapkv(budget, window: int = 64, pool_size: int = 5, n_sink: int = 0,
+           value_aware: bool = False):
+  """SnapKV (question-aware): observation-window attention, pooled; the window
+  itself is kept."""
+  return top_k(budget, scores.WindowAttention(pool_size), n_sink, window, value_aware, "snapkv")
+
+
+def key_norm(budget, n_sink: int = 0, window: int = 0, value_aware: bool = False):
+  """Knorm: keep the keys with the smallest L2 norm."""
+  return top_k(budget, scores.KeyNorm(), n_sink, window, value_aware, "key_norm")
+
+
+def uniform_random(budget, n_sink: int = 0, window: int = 0) -> EvictionDesign:
+  """Ablation: uniform random tail with no Hajek offset (biased on purpose)."""
+  return compose(CertaintySet(n_sink=n_sink, window=window), UniformTail(), budget,
+                 "uniform_random")
+
+
+def poisson_tail(budget, score=scores.AccumulatedAttention(), n_sink: int = 0,
+                 window: int = 0, heavy: int = 0, heavy_score=scores.AccumulatedAttention(),
+                 eps: float = 1e-6, overflow_prob: float = 1e-3, max_redraws: int = 3,
+                 name: str = "poisson_tail") -> EvictionDesign:
+  """SPEC section 3: certainty set + Poisson-sampled tail with Hajek offsets."""
+  return compose(
+      CertaintySet(n_sink=n_sink, window=window, heavy=heavy, heavy_score=heavy_score),
+      PoissonTail(score=score, eps=eps, overflow_prob=overflow_prob, max_redraws=max_redraws),
+      budget, name)
+
+
+def attention_proportional(budget, n_sink: int = 0, window: int = 0, heavy: int = 0,
+                           eps: float = 1e-6, overflow_prob: float = 1e-3,
+                           max_redraws: int = 3) -> EvictionDesign:
+  """SPEC section 6's ``pi ∝ a`` variant: tail probabilities proportional to the
+  attention of the current query (known at eviction time in question-aware
+  eviction), for which Assumption 2 holds by construction."""
+  return poisson_tail(budget, scores.CurrentAttention(), n_sink, window, heavy,
+                      scores.AccumulatedAttention(), eps, overflow_prob, max_redraws,
+                      "attention_proportional")
+
+
+DETERMINISTIC = ("sink_window", "h2o", "tova", "snapkv", "key_norm")
+RANDOMIZED = ("uniform_random", "poisson_tail", "attention_proportional")

@@ -1,0 +1,229 @@
+"""Poisson sampling of the tail: Eq. 2 inclusion probabilities and capacity.
+
+* :func:`inclusion_probabilities` solves Eq. 2 of SPEC section 3,
+  ``pi_i = clip(c * score_i, eps, 1)`` with ``c`` chosen so that
+  ``sum_T pi_i = m`` exactly: tokens whose ``c * score_i`` reaches 1 become
+  certain (``pi_i = 1``, mass moved into H) and the rest are renormalised.
+* :func:`expected_tail_count` is the capacity rule. Fixed-shape buffers hold
+  ``slots`` tail tokens; a Poisson draw keeps a random number ``X`` of them with
+  ``E[X] = m``. We choose the largest ``m`` for which the Chernoff bound of a sum
+  of independent Bernoullis, ``P(X >= c) <= exp(-m) (e m / c)^c`` with
+  ``c = slots + 1``, is at most ``overflow_prob``. (The Bernoulli moment
+  generating function is dominated by the Poisson one, so the bound holds for
+  any ``pi``; tokens promoted to ``pi = 1`` only tighten it.)
+* :func:`poisson_draw` draws the sample. If a draw would overflow, it is
+  redrawn (up to ``max_redraws`` times with fresh randomness): the kept set is
+  then the Poisson sample conditioned on fitting, whose inclusion
+  probabilities differ from ``pi`` by a relative factor within about
+  ``overflow_prob / (1 - overflow_prob)`` (the conditioning event has
+  probability >= 1 - overflow_prob). If every draw overflows (probability
+  <= ``overflow_prob ** (max_redraws + 1)``), the slots with the highest
+  priority (certain first, then random order) are kept and the number of
+  dropped tokens is returned so the caller can account for it; nothing is
+  dropped silently.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from certkv_jax import _checks
+
+Array = jax.Array
+
+_BISECT_ITERS = 64
+
+
+def check_eps(eps) -> float:
+  if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 < eps <= 1.0):
+    raise ValueError(f"eps must be a float in (0, 1], got {eps!r}")
+  return float(eps)
+
+
+def inclusion_probabilities(score, m, eps: float = 1e-6, mask=None) -> Array:
+  """Eq. 2 inclusion probabilities with floor and redistributed clipped mass.
+
+  Args:
+    score: [..., n] non-negative, finite importance scores of the tail tokens.
+    m: scalar or [...] expected number of kept tail tokens (> 0).
+    eps: floor of the inclusion probability, in (0, 1].
+    mask: [..., n] bool, True for tokens of the tail T (default: all).
+
+  Returns:
+    pi: [..., n] float32 with ``pi = 0`` off the mask, ``eps <= pi <= 1`` on it
+    and ``sum_T pi = m`` (to float32 rounding). Edge cases, each documented
+    rather than repaired: ``m >= |T|`` gives ``pi = 1`` on all of T; if the
+    positive scores cannot carry ``m`` (``m > #positive + eps #zero``), positive
+    scores get 1 and zero scores share the rest equally; under ``jit`` an
+    ``m < eps |T|`` (rejected eagerly) gives the uniform ``m / |T|``.
+
+  Raises:
+    ValueError naming ``score``, ``m``, ``eps`` or ``mask`` for bad input
+    (value checks run outside ``jit``).
+  """
+  eps = check_eps(eps)
+  score = jnp.asarray(score)
+  if score.ndim < 1:
+    raise ValueError(f"score must have at least 1 dim [..., n], got shape {score.shape}")
+  if not jnp.issubdtype(score.dtype, jnp.floating):
+    raise TypeError(f"score must be floating, got {score.dtype}")
+  if mask is None:
+    mask = jnp.ones(score.shape, bool)
+  mask = jnp.asarray(mask)
+  if mask.dtype != jnp.bool_:
+    raise TypeError(f"mask must be bool, got {mask.dtype}")
+  if mask.shape != score.shape:
+    raise ValueError(f"mask shape {mask.shape} must equal score shape {score.shape}")
+  m = jnp.asarray(m, jnp.float32)
+  try:
+    jnp.broadcast_shapes(m.shape, score.shape[:-1])
+  except ValueError as err:
+    raise ValueError(f"m shape {m.shape} must broadcast against score's leading "
+                     f"dims {score.shape[:-1]}") from err
+  s_np, mask_np, m_np = (_checks.concrete_array(x) for x in (score, mask, m))
+  if s_np is not None and mask_np is not None:
+    vals = s_np.astype("float64")[mask_np]
+    _checks.check_finite("score", vals)
+    if vals.size and (vals < 0).any():
+      raise ValueError(f"score must be >= 0 on the tail, found min {vals.min()}")
+  if m_np is not None:
+    _checks.check_in_range("m", m_np, 0.0, math.inf, lo_open=True, hi_open=True)
+    if mask_np is not None:
+      n_t = mask_np.sum(axis=-1)
+      if (m_np < eps * n_t - 1e-6 * n_t).any():
+        raise ValueError(
+            f"m must be >= eps * n_tail (the floor alone keeps eps * n_tail tokens in "
+            f"expectation); got m={m_np}, eps={eps}, n_tail={n_t}")
+  return _solve(score.astype(jnp.float32), m, eps, mask)
+
+
+def _solve(score, m, eps, mask):
+  s = jnp.where(mask, score, 0.0)
+  m = jnp.broadcast_to(m, s.shape[:-1])
+  n_t = jnp.sum(mask, axis=-1).astype(jnp.float32)
+  pos = mask & (s > 0)
+  n_pos = jnp.sum(pos, axis=-1).astype(jnp.float32)
+  n_zero = n_t - n_pos
+  s_max = jnp.max(s, axis=-1)
+  s_min = jnp.min(jnp.where(pos, s, jnp.inf), axis=-1)
+  s_max_safe = jnp.where(s_max > 0, s_max, 1.0)
+  s_min_safe = jnp.where(jnp.isfinite(s_min), s_min, 1.0)
+  # Bisection for log c on f(c) = sum_T clip(c s_i, eps, 1), non-decreasing.
+  lo = jnp.log(eps) - jnp.log(s_max_safe) - 1.0  # every token at the floor
+  hi = -jnp.log(s_min_safe) + 1.0  # every positive token capped at 1
+
+  def f(log_c):
+    return jnp.sum(jnp.where(mask, jnp.clip(jnp.exp(log_c)[..., None] * s, eps, 1.0), 0.0),
+                   axis=-1)
+
+  def body(_, lohi):
+    lo, hi = lohi
+    mid = 0.5 * (lo + hi)
+    below = f(mid) < m
+    return jnp.where(below, mid, lo), jnp.where(below, hi, mid)
+
+  lo, hi = jax.lax.fori_loop(0, _BISECT_ITERS, body, (lo, hi))
+  c = jnp.exp(0.5 * (lo + hi))[..., None]
+  cs = c * s
+  capped = pos & (cs >= 1.0)
+  floored = mask & (cs <= eps)
+  middle = mask & ~capped & ~floored
+  n_cap = jnp.sum(capped, axis=-1)
+  n_floor = jnp.sum(floored, axis=-1)
+  mid_mass = jnp.sum(jnp.where(middle, s, 0.0), axis=-1)
+  # Closed form on the identified sets makes sum_T pi = m up to rounding.
+  c_star = (m - n_cap - eps * n_floor) / jnp.where(mid_mass > 0, mid_mass, 1.0)
+  # Rounding at the set boundaries can put c* s a hair outside [eps, 1].
+  pi_mid = jnp.clip(c_star[..., None] * s, eps, 1.0)
+  pi = jnp.where(capped, 1.0, jnp.where(floored, eps, pi_mid))
+
+  all_in = (m >= n_t)[..., None]
+  short = (m > n_pos + eps * n_zero)[..., None]  # positive scores cannot carry m
+  share = ((m - n_pos) / jnp.where(n_zero > 0, n_zero, 1.0))[..., None]
+  below_floor = (m < eps * n_t)[..., None]
+  uniform = (m / jnp.where(n_t > 0, n_t, 1.0))[..., None]
+  pi = jnp.where(short, jnp.where(pos, 1.0, share), pi)
+  pi = jnp.where(below_floor, uniform, pi)
+  pi = jnp.where(all_in, 1.0, pi)
+  return jnp.where(mask, pi, 0.0).astype(jnp.float32)
+
+
+def overflow_bound(m, slots) -> Array:
+  """Chernoff bound on ``P(X > slots)`` for ``X`` a sum of Bernoullis with mean ``m``."""
+  m = jnp.asarray(m, jnp.float32)
+  c = jnp.asarray(slots, jnp.float32) + 1.0
+  m_safe = jnp.maximum(m, 1e-30)
+  log_b = -m_safe + c * (1.0 + jnp.log(m_safe) - jnp.log(c))
+  return jnp.where(m >= c, 1.0, jnp.minimum(jnp.exp(log_b), 1.0))
+
+
+def expected_tail_count(slots, overflow_prob: float) -> Array:
+  """Largest ``m`` whose Chernoff overflow bound for ``slots`` is <= overflow_prob.
+
+  Args:
+    slots: int or int array, tail slots available (>= 0).
+    overflow_prob: target bound on the per-draw overflow probability, in (0, 1).
+
+  Returns:
+    float32 ``m`` (0 when ``slots == 0``).
+  """
+  if not (isinstance(overflow_prob, float) and 0.0 < overflow_prob < 1.0):
+    raise ValueError(f"overflow_prob must be a float in (0, 1), got {overflow_prob!r}")
+  slots = jnp.asarray(slots, jnp.float32)
+  log_p = math.log(overflow_prob)
+  c = slots + 1.0
+
+  def g(m):  # log of the bound minus log_p; increasing in m on (0, c)
+    return -m + c * (1.0 + jnp.log(jnp.maximum(m, 1e-30)) - jnp.log(c)) - log_p
+
+  def body(_, lohi):
+    lo, hi = lohi
+    mid = 0.5 * (lo + hi)
+    ok = g(mid) <= 0
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+  lo, _ = jax.lax.fori_loop(0, _BISECT_ITERS, body, (jnp.zeros_like(slots), slots))
+  return jnp.where(slots > 0, lo, 0.0)
+
+
+class Draw(NamedTuple):
+  keep: Array  # [..., n] bool, the kept tail tokens
+  n_redraws: Array  # [...] int32, redraws used (0 = first draw fitted)
+  n_dropped: Array  # [...] int32, tokens dropped by the fallback (expected 0)
+
+
+def poisson_draw(key, pi, mask, slots, max_redraws: int = 3) -> Draw:
+  """Independent Bernoulli(pi_i) draws conditioned on fitting into ``slots``.
+
+  Args:
+    key: PRNG key.
+    pi: [n] inclusion probabilities (1 means always kept).
+    mask: [n] bool, the tail.
+    slots: int scalar (may be traced), capacity for the kept tail.
+    max_redraws: redraws allowed after an overflowing draw.
+
+  Returns:
+    Draw(keep [n], n_redraws [], n_dropped []).
+  """
+  k_draw, k_fallback = jax.random.split(key)
+  u = jax.random.uniform(k_draw, (max_redraws + 1,) + pi.shape)
+  draws = (u < pi) & mask  # pi == 1 is always kept since u < 1
+  counts = jnp.sum(draws, axis=-1)
+  fits = counts <= slots
+  first = jnp.argmax(fits)
+  any_fit = jnp.any(fits)
+  chosen = draws[first]
+  # Fallback (probability <= overflow_prob ** (max_redraws + 1)): keep the
+  # certain tokens first, then a uniformly random subset of draw 0.
+  prio = jnp.where(pi >= 1.0, 2.0, 0.0) + jax.random.uniform(k_fallback, pi.shape)
+  prio = jnp.where(draws[0], prio, -1.0)
+  rank = jnp.argsort(jnp.argsort(-prio))
+  fallback = draws[0] & (rank < slots)
+  keep = jnp.where(any_fit, chosen, fallback)
+  n_dropped = jnp.where(any_fit, 0, counts[0] - jnp.sum(fallback))
+  n_redraws = jnp.where(any_fit, first, max_redraws)
+  return Draw(keep, n_redraws.astype(jnp.int32), n_dropped.astype(jnp.int32))

@@ -1,0 +1,1 @@
+"""Thin absl-flag scripts over certkv_jax; each writes results under --out."""

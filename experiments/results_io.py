@@ -1,0 +1,90 @@
+"""Result files for the experiment scripts: atomic, resumable JSONL.
+
+Each finished row is appended by rewriting the file to a temporary name and
+``os.replace``-ing it over the old one, so a killed run leaves either the old
+or the new file, never a torn line. A rerun reads the rows already there and
+skips their keys, so nothing is redone or lost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+
+
+def json_safe(x):
+  """NaN/inf (not JSON) become None, recursively."""
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  if isinstance(x, dict):
+    return {k: json_safe(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [json_safe(v) for v in x]
+  return x
+
+
+def row_key(row: dict, key_fields) -> tuple:
+  return tuple(json.dumps(row.get(f), sort_keys=True) for f in key_fields)
+
+
+def read_rows(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def atomic_write_text(path: str, text: str) -> None:
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_", suffix=os.path.basename(path))
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+class JsonlResults:
+  """Rows keyed by ``key_fields``; ``add`` persists atomically at once."""
+
+  def __init__(self, path: str, key_fields):
+    self.path = path
+    self.key_fields = tuple(key_fields)
+    self.rows = read_rows(path)
+    self._keys = {row_key(r, self.key_fields) for r in self.rows}
+
+  def has(self, **fields) -> bool:
+    return row_key(fields, self.key_fields) in self._keys
+
+  def add(self, row: dict) -> None:
+    row = json_safe(row)
+    key = row_key(row, self.key_fields)
+    if key in self._keys:
+      raise ValueError(f"row {key} is already in {self.path}")
+    self.rows.append(row)
+    self._keys.add(key)
+    atomic_write_text(self.path, "".join(json.dumps(r, sort_keys=True, allow_nan=False) + "\n"
+                                         for r in self.rows))
+
+
+class Progress:
+  """Counts finished units and estimates the time left from the pace so far."""
+
+  def __init__(self, total: int, done: int = 0):
+    self.total, self.done, self.start, self.done_at_start = total, done, time.time(), done
+
+  def step(self) -> str:
+    self.done += 1
+    ran = self.done - self.done_at_start
+    elapsed = time.time() - self.start
+    eta = elapsed / ran * (self.total - self.done) if ran else float("nan")
+    return f"[{self.done}/{self.total}] elapsed {elapsed:.0f}s, ETA {eta:.0f}s"
