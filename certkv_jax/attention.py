@@ -20,6 +20,8 @@ from pallas_kernels import reference
 
 Array = jax.Array
 
+IMPLEMENTATIONS = ("xla", "pallas", "auto")
+
 
 class OffsetAttentionResult(NamedTuple):
   """Output of :func:`offset_attention` (leading dims ``...`` broadcast).
@@ -79,6 +81,8 @@ def offset_attention(
     scale: Optional[float] = None,
     block_size: Optional[int] = None,
     range_mode: str = "exact",
+    implementation: str = "xla",
+    block_sizes=None,
 ) -> OffsetAttentionResult:
   """Attention over kept slots with Hajek offsets and certificate statistics.
 
@@ -100,6 +104,11 @@ def offset_attention(
     block_size: None computes all logits at once; an int sweeps the keys in
       blocks with online-softmax rescaling (the kernel's algorithm).
     range_mode: "exact" gives SPEC's ``b_hat``; "bound" a one-pass upper bound.
+    implementation: "xla" (the jnp reference), "pallas" (the fused kernel of
+      ``pallas_kernels.offset_decode``; in interpret mode on CPU) or "auto"
+      (Pallas on GPU/TPU, XLA on CPU).
+    block_sizes: ``pallas_kernels.offset_decode.BlockSizes`` for "pallas"
+      (default: ``BlockSizes.get_default``). ``block_size`` is for "xla".
 
   Returns:
     OffsetAttentionResult(out, lse, var_hat, range_hat).
@@ -121,10 +130,74 @@ def offset_attention(
     if lp_valid.size and not (lp_valid <= 0).all():
       raise ValueError("log_pi must be <= 0 (a log probability) on every valid slot; "
                        f"found max {lp_valid.max()} / NaN")
-  ref = reference.offset_attention_reference(
-      q, k, v, log_pi, mask, scale=scale, block_size=block_size, range_mode=range_mode)
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+  if implementation == "auto":
+    implementation = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+  if implementation == "pallas" and block_size is not None:
+    raise ValueError("block_size is for implementation='xla'; use block_sizes for 'pallas'")
+  if implementation == "xla" and block_sizes is not None:
+    raise ValueError("block_sizes is for implementation='pallas'; use block_size for 'xla'")
+  grouped, back = _grouped_layout(q, k, v, log_pi, mask)
+  gq, gk, gv, glp, gmask = grouped
+  if implementation == "pallas":
+    from pallas_kernels import offset_decode  # pylint: disable=import-outside-toplevel
+    offset = jnp.where(gmask, -glp.astype(jnp.float32), -jnp.inf)
+    res = offset_decode.offset_decode_attention(
+        gq, gk, gv, offset, scale=scale, block_sizes=block_sizes,
+        interpret=jax.default_backend() not in ("gpu", "tpu"), range_mode=range_mode)
+  else:
+    res = reference.grouped_reference(gq, gk, gv, glp, gmask, scale=scale,
+                                      block_size=block_size, range_mode=range_mode)
+  ref = back(res)
   out_dtype = jnp.result_type(q.dtype, v.dtype)
   return OffsetAttentionResult(ref.out.astype(out_dtype), ref.lse, ref.var_hat, ref.range_hat)
+
+
+def _grouped_layout(q, k, v, log_pi, mask):
+  """Maps numpy-broadcast inputs onto the grouped [B, G, d] / [B, n, d] layout.
+
+  Leading axes where the keys, values, offsets and mask all have size 1 but
+  the query does not are query groups (GQA heads): they become the G rows that
+  share one KV head, so keys and values are never copied per query. The other
+  axes flatten into B.
+
+  Returns:
+    ((q [B, G, d], k [B, n, d], v [B, n, dv], log_pi [B, n], mask [B, n]),
+     back): ``back`` maps a grouped ``reference.Reference`` to the broadcast
+    leading shape.
+  """
+  d, n, dv = q.shape[-1], k.shape[-2], v.shape[-1]
+  batch = jnp.broadcast_shapes(q.shape[:-1], k.shape[:-2], v.shape[:-2], log_pi.shape[:-1],
+                               mask.shape[:-1])
+  r = len(batch)
+  kv_lead = jnp.broadcast_shapes(k.shape[:-2], v.shape[:-2], log_pi.shape[:-1],
+                                 mask.shape[:-1])
+  kv_lead = (1,) * (r - len(kv_lead)) + tuple(kv_lead)
+  group_axes = [i for i in range(r) if kv_lead[i] == 1 and batch[i] > 1]
+  kv_axes = [i for i in range(r) if i not in group_axes]
+  perm = kv_axes + group_axes
+  b_shape = tuple(batch[i] for i in kv_axes)
+  g_shape = tuple(batch[i] for i in group_axes)
+  nb, ng = math.prod(b_shape), math.prod(g_shape)
+  gq = jnp.transpose(jnp.broadcast_to(q, batch + (d,)), perm + [r]).reshape(nb, ng, d)
+
+  def kv(x, tail):
+    x = jnp.broadcast_to(x, kv_lead + tail)
+    return jnp.transpose(x, perm + list(range(r, x.ndim))).reshape((nb,) + tail)
+
+  inverse = [perm.index(i) for i in range(r)]
+
+  def unflatten(x, tail):
+    x = x.reshape(b_shape + g_shape + tail)
+    return jnp.transpose(x, inverse + list(range(r, x.ndim)))
+
+  def back(res):
+    return reference.Reference(unflatten(res.out, (dv,)), unflatten(res.lse, ()),
+                               unflatten(res.var_hat, ()), unflatten(res.range_hat, ()))
+
+  grouped = (gq, kv(k, (n, d)), kv(v, (n, dv)), kv(log_pi, (n,)), kv(mask, (n,)))
+  return grouped, back
 
 
 def attention_probs(q, k, log_pi, mask, *, scale: Optional[float] = None):

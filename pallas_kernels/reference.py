@@ -34,6 +34,7 @@ value.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -43,19 +44,26 @@ import jax.numpy as jnp
 Array = jax.Array
 
 _NEG_INF = -jnp.inf
+# Finite stand-in for "no valid slot yet" in running maxima. Kernels avoid
+# inf - inf; any real logit (|l| << 1e30) exceeds it.
+M_EMPTY = -1e30
 
 
 class Partials(NamedTuple):
-  """Unnormalised one-pass statistics over a block of slots (leading dims ...)."""
+  """Unnormalised one-pass statistics over a set of slots, per query row.
 
-  m: Array  # [...]      running maximum of the offset logits (-inf if empty)
+  Leading dims ``...`` are the query rows (e.g. [..., g] for a GQA group).
+  """
+
+  m: Array  # [...]      running maximum of the offset logits (M_EMPTY if none)
   z: Array  # [...]      sum_i e_i
   acc: Array  # [..., dv]  sum_i e_i v_i
+  c: Array  # [..., dv]  centre of the second-order sums (see ``online_update``)
   s0: Array  # [...]      sum_i w_i e_i^2
-  s1: Array  # [..., dv]  sum_i w_i e_i^2 v_i
-  s2: Array  # [...]      sum_i w_i e_i^2 ||v_i||^2
-  r1: Array  # [...]      max_i w_i e_i            (for the one-pass range bound)
-  rv: Array  # [...]      max_i w_i e_i ||v_i||    (for the one-pass range bound)
+  s1: Array  # [..., dv]  sum_i w_i e_i^2 (v_i - c)
+  s2: Array  # [...]      sum_i w_i e_i^2 ||v_i - c||^2
+  r1: Array  # [...]      max_i w_i e_i              (for the one-pass range bound)
+  rv: Array  # [...]      max_i w_i e_i ||v_i - c||  (for the one-pass range bound)
 
 
 class Finalized(NamedTuple):
@@ -65,79 +73,146 @@ class Finalized(NamedTuple):
   range_bound: Array  # [...] float32 one-pass upper bound of range_hat
 
 
-def offset_logits(q, k, log_pi, mask, scale):
-  """Offset logits ``q.k * scale - log_pi``, -inf on invalid slots.
+def empty_partials(rows_shape, dv: int) -> Partials:
+  z = jnp.zeros(rows_shape, jnp.float32)
+  zv = jnp.zeros(tuple(rows_shape) + (dv,), jnp.float32)
+  return Partials(m=jnp.full(rows_shape, M_EMPTY, jnp.float32), z=z, acc=zv, c=zv, s0=z,
+                  s1=zv, s2=z, r1=z, rv=z)
+
+
+def one_minus_pi(offset):
+  """``w = 1 - pi = 1 - exp(-offset)`` for ``offset = -log pi >= 0``.
+
+  Written as ``2t / (1 + t)`` with ``t = tanh(offset / 2)``: exact for small
+  offsets (pi near 1) without expm1, which the TPU kernel lowering lacks.
+  """
+  t = jnp.tanh(0.5 * offset)
+  return 2.0 * t / (1.0 + t)
+
+
+def online_update(carry: Partials, l, v, w, valid, valid_col=None, precision=None,
+                  second_order: bool = True, center=None,
+                  stacked_matmul: bool = True) -> Partials:
+  """Folds one block of slots into running statistics (online softmax).
+
+  This is the arithmetic of the fused kernel: the reference and the Pallas
+  kernels call this same function on their tiles.
+
+  The second-order sums are taken about a centre ``c``: the mean of the valid
+  values of the first block that has any (fixed from then on; while nothing
+  has been accumulated it costs nothing to move). The variance is then
+  ``(S2 - 2 (o - c) . S1 + ||o - c||^2 S0) / Z^2``, whose float32 cancellation
+  error scales with ``||v - c||^2`` instead of ``||v||^2``: values with a
+  common offset (channel means) no longer swamp a small variance.
 
   Args:
-    q: [..., d] query.
-    k: [..., n, d] keys.
-    log_pi: [..., n] log inclusion probabilities.
-    mask: [..., n] bool validity.
-    scale: python float.
+    carry: statistics so far, rows ``[..., g]``.
+    l: [..., g, n] offset logits of the block (any value where invalid).
+    v: [..., n, dv] values of the block.
+    w: [..., 1 or g, n] ``1 - pi`` of each slot (ignored where invalid).
+    valid: [..., 1 or g, n] bool.
+    valid_col: [..., n, 1] bool, the slots valid for any row, as a column
+      (default: the first row of ``valid``, right when rows share validity).
+      Values outside it are never read (they may hold garbage). Rows sharing
+      a KV head share the centre, which comes from this column.
+    precision: matmul precision (None: backend default).
+    second_order: False skips the certificate statistics (the kernel's
+      statistics-free mode, for measuring their cost); they stay zero.
+    center: optional [..., 1, dv] centre to use instead of the tile mean (the
+      XLA path picks the value of the highest-logit slot, which costs one
+      gather instead of a pass over the values). Any centre gives the same
+      statistics up to rounding.
+    stacked_matmul: compute ``e @ v`` and ``w e^2 @ v`` as one matmul over
+      stacked rows (one pass over the values for XLA); False uses two matmuls
+      (Triton concatenates only along the last axis; the tile is in SRAM).
 
   Returns:
-    [..., n] float32 logits (leading dims broadcast).
+    Updated statistics. The new running max ``m'`` rescales first-order sums
+    by ``exp(m - m')`` and second-order sums by its square.
   """
-  qf = q.astype(jnp.float32)[..., None, :]  # [..., 1, d]
-  kf = jnp.swapaxes(k.astype(jnp.float32), -1, -2)  # [..., d, n]
-  s = jnp.matmul(qf, kf, precision=jax.lax.Precision.HIGHEST)[..., 0, :] * scale
-  l = s - log_pi.astype(jnp.float32)
-  return jnp.where(mask, l, _NEG_INF)
-
-
-def _safe_max(l, axis=-1):
-  m = jnp.max(l, axis=axis)
-  return m, jnp.where(jnp.isfinite(m), m, 0.0)
-
-
-def block_partials(l, v, log_pi, mask) -> Partials:
-  """Partial statistics of one block from its offset logits.
-
-  Args:
-    l: [..., n] offset logits (-inf where invalid).
-    v: [..., n, dv] values.
-    log_pi: [..., n] log inclusion probabilities.
-    mask: [..., n] bool.
-  """
-  m, m_safe = _safe_max(l)
-  e = jnp.where(mask, jnp.exp(l - m_safe[..., None]), 0.0)  # [..., n]
-  w = jnp.where(mask, -jnp.expm1(log_pi.astype(jnp.float32)), 0.0)
-  vf = v.astype(jnp.float32)
-  we = w * e
+  dot = functools.partial(jnp.matmul, precision=precision,
+                          preferred_element_type=jnp.float32)
+  if valid_col is None:
+    valid_col = jnp.swapaxes(valid[..., :1, :], -1, -2)
+  vf = jnp.where(valid_col, v.astype(jnp.float32), 0.0)  # [..., n, dv]
+  if not second_order:
+    m_new = jnp.maximum(carry.m, jnp.max(jnp.where(valid, l, M_EMPTY), axis=-1))
+    r = jnp.exp(carry.m - m_new)
+    e = jnp.where(valid, jnp.exp(l - m_new[..., None]), 0.0)
+    return carry._replace(m=m_new, z=r * carry.z + jnp.sum(e, axis=-1),
+                          acc=r[..., None] * carry.acc + dot(e, vf))
+  # Centre: mean of this block's valid values, adopted while the carry is empty.
+  if center is None:
+    count = jnp.sum(valid_col.astype(jnp.float32), axis=-2, keepdims=True)  # [..., 1, 1]
+    center = jnp.sum(vf, axis=-2, keepdims=True) / jnp.maximum(count, 1.0)  # [..., 1, dv]
+  started = jnp.max(carry.z, axis=-1, keepdims=True)[..., None] > 0  # [..., 1, 1]
+  c1 = jnp.where(started, jnp.mean(carry.c, axis=-2, keepdims=True), center)
+  m_blk = jnp.max(jnp.where(valid, l, M_EMPTY), axis=-1)
+  m_new = jnp.maximum(carry.m, m_blk)
+  r = jnp.exp(carry.m - m_new)
+  r2 = r * r
+  e = jnp.where(valid, jnp.exp(l - m_new[..., None]), 0.0)  # [..., g, n]
+  we = jnp.where(valid, w, 0.0) * e
   we2 = we * e
-  vnorm2 = jnp.sum(vf * vf, axis=-1)  # [..., n]
-  hp = jax.lax.Precision.HIGHEST
-  acc = jnp.matmul(e[..., None, :], vf, precision=hp)[..., 0, :]
-  s1 = jnp.matmul(we2[..., None, :], vf, precision=hp)[..., 0, :]
+  s0 = jnp.sum(we2, axis=-1)
+  # One matmul pass over the values for both first- and second-order sums;
+  # S1 about the centre is sum w e^2 v - S0 c (benign: no squared terms).
+  if stacked_matmul:
+    both = dot(jnp.concatenate([e, we2], axis=-2), vf)  # [..., 2g, dv]
+    rows = e.shape[-2]
+    acc_blk, s1_raw = both[..., :rows, :], both[..., rows:, :]
+  else:
+    acc_blk, s1_raw = dot(e, vf), dot(we2, vf)
+  dvc = jnp.where(valid_col, vf - c1, 0.0)
+  vn2 = jnp.sum(dvc * dvc, axis=-1)[..., None, :]  # [..., 1, n]: ||v - c||^2 per slot
+  return Partials(
+      m=m_new,
+      z=r * carry.z + jnp.sum(e, axis=-1),
+      acc=r[..., None] * carry.acc + acc_blk,
+      c=jnp.broadcast_to(c1, carry.c.shape),
+      s0=r2 * carry.s0 + s0,
+      s1=r2[..., None] * carry.s1 + (s1_raw - s0[..., None] * c1),
+      s2=r2 * carry.s2 + jnp.sum(we2 * vn2, axis=-1),
+      r1=jnp.maximum(r * carry.r1, jnp.max(we, axis=-1)),
+      rv=jnp.maximum(r * carry.rv, jnp.max(we * jnp.sqrt(vn2), axis=-1)),
+  )
+
+
+def combine(p: Partials, axis: int) -> Partials:
+  """Merges partial statistics of disjoint slot sets stacked along ``axis``
+  (split-K blocks, sequence shards). ``axis`` indexes the row dims of ``m``.
+
+  Each part's second-order sums are moved to a common centre (that of the
+  part with the largest running max): with ``d_a = c_a - c``,
+  ``S1 -> S1_a + S0_a d_a`` and ``S2 -> S2_a + 2 d_a . S1_a + ||d_a||^2 S0_a``.
+  """
+  axis = axis % p.m.ndim
+  m = jnp.max(p.m, axis=axis)
+  lead = jnp.argmax(p.m, axis=axis)
+  c = jnp.squeeze(jnp.take_along_axis(
+      p.c, jnp.expand_dims(lead, axis)[..., None], axis=axis), axis)
+  dc = p.c - jnp.expand_dims(c, axis)  # [..., parts, ..., dv]
+  s1c = p.s1 + p.s0[..., None] * dc
+  s2c = p.s2 + 2.0 * jnp.sum(dc * p.s1, axis=-1) + jnp.sum(dc * dc, axis=-1) * p.s0
+  rvc = p.rv + jnp.linalg.norm(dc, axis=-1) * p.r1
+  r = jnp.exp(p.m - jnp.expand_dims(m, axis))
+  r2 = r * r
   return Partials(
       m=m,
-      z=jnp.sum(e, axis=-1),
-      acc=acc,
-      s0=jnp.sum(we2, axis=-1),
-      s1=s1,
-      s2=jnp.sum(we2 * vnorm2, axis=-1),
-      r1=jnp.max(we, axis=-1, initial=0.0),
-      rv=jnp.max(we * jnp.sqrt(vnorm2), axis=-1, initial=0.0),
+      z=jnp.sum(r * p.z, axis=axis),
+      acc=jnp.sum(r[..., None] * p.acc, axis=axis),
+      c=c,
+      s0=jnp.sum(r2 * p.s0, axis=axis),
+      s1=jnp.sum(r2[..., None] * s1c, axis=axis),
+      s2=jnp.sum(r2 * s2c, axis=axis),
+      r1=jnp.max(r * p.r1, axis=axis),
+      rv=jnp.max(r * rvc, axis=axis),
   )
 
 
 def merge_partials(a: Partials, b: Partials) -> Partials:
-  """Combines the statistics of two disjoint blocks (associative, commutative)."""
-  m = jnp.maximum(a.m, b.m)
-  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-  ca = jnp.where(jnp.isfinite(a.m), jnp.exp(a.m - m_safe), 0.0)
-  cb = jnp.where(jnp.isfinite(b.m), jnp.exp(b.m - m_safe), 0.0)
-  ca2, cb2 = ca * ca, cb * cb
-  return Partials(
-      m=m,
-      z=ca * a.z + cb * b.z,
-      acc=ca[..., None] * a.acc + cb[..., None] * b.acc,
-      s0=ca2 * a.s0 + cb2 * b.s0,
-      s1=ca2[..., None] * a.s1 + cb2[..., None] * b.s1,
-      s2=ca2 * a.s2 + cb2 * b.s2,
-      r1=jnp.maximum(ca * a.r1, cb * b.r1),
-      rv=jnp.maximum(ca * a.rv, cb * b.rv),
-  )
+  """Combines the statistics of two disjoint slot sets (associative)."""
+  return combine(jax.tree_util.tree_map(lambda x, y: jnp.stack([x, y]), a, b), 0)
 
 
 def finalize(p: Partials) -> Finalized:
@@ -149,13 +224,14 @@ def finalize(p: Partials) -> Finalized:
   nonempty = p.z > 0
   z = jnp.where(nonempty, p.z, 1.0)
   out = p.acc / z[..., None]
-  out_sq = jnp.sum(out * out, axis=-1)
-  num = p.s2 - 2.0 * jnp.sum(out * p.s1, axis=-1) + out_sq * p.s0
+  oc = out - p.c
+  oc_sq = jnp.sum(oc * oc, axis=-1)
+  num = p.s2 - 2.0 * jnp.sum(oc * p.s1, axis=-1) + oc_sq * p.s0
   # The expanded square can come out slightly negative through float rounding
   # (it is a sum of non-negative terms); clamp that rounding error at zero.
   var_hat = jnp.maximum(num, 0.0) / (z * z)
   lse = jnp.where(nonempty, p.m + jnp.log(z), _NEG_INF)
-  range_bound = (p.rv + jnp.sqrt(out_sq) * p.r1) / z
+  range_bound = (p.rv + jnp.sqrt(oc_sq) * p.r1) / z
   zero = jnp.zeros_like(var_hat)
   return Finalized(
       out=jnp.where(nonempty[..., None], out, 0.0),
@@ -165,17 +241,35 @@ def finalize(p: Partials) -> Finalized:
   )
 
 
-def exact_range(l, v, log_pi, mask, out, lse):
-  """``max_i w_i p_i ||v_i - out||`` over valid slots with pi_i < 1.
+def slot_logits(q, k, offset, valid, scale, precision=jax.lax.Precision.HIGHEST):
+  """``q . k * scale + offset`` for rows q [..., g, d] and keys k [..., n, d]."""
+  s = jnp.matmul(q.astype(jnp.float32), jnp.swapaxes(k.astype(jnp.float32), -1, -2),
+                 precision=precision)
+  return jnp.where(valid, s * scale + offset, _NEG_INF)
+
+
+def offset_logits(q, k, log_pi, mask, scale):
+  """Offset logits ``q.k * scale - log_pi`` [..., n], -inf on invalid slots.
+
+  Args: q [..., d]; k [..., n, d]; log_pi, mask [..., n]; scale float.
+  """
+  l = slot_logits(q[..., None, :], k, -log_pi.astype(jnp.float32)[..., None, :],
+                  mask[..., None, :], scale)
+  return l[..., 0, :]
+
+
+def exact_range(l, v, w, valid, out, lse):
+  """``max_i w_i p_i ||v_i - out||`` over valid slots (rows [..., g]).
 
   Args:
-    l: [..., n] offset logits; v: [..., n, dv]; log_pi, mask: [..., n];
-    out: [..., dv] final output; lse: [...] final log-normaliser.
+    l: [..., g, n] offset logits; v: [..., n, dv]; w, valid: [..., 1|g, n];
+    out: [..., g, dv] final output; lse: [..., g] final log-normaliser.
   """
   lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-  p = jnp.where(mask, jnp.exp(l - lse_safe[..., None]), 0.0)
-  w = jnp.where(mask, -jnp.expm1(log_pi.astype(jnp.float32)), 0.0)
-  dev = jnp.linalg.norm(v.astype(jnp.float32) - out[..., None, :], axis=-1)
+  p = jnp.where(valid, jnp.exp(l - lse_safe[..., None]), 0.0)
+  w = jnp.where(valid, w, 0.0)
+  dev = jnp.linalg.norm(v.astype(jnp.float32)[..., None, :, :] - out[..., :, None, :], axis=-1)
+  dev = jnp.where(valid, dev, 0.0)  # values of invalid slots are never read
   return jnp.max(w * p * dev, axis=-1, initial=0.0)
 
 
@@ -197,96 +291,91 @@ def offset_attention_reference(
     block_size: Optional[int] = None,
     range_mode: str = "exact",
 ) -> Reference:
+  """Reference offset attention for one query per leading index (numpy
+  broadcasting of the leading dims): :func:`grouped_reference` with g = 1.
+
+  Args: q [..., d]; k [..., n, d]; v [..., n, dv]; log_pi, mask [..., n].
+  """
+  res = grouped_reference(q[..., None, :], k, v, log_pi, mask, scale=scale,
+                          block_size=block_size, range_mode=range_mode)
+  return Reference(res.out[..., 0, :], res.lse[..., 0], res.var_hat[..., 0],
+                   res.range_hat[..., 0])
+
+
+def grouped_reference(
+    q,
+    k,
+    v,
+    log_pi,
+    mask,
+    *,
+    scale: Optional[float] = None,
+    block_size: Optional[int] = None,
+    range_mode: str = "exact",
+    with_stats: bool = True,
+) -> Reference:
   """Reference offset attention with certificate statistics (float32 math).
 
-  Leading dimensions of all inputs must already broadcast (numpy rules).
+  The ``g`` query rows of each leading index share its keys and values (a
+  GQA group, or the queries of a chunk), so keys are never copied per row.
 
   Args:
-    q: [..., d]; k: [..., n, d]; v: [..., n, dv]; log_pi: [..., n] (<= 0);
-    mask: [..., n] bool.
+    q: [..., g, d]; k: [..., n, d]; v: [..., n, dv]; log_pi: [..., n] (<= 0);
+    mask: [..., n] bool. Leading dims broadcast (numpy rules).
     scale: logit scale, default 1/sqrt(d).
-    block_size: None computes all logits at once; an int sweeps key blocks of
-      that size with online-softmax rescaling (:func:`merge_partials`), the
-      algorithm of the fused kernel.
+    block_size: None folds all slots in one block; an int sweeps key blocks of
+      that size with :func:`online_update` (the kernel's algorithm).
     range_mode: "exact" (SPEC section 5's b_hat) or "bound" (one-pass upper
       bound, see module docstring).
+    with_stats: False computes the offset attention alone (statistics zero),
+      the baseline that their cost is measured against.
 
   Returns:
-    Reference(out, lse, var_hat, range_hat).
+    Reference(out [..., g, dv], lse, var_hat, range_hat [..., g]).
   """
   if range_mode not in ("exact", "bound"):
     raise ValueError(f"range_mode must be 'exact' or 'bound', got {range_mode!r}")
-  d = q.shape[-1]
-  n = k.shape[-2]
+  if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+    raise ValueError(f"block_size must be a positive int or None, got {block_size}")
+  g, d, n, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
   if scale is None:
     scale = 1.0 / math.sqrt(d)
+  lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], log_pi.shape[:-1],
+                              mask.shape[:-1])
+  rows = lead + (g,)
+  offset = -log_pi.astype(jnp.float32)[..., None, :]  # [..., 1, n]
+  valid = mask[..., None, :]
+  w = one_minus_pi(offset)
+  hp = jax.lax.Precision.HIGHEST
   if block_size is None or block_size >= n:
-    l = offset_logits(q, k, log_pi, mask, scale)
-    fin = finalize(block_partials(l, v, log_pi, mask))
-    if range_mode == "exact":
-      rng = exact_range(l, v, log_pi, mask, fin.out, fin.lse)
-    else:
+    # One block: the logits stay materialised, so the centre (the value of the
+    # highest-logit slot of the first row: one gather) costs no extra sweep.
+    l = slot_logits(q, k, offset, valid, scale, hp)  # [..., g, n]
+    top = jnp.argmax(jnp.where(valid, l, M_EMPTY)[..., :1, :], axis=-1)[..., None]
+    vb = jnp.broadcast_to(v, lead + (n, dv))
+    center = jnp.take_along_axis(vb, jnp.broadcast_to(top, lead + (1, 1)), axis=-2)
+    center = jnp.where(jnp.any(valid, axis=-1, keepdims=True), center.astype(jnp.float32), 0.0)
+    fin = finalize(online_update(empty_partials(rows, dv), l, v, w, valid, precision=hp,
+                                 center=center, second_order=with_stats))
+    if range_mode == "bound" or not with_stats:
       rng = fin.range_bound
+    else:
+      rng = exact_range(l, v, w, valid, fin.out, fin.lse)
     return Reference(fin.out, fin.lse, fin.var_hat, rng)
-  if block_size < 1:
-    raise ValueError(f"block_size must be a positive int or None, got {block_size}")
-  return _blocked(q, k, v, log_pi, mask, scale, block_size, range_mode)
-
-
-def _pad_blocks(x, n_pad, axis, block_size, fill):
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, n_pad)
-  x = jnp.pad(x, pad, constant_values=fill)
-  x = jnp.moveaxis(x, axis, 0)
-  return x.reshape((-1, block_size) + x.shape[1:])  # [blocks, bs, ...]
-
-
-def _blocked(q, k, v, log_pi, mask, scale, block_size, range_mode):
-  n = k.shape[-2]
-  n_pad = (-n) % block_size
-  batch = jnp.broadcast_shapes(
-      q.shape[:-1], k.shape[:-2], v.shape[:-2], log_pi.shape[:-1], mask.shape[:-1]
-  )
-  kb = _pad_blocks(k, n_pad, k.ndim - 2, block_size, 0)  # [nb, bs, ..., d]
-  vb = _pad_blocks(v, n_pad, v.ndim - 2, block_size, 0)
-  lb = _pad_blocks(log_pi, n_pad, log_pi.ndim - 1, block_size, 0)
-  mb = _pad_blocks(mask, n_pad, mask.ndim - 1, block_size, False)
-
-  def unblock(x, feature_dims):
-    # [bs, ..., *f] -> [..., bs, *f]
-    return jnp.moveaxis(x, 0, x.ndim - 1 - feature_dims)
-
-  def logits_of(kb_i, lb_i, mb_i):
-    return offset_logits(q, unblock(kb_i, 1), unblock(lb_i, 0), unblock(mb_i, 0), scale)
-
-  dv = v.shape[-1]
-  init = Partials(
-      m=jnp.full(batch, _NEG_INF, jnp.float32),
-      z=jnp.zeros(batch, jnp.float32),
-      acc=jnp.zeros(batch + (dv,), jnp.float32),
-      s0=jnp.zeros(batch, jnp.float32),
-      s1=jnp.zeros(batch + (dv,), jnp.float32),
-      s2=jnp.zeros(batch, jnp.float32),
-      r1=jnp.zeros(batch, jnp.float32),
-      rv=jnp.zeros(batch, jnp.float32),
-  )
-
-  def sweep(carry, blk):
-    kb_i, vb_i, lb_i, mb_i = blk
-    l = logits_of(kb_i, lb_i, mb_i)
-    part = block_partials(l, unblock(vb_i, 1), unblock(lb_i, 0), unblock(mb_i, 0))
-    return merge_partials(carry, part), None
-
-  total, _ = jax.lax.scan(sweep, init, (kb, vb, lb, mb))
-  fin = finalize(total)
-  if range_mode == "bound":
-    return Reference(fin.out, fin.lse, fin.var_hat, fin.range_bound)
-
-  def range_sweep(carry, blk):
-    kb_i, vb_i, lb_i, mb_i = blk
-    l = logits_of(kb_i, lb_i, mb_i)
-    r = exact_range(l, unblock(vb_i, 1), unblock(lb_i, 0), unblock(mb_i, 0), fin.out, fin.lse)
-    return jnp.maximum(carry, r), None
-
-  rng, _ = jax.lax.scan(range_sweep, jnp.zeros(batch, jnp.float32), (kb, vb, lb, mb))
+  bs = block_size
+  carry = empty_partials(rows, dv)
+  blocks = [slice(b * bs, min((b + 1) * bs, n)) for b in range(-(-n // bs))]
+  for sl in blocks:  # static Python loop: the blocked path is for testing the algorithm
+    l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale, hp)
+    carry = online_update(carry, l_b, v[..., sl, :], w[..., sl], valid[..., sl], precision=hp,
+                          second_order=with_stats)
+  fin = finalize(carry)
+  if range_mode == "bound" or not with_stats:
+    rng = fin.range_bound
+  else:
+    rng = jnp.zeros(rows, jnp.float32)
+    for sl in blocks:  # the exact range needs the final output: a second sweep
+      l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale, hp)
+      rng = jnp.maximum(rng, exact_range(l_b, v[..., sl, :], w[..., sl], valid[..., sl],
+                                         fin.out, fin.lse))
   return Reference(fin.out, fin.lse, fin.var_hat, rng)

@@ -1,0 +1,412 @@
+"""Fused decode kernel: offset attention + certificate statistics in one pass.
+
+One program handles one KV head of one sequence (``B`` rows after flattening
+batch and KV heads) and the ``G`` query rows that share it (a GQA group, or
+the queries of a chunk). Keys are swept in tiles of ``block_k`` with online
+softmax; each tile's arithmetic is ``reference.online_update`` (one formula,
+one place). The kernel outputs unnormalised partial statistics per split of
+the cache; ``reference.combine`` merges the splits (flash-decoding split-K,
+rescaling by ``exp(m_i - m)`` and ``exp(2 (m_i - m))``) and
+``reference.finalize`` normalises.
+
+Inputs (per row b):
+  q [G, d], k [n, d], v [n, dv], offset [n] float32 ``-log pi`` (>= 0; ``-inf``
+  marks an empty slot: the validity mask is folded into the offset), and an
+  optional ragged length: slots ``>= lengths[b]`` are ignored and their tiles
+  are skipped.
+
+Backends: ``"triton"`` (GPU: an in-kernel loop over tiles of a split,
+grid = (B, splits)) and ``"mosaic"`` (TPU: the tile loop is the last grid
+axis, accumulating in the resident output block; lengths are scalar-prefetched
+into SMEM and empty tiles are skipped with ``pl.when``). ``interpret=True`` runs
+either on any backend (CPU tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import reference
+
+BACKENDS = ("triton", "mosaic")
+_STATS = ("m", "z", "s0", "s2", "r1", "rv")  # per-row scalar statistics
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiling of the key axis.
+
+  Attributes:
+    block_k: keys per tile. Triton: a power of two >= 16. Mosaic: a multiple
+      of 128 (the lane width; offsets are laid out along lanes).
+    num_splits: split-K partitions of the cache (flash-decoding); each split
+      holds ``ceil(n / (num_splits * block_k))`` tiles. More splits give a GPU
+      more parallel programs for long caches at small batch.
+  """
+
+  block_k: int = 128
+  num_splits: int = 1
+
+  @classmethod
+  def get_default(cls, n: int, batch_rows: int = 1, backend: str = "triton") -> "BlockSizes":
+    """Defaults: 128-key tiles; on GPU, enough splits to give about 128
+    programs (an H100/H200 has 132 SMs) while keeping >= 4 tiles per split."""
+    block_k = 128 if backend == "triton" else 512 if n >= 4096 else 128
+    tiles = -(-n // block_k)
+    splits = 1
+    if backend == "triton":
+      splits = max(1, min(tiles // 4, 128 // max(batch_rows, 1), 32))
+    return cls(block_k=block_k, num_splits=splits)
+
+  def validate(self, backend: str) -> None:
+    if not isinstance(self.block_k, int) or self.block_k < 1:
+      raise ValueError(f"block_k must be a positive int, got {self.block_k!r}")
+    if not isinstance(self.num_splits, int) or self.num_splits < 1:
+      raise ValueError(f"num_splits must be a positive int, got {self.num_splits!r}")
+    if backend == "triton" and (self.block_k < 16 or self.block_k & (self.block_k - 1)):
+      raise ValueError(f"block_k must be a power of two >= 16 for Triton, got {self.block_k}")
+    if backend == "mosaic" and self.block_k % 128:
+      raise ValueError(f"block_k must be a multiple of 128 for Mosaic (TPU lanes), "
+                       f"got {self.block_k}")
+
+
+def _tile_update(carry, q, k_tile, v_tile, off_row, off_col, first_index, length, scale,
+                 with_stats, stacked):
+  """One tile: logits, validity (offset and ragged length), online update.
+
+  ``off_row`` [1, bk] and ``off_col`` [bk, 1] are the tile's offsets in the
+  two layouts the arithmetic needs (beside the logits, and beside the values).
+  """
+  block_k = k_tile.shape[0]
+  kf = k_tile.astype(jnp.float32)
+  s = jax.lax.dot_general(q, kf, (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32)  # [G, bk]
+  idx_row = first_index + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+  idx_col = first_index + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+  valid = (off_row >= 0.0) & (idx_row < length)  # [1, bk]
+  valid_col = (off_col >= 0.0) & (idx_col < length)  # [bk, 1]
+  l = s * scale + jnp.where(valid, off_row, 0.0)
+  w = reference.one_minus_pi(jnp.where(valid, off_row, 0.0))
+  return reference.online_update(carry, l, v_tile, w, valid, valid_col,
+                                 second_order=with_stats, stacked_matmul=stacked)
+
+
+def _rows_of(refs):
+  return reference.Partials(
+      m=refs[0][0], z=refs[1][0], acc=refs[6][...], c=refs[8][...], s0=refs[2][0],
+      s1=refs[7][...], s2=refs[3][0], r1=refs[4][0], rv=refs[5][0])
+
+
+def _store(refs, p):
+  for ref, name in zip(refs[:6], _STATS):
+    ref[0] = getattr(p, name)
+  refs[6][...] = p.acc
+  refs[7][...] = p.s1
+  refs[8][...] = p.c
+
+
+def _triton_kernel(len_ref, q_ref, k_ref, v_ref, off_ref, offc_ref, *out_refs, scale,
+                   block_k, split_len, with_stats):
+  """grid = (B, splits); loops over the tiles of this split."""
+  split = pl.program_id(1)
+  q = q_ref[...].astype(jnp.float32)
+  rows, dv = q.shape[0], v_ref.shape[-1]
+  length = len_ref[...]
+  start = split * split_len
+  n_tiles = jnp.clip(pl.cdiv(length - start, block_k), 0, split_len // block_k)
+
+  def body(t, carry):
+    sl = pl.ds(t * block_k, block_k)
+    return _tile_update(carry, q, k_ref[sl, :], v_ref[sl, :], off_ref[:, sl], offc_ref[sl, :],
+                        start + t * block_k, length, scale, with_stats, False)
+
+  carry = jax.lax.fori_loop(0, n_tiles, body, reference.empty_partials((rows,), dv))
+  _store(out_refs, carry)
+
+
+def _mosaic_kernel(len_ref, q_ref, k_ref, v_ref, off_ref, offc_ref, *out_refs, scale,
+                   block_k, tiles_per_split, with_stats):
+  """grid = (B, splits, tiles); accumulates in the resident output block."""
+  b, split, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  rows, dv = q_ref.shape[0], v_ref.shape[-1]
+  first = (split * tiles_per_split + t) * block_k
+  length = len_ref[b]
+
+  @pl.when(t == 0)
+  def _init():
+    _store(out_refs, reference.empty_partials((rows,), dv))
+
+  @pl.when(first < length)
+  def _accumulate():
+    carry = _rows_of(out_refs)
+    q = q_ref[...].astype(jnp.float32)
+    _store(out_refs, _tile_update(carry, q, k_ref[...], v_ref[...], off_ref[...],
+                                  offc_ref[...], first, length, scale, with_stats, True))
+
+
+def _out_shapes(batch, splits, rows, dv):
+  scalar = jax.ShapeDtypeStruct((batch, splits, 1, rows), jnp.float32)
+  vector = jax.ShapeDtypeStruct((batch, splits, rows, dv), jnp.float32)
+  return [scalar] * len(_STATS) + [vector, vector, vector]
+
+
+def decode_partials(q, k, v, offset, lengths=None, *, scale: float,
+                    block_sizes: BlockSizes, backend: str, interpret: bool = False,
+                    debug: bool = False, num_warps: int = 4, num_stages: int = 2,
+                    with_stats: bool = True):
+  """Partial statistics per split, ``Partials`` with rows [B, splits, G].
+
+  Args:
+    q: [B, G, d]; k: [B, n, d]; v: [B, n, dv]; offset: [B, n] float32
+      (``-log pi``; ``-inf`` = empty slot); lengths: optional [B] int32.
+    n must be a multiple of ``block_k * num_splits`` (see :func:`pad_slots`).
+  """
+  batch, rows, d = q.shape
+  n, dv = k.shape[1], v.shape[-1]
+  bk, splits = block_sizes.block_k, block_sizes.num_splits
+  if n % (bk * splits):
+    raise ValueError(f"cache length {n} must be a multiple of block_k * num_splits = "
+                     f"{bk * splits}; pad with pad_slots()")
+  split_len = n // splits
+  if lengths is None:
+    lengths = jnp.full((batch,), n, jnp.int32)
+  off3 = offset.astype(jnp.float32)[:, None, :]  # [B, 1, n]: slots along lanes
+  offc = offset.astype(jnp.float32)[:, :, None]  # [B, n, 1]: slots along sublanes
+  out_shape = _out_shapes(batch, splits, rows, dv)
+  if backend == "triton":
+    kernel = functools.partial(_triton_kernel, scale=scale, block_k=bk, split_len=split_len,
+                               with_stats=with_stats)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(batch, splits),
+        in_specs=[
+            pl.BlockSpec((None,), lambda b, s: (b,)),
+            pl.BlockSpec((None, rows, d), lambda b, s: (b, 0, 0)),
+            pl.BlockSpec((None, split_len, d), lambda b, s: (b, s, 0)),
+            pl.BlockSpec((None, split_len, dv), lambda b, s: (b, s, 0)),
+            pl.BlockSpec((None, 1, split_len), lambda b, s: (b, 0, s)),
+            pl.BlockSpec((None, split_len, 1), lambda b, s: (b, s, 0)),
+        ],
+        out_specs=[pl.BlockSpec((None, None, 1, rows), lambda b, s: (b, s, 0, 0))] * len(_STATS)
+        + [pl.BlockSpec((None, None, rows, dv), lambda b, s: (b, s, 0, 0))] * 3,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        debug=debug,
+        name="certkv_offset_decode",
+    )(lengths.astype(jnp.int32), q, k, v, off3, offc)
+  elif backend == "mosaic":
+    tiles = split_len // bk
+    kernel = functools.partial(_mosaic_kernel, scale=scale, block_k=bk, tiles_per_split=tiles,
+                               with_stats=with_stats)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(batch, splits, tiles),
+        in_specs=[
+            pl.BlockSpec((None, rows, d), lambda b, s, t, lens: (b, 0, 0)),
+            pl.BlockSpec((None, bk, d), lambda b, s, t, lens: (b, s * tiles + t, 0)),
+            pl.BlockSpec((None, bk, dv), lambda b, s, t, lens: (b, s * tiles + t, 0)),
+            pl.BlockSpec((None, 1, bk), lambda b, s, t, lens: (b, 0, s * tiles + t)),
+            pl.BlockSpec((None, bk, 1), lambda b, s, t, lens: (b, s * tiles + t, 0)),
+        ],
+        out_specs=[pl.BlockSpec((None, None, 1, rows), lambda b, s, t, lens: (b, s, 0, 0))]
+        * len(_STATS)
+        + [pl.BlockSpec((None, None, rows, dv), lambda b, s, t, lens: (b, s, 0, 0))] * 3,
+    )
+    outs = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        debug=debug,
+        name="certkv_offset_decode",
+    )(lengths.astype(jnp.int32), q, k, v, off3, offc)
+  else:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  scalars = {name: o[:, :, 0, :] for name, o in zip(_STATS, outs[:6])}
+  return reference.Partials(acc=outs[6], s1=outs[7], c=outs[8], **scalars)
+
+
+def pad_slots(n: int, block_sizes: BlockSizes) -> int:
+  """Slots to append so that n is a multiple of block_k * num_splits."""
+  unit = block_sizes.block_k * block_sizes.num_splits
+  return (-n) % unit
+
+
+def default_backend() -> str:
+  """The kernel backend for the default JAX device ("triton" on CPU, for interpret)."""
+  return "mosaic" if jax.default_backend() == "tpu" else "triton"
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "backend", "interpret",
+                                             "debug", "range_mode", "with_stats"))
+def offset_decode_attention(q, k, v, offset, lengths=None, *, scale: Optional[float] = None,
+                            block_sizes: Optional[BlockSizes] = None,
+                            backend: Optional[str] = None, interpret: bool = False,
+                            debug: bool = False, range_mode: str = "exact",
+                            with_stats: bool = True):
+  """Fused offset attention with certificate statistics (decode, GQA group).
+
+  Args:
+    q: [B, G, d] query rows sharing one KV head per b.
+    k: [B, n, d]; v: [B, n, dv] (float32 or bfloat16; float32 accumulation).
+    offset: [B, n] float32 ``-log pi`` (0 for certain tokens, ``-inf`` for empty
+      slots).
+    lengths: optional [B] int32 ragged valid lengths (slots beyond are ignored).
+    scale: logit scale (default 1/sqrt(d)).
+    block_sizes: tiling (default ``BlockSizes.get_default``).
+    backend: "triton" or "mosaic" (default: by the device).
+    interpret: run the kernel in the Pallas interpreter (any device).
+    debug: print the kernel's jaxpr and lowering.
+    range_mode: "bound" (one pass, the kernel's) or "exact" (one more cheap
+      XLA pass over the keys for SPEC's b_hat).
+    with_stats: False computes the offset attention alone (var_hat and
+      range_hat are then zero): the baseline the statistics' cost is measured
+      against.
+
+  Returns:
+    ``reference.Reference(out [B, G, dv] float32, lse [B, G], var_hat [B, G],
+    range_hat [B, G])``.
+  """
+  batch, rows, d = q.shape
+  n = k.shape[1]
+  if k.shape[0] != batch or v.shape[:2] != k.shape[:2] or k.shape[2] != d:
+    raise ValueError(f"expected q [B, G, d], k [B, n, d], v [B, n, dv]; got q {q.shape}, "
+                     f"k {k.shape}, v {v.shape}")
+  if offset.shape != (batch, n):
+    raise ValueError(f"offset must be [B, n] = {(batch, n)}, got {offset.shape}")
+  if lengths is not None and lengths.shape != (batch,):
+    raise ValueError(f"lengths must be [B] = ({batch},), got {lengths.shape}")
+  if range_mode not in ("exact", "bound"):
+    raise ValueError(f"range_mode must be 'exact' or 'bound', got {range_mode!r}")
+  backend = backend or default_backend()
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if scale is None:
+    scale = 1.0 / math.sqrt(d)
+  if block_sizes is None:
+    block_sizes = BlockSizes.get_default(n, batch, backend)
+  block_sizes.validate(backend)
+  rows_pad = rows
+  if backend == "triton":
+    rows_pad = max(16, 1 << (rows - 1).bit_length())  # Triton dots need >= 16 rows
+  qp = jnp.pad(q, ((0, 0), (0, rows_pad - rows), (0, 0)))
+  extra = pad_slots(n, block_sizes)
+  kp = jnp.pad(k, ((0, 0), (0, extra), (0, 0)))
+  vp = jnp.pad(v, ((0, 0), (0, extra), (0, 0)))
+  offp = jnp.pad(offset.astype(jnp.float32), ((0, 0), (0, extra)), constant_values=-jnp.inf)
+  parts = decode_partials(qp, kp, vp, offp, lengths, scale=scale, block_sizes=block_sizes,
+                          backend=backend, interpret=interpret, debug=debug,
+                          with_stats=with_stats)
+  parts = jax.tree_util.tree_map(lambda x: x[:, :, :rows], parts)
+  fin = reference.finalize(reference.combine(parts, axis=1))
+  if range_mode == "bound" or not with_stats:
+    rng = fin.range_bound
+  else:
+    valid = offset >= 0.0
+    if lengths is not None:
+      valid &= jnp.arange(n)[None, :] < lengths[:, None]
+    valid = valid[:, None, :]
+    off = jnp.where(valid, offset[:, None, :], 0.0)
+    l = reference.slot_logits(q, k, off, valid, scale)
+    rng = reference.exact_range(l, v, reference.one_minus_pi(off), valid, fin.out, fin.lse)
+  return reference.Reference(fin.out, fin.lse, fin.var_hat, rng)
+
+
+def offset_decode_reference(q, k, v, offset, lengths=None, *, scale: Optional[float] = None,
+                            range_mode: str = "exact"):
+  """The pure-jnp reference for :func:`offset_decode_attention` (same layout)."""
+  n = k.shape[1]
+  valid = offset >= 0.0
+  if lengths is not None:
+    valid &= jnp.arange(n)[None, :] < lengths[:, None]
+  log_pi = jnp.where(valid, -offset, 0.0)
+  return reference.grouped_reference(q, k, v, log_pi, valid, scale=scale,
+                                     range_mode=range_mode)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "backend", "interpret",
+                                             "debug", "range_mode"))
+def offset_chunk_attention(q, k, v, offset, k_chunk, v_chunk, lengths=None, chunk_valid=None,
+                           *, scale: Optional[float] = None,
+                           block_sizes: Optional[BlockSizes] = None,
+                           backend: Optional[str] = None, interpret: bool = False,
+                           debug: bool = False, range_mode: str = "exact"):
+  """Chunk (multi-query) variant for streaming prefill.
+
+  The ``t`` queries of a new chunk attend over the compressed cache with its
+  offsets (the fused kernel, with ``t * G`` query rows per KV head) and
+  causally over the chunk itself (certain tokens: offset 0, ``w = 0``, so they
+  add to the softmax but not to the variance statistics). The two partial
+  statistics merge with ``reference.combine``.
+
+  Args:
+    q: [B, t, G, d] chunk queries (G query heads per KV head).
+    k, v, offset, lengths: the cache, as in :func:`offset_decode_attention`.
+    k_chunk: [B, t, d]; v_chunk: [B, t, dv] the chunk's own keys and values.
+    chunk_valid: optional [B, t] bool (False for padding in ragged chunks).
+
+  Returns:
+    ``reference.Reference`` with rows [B, t, G].
+  """
+  batch, t, groups, d = q.shape
+  if k_chunk.shape != (batch, t, d) or v_chunk.shape[:2] != (batch, t):
+    raise ValueError(f"k_chunk must be [B, t, d] = {(batch, t, d)} and v_chunk [B, t, dv]; "
+                     f"got {k_chunk.shape}, {v_chunk.shape}")
+  if scale is None:
+    scale = 1.0 / math.sqrt(d)
+  rows = q.reshape(batch, t * groups, d)
+  backend = backend or default_backend()
+  n = k.shape[1]
+  if block_sizes is None:
+    block_sizes = BlockSizes.get_default(n, batch, backend)
+  block_sizes.validate(backend)
+  rows_n = t * groups
+  rows_pad = rows_n
+  if backend == "triton":
+    rows_pad = max(16, 1 << (rows_n - 1).bit_length())
+  extra = pad_slots(n, block_sizes)
+  parts = decode_partials(
+      jnp.pad(rows, ((0, 0), (0, rows_pad - rows_n), (0, 0))),
+      jnp.pad(k, ((0, 0), (0, extra), (0, 0))), jnp.pad(v, ((0, 0), (0, extra), (0, 0))),
+      jnp.pad(offset.astype(jnp.float32), ((0, 0), (0, extra)), constant_values=-jnp.inf),
+      lengths, scale=scale, block_sizes=block_sizes, backend=backend, interpret=interpret,
+      debug=debug)
+  cache_parts = reference.combine(jax.tree_util.tree_map(lambda x: x[:, :, :rows_n], parts), 1)
+  # Causal self-attention within the chunk: row (i, g) sees chunk tokens j <= i.
+  causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]  # [t, t]
+  causal = jnp.repeat(causal, groups, axis=0)[None]  # [1, t*G, t]
+  if chunk_valid is not None:
+    causal = causal & chunk_valid[:, None, :]
+  l_chunk = reference.slot_logits(rows, k_chunk, 0.0, causal, scale)
+  own = reference.online_update(reference.empty_partials((batch, rows_n), v_chunk.shape[-1]),
+                                l_chunk, v_chunk, jnp.zeros((1, 1, t), jnp.float32), causal,
+                                valid_col=jnp.any(causal, axis=-2)[..., None],
+                                precision=jax.lax.Precision.HIGHEST)
+  total = reference.combine(
+      jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b], 1), cache_parts, own), 1)
+  fin = reference.finalize(total)
+  if range_mode == "bound":
+    rng = fin.range_bound
+  else:
+    valid = offset >= 0.0
+    if lengths is not None:
+      valid &= jnp.arange(n)[None, :] < lengths[:, None]
+    valid = valid[:, None, :]
+    off = jnp.where(valid, offset[:, None, :], 0.0)
+    l = reference.slot_logits(rows, k, off, valid, scale)
+    rng = reference.exact_range(l, v, reference.one_minus_pi(off), valid, fin.out, fin.lse)
+  shape = (batch, t, groups)
+  return reference.Reference(fin.out.reshape(shape + (-1,)), fin.lse.reshape(shape),
+                             fin.var_hat.reshape(shape), rng.reshape(shape))

@@ -1,0 +1,254 @@
+"""Pallas kernels vs the jnp reference and float64 NumPy.
+
+Run twice (as jax's own Pallas tests do): ``KernelTest`` with
+``INTERPRET = False`` runs the compiled kernels and skips without a GPU/TPU;
+``InterpretKernelTest`` runs the same checks in the Pallas interpreter
+everywhere. Lowering tests build the Triton (cuda) and Mosaic (tpu) lowerings
+on CPU, which catches block-shape and op-support errors without the hardware.
+"""
+
+import functools
+import math
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import certkv_jax
+from pallas_kernels import offset_decode as od
+
+
+def _inputs(batch, groups, n, d, dtype=jnp.float32, seed=0, p_valid=0.8, max_offset=None):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+  q = jax.random.normal(ks[0], (batch, groups, d)).astype(dtype)
+  k = jax.random.normal(ks[1], (batch, n, d)).astype(dtype)
+  v = jax.random.normal(ks[2], (batch, n, d)).astype(dtype)
+  off = jax.random.exponential(ks[3], (batch, n)) * 2.0
+  certain = jax.random.bernoulli(ks[4], 0.4, (batch, n))
+  off = jnp.where(certain, 0.0, off)
+  if max_offset is not None:
+    off = off.at[:, ::7].set(max_offset)
+  off = jnp.where(jax.random.bernoulli(ks[5], p_valid, (batch, n)), off, -jnp.inf)
+  return q, k, v, off
+
+
+def _np_stats(q, k, v, off, lengths):
+  """Float64 NumPy of SPEC section 4 per (b, g): out, var_hat, range_hat, and
+  ``scale = sum w p^2 (||v - c||^2 + ||o - c||^2)`` (c: mean of the valid values),
+  the size of the terms whose difference the one-pass float32 formula takes:
+  its rounding error is a few float32 epsilons of that, not of var_hat."""
+  q, k, v, off = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, off))
+  batch, groups, d = q.shape
+  out = np.zeros((batch, groups, v.shape[-1]))
+  var = np.zeros((batch, groups))
+  rng = np.zeros((batch, groups))
+  scale = np.zeros((batch, groups))
+  for b in range(batch):
+    valid = np.isfinite(off[b]) & (np.arange(k.shape[1]) < lengths[b])
+    if not valid.any():
+      continue
+    for g in range(groups):
+      l = k[b, valid] @ q[b, g] / math.sqrt(d) + off[b, valid]
+      p = np.exp(l - l.max())
+      p /= p.sum()
+      o = p @ v[b, valid]
+      w = 1.0 - np.exp(-off[b, valid])
+      dev = np.linalg.norm(v[b, valid] - o, axis=-1)
+      out[b, g], var[b, g], rng[b, g] = o, np.sum(w * p**2 * dev**2), np.max(w * p * dev)
+      c = v[b, valid].mean(0)
+      scale[b, g] = np.sum(w * p**2 * (np.sum((v[b, valid] - c)**2, -1) + np.sum((o - c)**2)))
+  return out, var, rng, scale
+
+
+def _var_atol(scale):
+  # 100 float32 epsilons (1.2e-5) of the cancelled terms: summation over a few
+  # hundred slots plus the expanded square. See test_common_mode_values.
+  return 1e-5 * scale
+
+
+class KernelTest(parameterized.TestCase):
+  INTERPRET = False
+
+  def setUp(self):
+    super().setUp()
+    if not self.INTERPRET and jax.default_backend() not in ("gpu", "tpu"):
+      self.skipTest("compiled Pallas kernels need a GPU or TPU")
+    self.backend = "mosaic" if jax.default_backend() == "tpu" else "triton"
+
+  def _check(self, q, k, v, off, lengths=None, block_sizes=None, backends=None, rtol=2e-5):
+    lens = np.full(q.shape[0], k.shape[1]) if lengths is None else np.asarray(lengths)
+    out, var, rng, scale = _np_stats(q, k, v, off, lens)
+    ref = od.offset_decode_reference(q, k, v, off, lengths)
+    for backend in backends or ([self.backend] if not self.INTERPRET else od.BACKENDS):
+      bs = block_sizes or od.BlockSizes(block_k=128, num_splits=2)
+      if backend == "triton" and block_sizes is None:
+        bs = od.BlockSizes(block_k=32, num_splits=3)
+      got = od.offset_decode_attention(q, k, v, off, lengths, backend=backend,
+                                       interpret=self.INTERPRET, block_sizes=bs)
+      for field in (got.out, got.var_hat, got.range_hat):
+        self.assertTrue(bool(jnp.all(jnp.isfinite(field))), backend)
+      self.assertFalse(bool(jnp.any(jnp.isnan(got.lse))), backend)  # -inf for empty rows
+      # vs the jnp reference (same float32 formula, different summation order)
+      np.testing.assert_allclose(got.out, ref.out, rtol=rtol, atol=rtol, err_msg=backend)
+      self.assertTrue(np.all(np.abs(np.asarray(got.var_hat) - np.asarray(ref.var_hat))
+                             <= 1e-4 * np.asarray(ref.var_hat) + 2 * _var_atol(scale) + 1e-12),
+                      backend)
+      # The range term differences v_i - o inherit the float32 error of o.
+      range_atol = 1e-4 * float(np.max(rng)) + 1e-7
+      np.testing.assert_allclose(got.range_hat, ref.range_hat, rtol=1e-3, atol=range_atol,
+                                 err_msg=backend)
+      # vs float64 NumPy
+      np.testing.assert_allclose(got.out, out, rtol=1e-4, atol=1e-4, err_msg=backend)
+      self.assertTrue(np.all(np.abs(np.asarray(got.var_hat) - var)
+                             <= 1e-4 * var + _var_atol(scale) + 1e-12), backend)
+      np.testing.assert_allclose(got.range_hat, rng, rtol=1e-3, atol=range_atol,
+                                 err_msg=backend)
+
+  @parameterized.product(groups=(1, 4, 8), d=(64, 128))
+  def test_gqa_groups_and_head_dims(self, groups, d):
+    self._check(*_inputs(2, groups, 300, d))  # 300: not a multiple of any block
+
+  def test_ragged_lengths_and_empty_rows(self):
+    q, k, v, off = _inputs(4, 4, 256, 64, seed=1)
+    lengths = jnp.array([256, 130, 1, 0], jnp.int32)
+    self._check(q, k, v, off, lengths)
+    res = od.offset_decode_attention(q, k, v, off, lengths, backend=self.backend,
+                                     interpret=self.INTERPRET)
+    np.testing.assert_array_equal(res.out[3], 0.0)  # no valid slot: defined, not NaN
+    np.testing.assert_array_equal(res.lse[3], -np.inf)
+    np.testing.assert_array_equal(res.var_hat[3], 0.0)
+
+  def test_fully_masked_blocks(self):
+    q, k, v, off = _inputs(2, 4, 384, 64, seed=2)
+    off = off.at[:, 128:256].set(-jnp.inf).at[1, :].set(-jnp.inf)
+    self._check(q, k, v, off, block_sizes=od.BlockSizes(128, 1))
+
+  def test_bfloat16_inputs(self):
+    q, k, v, off = _inputs(2, 4, 200, 64, dtype=jnp.bfloat16, seed=3)
+    self._check(q, k, v, off)  # float32 accumulation: exact against bf16-valued f64
+
+  def test_offsets_up_to_floor(self):
+    # -log(1e-6) = 13.8: the largest offset the default floor allows.
+    self._check(*_inputs(2, 4, 200, 64, seed=4, max_offset=-math.log(1e-6)))
+
+  def test_common_mode_values(self):
+    # Values with a large common offset (as LLM value channels have): the
+    # centred sums keep the error at the scale of ||v - mean||^2, which a
+    # sum of raw ||v||^2 (offset 20 -> 400x larger) would not.
+    q, k, v, off = _inputs(2, 4, 256, 64, seed=11)
+    self._check(q, k, v + 20.0, off)
+
+  def test_split_k_matches_single_split(self):
+    q, k, v, off = _inputs(2, 4, 512, 64, seed=5)
+    backend = self.backend
+    bk = 128 if backend == "mosaic" else 32
+    one = od.offset_decode_attention(q, k, v, off, backend=backend, interpret=self.INTERPRET,
+                                     block_sizes=od.BlockSizes(bk, 1))
+    many = od.offset_decode_attention(q, k, v, off, backend=backend, interpret=self.INTERPRET,
+                                      block_sizes=od.BlockSizes(bk, 4))
+    for a, b in zip(one, many):
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+  def test_range_bound_mode(self):
+    q, k, v, off = _inputs(2, 4, 200, 64, seed=6)
+    exact = od.offset_decode_attention(q, k, v, off, backend=self.backend,
+                                       interpret=self.INTERPRET)
+    bound = od.offset_decode_attention(q, k, v, off, backend=self.backend,
+                                       interpret=self.INTERPRET, range_mode="bound")
+    self.assertTrue(bool(jnp.all(bound.range_hat >= exact.range_hat * (1 - 1e-5))))
+    np.testing.assert_allclose(bound.var_hat, exact.var_hat)
+
+  def test_chunk_variant(self):
+    batch, t, groups, n, d = 2, 6, 2, 160, 64
+    q, k, v, off = _inputs(batch, t * groups, n, d, seed=7)
+    q = q.reshape(batch, t, groups, d)
+    kc = jax.random.normal(jax.random.PRNGKey(8), (batch, t, d))
+    vc = jax.random.normal(jax.random.PRNGKey(9), (batch, t, d))
+    got = od.offset_chunk_attention(q, k, v, off, kc, vc, backend=self.backend,
+                                    interpret=self.INTERPRET)
+    for i in range(t):  # row i sees the cache and chunk tokens 0..i (certain)
+      kk = jnp.concatenate([k, kc[:, :i + 1]], 1)
+      vv = jnp.concatenate([v, vc[:, :i + 1]], 1)
+      oo = jnp.concatenate([off, jnp.zeros((batch, i + 1))], 1)
+      out, var, rng, scale = _np_stats(q[:, i], kk, vv, oo, np.full(batch, n + i + 1))
+      np.testing.assert_allclose(got.out[:, i], out, rtol=1e-4, atol=1e-4)
+      self.assertTrue(np.all(np.abs(np.asarray(got.var_hat[:, i]) - var)
+                             <= 1e-4 * var + _var_atol(scale) + 1e-12))
+      np.testing.assert_allclose(got.range_hat[:, i], rng, rtol=1e-3, atol=1e-8)
+
+  def test_dispatch_from_core(self):
+    b, h_kv, g, n, d = 2, 3, 4, 70, 64
+    ks = jax.random.split(jax.random.PRNGKey(10), 5)
+    q = jax.random.normal(ks[0], (b, h_kv, g, d))
+    k = jax.random.normal(ks[1], (b, h_kv, 1, n, d))
+    v = jax.random.normal(ks[2], (b, h_kv, 1, n, d))
+    log_pi = -jax.random.exponential(ks[3], (b, h_kv, 1, n))
+    mask = jax.random.bernoulli(ks[4], 0.8, (b, h_kv, 1, n))
+    xla = certkv_jax.offset_attention(q, k, v, log_pi, mask, implementation="xla")
+    pal = certkv_jax.offset_attention(q, k, v, log_pi, mask, implementation="pallas")
+    auto = certkv_jax.offset_attention(q, k, v, log_pi, mask, implementation="auto")
+    for a, p, u in zip(xla, pal, auto):
+      np.testing.assert_allclose(a, p, rtol=1e-4, atol=1e-5)
+      np.testing.assert_allclose(a, u, rtol=1e-4, atol=1e-5)
+    self.assertEqual(pal.out.shape, (b, h_kv, g, d))
+
+
+class InterpretKernelTest(KernelTest):
+  INTERPRET = True
+
+
+class LoweringTest(parameterized.TestCase):
+  """Lowers the default configuration for both backends on CPU."""
+
+  @parameterized.product(platform=("tpu", "cuda"), groups=(1, 4, 8), d=(64, 128))
+  def test_decode_lowers(self, platform, groups, d):
+    backend = "mosaic" if platform == "tpu" else "triton"
+    q, k, v, off = (jax.ShapeDtypeStruct(s, t) for s, t in (
+        ((4, groups, d), jnp.bfloat16), ((4, 4096, d), jnp.bfloat16),
+        ((4, 4096, d), jnp.bfloat16), ((4, 4096), jnp.float32)))
+    lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
+    f = functools.partial(od.offset_decode_attention, backend=backend, range_mode="bound")
+    lowered = jax.jit(f).trace(q, k, v, off, lengths).lower(lowering_platforms=(platform,))
+    text = lowered.as_text()
+    self.assertIn("certkv_offset_decode", text)
+
+  @parameterized.parameters("tpu", "cuda")
+  def test_chunk_lowers(self, platform):
+    backend = "mosaic" if platform == "tpu" else "triton"
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in
+            ((2, 8, 4, 64), (2, 1024, 64), (2, 1024, 64), (2, 1024), (2, 8, 64), (2, 8, 64))]
+    f = functools.partial(od.offset_chunk_attention, backend=backend, range_mode="bound")
+    jax.jit(f).trace(*args).lower(lowering_platforms=(platform,))
+
+
+class KernelErrorTest(absltest.TestCase):
+
+  def test_bad_block_sizes(self):
+    q, k, v, off = _inputs(1, 4, 256, 64)
+    with self.assertRaisesRegex(ValueError, "power of two >= 16"):
+      od.offset_decode_attention(q, k, v, off, backend="triton", interpret=True,
+                                 block_sizes=od.BlockSizes(24, 1))
+    with self.assertRaisesRegex(ValueError, "multiple of 128"):
+      od.offset_decode_attention(q, k, v, off, backend="mosaic", interpret=True,
+                                 block_sizes=od.BlockSizes(64, 1))
+    with self.assertRaisesRegex(ValueError, "num_splits"):
+      od.offset_decode_attention(q, k, v, off, backend="triton", interpret=True,
+                                 block_sizes=od.BlockSizes(32, 0))
+
+  def test_bad_shapes_and_backend(self):
+    q, k, v, off = _inputs(2, 4, 256, 64)
+    with self.assertRaisesRegex(ValueError, "offset must be"):
+      od.offset_decode_attention(q, k, v, off[:, :10], interpret=True)
+    with self.assertRaisesRegex(ValueError, "lengths must be"):
+      od.offset_decode_attention(q, k, v, off, jnp.zeros(3, jnp.int32), interpret=True)
+    with self.assertRaisesRegex(ValueError, "backend"):
+      od.offset_decode_attention(q, k, v, off, backend="cuda", interpret=True)
+    with self.assertRaisesRegex(ValueError, "implementation"):
+      certkv_jax.offset_attention(q[0, 0], k[0], v[0], jnp.zeros(256), jnp.ones(256, bool),
+                                  implementation="triton")
+
+
+if __name__ == "__main__":
+  absltest.main()
