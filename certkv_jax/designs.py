@@ -224,7 +224,7 @@ class PoissonTail:
     n_tail = jnp.sum(tail).astype(jnp.float32)
     m = jnp.minimum(sampling.expected_tail_count(slots, self.overflow_prob), n_tail)
     m_pos = jnp.maximum(m, 1e-30)
-    pi = sampling._solve(s_tail, m_pos, self.eps, tail)  # pylint: disable=protected-access
+    pi = sampling.solve_inclusion(s_tail, m_pos, self.eps, tail)
     pi = jnp.where(m > 0, pi, 0.0)
     draw = sampling.poisson_draw(key, pi, tail, slots, self.max_redraws)
     log_pi = jnp.where(draw.keep, jnp.log(jnp.where(draw.keep, pi, 1.0)), 0.0)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from certkv_jax import attention
 from certkv_jax import cache as cache_lib
@@ -137,7 +138,6 @@ class Summary(NamedTuple):
 
 def summarize(o, trials: Trial, deltas=(0.05, 0.2), form: str = "bernstein") -> Summary:
   """The figures the issue notes and reports quote, from :func:`run_trials`."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
   outs = np.asarray(trials.out, np.float64)
   n = outs.shape[0]
   mean = outs.mean(0)

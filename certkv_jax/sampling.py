@@ -98,10 +98,12 @@ def inclusion_probabilities(score, m, eps: float = 1e-6, mask=None) -> Array:
         raise ValueError(
             f"m must be >= eps * n_tail (the floor alone keeps eps * n_tail tokens in "
             f"expectation); got m={m_np}, eps={eps}, n_tail={n_t}")
-  return _solve(score.astype(jnp.float32), m, eps, mask)
+  return solve_inclusion(score.astype(jnp.float32), m, eps, mask)
 
 
-def _solve(score, m, eps, mask):
+def solve_inclusion(score, m, eps, mask):
+  """The solver behind :func:`inclusion_probabilities`, without value checks
+  (for callers inside ``jit`` that have validated their inputs)."""
   s = jnp.where(mask, score, 0.0)
   m = jnp.broadcast_to(m, s.shape[:-1])
   n_t = jnp.sum(mask, axis=-1).astype(jnp.float32)

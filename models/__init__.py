@@ -1,6 +1,52 @@
 """Flax decoder models that run a certkv_jax design in every attention layer.
 
-The Llama-family decoder and checkpoint loading arrive with issue 4; the
-package exists now so that the four-package layout installs and the BUILD
-targets are stable.
+* :mod:`models.config` -- :class:`LlamaConfig`, the frozen hyperparameters.
+* :mod:`models.rope` -- rotary embeddings, interleaved and rotate-half layouts.
+* :mod:`models.llama` -- the Llama-family decoder (:class:`LlamaModel`).
+* :mod:`models.decode` -- certkv caches per layer and KV head; question-aware and
+  streaming generation (prefill, eviction, ``lax.scan`` decode).
+* :mod:`models.param_tree` -- the parameter tree from per-layer tensors (loaders).
+* :mod:`models.hf_loader` -- Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2).
+* :mod:`models.gguf_loader` -- GGUF files; the default model SmolLM2-135M-Instruct.
+* :mod:`models.tokenizer` -- byte-level BPE tokenizer from GGUF metadata.
 """
+
+from models import config
+from models import decode
+from models import gguf_loader
+from models import hf_loader
+from models import llama
+from models import param_tree
+from models import rope
+from models import tokenizer
+from models.config import LlamaConfig
+from models.decode import forward_chunk
+from models.decode import generate
+from models.decode import generate_streaming
+from models.decode import init_caches
+from models.gguf_loader import load_gguf
+from models.gguf_loader import load_smollm2
+from models.hf_loader import load_hf_checkpoint
+from models.llama import LlamaModel
+from models.llama import init_params
+
+__all__ = [
+    "LlamaConfig",
+    "LlamaModel",
+    "config",
+    "decode",
+    "forward_chunk",
+    "generate",
+    "generate_streaming",
+    "gguf_loader",
+    "hf_loader",
+    "init_caches",
+    "init_params",
+    "llama",
+    "param_tree",
+    "load_gguf",
+    "load_hf_checkpoint",
+    "load_smollm2",
+    "rope",
+    "tokenizer",
+]

@@ -249,6 +249,47 @@ def default_backend() -> str:
   return "mosaic" if jax.default_backend() == "tpu" else "triton"
 
 
+def _slot_validity(offset, lengths):
+  """[B, n] bool: a slot counts when its offset is >= 0 and it is within length."""
+  valid = offset >= 0.0
+  if lengths is not None:
+    valid &= jnp.arange(offset.shape[1])[None, :] < lengths[:, None]
+  return valid
+
+
+def _cache_partials(q, k, v, offset, lengths, *, scale, block_sizes, backend, interpret, debug,
+                    with_stats=True):
+  """Pads rows and slots to the kernel's tiling, runs it, merges the splits.
+
+  Args: q [B, R, d] query rows; the rest as in :func:`offset_decode_attention`.
+  Returns: ``reference.Partials`` with rows [B, R].
+  """
+  rows = q.shape[1]
+  rows_pad = rows
+  if backend == "triton":
+    rows_pad = max(16, 1 << (rows - 1).bit_length())  # Triton dots need >= 16 rows
+  extra = pad_slots(k.shape[1], block_sizes)
+  parts = decode_partials(
+      jnp.pad(q, ((0, 0), (0, rows_pad - rows), (0, 0))),
+      jnp.pad(k, ((0, 0), (0, extra), (0, 0))), jnp.pad(v, ((0, 0), (0, extra), (0, 0))),
+      jnp.pad(offset.astype(jnp.float32), ((0, 0), (0, extra)), constant_values=-jnp.inf),
+      lengths, scale=scale, block_sizes=block_sizes, backend=backend, interpret=interpret,
+      debug=debug, with_stats=with_stats)
+  parts = jax.tree_util.tree_map(lambda x: x[:, :, :rows], parts)
+  return reference.combine(parts, axis=1)
+
+
+def _exact_cache_range(q, k, v, offset, lengths, scale, fin):
+  """SPEC's exact b_hat over the cache slots: one XLA pass after the kernel.
+
+  Args: q [B, R, d] query rows; fin: ``reference.Finalized`` with rows [B, R].
+  """
+  valid = _slot_validity(offset, lengths)[:, None, :]
+  off = jnp.where(valid, offset[:, None, :], 0.0)
+  l = reference.slot_logits(q, k, off, valid, scale)
+  return reference.exact_range(l, v, reference.one_minus_pi(off), valid, fin.out, fin.lse)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "backend", "interpret",
                                              "debug", "range_mode", "with_stats"))
 def offset_decode_attention(q, k, v, offset, lengths=None, *, scale: Optional[float] = None,
@@ -298,39 +339,20 @@ def offset_decode_attention(q, k, v, offset, lengths=None, *, scale: Optional[fl
   if block_sizes is None:
     block_sizes = BlockSizes.get_default(n, batch, backend)
   block_sizes.validate(backend)
-  rows_pad = rows
-  if backend == "triton":
-    rows_pad = max(16, 1 << (rows - 1).bit_length())  # Triton dots need >= 16 rows
-  qp = jnp.pad(q, ((0, 0), (0, rows_pad - rows), (0, 0)))
-  extra = pad_slots(n, block_sizes)
-  kp = jnp.pad(k, ((0, 0), (0, extra), (0, 0)))
-  vp = jnp.pad(v, ((0, 0), (0, extra), (0, 0)))
-  offp = jnp.pad(offset.astype(jnp.float32), ((0, 0), (0, extra)), constant_values=-jnp.inf)
-  parts = decode_partials(qp, kp, vp, offp, lengths, scale=scale, block_sizes=block_sizes,
-                          backend=backend, interpret=interpret, debug=debug,
-                          with_stats=with_stats)
-  parts = jax.tree_util.tree_map(lambda x: x[:, :, :rows], parts)
-  fin = reference.finalize(reference.combine(parts, axis=1))
+  fin = reference.finalize(_cache_partials(
+      q, k, v, offset, lengths, scale=scale, block_sizes=block_sizes, backend=backend,
+      interpret=interpret, debug=debug, with_stats=with_stats))
   if range_mode == "bound" or not with_stats:
     rng = fin.range_bound
   else:
-    valid = offset >= 0.0
-    if lengths is not None:
-      valid &= jnp.arange(n)[None, :] < lengths[:, None]
-    valid = valid[:, None, :]
-    off = jnp.where(valid, offset[:, None, :], 0.0)
-    l = reference.slot_logits(q, k, off, valid, scale)
-    rng = reference.exact_range(l, v, reference.one_minus_pi(off), valid, fin.out, fin.lse)
+    rng = _exact_cache_range(q, k, v, offset, lengths, scale, fin)
   return reference.Reference(fin.out, fin.lse, fin.var_hat, rng)
 
 
 def offset_decode_reference(q, k, v, offset, lengths=None, *, scale: Optional[float] = None,
                             range_mode: str = "exact"):
   """The pure-jnp reference for :func:`offset_decode_attention` (same layout)."""
-  n = k.shape[1]
-  valid = offset >= 0.0
-  if lengths is not None:
-    valid &= jnp.arange(n)[None, :] < lengths[:, None]
+  valid = _slot_validity(offset, lengths)
   log_pi = jnp.where(valid, -offset, 0.0)
   return reference.grouped_reference(q, k, v, log_pi, valid, scale=scale,
                                      range_mode=range_mode)
@@ -373,17 +395,9 @@ def offset_chunk_attention(q, k, v, offset, k_chunk, v_chunk, lengths=None, chun
     block_sizes = BlockSizes.get_default(n, batch, backend)
   block_sizes.validate(backend)
   rows_n = t * groups
-  rows_pad = rows_n
-  if backend == "triton":
-    rows_pad = max(16, 1 << (rows_n - 1).bit_length())
-  extra = pad_slots(n, block_sizes)
-  parts = decode_partials(
-      jnp.pad(rows, ((0, 0), (0, rows_pad - rows_n), (0, 0))),
-      jnp.pad(k, ((0, 0), (0, extra), (0, 0))), jnp.pad(v, ((0, 0), (0, extra), (0, 0))),
-      jnp.pad(offset.astype(jnp.float32), ((0, 0), (0, extra)), constant_values=-jnp.inf),
-      lengths, scale=scale, block_sizes=block_sizes, backend=backend, interpret=interpret,
-      debug=debug)
-  cache_parts = reference.combine(jax.tree_util.tree_map(lambda x: x[:, :, :rows_n], parts), 1)
+  cache_parts = _cache_partials(rows, k, v, offset, lengths, scale=scale,
+                                block_sizes=block_sizes, backend=backend,
+                                interpret=interpret, debug=debug)
   # Causal self-attention within the chunk: row (i, g) sees chunk tokens j <= i.
   causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]  # [t, t]
   causal = jnp.repeat(causal, groups, axis=0)[None]  # [1, t*G, t]
@@ -400,13 +414,7 @@ def offset_chunk_attention(q, k, v, offset, k_chunk, v_chunk, lengths=None, chun
   if range_mode == "bound":
     rng = fin.range_bound
   else:
-    valid = offset >= 0.0
-    if lengths is not None:
-      valid &= jnp.arange(n)[None, :] < lengths[:, None]
-    valid = valid[:, None, :]
-    off = jnp.where(valid, offset[:, None, :], 0.0)
-    l = reference.slot_logits(rows, k, off, valid, scale)
-    rng = reference.exact_range(l, v, reference.one_minus_pi(off), valid, fin.out, fin.lse)
+    rng = _exact_cache_range(rows, k, v, offset, lengths, scale, fin)
   shape = (batch, t, groups)
   return reference.Reference(fin.out.reshape(shape + (-1,)), fin.lse.reshape(shape),
                              fin.var_hat.reshape(shape), rng.reshape(shape))

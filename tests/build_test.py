@@ -21,7 +21,8 @@ PACKAGES = ("certkv_jax", "pallas_kernels", "models", "experiments")
 # Import name -> distribution name, for the third-party packages we use.
 DISTRIBUTIONS = {"absl": "absl-py", "chex": "chex", "flax": "flax", "jax": "jax",
                  "numpy": "numpy", "optax": "optax", "orbax": "orbax-checkpoint",
-                 "scipy": "scipy"}
+                 "scipy": "scipy", "gguf": "gguf", "jinja2": "jinja2",
+                 "safetensors": "safetensors", "tokenizers": "tokenizers"}
 
 
 class _Req(str):

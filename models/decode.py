@@ -1,0 +1,388 @@
+"""Cached decoding: a certkv_jax cache per layer and KV head, prefill, scan decode.
+
+Caches are one :class:`certkv_jax.KVCache` per (layer, batch row, KV head),
+stacked into one pytree whose leaves are ``[n_layers, batch, n_kv_heads, ...]``:
+the single-head cache functions are lifted with ``jax.vmap`` over batch and KV
+heads, and layers are a ``lax.scan`` over the stacked layer parameters and
+caches. Attention is :func:`certkv_jax.offset_attention` over the kept slots
+(Hajek offsets; exactly softmax attention when nothing is evicted), so its
+certificate statistics come with every call.
+
+With a ``design``, every chunk's attention probabilities are folded into the
+slot statistics (``design.update``; the last ``observation_window`` queries of
+a chunk count as SnapKV's observation window) and :func:`evict` applies the
+design to every (layer, row, KV head) with independent PRNG keys.
+
+Two jitted regimes, both with a ``lax.scan`` greedy decode loop (no
+recompilation per token) over ragged, right-padded batches:
+
+* :func:`generate` (question-aware): prefill the whole prompt, evict once,
+  decode (optionally evicting after every step).
+* :func:`generate_streaming`: the context arrives in chunks and is evicted
+  down to budget after each chunk, before the question is known; then the
+  question is prefilled and the answer decoded.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+import certkv_jax
+from certkv_jax import cache as cache_lib
+from certkv_jax import diagnostics
+from certkv_jax.cache import KVCache
+from models.config import LlamaConfig
+from models.llama import Block
+from models.llama import LlamaModel
+
+Array = jax.Array
+
+
+def _vmap2(fn):
+  """``fn`` over [batch, kv_head] leading axes."""
+  return jax.vmap(jax.vmap(fn))
+
+
+def init_caches(config: LlamaConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+  """Empty caches, leaves ``[n_layers, batch, n_kv_heads, ...]``."""
+  one = certkv_jax.init_cache(capacity, config.head_dim, dtype=dtype)
+  lead = (config.n_layers, batch, config.n_kv_heads)
+  return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, lead + x.shape), one)
+
+
+class ChunkStats(NamedTuple):
+  """Certificate statistics of one chunk's attention calls (and, in evaluation
+  mode, the truth from the shadow full cache)."""
+
+  var_hat: Array  # [n_layers, batch, n_heads, t] float32 (SPEC section 4's V_hat)
+  range_hat: Array  # [n_layers, batch, n_heads, t] float32 (b_hat)
+  true_error: Optional[Array] = None  # [n_layers, batch, n_heads, t] ||o_hat - o||
+  rel_error: Optional[Array] = None  # [n_layers, batch, n_heads, t] ||o_hat - o|| / ||o||
+
+
+def _positions(cache: KVCache, valid) -> Array:
+  """[batch, t] positions of new tokens: next position of each row, padding skipped."""
+  start = cache.n_seen[:, 0]  # [batch], equal across KV heads
+  return start[:, None] + jnp.cumsum(valid, axis=1).astype(jnp.int32) - 1
+
+
+def _layer(config: LlamaConfig, design, observation_window: int, certificate: bool, x, valid,
+           layer_params, cache: KVCache, shadow: Optional[KVCache]):
+  """One decoder layer on a chunk: append keys/values, offset attention, MLP.
+
+  ``shadow`` (evaluation mode) is a never-evicted cache that receives the same
+  keys and values; the same queries attend over it to give the truth ``o``.
+  """
+  c = config
+  b, t, _ = x.shape
+  block = Block(c)
+  variables = {"params": layer_params}
+  positions = _positions(cache, valid)
+  q, k, v = block.apply(variables, x, positions, method=Block.qkv)
+  new_kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+            jnp.repeat(valid[:, None], c.n_kv_heads, axis=1))
+  cache = _vmap2(cache_lib.append)(cache, *new_kv)
+  if shadow is not None:
+    shadow = _vmap2(cache_lib.append)(shadow, *new_kv)
+  qg = q.reshape(b, t, c.n_kv_heads, c.group_size, c.head_dim).transpose(0, 2, 3, 1, 4)
+  slots = lambda a: a[:, :, None, None]  # [b, h_kv, cap, ...] -> [b, h_kv, 1, 1, cap, ...]
+  mask = slots(cache.valid) & (slots(cache.pos) <= positions[:, None, None, :, None])
+  probs = None
+  if design is not None or not certificate:
+    probs = certkv_jax.attention_probs(qg, slots(cache.k), slots(cache.log_pi), mask)
+  if certificate:
+    res = certkv_jax.offset_attention(qg, slots(cache.k), slots(cache.v), slots(cache.log_pi),
+                                      mask)  # out [b, h_kv, g, t, d]
+    heads = lambda a: a.reshape(b, c.n_heads, t)
+    out, stats = res.out, ChunkStats(heads(res.var_hat), heads(res.range_hat))
+    if shadow is not None:
+      full_mask = slots(shadow.valid) & (slots(shadow.pos) <= positions[:, None, None, :, None])
+      full = diagnostics.full_attention(qg, slots(shadow.k), slots(shadow.v), full_mask)
+      err = diagnostics.attention_error(out, full)
+      stats = stats._replace(true_error=heads(err.abs), rel_error=heads(err.rel))
+  else:  # the same Hajek softmax, without the certificate's per-slot statistics
+    out = jnp.einsum("bhgtn,bhnd->bhgtd", probs, cache.v.astype(jnp.float32))
+    stats = None
+  if design is not None:
+    cache = _fold_statistics(design, cache, probs, valid, observation_window)
+  out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, c.n_heads, c.head_dim)
+  x = block.apply(variables, x, out, method=Block.finish)
+  return x, cache, stats, shadow
+
+
+def _fold_statistics(design, cache: KVCache, probs, valid,
+                     observation_window: int) -> KVCache:
+  """Folds a chunk's attention probabilities [b, h_kv, g, t, cap] into the slot
+  statistics with ``design.update`` (per KV head).
+
+  In order: the non-window real queries, then the last ``observation_window``
+  real queries as the observation window, so that the last real query is the
+  latest (``last``, TOVA) and ``obs`` holds the window only (SnapKV).
+  """
+  probs = jnp.where(valid[:, None, None, :, None], probs, 0.0)  # padded queries count 0
+  t = valid.shape[1]
+  n_real = jnp.sum(valid, axis=1).astype(jnp.int32)
+  # Right-aligns each row's real queries, so that the last one is at t - 1.
+  probs = jax.vmap(lambda p, n: jnp.roll(p, t - n, axis=-2))(probs, n_real)
+  in_window = jnp.arange(t) >= t - observation_window  # [t]
+
+  def fold(cache_h, p, has_real):  # p [g, t, cap]
+    state = design.init(cache_h)
+    if observation_window == 0:
+      new = design.update(cache_h, state, p)[0]
+    else:
+      w = in_window[None, :, None]
+      new, state = design.update(cache_h, state, jnp.where(w, 0.0, p))
+      new = design.update(new, state, jnp.where(w, p, 0.0), observation=True)[0]
+    # A row whose chunk is all padding (ragged streaming) keeps its statistics.
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(has_real, a, b), new, cache_h)
+
+  per_head = jax.vmap(fold, in_axes=(0, 0, None))  # over KV heads; one flag per row
+  return jax.vmap(per_head)(cache, probs, n_real > 0)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "design", "observation_window",
+                                             "certificate"))
+def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *,
+                  design=None, observation_window: int = 0, certificate: bool = True,
+                  shadow: Optional[KVCache] = None):
+  """Runs a chunk of new tokens through the model with caches.
+
+  Args:
+    params: ``{"params": ...}`` of :class:`models.llama.LlamaModel`.
+    config: the model config.
+    tokens: [batch, t] int token ids.
+    valid: [batch, t] bool, False on (right) padding: padding takes no cache
+      slot and no position.
+    caches: from :func:`init_caches` (or a previous chunk).
+    design: optional ``certkv_jax.EvictionDesign``; its ``update`` folds the
+      chunk's attention probabilities into the slot statistics.
+    observation_window: the last this many real queries of the chunk are the
+      observation window (SnapKV's ``obs`` statistic).
+    certificate: compute attention with ``certkv_jax.offset_attention`` and
+      return its certificate statistics; False computes the same Hajek
+      softmax with ``certkv_jax.attention_probs`` only (cheaper for long
+      prefills: no per-slot second-order sums) and returns ``None`` stats.
+    shadow: evaluation mode: full caches (never evicted, from
+      :func:`init_caches`) that receive the same keys and values; with
+      ``certificate`` the stats then include the true error of every call.
+
+  Returns:
+    ``(logits [batch, t, vocab] float32, caches, ChunkStats or None, shadow)``.
+  """
+  model = LlamaModel(config)
+  x = model.apply(params, tokens, method=LlamaModel.embed_tokens)
+
+  def body(x, layer):
+    layer_params, cache, shadow_cache = layer
+    x, cache, stats, shadow_cache = _layer(config, design, observation_window, certificate, x,
+                                           valid, layer_params, cache, shadow_cache)
+    return x, (cache, stats, shadow_cache)
+
+  x, (caches, stats, shadow) = jax.lax.scan(body, x,
+                                            (params["params"]["layers"], caches, shadow))
+  return model.apply(params, x, method=LlamaModel.head), caches, stats, shadow
+
+
+def evict(design, caches: KVCache, key):
+  """Applies ``design.evict`` to every (layer, row, KV head) cache.
+
+  Returns:
+    ``(caches, info)`` with ``info`` the design's ``EvictionInfo`` of this
+    round, leaves ``[n_layers, batch, n_kv_heads, ...]``. (The design's
+    running ``DesignState`` counters are not carried between rounds; the
+    per-round ``info`` and the caches' ``n_dropped`` report what happened.)
+  """
+  lead = caches.n_seen.shape
+  keys = jax.random.split(key, lead[0] * lead[1] * lead[2])
+  keys = keys.reshape(lead + keys.shape[1:])
+
+  def one(cache, k):
+    new, _, info = design.evict(cache, design.init(cache), k)
+    return new, info
+
+  return jax.vmap(_vmap2(one))(caches, keys)
+
+
+class Generation(NamedTuple):
+  tokens: Array  # [batch, n_steps] int32 generated tokens (greedy)
+  logprobs: Array  # [batch, n_steps] float32 log-probability of each generated token
+  logits: Optional[Array]  # [batch, n_steps, vocab] float32 if return_logits
+  # Certificate statistics of decode step i: the forward pass of generated token
+  # i, whose attention produces the distribution of token i + 1.
+  var_hat: Array  # [n_steps, n_layers, batch, n_heads] float32
+  range_hat: Array  # [n_steps, n_layers, batch, n_heads] float32
+  caches: KVCache  # final caches (``n_dropped`` counts tokens that found no slot)
+  # Evaluation mode only (None otherwise), same steps as var_hat:
+  true_error: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] ||o_hat - o||
+  rel_error: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] ||o_hat - o||/||o||
+
+
+def _last_logits(logits, mask):
+  """[batch, vocab] logits at each row's last real token."""
+  last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)
+  return logits[jnp.arange(logits.shape[0]), last]
+
+
+def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, design,
+                 evict_each_step, return_logits) -> Generation:
+  """Greedy ``lax.scan`` decode from the logits of the last prompt token."""
+  batch = first_logits.shape[0]
+
+  def step(carry, _):
+    caches, shadow, step_logits, key = carry
+    logp = jax.nn.log_softmax(step_logits)
+    token = jnp.argmax(step_logits, axis=-1).astype(jnp.int32)
+    token_logp = jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0]
+    new_logits, caches, stats, shadow = forward_chunk(
+        params, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
+        shadow=shadow)
+    key, sub = jax.random.split(key)
+    if design is not None and evict_each_step:
+      caches, _ = evict(design, caches, sub)
+    stats = jax.tree_util.tree_map(lambda a: a[..., 0], stats)  # t = 1
+    out = (token, token_logp, step_logits if return_logits else None, stats)
+    return (caches, shadow, new_logits[:, 0], key), out
+
+  (caches, _, _, _), (toks, logps, step_logits, stats) = jax.lax.scan(
+      step, (caches, shadow, first_logits, key), None, length=n_steps)
+  return Generation(
+      tokens=toks.T, logprobs=logps.T,
+      logits=None if step_logits is None else step_logits.transpose(1, 0, 2),
+      var_hat=stats.var_hat, range_hat=stats.range_hat, caches=caches,
+      true_error=stats.true_error, rel_error=stats.rel_error)
+
+
+def _check_prompt(tokens, mask, n_steps):
+  if tokens.ndim != 2 or mask.shape != tokens.shape or mask.dtype != jnp.bool_:
+    raise ValueError(f"tokens must be [batch, len] with a bool mask of the same shape; got "
+                     f"tokens {tokens.shape}, mask {mask.dtype} {mask.shape}")
+  if n_steps < 1:
+    raise ValueError(f"n_steps must be >= 1, got {n_steps}")
+
+
+_STATIC = ("config", "capacity", "n_steps", "design", "observation_window", "evict_each_step",
+           "return_logits", "evaluate")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n_steps: int,
+             design=None, observation_window: int = 0, evict_each_step: bool = False,
+             return_logits: bool = False, evaluate: bool = False) -> Generation:
+  """Question-aware greedy generation: prefill, evict once, ``lax.scan`` decode.
+
+  The whole prompt (context and question) is prefilled, the design (if any)
+  evicts once down to its budget, then ``n_steps`` tokens are decoded (and,
+  with ``evict_each_step``, evicted again after every step). Decode steps
+  attend with ``certkv_jax.offset_attention`` and report its certificate
+  statistics; the prefill, which sees the full cache, skips them.
+
+  Args:
+    params: model parameters.
+    tokens: [batch, prompt_len] int right-padded prompts.
+    mask: [batch, prompt_len] bool, True on real prompt tokens (>= 1 per row).
+    key: PRNG key for randomized designs.
+    config, capacity, n_steps: static; ``capacity`` slots per (layer, row,
+      KV head) must hold the prompt, and the tokens kept after eviction plus
+      those appended before the next one.
+    design: optional eviction design; None keeps everything.
+    observation_window: prompt queries that form the observation window.
+    evict_each_step: evict after every decode step too.
+    return_logits: also return the full logits of every step.
+    evaluate: evaluation mode: keep a shadow full cache (``prompt_len +
+      n_steps`` slots, never evicted) and report every decode call's true
+      error. Normal mode never allocates it.
+
+  Returns:
+    A :class:`Generation`.
+  """
+  _check_prompt(tokens, mask, n_steps)
+  batch, prompt_len = tokens.shape
+  need = prompt_len + (n_steps if design is None else 0)
+  if capacity < need:
+    raise ValueError(f"capacity ({capacity}) must hold the prompt ({prompt_len} tokens)"
+                     f"{'' if design is not None else f' plus {n_steps} decoded tokens'}")
+  caches = init_caches(config, batch, capacity)
+  shadow = init_caches(config, batch, prompt_len + n_steps) if evaluate else None
+  logits, caches, _, shadow = forward_chunk(
+      params, config, tokens, mask, caches, design=design,
+      observation_window=observation_window, certificate=False, shadow=shadow)
+  key, sub = jax.random.split(key)
+  if design is not None:
+    caches, _ = evict(design, caches, sub)
+  return _decode_loop(params, config, caches, shadow, _last_logits(logits, mask), key, n_steps,
+                      design, evict_each_step, return_logits)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("chunk",))
+def generate_streaming(params, context, context_mask, question, question_mask, key, *,
+                       config: LlamaConfig, capacity: int, n_steps: int, chunk: int,
+                       design=None, observation_window: int = 0,
+                       evict_each_step: bool = False, return_logits: bool = False,
+                       evaluate: bool = False) -> Generation:
+  """Streaming greedy generation: the context arrives in chunks, then the question.
+
+  The context is fed ``chunk`` tokens at a time (a ``lax.scan`` over chunks);
+  after each chunk the design evicts down to its budget, before the question
+  is known. Then the question is prefilled (its last ``observation_window``
+  queries are the observation window) and ``n_steps`` tokens are decoded as
+  in :func:`generate`.
+
+  Args:
+    params: model parameters.
+    context: [batch, n_context] int context tokens, right-padded per row.
+    context_mask: [batch, n_context] bool.
+    question: [batch, n_question] int question tokens, right-padded per row.
+    question_mask: [batch, n_question] bool (>= 1 real token per row).
+    key: PRNG key.
+    config, capacity, n_steps: as in :func:`generate`; ``capacity`` must hold
+      the kept tokens plus one chunk, and then plus the question and the
+      decoded tokens (overflow is counted in the caches' ``n_dropped``).
+    chunk: context tokens per chunk (static); the context is padded to a
+      multiple of it.
+    design, observation_window, evict_each_step, return_logits, evaluate: as
+      in :func:`generate` (the shadow cache holds the whole padded context,
+      the question and the decoded tokens).
+
+  Returns:
+    A :class:`Generation`.
+  """
+  _check_prompt(context, context_mask, n_steps)
+  _check_prompt(question, question_mask, n_steps)
+  if context.shape[0] != question.shape[0]:
+    raise ValueError(f"context and question batch sizes differ: {context.shape[0]} vs "
+                     f"{question.shape[0]}")
+  if not isinstance(chunk, int) or chunk < 1 or chunk > capacity:
+    raise ValueError(f"chunk must be an int in [1, capacity={capacity}], got {chunk!r}")
+  batch, n_context = context.shape
+  n_chunks = -(-n_context // chunk)
+  pad = n_chunks * chunk - n_context
+  context = jnp.pad(context, ((0, 0), (0, pad)))
+  context_mask = jnp.pad(context_mask, ((0, 0), (0, pad)))
+  as_chunks = lambda x: x.reshape(batch, n_chunks, chunk).swapaxes(0, 1)  # [n_chunks, b, c]
+
+  def feed(carry, xs):
+    caches, shadow, key = carry
+    toks, valid = xs
+    _, caches, _, shadow = forward_chunk(params, config, toks, valid, caches, design=design,
+                                         certificate=False, shadow=shadow)
+    key, sub = jax.random.split(key)
+    if design is not None:
+      caches, _ = evict(design, caches, sub)
+    return (caches, shadow, key), None
+
+  caches = init_caches(config, batch, capacity)
+  shadow = None
+  if evaluate:
+    shadow = init_caches(config, batch, n_chunks * chunk + question.shape[1] + n_steps)
+  (caches, shadow, key), _ = jax.lax.scan(feed, (caches, shadow, key),
+                                          (as_chunks(context), as_chunks(context_mask)))
+  logits, caches, _, shadow = forward_chunk(
+      params, config, question, question_mask, caches, design=design,
+      observation_window=observation_window, certificate=False, shadow=shadow)
+  return _decode_loop(params, config, caches, shadow, _last_logits(logits, question_mask), key,
+                      n_steps, design, evict_each_step, return_logits)

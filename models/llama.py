@@ -1,0 +1,211 @@
+"""A Llama-family decoder in flax.linen: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+Covers Llama 1-3, Mistral, Qwen2 and SmolLM2 (see :class:`LlamaConfig`). The
+full forward pass is ``logits = LlamaModel(config).apply(params, tokens)``.
+
+Parameter tree (``params = {"params": ...}``; layers are stacked on a leading
+axis by ``nn.scan``, so a checkpoint's layer ``i`` is ``leaf[i]``)::
+
+    embed/embedding                       [vocab, hidden]
+    layers/attn_norm/scale                [L, hidden]
+    layers/{q,k,v}_proj/kernel            [L, hidden, heads * head_dim]   (+ bias)
+    layers/o_proj/kernel                  [L, n_heads * head_dim, hidden] (+ bias)
+    layers/mlp_norm/scale                 [L, hidden]
+    layers/mlp/{gate,up}_proj/kernel      [L, hidden, ffn_dim]
+    layers/mlp/down_proj/kernel           [L, ffn_dim, hidden]
+    final_norm/scale                      [hidden]
+    lm_head/kernel                        [hidden, vocab]   (absent if tied)
+
+A :class:`Block` exposes its two halves, :meth:`Block.qkv` (norm, projections,
+RoPE) and :meth:`Block.finish` (output projection, residual, MLP), so that
+cached decoding (``models.decode``) can put a KV cache between them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import rope
+from models.config import LlamaConfig
+
+Array = jax.Array
+_NEG = -1e30  # masked logit: finite, so a fully masked row cannot produce NaN
+
+
+class RMSNorm(nn.Module):
+  """``x / rms(x) * scale``, computed in float32."""
+
+  eps: float = 1e-5
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return (y * scale).astype(x.dtype)
+
+
+class SwiGLU(nn.Module):
+  """``down(silu(gate(x)) * up(x))``."""
+
+  hidden: int
+  ffn_dim: int
+  dtype: str = "float32"
+
+  @nn.compact
+  def __call__(self, x):
+    dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype,
+                                     param_dtype=jnp.float32, name=name)
+    return dense(self.hidden, "down_proj")(
+        nn.silu(dense(self.ffn_dim, "gate_proj")(x)) * dense(self.ffn_dim, "up_proj")(x))
+
+
+def attention_mask(positions, token_mask, sliding_window: Optional[int] = None) -> Array:
+  """[batch, seq, seq] bool: query ``i`` may attend key ``j``.
+
+  Causal by position, restricted to real keys (``token_mask``) and, if set, to
+  the ``sliding_window`` most recent positions.
+  """
+  qp, kp = positions[:, :, None], positions[:, None, :]
+  allowed = (kp <= qp) & token_mask[:, None, :]
+  if sliding_window is not None:
+    allowed &= kp > qp - sliding_window
+  return allowed
+
+
+def grouped_attention(q, k, v, allowed) -> Array:
+  """Softmax attention with grouped KV heads, in float32.
+
+  Args:
+    q: [batch, seq_q, n_heads, head_dim].
+    k, v: [batch, seq_k, n_kv_heads, head_dim].
+    allowed: [batch, seq_q, seq_k] bool.
+
+  Returns:
+    [batch, seq_q, n_heads, head_dim] float32.
+  """
+  b, s, h, d = q.shape
+  h_kv = k.shape[2]
+  qg = q.astype(jnp.float32).reshape(b, s, h_kv, h // h_kv, d)
+  logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) / math.sqrt(d)
+  logits = jnp.where(allowed[:, None, None], logits, _NEG)
+  probs = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(jnp.float32))
+  return out.reshape(b, s, h, d)
+
+
+class Block(nn.Module):
+  """One pre-norm decoder block."""
+
+  config: LlamaConfig
+
+  def setup(self):
+    c = self.config
+    dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=c.dtype,
+                                           param_dtype=jnp.float32, name=name)
+    self.attn_norm = RMSNorm(c.rms_eps)
+    self.q_proj = dense(c.n_heads * c.head_dim, c.qkv_bias, "q_proj")
+    self.k_proj = dense(c.n_kv_heads * c.head_dim, c.qkv_bias, "k_proj")
+    self.v_proj = dense(c.n_kv_heads * c.head_dim, c.qkv_bias, "v_proj")
+    self.o_proj = dense(c.hidden, c.out_bias, "o_proj")
+    self.mlp_norm = RMSNorm(c.rms_eps)
+    self.mlp = SwiGLU(c.hidden, c.ffn_dim, c.dtype)
+
+  def qkv(self, x, positions):
+    """Queries, keys and values of ``x`` [batch, seq, hidden] after RoPE.
+
+    Returns:
+      q [batch, seq, n_heads, head_dim], k and v [batch, seq, n_kv_heads, head_dim].
+    """
+    c = self.config
+    b, s, _ = x.shape
+    h = self.attn_norm(x)
+    q = self.q_proj(h).reshape(b, s, c.n_heads, c.head_dim)
+    k = self.k_proj(h).reshape(b, s, c.n_kv_heads, c.head_dim)
+    v = self.v_proj(h).reshape(b, s, c.n_kv_heads, c.head_dim)
+    return rope.apply_rope(q, positions, c), rope.apply_rope(k, positions, c), v
+
+  def finish(self, x, attn):
+    """Residual stream after the block, given attention outputs [b, s, n_heads, head_dim]."""
+    b, s = x.shape[:2]
+    x = x + self.o_proj(attn.reshape(b, s, -1).astype(x.dtype))
+    return x + self.mlp(self.mlp_norm(x))
+
+  def __call__(self, x, positions, allowed):
+    """``(x, None)``: the scan-carry form (``nn.scan`` over layers)."""
+    q, k, v = self.qkv(x, positions)
+    return self.finish(x, grouped_attention(q, k, v, allowed)), None
+
+
+class LlamaModel(nn.Module):
+  """The decoder: ``apply(params, tokens[, mask, positions])`` -> float32 logits."""
+
+  config: LlamaConfig
+
+  def setup(self):
+    c = self.config
+    self.embed = nn.Embed(c.vocab_size, c.hidden, dtype=c.dtype, param_dtype=jnp.float32,
+                          embedding_init=nn.initializers.normal(0.02))
+    self.layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                          in_axes=(nn.broadcast, nn.broadcast), length=c.n_layers)(c)
+    self.final_norm = RMSNorm(c.rms_eps)
+    if not c.tie_embeddings:
+      self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=jnp.float32,
+                              param_dtype=jnp.float32)
+
+  def embed_tokens(self, tokens):
+    """[batch, seq] int -> [batch, seq, hidden]."""
+    return self.embed(tokens)
+
+  def head(self, x):
+    """Final norm and output projection: [..., hidden] -> float32 [..., vocab]."""
+    h = self.final_norm(x).astype(jnp.float32)
+    if self.config.tie_embeddings:
+      return h @ self.embed.embedding.astype(jnp.float32).T
+    return self.lm_head(h)
+
+  def __call__(self, tokens, mask=None, positions=None):
+    """Full forward pass.
+
+    Args:
+      tokens: [batch, seq] int token ids.
+      mask: optional [batch, seq] bool, False on padding (right-padded ragged
+        batches); padded keys are never attended to.
+      positions: optional [batch, seq] int positions; default ``0..seq-1``.
+
+    Returns:
+      [batch, seq, vocab] float32 logits (rows at padding are not meaningful).
+    """
+    c = self.config
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"tokens must be an int [batch, seq] array, got {tokens.dtype} "
+                       f"{tokens.shape}")
+    if mask is None:
+      mask = jnp.ones(tokens.shape, bool)
+    mask = jnp.asarray(mask)
+    if mask.shape != tokens.shape or mask.dtype != jnp.bool_:
+      raise ValueError(f"mask must be bool {tokens.shape}, got {mask.dtype} {mask.shape}")
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    positions = jnp.asarray(positions)
+    if positions.shape != tokens.shape:
+      raise ValueError(f"positions must be {tokens.shape}, got {positions.shape}")
+    allowed = attention_mask(positions, mask, c.sliding_window)
+    x, _ = self.layers(self.embed_tokens(tokens), positions, allowed)
+    return self.head(x)
+
+
+def init_params(config: LlamaConfig, key, seq: int = 8):
+  """Randomly initialised parameters ``{"params": ...}`` (for tests and training)."""
+  return LlamaModel(config).init(key, jnp.zeros((1, seq), jnp.int32))
+
+
+def layer_params(params, i: int):
+  """Layer ``i``'s parameters (a slice of the stacked ``layers`` subtree)."""
+  return jax.tree_util.tree_map(lambda x: x[i], params["params"]["layers"])
