@@ -5,20 +5,25 @@
 * :mod:`models.llama` -- the Llama-family decoder (:class:`LlamaModel`).
 * :mod:`models.decode` -- certkv caches per layer and KV head; question-aware and
   streaming generation (prefill, eviction, ``lax.scan`` decode).
+* :mod:`models.budgets` -- per-layer budgets (PyramidKV schedules).
+* :mod:`models.memory` -- bytes of a run's caches (K/V, metadata) vs. the full cache.
 * :mod:`models.param_tree` -- the parameter tree from per-layer tensors (loaders).
 * :mod:`models.hf_loader` -- Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2).
 * :mod:`models.gguf_loader` -- GGUF files; the default model SmolLM2-135M-Instruct.
 * :mod:`models.tokenizer` -- byte-level BPE tokenizer from GGUF metadata.
 """
 
+from models import budgets
 from models import config
 from models import decode
 from models import gguf_loader
 from models import hf_loader
 from models import llama
+from models import memory
 from models import param_tree
 from models import rope
 from models import tokenizer
+from models.budgets import pyramid_budgets
 from models.config import LlamaConfig
 from models.decode import forward_chunk
 from models.decode import generate
@@ -33,6 +38,7 @@ from models.llama import init_params
 __all__ = [
     "LlamaConfig",
     "LlamaModel",
+    "budgets",
     "config",
     "decode",
     "forward_chunk",
@@ -43,7 +49,9 @@ __all__ = [
     "init_caches",
     "init_params",
     "llama",
+    "memory",
     "param_tree",
+    "pyramid_budgets",
     "load_gguf",
     "load_hf_checkpoint",
     "load_smollm2",

@@ -35,6 +35,7 @@ import certkv_jax
 from certkv_jax import cache as cache_lib
 from certkv_jax import diagnostics
 from certkv_jax.cache import KVCache
+from models import budgets as budgets_lib
 from models.config import LlamaConfig
 from models.llama import Block
 from models.llama import LlamaModel
@@ -188,8 +189,12 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
   return model.apply(params, x, method=LlamaModel.head), caches, stats, shadow
 
 
-def evict(design, caches: KVCache, key):
+def evict(design, caches: KVCache, key, layer_budgets=None):
   """Applies ``design.evict`` to every (layer, row, KV head) cache.
+
+  ``layer_budgets`` (optional, static): one budget per layer, all ints
+  (tokens) or all floats (fractions), e.g. ``models.budgets.pyramid_budgets``;
+  it replaces the design's own budget, layer by layer.
 
   Returns:
     ``(caches, info)`` with ``info`` the design's ``EvictionInfo`` of this
@@ -201,11 +206,22 @@ def evict(design, caches: KVCache, key):
   keys = jax.random.split(key, lead[0] * lead[1] * lead[2])
   keys = keys.reshape(lead + keys.shape[1:])
 
-  def one(cache, k):
-    new, _, info = design.evict(cache, design.init(cache), k)
+  if layer_budgets is None:
+    def one(cache, k):
+      new, _, info = design.evict(cache, design.init(cache), k)
+      return new, info
+
+    return jax.vmap(_vmap2(one))(caches, keys)
+
+  layer_budgets = budgets_lib.check_layer_budgets(layer_budgets, lead[0])
+  targets = budgets_lib.layer_targets(layer_budgets, caches.n_seen)  # [layers, batch, kv]
+
+  def one_target(cache, k, target):
+    d = budgets_lib.with_target(design, target)
+    new, _, info = d.evict(cache, d.init(cache), k)
     return new, info
 
-  return jax.vmap(_vmap2(one))(caches, keys)
+  return jax.vmap(jax.vmap(jax.vmap(one_target)))(caches, keys, targets)
 
 
 class Generation(NamedTuple):
@@ -229,7 +245,7 @@ def _last_logits(logits, mask):
 
 
 def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, design,
-                 evict_each_step, return_logits) -> Generation:
+                 evict_each_step, return_logits, layer_budgets=None) -> Generation:
   """Greedy ``lax.scan`` decode from the logits of the last prompt token."""
   batch = first_logits.shape[0]
 
@@ -243,7 +259,7 @@ def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, des
         shadow=shadow)
     key, sub = jax.random.split(key)
     if design is not None and evict_each_step:
-      caches, _ = evict(design, caches, sub)
+      caches, _ = evict(design, caches, sub, layer_budgets)
     stats = jax.tree_util.tree_map(lambda a: a[..., 0], stats)  # t = 1
     out = (token, token_logp, step_logits if return_logits else None, stats)
     return (caches, shadow, new_logits[:, 0], key), out
@@ -266,13 +282,22 @@ def _check_prompt(tokens, mask, n_steps):
 
 
 _STATIC = ("config", "capacity", "n_steps", "design", "observation_window", "evict_each_step",
-           "return_logits", "evaluate")
+           "return_logits", "evaluate", "layer_budgets")
+
+
+def _check_layer_budgets(design, layer_budgets, config, capacity):
+  if layer_budgets is None:
+    return None
+  if design is None:
+    raise ValueError("layer_budgets needs a design (the design's budget is what they replace)")
+  return budgets_lib.check_layer_budgets(layer_budgets, config.n_layers, capacity)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n_steps: int,
              design=None, observation_window: int = 0, evict_each_step: bool = False,
-             return_logits: bool = False, evaluate: bool = False) -> Generation:
+             return_logits: bool = False, evaluate: bool = False,
+             layer_budgets: Optional[tuple] = None) -> Generation:
   """Question-aware greedy generation: prefill, evict once, ``lax.scan`` decode.
 
   The whole prompt (context and question) is prefilled, the design (if any)
@@ -296,11 +321,15 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n
     evaluate: evaluation mode: keep a shadow full cache (``prompt_len +
       n_steps`` slots, never evicted) and report every decode call's true
       error. Normal mode never allocates it.
+    layer_budgets: optional static tuple, one budget per layer (all ints =
+      tokens, or all floats = fractions; see ``models.budgets``), replacing
+      the design's budget layer by layer (PyramidKV-style).
 
   Returns:
     A :class:`Generation`.
   """
   _check_prompt(tokens, mask, n_steps)
+  layer_budgets = _check_layer_budgets(design, layer_budgets, config, capacity)
   batch, prompt_len = tokens.shape
   need = prompt_len + (n_steps if design is None else 0)
   if capacity < need:
@@ -313,9 +342,9 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n
       observation_window=observation_window, certificate=False, shadow=shadow)
   key, sub = jax.random.split(key)
   if design is not None:
-    caches, _ = evict(design, caches, sub)
+    caches, _ = evict(design, caches, sub, layer_budgets)
   return _decode_loop(params, config, caches, shadow, _last_logits(logits, mask), key, n_steps,
-                      design, evict_each_step, return_logits)
+                      design, evict_each_step, return_logits, layer_budgets)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("chunk",))
@@ -323,7 +352,8 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
                        config: LlamaConfig, capacity: int, n_steps: int, chunk: int,
                        design=None, observation_window: int = 0,
                        evict_each_step: bool = False, return_logits: bool = False,
-                       evaluate: bool = False) -> Generation:
+                       evaluate: bool = False,
+                       layer_budgets: Optional[tuple] = None) -> Generation:
   """Streaming greedy generation: the context arrives in chunks, then the question.
 
   The context is fed ``chunk`` tokens at a time (a ``lax.scan`` over chunks);
@@ -344,15 +374,16 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
       decoded tokens (overflow is counted in the caches' ``n_dropped``).
     chunk: context tokens per chunk (static); the context is padded to a
       multiple of it.
-    design, observation_window, evict_each_step, return_logits, evaluate: as
-      in :func:`generate` (the shadow cache holds the whole padded context,
-      the question and the decoded tokens).
+    design, observation_window, evict_each_step, return_logits, evaluate,
+      layer_budgets: as in :func:`generate` (the shadow cache holds the whole
+      padded context, the question and the decoded tokens).
 
   Returns:
     A :class:`Generation`.
   """
   _check_prompt(context, context_mask, n_steps)
   _check_prompt(question, question_mask, n_steps)
+  layer_budgets = _check_layer_budgets(design, layer_budgets, config, capacity)
   if context.shape[0] != question.shape[0]:
     raise ValueError(f"context and question batch sizes differ: {context.shape[0]} vs "
                      f"{question.shape[0]}")
@@ -372,7 +403,7 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
                                          certificate=False, shadow=shadow)
     key, sub = jax.random.split(key)
     if design is not None:
-      caches, _ = evict(design, caches, sub)
+      caches, _ = evict(design, caches, sub, layer_budgets)
     return (caches, shadow, key), None
 
   caches = init_caches(config, batch, capacity)
@@ -385,4 +416,4 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
       params, config, question, question_mask, caches, design=design,
       observation_window=observation_window, certificate=False, shadow=shadow)
   return _decode_loop(params, config, caches, shadow, _last_logits(logits, question_mask), key,
-                      n_steps, design, evict_each_step, return_logits)
+                      n_steps, design, evict_each_step, return_logits, layer_budgets)
