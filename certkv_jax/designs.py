@@ -420,4 +420,31 @@ def attention_proportional(budget, n_sink: int = 0, window: int = 0, heavy: int 
 
 
 DETERMINISTIC = ("sink_window", "h2o", "tova", "snapkv", "key_norm")
-RANDOMIZED = ("uniform_random", "poisson_tail", "attention_proportional")
+RANDOMIZED = ("uniform_random", "poisson_tail", "poisson_flat", "attention_proportional")
+
+
+def by_name(name: str, budget, n_sink: int = 4, window: int = 16) -> EvictionDesign:
+  """A design by its name, with the shared sink/window settings experiments use.
+
+  ``snapkv`` uses ``window`` as its observation window (pool size 5);
+  ``poisson_flat`` is ``poisson_tail`` with uniform scores (flat pi).
+
+  Raises:
+    ValueError naming the design and listing the known names.
+  """
+  kw = dict(n_sink=n_sink, window=window)
+  table = {
+      "sink_window": lambda: sink_window(budget, n_sink=n_sink),
+      "h2o": lambda: h2o(budget, **kw),
+      "tova": lambda: tova(budget, **kw),
+      "snapkv": lambda: snapkv(budget, window=window, pool_size=5, n_sink=n_sink),
+      "key_norm": lambda: key_norm(budget, **kw),
+      "uniform_random": lambda: uniform_random(budget, **kw),
+      "poisson_tail": lambda: poisson_tail(budget, **kw),
+      "poisson_flat": lambda: poisson_tail(budget, score=scores.Uniform(), name="poisson_flat",
+                                           **kw),
+      "attention_proportional": lambda: attention_proportional(budget, **kw),
+  }
+  if name not in table:
+    raise ValueError(f"unknown design {name!r}; choose from {sorted(table)}")
+  return table[name]()

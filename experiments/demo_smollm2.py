@@ -75,21 +75,12 @@ DESIGNS = ("full", "sink_window", "h2o", "tova", "snapkv", "key_norm", "uniform_
 
 def make_design(name: str, budget: float, n_sink: int, window: int):
   """None for 'full'; else the named design at a fractional budget."""
-  kw = dict(n_sink=n_sink, window=window)
-  table = {
-      "full": lambda: None,
-      "sink_window": lambda: designs.sink_window(budget, n_sink=n_sink),
-      "h2o": lambda: designs.h2o(budget, **kw),
-      "tova": lambda: designs.tova(budget, **kw),
-      "snapkv": lambda: designs.snapkv(budget, window=window, pool_size=5, n_sink=n_sink),
-      "key_norm": lambda: designs.key_norm(budget, **kw),
-      "uniform_random": lambda: designs.uniform_random(budget, **kw),
-      "poisson_tail": lambda: designs.poisson_tail(budget, **kw),
-      "attention_proportional": lambda: designs.attention_proportional(budget, **kw),
-  }
-  if name not in table:
-    raise ValueError(f"--designs: unknown design {name!r}; choose from {sorted(table)}")
-  return table[name]()
+  if name == "full":
+    return None
+  try:
+    return designs.by_name(name, budget, n_sink, window)
+  except ValueError as err:
+    raise ValueError(f"--designs: {err} (or 'full')") from err
 
 
 def make_examples(tok, n: int, context_len: int, seed: int):

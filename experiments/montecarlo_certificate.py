@@ -23,7 +23,6 @@ import jax
 
 from certkv_jax import designs
 from certkv_jax import montecarlo
-from certkv_jax import scores
 from experiments import results_io
 
 FLAGS = flags.FLAGS
@@ -47,22 +46,10 @@ flags.DEFINE_integer("seed", 0, "Seed of the problem and of the draws.")
 
 
 def make_design(name: str, budget: int, n_sink: int, window: int):
-  kw = dict(n_sink=n_sink, window=window)
-  table = {
-      "sink_window": lambda: designs.sink_window(budget, n_sink=n_sink),
-      "h2o": lambda: designs.h2o(budget, **kw),
-      "tova": lambda: designs.tova(budget, **kw),
-      "snapkv": lambda: designs.snapkv(budget, window=window, pool_size=5, n_sink=n_sink),
-      "key_norm": lambda: designs.key_norm(budget, **kw),
-      "uniform_random": lambda: designs.uniform_random(budget, **kw),
-      "poisson_tail": lambda: designs.poisson_tail(budget, **kw),
-      "poisson_flat": lambda: designs.poisson_tail(budget, score=scores.Uniform(),
-                                                   name="poisson_flat", **kw),
-      "attention_proportional": lambda: designs.attention_proportional(budget, **kw),
-  }
-  if name not in table:
-    raise ValueError(f"--designs: unknown design {name!r}; choose from {sorted(table)}")
-  return table[name]()
+  try:
+    return designs.by_name(name, budget, n_sink, window)
+  except ValueError as err:
+    raise ValueError(f"--designs: {err}") from err
 
 
 def _fractions(values, flag):

@@ -168,6 +168,19 @@ class DesignTest(parameterized.TestCase):
       self.assertEqual(int(c2.n_valid), math.floor(0.25 * n))
 
 
+class ByNameTest(absltest.TestCase):
+
+  def test_every_name_builds_and_evicts(self):
+    c = _cache()
+    for name in designs.DETERMINISTIC + designs.RANDOMIZED:
+      design = designs.by_name(name, 24, n_sink=2, window=4)
+      self.assertEqual(design.randomized, name in designs.RANDOMIZED, name)
+      c2, _, _ = _evict(design, c)
+      self.assertLessEqual(int(c2.n_valid), 24, name)
+    with self.assertRaisesRegex(ValueError, "unknown design 'h3o'"):
+      designs.by_name("h3o", 24)
+
+
 class BadDesignInputTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
