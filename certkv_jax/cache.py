@@ -100,17 +100,55 @@ def append(cache: KVCache, k_new, v_new, new_valid=None) -> KVCache:
   new_valid = jnp.asarray(new_valid)
   if new_valid.shape != (t,) or new_valid.dtype != jnp.bool_:
     raise ValueError(f"new_valid must be bool [{t}], got {new_valid.dtype} {new_valid.shape}")
-  rank_new = jnp.cumsum(new_valid) - 1  # j-th real token -> j
+  slots = slot_assignment(cache.valid, new_valid)
+  if (_checks.is_concrete(slots.n_new) and _checks.is_concrete(slots.n_free)
+      and int(slots.n_new) > int(slots.n_free)):
+    raise ValueError(f"append of {int(slots.n_new)} tokens needs free slots, but the cache "
+                     f"(capacity {cap}) has {int(slots.n_free)}; evict first or raise capacity")
+  return write_slots(cache, slots, slots.idx, k_new, v_new)
+
+
+class SlotAssignment(NamedTuple):
+  """Where :func:`append` puts ``t`` new tokens (see :func:`slot_assignment`)."""
+
+  idx: Array  # [t] int32 slot of each new token; ``cap`` = not stored (padding or no room)
+  rank: Array  # [t] int32 j for the j-th real new token (its position is n_seen + j)
+  n_new: Array  # [] int32 real new tokens
+  n_stored: Array  # [] int32 real new tokens that found a free slot
+  n_free: Array  # [] int32 free slots before the append
+
+
+def slot_assignment(valid, new_valid) -> SlotAssignment:
+  """The slots that :func:`append` fills: free slots in slot order, real tokens in order.
+
+  Split from the write so that a cache whose slots are spread over devices
+  (``certkv_jax.distributed``) places tokens exactly as one device would: it
+  computes this from the gathered ``valid`` mask and writes only its own slots.
+
+  Args:
+    valid: [cap] bool, the slots that hold a token.
+    new_valid: [t] bool, the real (non-padding) new tokens.
+  """
+  cap = valid.shape[-1]
+  rank_new = (jnp.cumsum(new_valid) - 1).astype(jnp.int32)  # j-th real token -> j
   n_new = jnp.sum(new_valid).astype(jnp.int32)
-  free_slots = jnp.argsort(cache.valid, stable=True)  # free slots first, in slot order
-  n_free = cap - cache.n_valid
+  free_slots = jnp.argsort(valid, stable=True)  # free slots first, in slot order
+  n_free = (cap - jnp.sum(valid)).astype(jnp.int32)
   fits = new_valid & (rank_new < n_free)
-  idx = jnp.where(fits, free_slots[jnp.clip(rank_new, 0, cap - 1)], cap)  # cap = dropped
+  idx = jnp.where(fits, free_slots[jnp.clip(rank_new, 0, cap - 1)], cap).astype(jnp.int32)
   n_stored = jnp.sum(fits).astype(jnp.int32)
-  if _checks.is_concrete(n_new) and _checks.is_concrete(n_free) and int(n_new) > int(n_free):
-    raise ValueError(f"append of {int(n_new)} tokens needs free slots, but the cache "
-                     f"(capacity {cap}) has {int(n_free)}; evict first or raise capacity")
-  pos_new = cache.n_seen + rank_new.astype(jnp.int32)
+  return SlotAssignment(idx, rank_new, n_new, n_stored, n_free)
+
+
+def write_slots(cache: KVCache, slots: SlotAssignment, idx, k_new, v_new) -> KVCache:
+  """Writes new tokens at slot indices ``idx`` [t] (``>= capacity`` = not written).
+
+  ``idx`` is ``slots.idx`` on one device, or its part that falls in this
+  device's slot range (shifted to local indices) on a sequence-sharded cache;
+  the counters come from ``slots`` either way.
+  """
+  t = k_new.shape[0]
+  pos_new = cache.n_seen + slots.rank
   z = jnp.zeros((t,), jnp.float32)
   return cache._replace(
       k=cache.k.at[idx].set(k_new.astype(cache.k.dtype), mode="drop"),
@@ -121,8 +159,8 @@ def append(cache: KVCache, k_new, v_new, new_valid=None) -> KVCache:
       acc=cache.acc.at[idx].set(z, mode="drop"),
       last=cache.last.at[idx].set(z, mode="drop"),
       obs=cache.obs.at[idx].set(z, mode="drop"),
-      n_seen=cache.n_seen + n_new,
-      n_dropped=cache.n_dropped + (n_new - n_stored),
+      n_seen=cache.n_seen + slots.n_new,
+      n_dropped=cache.n_dropped + (slots.n_new - slots.n_stored),
   )
 
 

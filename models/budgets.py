@@ -97,6 +97,14 @@ def layer_targets(layer_budgets: LayerBudgets, n_seen) -> Array:
   return jnp.floor(f * n_seen.astype(jnp.float32) * (1.0 + 1e-6)).astype(jnp.int32)
 
 
+def fraction_targets(fraction, n_seen) -> Array:
+  """int32 targets ``floor(fraction * n_seen)`` (shape of ``n_seen``) for one
+  (possibly traced) fraction, with :func:`layer_targets`' rounding guard."""
+  f = jnp.asarray(fraction, jnp.float32)
+  n = jnp.asarray(n_seen).astype(jnp.float32)
+  return jnp.floor(f * n * (1.0 + 1e-6)).astype(jnp.int32)
+
+
 def pyramid_budgets(n_layers: int, mean: Union[int, float], beta: float = 20.0) -> LayerBudgets:
   """PyramidKV's schedule: linearly decreasing from the first layer to the last.
 

@@ -30,10 +30,12 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import certkv_jax
 from certkv_jax import cache as cache_lib
 from certkv_jax import diagnostics
+from certkv_jax import distributed
 from certkv_jax.cache import KVCache
 from models import budgets as budgets_lib
 from models.config import LlamaConfig
@@ -63,6 +65,10 @@ class ChunkStats(NamedTuple):
   range_hat: Array  # [n_layers, batch, n_heads, t] float32 (b_hat)
   true_error: Optional[Array] = None  # [n_layers, batch, n_heads, t] ||o_hat - o||
   rel_error: Optional[Array] = None  # [n_layers, batch, n_heads, t] ||o_hat - o|| / ||o||
+  # Assumption-2 audit (SPEC section 6), from the shadow cache's inclusion record:
+  ratio: Optional[Array] = None  # [n_layers, batch, n_heads, t] R = m max_T a_i/(pi_i sum a)
+  tail_m: Optional[Array] = None  # [n_layers, batch, n_heads, t] m = sum_T pi_i
+  tail_n: Optional[Array] = None  # [n_layers, batch, n_heads, t] |T| (tokens with 0<pi<1)
 
 
 def _positions(cache: KVCache, valid) -> Array:
@@ -77,6 +83,9 @@ def _layer(config: LlamaConfig, design, observation_window: int, certificate: bo
 
   ``shadow`` (evaluation mode) is a never-evicted cache that receives the same
   keys and values; the same queries attend over it to give the truth ``o``.
+  Its ``log_pi`` is not an attention offset but the record of every token's
+  cumulative log inclusion probability (:func:`record_inclusion`), from which
+  the Assumption-2 ratio ``R`` of each call is computed over the full context.
   """
   c = config
   b, t, _ = x.shape
@@ -86,25 +95,42 @@ def _layer(config: LlamaConfig, design, observation_window: int, certificate: bo
   q, k, v = block.apply(variables, x, positions, method=Block.qkv)
   new_kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
             jnp.repeat(valid[:, None], c.n_kv_heads, axis=1))
-  cache = _vmap2(cache_lib.append)(cache, *new_kv)
+  sharded = distributed.cache_mesh() is not None  # under jax.set_mesh: sequence-sharded caches
+  cache = (distributed.append if sharded else _vmap2(cache_lib.append))(cache, *new_kv)
   if shadow is not None:
     shadow = _vmap2(cache_lib.append)(shadow, *new_kv)
   qg = q.reshape(b, t, c.n_kv_heads, c.group_size, c.head_dim).transpose(0, 2, 3, 1, 4)
   slots = lambda a: a[:, :, None, None]  # [b, h_kv, cap, ...] -> [b, h_kv, 1, 1, cap, ...]
   mask = slots(cache.valid) & (slots(cache.pos) <= positions[:, None, None, :, None])
   probs = None
-  if design is not None or not certificate:
+  if sharded:  # per-device partials merged with the split-K combine (certkv_jax.distributed)
+    res = distributed.cache_attention(qg, cache, positions, with_stats=certificate,
+                                      with_probs=design is not None or not certificate)
+    probs = res.probs
+  elif design is not None or not certificate:
     probs = certkv_jax.attention_probs(qg, slots(cache.k), slots(cache.log_pi), mask)
   if certificate:
-    res = certkv_jax.offset_attention(qg, slots(cache.k), slots(cache.v), slots(cache.log_pi),
-                                      mask)  # out [b, h_kv, g, t, d]
+    if not sharded:
+      res = certkv_jax.offset_attention(qg, slots(cache.k), slots(cache.v),
+                                        slots(cache.log_pi), mask)  # out [b, h_kv, g, t, d]
     heads = lambda a: a.reshape(b, c.n_heads, t)
     out, stats = res.out, ChunkStats(heads(res.var_hat), heads(res.range_hat))
     if shadow is not None:
       full_mask = slots(shadow.valid) & (slots(shadow.pos) <= positions[:, None, None, :, None])
       full = diagnostics.full_attention(qg, slots(shadow.k), slots(shadow.v), full_mask)
       err = diagnostics.attention_error(out, full)
-      stats = stats._replace(true_error=heads(err.abs), rel_error=heads(err.rel))
+      # T: context tokens sampled with 0 < pi < 1 in some round (kept or not).
+      pi = slots(jnp.exp(shadow.log_pi))
+      tail = full_mask & (pi > 0.0) & (pi < 1.0)  # [b, h_kv, 1, t, cap]
+      tail_m = jnp.sum(jnp.where(tail, pi, 0.0), axis=-1)
+      tail_n = jnp.sum(tail, axis=-1).astype(jnp.float32)
+      ratio = diagnostics.assumption2_ratio(qg, slots(shadow.k), full_mask, tail, pi, tail_m)
+      per_head = lambda a: heads(jnp.broadcast_to(a, (b, c.n_kv_heads, c.group_size, t)))
+      stats = stats._replace(true_error=heads(err.abs), rel_error=heads(err.rel),
+                             ratio=heads(ratio), tail_m=per_head(tail_m),
+                             tail_n=per_head(tail_n))
+  elif sharded:  # the combined partials without the second-order sums
+    out, stats = res.out, None
   else:  # the same Hajek softmax, without the certificate's per-slot statistics
     out = jnp.einsum("bhgtn,bhnd->bhgtd", probs, cache.v.astype(jnp.float32))
     stats = None
@@ -189,12 +215,19 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
   return model.apply(params, x, method=LlamaModel.head), caches, stats, shadow
 
 
-def evict(design, caches: KVCache, key, layer_budgets=None):
+def evict(design, caches: KVCache, key, layer_budgets=None, budget=None):
   """Applies ``design.evict`` to every (layer, row, KV head) cache.
 
   ``layer_budgets`` (optional, static): one budget per layer, all ints
   (tokens) or all floats (fractions), e.g. ``models.budgets.pyramid_budgets``;
   it replaces the design's own budget, layer by layer.
+
+  ``budget`` (optional, may be traced): a fraction in (0, 1] of the tokens
+  seen, a scalar or one per batch row (``[batch]``), that replaces the
+  design's budget in every layer, so that one compiled program serves every
+  budget (the design is a static argument; its static budget would otherwise
+  force one compile per budget), and one batch can run several budgets.
+  Checked by :func:`check_budget` where it is concrete.
 
   Returns:
     ``(caches, info)`` with ``info`` the design's ``EvictionInfo`` of this
@@ -206,22 +239,83 @@ def evict(design, caches: KVCache, key, layer_budgets=None):
   keys = jax.random.split(key, lead[0] * lead[1] * lead[2])
   keys = keys.reshape(lead + keys.shape[1:])
 
-  if layer_budgets is None:
+  if layer_budgets is None and budget is None:
     def one(cache, k):
       new, _, info = design.evict(cache, design.init(cache), k)
       return new, info
 
-    return jax.vmap(_vmap2(one))(caches, keys)
+    return _map_heads(design, jax.vmap(_vmap2(one)), caches, keys)
 
-  layer_budgets = budgets_lib.check_layer_budgets(layer_budgets, lead[0])
-  targets = budgets_lib.layer_targets(layer_budgets, caches.n_seen)  # [layers, batch, kv]
+  if layer_budgets is not None and budget is not None:
+    raise ValueError("give either layer_budgets or budget, not both")
+  if layer_budgets is not None:
+    layer_budgets = budgets_lib.check_layer_budgets(layer_budgets, lead[0])
+    targets = budgets_lib.layer_targets(layer_budgets, caches.n_seen)  # [layers, batch, kv]
+  else:
+    frac = check_budget(budget, lead[1])
+    frac = frac if frac.ndim == 0 else frac[None, :, None]  # rows -> [layers, batch, kv]
+    targets = budgets_lib.fraction_targets(frac, caches.n_seen)
 
   def one_target(cache, k, target):
     d = budgets_lib.with_target(design, target)
     new, _, info = d.evict(cache, d.init(cache), k)
     return new, info
 
-  return jax.vmap(jax.vmap(jax.vmap(one_target)))(caches, keys, targets)
+  return _map_heads(design, jax.vmap(jax.vmap(jax.vmap(one_target))), caches, keys, targets)
+
+
+def _map_heads(design, fn, caches: KVCache, *head_args):
+  """``fn(caches, *head_args)``; on sequence-sharded caches (traced under a mesh,
+  ``certkv_jax.distributed``) each device runs it on its heads' gathered slot
+  metadata and keeps its own slots, with the same result as one device."""
+  if distributed.cache_mesh() is None:
+    return fn(caches, *head_args)
+  return distributed.map_evict(design, fn, caches, *head_args)
+
+
+def check_budget(budget, batch: Optional[int] = None):
+  """A traced-or-concrete budget fraction (scalar or ``[batch]``) as float32.
+
+  Checks the shape always and the range (0, 1] where the value is concrete.
+  """
+  if budget is None:
+    return None
+  b = jnp.asarray(budget, jnp.float32)
+  if b.ndim > 1 or (b.ndim == 1 and batch is not None and b.shape[0] != batch):
+    raise ValueError(f"budget must be a scalar fraction or one per batch row ([{batch}]), "
+                     f"got shape {b.shape}")
+  if not isinstance(b, jax.core.Tracer):
+    bad = [float(x) for x in np.ravel(np.asarray(b)) if not 0.0 < float(x) <= 1.0]
+    if bad:
+      raise ValueError(f"budget must be a fraction in (0, 1] of the tokens seen, got {bad}")
+  return b
+
+
+def record_inclusion(shadow: KVCache, before: KVCache, info) -> KVCache:
+  """Evaluation mode: adds one eviction round's ``log pi`` to the shadow cache's record.
+
+  The shadow cache holds every token at slot = position (it is never
+  evicted and padding takes no slot), and its ``log_pi`` accumulates each
+  token's log inclusion probability over the rounds it took part in: a kept
+  token's total equals its offset in the evicted cache; an evicted token's
+  total stops at the round that evicted it (the product up to that round is
+  all that is defined for it). ``before`` is the cache the round was applied
+  to (``info`` is per slot of it). Leaves ``[n_layers, batch, n_kv_heads, ...]``.
+  """
+  def one(sh, cache, pi):
+    log_pi = jnp.log(jnp.where(cache.valid, pi, 1.0))
+    idx = jnp.where(cache.valid, cache.pos, sh.log_pi.shape[0])  # invalid -> dropped
+    return sh._replace(log_pi=sh.log_pi.at[idx].add(log_pi, mode="drop"))
+
+  return jax.vmap(_vmap2(one))(shadow, before, info.pi)
+
+
+def _evict(design, caches, shadow, key, layer_budgets, budget):
+  """:func:`evict`, and in evaluation mode the shadow's inclusion record."""
+  new, info = evict(design, caches, key, layer_budgets, budget)
+  if shadow is not None:
+    shadow = record_inclusion(shadow, caches, info)
+  return new, shadow
 
 
 class Generation(NamedTuple):
@@ -236,6 +330,14 @@ class Generation(NamedTuple):
   # Evaluation mode only (None otherwise), same steps as var_hat:
   true_error: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] ||o_hat - o||
   rel_error: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] ||o_hat - o||/||o||
+  # Assumption-2 audit of every decode call (SPEC section 6; evaluation mode):
+  # R = m max_{i in T} a_i / (pi_i sum_C a_j) over the full context C, with
+  # pi_i each token's cumulative inclusion probability (up to its eviction)
+  # and T the tokens sampled with 0 < pi_i < 1; 0 when T is empty (e.g. any
+  # deterministic design: its pi is 0 or 1).
+  ratio: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] R
+  tail_m: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] m = sum_T pi_i
+  tail_n: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] |T|
 
 
 def _last_logits(logits, mask):
@@ -245,7 +347,8 @@ def _last_logits(logits, mask):
 
 
 def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, design,
-                 evict_each_step, return_logits, layer_budgets=None) -> Generation:
+                 evict_each_step, return_logits, layer_budgets=None,
+                 budget=None) -> Generation:
   """Greedy ``lax.scan`` decode from the logits of the last prompt token."""
   batch = first_logits.shape[0]
 
@@ -259,7 +362,7 @@ def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, des
         shadow=shadow)
     key, sub = jax.random.split(key)
     if design is not None and evict_each_step:
-      caches, _ = evict(design, caches, sub, layer_budgets)
+      caches, shadow = _evict(design, caches, shadow, sub, layer_budgets, budget)
     stats = jax.tree_util.tree_map(lambda a: a[..., 0], stats)  # t = 1
     out = (token, token_logp, step_logits if return_logits else None, stats)
     return (caches, shadow, new_logits[:, 0], key), out
@@ -270,7 +373,8 @@ def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, des
       tokens=toks.T, logprobs=logps.T,
       logits=None if step_logits is None else step_logits.transpose(1, 0, 2),
       var_hat=stats.var_hat, range_hat=stats.range_hat, caches=caches,
-      true_error=stats.true_error, rel_error=stats.rel_error)
+      true_error=stats.true_error, rel_error=stats.rel_error, ratio=stats.ratio,
+      tail_m=stats.tail_m, tail_n=stats.tail_n)
 
 
 def _check_prompt(tokens, mask, n_steps):
@@ -285,7 +389,12 @@ _STATIC = ("config", "capacity", "n_steps", "design", "observation_window", "evi
            "return_logits", "evaluate", "layer_budgets")
 
 
-def _check_layer_budgets(design, layer_budgets, config, capacity):
+def _check_layer_budgets(design, layer_budgets, config, capacity, budget=None):
+  if budget is not None:
+    if design is None:
+      raise ValueError("budget needs a design (the design's budget is what it replaces)")
+    if layer_budgets is not None:
+      raise ValueError("give either layer_budgets or budget, not both")
   if layer_budgets is None:
     return None
   if design is None:
@@ -293,11 +402,23 @@ def _check_layer_budgets(design, layer_budgets, config, capacity):
   return budgets_lib.check_layer_budgets(layer_budgets, config.n_layers, capacity)
 
 
+def _checking_budget(jitted):
+  """Checks a concrete ``budget`` before the jitted call (inside, it is traced)."""
+  @functools.wraps(jitted)
+  def wrapper(*args, budget=None, **kwargs):
+    batch = jnp.shape(args[1])[0] if len(args) > 1 else None
+    check_budget(budget, batch)
+    return jitted(*args, budget=budget, **kwargs)
+
+  return wrapper
+
+
+@_checking_budget
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n_steps: int,
              design=None, observation_window: int = 0, evict_each_step: bool = False,
              return_logits: bool = False, evaluate: bool = False,
-             layer_budgets: Optional[tuple] = None) -> Generation:
+             layer_budgets: Optional[tuple] = None, budget=None) -> Generation:
   """Question-aware greedy generation: prefill, evict once, ``lax.scan`` decode.
 
   The whole prompt (context and question) is prefilled, the design (if any)
@@ -324,12 +445,17 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n
     layer_budgets: optional static tuple, one budget per layer (all ints =
       tokens, or all floats = fractions; see ``models.budgets``), replacing
       the design's budget layer by layer (PyramidKV-style).
+    budget: optional fraction in (0, 1] of the tokens seen, a traced argument
+      (a float, or float32 ``[]`` or ``[batch]`` for one budget per row):
+      replaces the design's budget in every layer, so one compile serves
+      every budget (see :func:`evict`). Its range is checked where it is
+      concrete (outside an enclosing ``jax.jit``).
 
   Returns:
     A :class:`Generation`.
   """
   _check_prompt(tokens, mask, n_steps)
-  layer_budgets = _check_layer_budgets(design, layer_budgets, config, capacity)
+  layer_budgets = _check_layer_budgets(design, layer_budgets, config, capacity, budget)
   batch, prompt_len = tokens.shape
   need = prompt_len + (n_steps if design is None else 0)
   if capacity < need:
@@ -342,18 +468,19 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n
       observation_window=observation_window, certificate=False, shadow=shadow)
   key, sub = jax.random.split(key)
   if design is not None:
-    caches, _ = evict(design, caches, sub, layer_budgets)
+    caches, shadow = _evict(design, caches, shadow, sub, layer_budgets, budget)
   return _decode_loop(params, config, caches, shadow, _last_logits(logits, mask), key, n_steps,
-                      design, evict_each_step, return_logits, layer_budgets)
+                      design, evict_each_step, return_logits, layer_budgets, budget)
 
 
+@_checking_budget
 @functools.partial(jax.jit, static_argnames=_STATIC + ("chunk",))
 def generate_streaming(params, context, context_mask, question, question_mask, key, *,
                        config: LlamaConfig, capacity: int, n_steps: int, chunk: int,
                        design=None, observation_window: int = 0,
                        evict_each_step: bool = False, return_logits: bool = False,
                        evaluate: bool = False,
-                       layer_budgets: Optional[tuple] = None) -> Generation:
+                       layer_budgets: Optional[tuple] = None, budget=None) -> Generation:
   """Streaming greedy generation: the context arrives in chunks, then the question.
 
   The context is fed ``chunk`` tokens at a time (a ``lax.scan`` over chunks);
@@ -375,15 +502,15 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
     chunk: context tokens per chunk (static); the context is padded to a
       multiple of it.
     design, observation_window, evict_each_step, return_logits, evaluate,
-      layer_budgets: as in :func:`generate` (the shadow cache holds the whole
-      padded context, the question and the decoded tokens).
+      layer_budgets, budget: as in :func:`generate` (the shadow cache holds the
+      whole padded context, the question and the decoded tokens).
 
   Returns:
     A :class:`Generation`.
   """
   _check_prompt(context, context_mask, n_steps)
   _check_prompt(question, question_mask, n_steps)
-  layer_budgets = _check_layer_budgets(design, layer_budgets, config, capacity)
+  layer_budgets = _check_layer_budgets(design, layer_budgets, config, capacity, budget)
   if context.shape[0] != question.shape[0]:
     raise ValueError(f"context and question batch sizes differ: {context.shape[0]} vs "
                      f"{question.shape[0]}")
@@ -403,7 +530,7 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
                                          certificate=False, shadow=shadow)
     key, sub = jax.random.split(key)
     if design is not None:
-      caches, _ = evict(design, caches, sub, layer_budgets)
+      caches, shadow = _evict(design, caches, shadow, sub, layer_budgets, budget)
     return (caches, shadow, key), None
 
   caches = init_caches(config, batch, capacity)
@@ -416,4 +543,4 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
       params, config, question, question_mask, caches, design=design,
       observation_window=observation_window, certificate=False, shadow=shadow)
   return _decode_loop(params, config, caches, shadow, _last_logits(logits, question_mask), key,
-                      n_steps, design, evict_each_step, return_logits, layer_budgets)
+                      n_steps, design, evict_each_step, return_logits, layer_budgets, budget)

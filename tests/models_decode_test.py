@@ -123,6 +123,100 @@ class DecodeTest(absltest.TestCase):
     self.assertTrue((np.asarray(gen.rel_error) >= 0).all())
     self.assertTrue(np.isfinite(np.asarray(gen.logprobs)).all())
 
+  def test_traced_budget_matches_static_budget_with_one_compile(self):
+    kw = dict(config=self.config, capacity=16, n_steps=N_STEPS, observation_window=2,
+              evaluate=True)
+    key = jax.random.PRNGKey(3)
+    jitted = decode.generate.__wrapped__  # the jitted function under the budget check
+    for frac in (0.5, 0.3):
+      static = decode.generate(self.params, self.tokens, self.mask, key,
+                               design=certkv_jax.designs.poisson_tail(frac, n_sink=1, window=2),
+                               **kw)
+      n_compiled = jitted._cache_size()
+      traced = decode.generate(self.params, self.tokens, self.mask, key,
+                               design=certkv_jax.designs.poisson_tail(0.9, n_sink=1, window=2),
+                               budget=frac, **kw)
+      if frac == 0.3:  # the second budget reuses the first budget's compile
+        self.assertEqual(jitted._cache_size(), n_compiled)
+      for a, b in zip(jax.tree_util.tree_leaves(static), jax.tree_util.tree_leaves(traced)):
+        np.testing.assert_array_equal(a, b)
+
+  def test_budget_errors_name_the_argument(self):
+    design = certkv_jax.designs.poisson_tail(0.5)
+    call = lambda **kw: decode.generate(self.params, self.tokens, self.mask,
+                                        jax.random.PRNGKey(0), config=self.config,
+                                        capacity=16, n_steps=2, **kw)
+    with self.assertRaisesRegex(ValueError, r"budget must be a fraction in \(0, 1\].*1.5"):
+      call(design=design, budget=1.5)
+    with self.assertRaisesRegex(ValueError, r"budget must be a fraction in \(0, 1\].*0.0"):
+      call(design=design, budget=0.0)
+    with self.assertRaisesRegex(ValueError, "budget needs a design"):
+      call(budget=0.5)
+    with self.assertRaisesRegex(ValueError, "either layer_budgets or budget"):
+      call(design=design, budget=0.5, layer_budgets=(0.5, 0.5))
+
+  def test_shadow_records_cumulative_inclusion_probabilities(self):
+    # Streaming rounds of a Poisson design: every kept token's record in the
+    # shadow cache equals its Hajek offset (the product of its rounds' pi); an
+    # evicted token's record is the product up to its eviction round (< 0).
+    c = self.config
+    design = certkv_jax.designs.poisson_tail(4, n_sink=1, window=1, overflow_prob=0.05)
+    caches, shadow = decode.init_caches(c, 2, 8), decode.init_caches(c, 2, 10)
+    key = jax.random.PRNGKey(1)
+    for start in (0, 4, 8):  # chunks of the (10, 7)-token rows
+      toks, valid = self.tokens[:, start:start + 4], self.mask[:, start:start + 4]
+      _, caches, _, shadow = decode.forward_chunk(self.params, c, toks, valid, caches,
+                                                  design=design, certificate=False,
+                                                  shadow=shadow)
+      key, sub = jax.random.split(key)
+      caches, shadow = decode._evict(design, caches, shadow, sub, None, None)  # pylint: disable=protected-access
+    pos, valid = np.asarray(caches.pos), np.asarray(caches.valid)
+    record = np.asarray(shadow.log_pi)
+    np.testing.assert_array_equal(np.asarray(shadow.pos)[..., :7],
+                                  np.broadcast_to(np.arange(7), (2, 2, 2, 7)))  # slot = pos
+    kept = np.zeros(record.shape, bool)
+    for idx in np.ndindex(pos.shape[:3]):
+      p = pos[idx][valid[idx]]
+      kept[idx + (p,)] = True
+      np.testing.assert_allclose(record[idx + (p,)], np.asarray(caches.log_pi)[idx][valid[idx]],
+                                 rtol=1e-6, atol=1e-6)
+    seen = np.asarray(shadow.valid)
+    evicted = seen & ~kept
+    self.assertTrue(evicted.any())
+    self.assertTrue((record[evicted] < 0).all())  # pi < 1 in the round that evicted them
+    self.assertTrue((record[kept] <= 0).all())
+
+  def test_assumption2_ratio_in_evaluation_mode(self):
+    kw = dict(config=self.config, capacity=16, n_steps=N_STEPS, observation_window=2,
+              evaluate=True)
+    poisson = decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
+                              design=certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=2),
+                              **kw)
+    ratio, m, n = (np.asarray(x) for x in (poisson.ratio, poisson.tail_m, poisson.tail_n))
+    self.assertEqual(ratio.shape, (N_STEPS, 2, 2, 4))
+    self.assertTrue(np.isfinite(ratio).all())
+    # Row 0 (10 tokens): budget 5 = 1 sink + 2 window + 2 tail slots, so its 7
+    # tail tokens were sampled with m <= 2 (the Chernoff capacity rule keeps m
+    # well below the free slots). Row 1 (7 tokens): budget 3 leaves no tail
+    # slot, m = 0 and every tail token is dropped with pi = 0: nothing is
+    # sampled, T is empty and R = 0 (the audit covers sampled tokens only).
+    np.testing.assert_array_equal(n[:, :, 0], 7)
+    self.assertTrue((m[:, :, 0] > 0).all() and (m[:, :, 0] <= 2.0).all())
+    self.assertTrue((ratio[:, :, 0] > 0).all())
+    np.testing.assert_array_equal(n[:, :, 1], 0)
+    np.testing.assert_array_equal(ratio[:, :, 1], 0.0)
+    # R <= m max_T a_i / (eps sum a) <= m / eps.
+    self.assertTrue((ratio <= m / 1e-6 * (1 + 1e-4)).all())
+    # Deterministic designs sample nothing: T is empty and R = 0.
+    snap = decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
+                           design=certkv_jax.designs.snapkv(0.5, window=2), **kw)
+    np.testing.assert_array_equal(snap.ratio, 0.0)
+    np.testing.assert_array_equal(snap.tail_n, 0.0)
+    # Normal mode: no audit.
+    self.assertIsNone(decode.generate(self.params, self.tokens, self.mask,
+                                      jax.random.PRNGKey(0), config=self.config, capacity=16,
+                                      n_steps=2).ratio)
+
 
 if __name__ == "__main__":
   absltest.main()

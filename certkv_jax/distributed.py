@@ -1,0 +1,532 @@
+"""Scale-out on JAX's own distributed runtime: a (data, model, seq) mesh for certkv caches.
+
+One :class:`jax.sharding.Mesh` with three named axes:
+
+* ``data``: batch rows (data parallel);
+* ``model``: KV heads of the caches and, Megatron-style, the attention and
+  MLP weights (``models.sharding``);
+* ``seq``: the slot axis of every cache (each device holds ``capacity / seq``
+  slots of every (layer, row, KV head) cache).
+
+Caches are :class:`certkv_jax.KVCache` pytrees with leaves ``[..., batch,
+n_kv_heads, cap, ...]``; :func:`cache_specs` gives their ``PartitionSpec``.
+Everything that touches the slot axis runs in ``jax.shard_map`` over all three
+axes, with collectives over ``seq`` only (eviction is per KV head, so it never
+crosses ``data`` or ``model``):
+
+* **attention** (:func:`cache_attention`, :func:`sharded_offset_attention`):
+  each device folds its slots into ``pallas_kernels.reference.Partials`` with
+  the kernel's ``online_update``; the small partials are all-gathered over
+  ``seq`` and merged with ``reference.combine`` -- the split-K combine of the
+  Pallas kernel, one function -- then ``finalize``\\ d. The exact range term
+  ``b_hat`` needs the merged output, so each device takes its local maximum and
+  a ``pmax`` over ``seq`` finishes it.
+* **append** (:func:`append`): the slot that each new token takes is computed
+  from the all-gathered ``valid`` mask with ``cache.slot_assignment`` (exactly
+  one device's placement); each device writes the tokens that land in its
+  slot range.
+* **eviction** (:func:`map_evict`): the per-slot metadata (``log_pi``, ``pos``,
+  ``valid``, the attention statistics, and the key/value norms when a score
+  reads them) is all-gathered over ``seq`` -- ``O(cap)`` numbers per head,
+  against ``O(cap d)`` for keys and values -- and the design runs on the whole
+  head exactly as on one device (same inputs, same PRNG key per head, so the
+  same kept set and the same inclusion probabilities); each device then keeps
+  or zeroes its own slots. ``keep_only`` never moves data, so every token stays
+  in its slot on its device and each shard's capacity is fixed.
+* **certificate aggregation** (:func:`aggregate_heads`): per-head radii are
+  reduced locally and with ``psum`` / ``pmax`` over ``model``.
+
+``models.decode`` switches to these functions when it is traced under a mesh
+with these axes (``with jax.set_mesh(mesh):``, see :func:`cache_mesh`); the
+rest of the model is partitioned by XLA (GSPMD) from the parameter shardings.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from certkv_jax import _checks
+from certkv_jax import cache as cache_lib
+from certkv_jax import scores as scores_lib
+from certkv_jax.cache import KVCache
+from pallas_kernels import reference
+
+Array = jax.Array
+
+DATA, MODEL, SEQ = "data", "model", "seq"
+AXES = (DATA, MODEL, SEQ)
+_HP = jax.lax.Precision.HIGHEST
+
+
+# --------------------------------------------------------------------------- the mesh
+
+
+def make_mesh(data: int = 1, model: int = 1, seq: int = 1, devices=None) -> jax.sharding.Mesh:
+  """A mesh with axes ``("data", "model", "seq")`` of the given sizes.
+
+  Args:
+    data, model, seq: axis sizes (ints >= 1).
+    devices: devices to use (default ``jax.devices()``, all processes'); the
+      first ``data * model * seq`` of them form the mesh, in the order
+      ``jax.make_mesh`` chooses for the hardware (ICI-aware on TPU).
+
+  Raises:
+    TypeError/ValueError naming the axis for a non-int or size < 1, and a
+    ValueError when the mesh needs more devices than there are.
+  """
+  sizes = {DATA: data, MODEL: model, SEQ: seq}
+  for name, n in sizes.items():
+    _checks.check_positive_int(f"mesh axis {name!r}", n)
+  devices = list(jax.devices() if devices is None else devices)
+  n = data * model * seq
+  if n > len(devices):
+    raise ValueError(f"mesh (data={data}, model={model}, seq={seq}) needs {n} devices, "
+                     f"only {len(devices)} available")
+  return jax.make_mesh((data, model, seq), AXES, axis_types=(AxisType.Auto,) * 3,
+                       devices=devices[:n])
+
+
+def axis_size(mesh, axis: str) -> int:
+  """Size of ``axis`` in ``mesh`` (concrete or abstract)."""
+  if axis not in mesh.axis_names:
+    raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.axis_names)} "
+                     f"(make it with certkv_jax.distributed.make_mesh)")
+  return int(dict(mesh.shape)[axis])
+
+
+def check_divisible(what: str, size: int, mesh, axis: str) -> None:
+  """Raises a ValueError unless ``axis``'s size divides ``size``.
+
+  Sharding an axis that the mesh does not divide would otherwise replicate or
+  pad it silently; the message names the quantity, the axis and both sizes.
+  """
+  n = axis_size(mesh, axis)
+  if size % n:
+    divisors = [d for d in range(1, size + 1) if size % d == 0]
+    raise ValueError(f"{what} ({size}) is not divisible by the size of mesh axis {axis!r} "
+                     f"({n}); choose a {axis!r} axis size that divides {size}: {divisors}")
+
+
+def check_mesh(mesh) -> None:
+  """Checks that ``mesh`` has the axes data, model and seq."""
+  missing = [a for a in AXES if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(f"mesh needs the axes {AXES}; missing {missing} (axes: "
+                     f"{tuple(mesh.axis_names)}); make it with certkv_jax.distributed.make_mesh")
+
+
+def cache_mesh():
+  """The mesh that caches are sharded over in the current trace, or None.
+
+  It is the context mesh (``with jax.set_mesh(mesh):``) when that mesh has the
+  axes data, model and seq; ``jit`` keys its cache on the context mesh, so the
+  same jitted function traces once per mesh.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not all(a in mesh.axis_names for a in AXES):
+    return None
+  return mesh
+
+
+def _require_mesh(mesh):
+  mesh = cache_mesh() if mesh is None else mesh
+  if mesh is None:
+    raise ValueError("no mesh: pass mesh= or call under `with jax.set_mesh(mesh):` with a "
+                     "mesh from certkv_jax.distributed.make_mesh")
+  check_mesh(mesh)
+  return mesh
+
+
+# --------------------------------------------------------------------------- cache shardings
+
+
+def cache_specs(lead: int = 1) -> KVCache:
+  """``PartitionSpec`` of every cache leaf, as a :class:`KVCache`.
+
+  Args:
+    lead: unsharded leading axes before ``[batch, n_kv_heads]`` (1 for the
+      stacked per-layer caches of ``models.decode``, 0 for one layer).
+
+  Returns:
+    batch -> data, KV heads -> model, slots -> seq; the per-head counters
+    (``n_seen``, ``n_dropped``) are replicated over seq.
+  """
+  pre = (None,) * lead
+  slot, head = P(*pre, DATA, MODEL, SEQ), P(*pre, DATA, MODEL)
+  return KVCache(k=slot, v=slot, log_pi=slot, pos=slot, valid=slot, acc=slot, last=slot,
+                 obs=slot, n_seen=head, n_dropped=head)
+
+
+def check_cache(mesh, caches: KVCache, lead: int = 1) -> None:
+  """Checks that batch, KV heads and capacity are divisible by data, model, seq."""
+  check_mesh(mesh)
+  if caches.valid.ndim != lead + 3:
+    raise ValueError(f"cache leaves must be [{'n_layers, ' * lead}batch, n_kv_heads, cap, ...]"
+                     f"; valid has shape {caches.valid.shape}")
+  b, h, cap = caches.valid.shape[lead:]
+  check_divisible("batch", b, mesh, DATA)
+  check_divisible("n_kv_heads", h, mesh, MODEL)
+  check_divisible("cache capacity", cap, mesh, SEQ)
+
+
+def cache_shardings(mesh, lead: int = 1) -> KVCache:
+  """:class:`NamedSharding` of every cache leaf (see :func:`cache_specs`)."""
+  check_mesh(mesh)
+  return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), cache_specs(lead),
+                                is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_caches(caches: KVCache, mesh, lead: int = 1) -> KVCache:
+  """Places caches on ``mesh`` (batch -> data, KV heads -> model, slots -> seq)."""
+  check_cache(mesh, caches, lead)
+  return jax.device_put(caches, cache_shardings(mesh, lead))
+
+
+def per_device_bytes(tree) -> dict:
+  """Bytes of ``tree``'s arrays on each device, from their ``addressable_shards``.
+
+  Returns:
+    ``{device id: bytes}`` over the devices of this process.
+  """
+  out: dict = {}
+  for leaf in jax.tree_util.tree_leaves(tree):
+    for shard in leaf.addressable_shards:
+      out[shard.device.id] = out.get(shard.device.id, 0) + int(shard.data.nbytes)
+  return out
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def combine_over(partials: reference.Partials, axis_name: str = SEQ) -> reference.Partials:
+  """Merges per-device partial statistics over a mesh axis (inside ``shard_map``).
+
+  The partials are ``O(rows * dv)`` numbers per device: they are all-gathered
+  over ``axis_name`` and merged with ``reference.combine``, the same function
+  that merges the split-K blocks of the Pallas kernel.
+  """
+  gathered = jax.tree_util.tree_map(lambda x: jax.lax.all_gather(x, axis_name, axis=0),
+                                    partials)
+  return reference.combine(gathered, axis=0)
+
+
+def _local_partials(q, k, v, log_pi, mask, scale, second_order):
+  """One device's partial statistics over its slots.
+
+  Args: q [b, h, R, d]; k [b, h, n, d]; v [b, h, n, dv]; log_pi [b, h, n];
+    mask [b, h, R, n] (validity and causality per query row).
+
+  Returns:
+    (Partials with rows [b, h, R], logits l [b, h, R, n], w [b, h, 1, n]).
+  """
+  offset = -log_pi.astype(jnp.float32)[..., None, :]  # [b, h, 1, n]
+  w = reference.one_minus_pi(offset)
+  l = reference.slot_logits(q, k, offset, mask, scale, _HP)
+  col = jnp.any(mask, axis=-2)  # [b, h, n]: slots some row may read
+  # Centre of the second-order sums: the value of the highest-logit slot (one
+  # gather, as in reference.grouped_reference); combine re-centres the parts.
+  top = jnp.argmax(jnp.max(jnp.where(mask, l, reference.M_EMPTY), axis=-2), axis=-1)
+  center = jnp.take_along_axis(v, top[..., None, None], axis=-2).astype(jnp.float32)
+  center = jnp.where(jnp.any(col, axis=-1)[..., None, None], center, 0.0)  # [b, h, 1, dv]
+  p = reference.online_update(reference.empty_partials(l.shape[:-1], v.shape[-1]), l, v, w,
+                              mask, valid_col=col[..., None], precision=_HP,
+                              second_order=second_order, center=center)
+  return p, l, w
+
+
+class ShardedAttention(NamedTuple):
+  """Offset attention over a sequence-sharded cache (fields as in
+  ``certkv_jax.OffsetAttentionResult``, plus the slot probabilities)."""
+
+  out: Array  # [b, h, R, dv] float32
+  lse: Array  # [b, h, R]
+  var_hat: Array  # [b, h, R] (0 when computed without statistics)
+  range_hat: Array  # [b, h, R] exact b_hat (0 without statistics)
+  probs: Optional[Array]  # [b, h, R, n] offset-attention probabilities p_i, or None
+
+
+def _attention_body(q, k, v, log_pi, mask, *, scale, with_stats, with_probs):
+  p, l, w = _local_partials(q, k, v, log_pi, mask, scale, with_stats)
+  fin = reference.finalize(combine_over(p, SEQ))
+  lse_safe = jnp.where(jnp.isfinite(fin.lse), fin.lse, 0.0)[..., None]
+  if with_stats:
+    rng = jax.lax.pmax(reference.exact_range(l, v, w, mask, fin.out, fin.lse), SEQ)
+  else:
+    rng = jnp.zeros_like(fin.var_hat)
+  probs = jnp.where(mask, jnp.exp(l - lse_safe), 0.0) if with_probs else None
+  return ShardedAttention(fin.out, fin.lse, fin.var_hat, rng, probs)
+
+
+def sharded_offset_attention(q, k, v, log_pi, mask, *, mesh=None, scale: Optional[float] = None,
+                             with_stats: bool = True,
+                             with_probs: bool = False) -> ShardedAttention:
+  """``certkv_jax.offset_attention`` over a cache sharded on its slot axis.
+
+  Rows ``b`` are split over data, KV heads ``h`` over model and slots ``n``
+  over seq; each device computes the partial statistics of its slots, and
+  the partials merge with ``reference.combine`` (see :func:`combine_over`).
+  Equal to the one-device result up to float32 rounding of the different
+  summation order.
+
+  Args:
+    q: [b, h, R, d] query rows (R = a GQA group times queries).
+    k: [b, h, n, d]; v: [b, h, n, dv]; log_pi: [b, h, n] (<= 0 where valid).
+    mask: [b, h, R, n] or [b, h, n] bool, the slots each row attends to.
+    mesh: a mesh from :func:`make_mesh` (default: the context mesh).
+    scale: logit scale, default ``1/sqrt(d)``.
+    with_stats: compute the certificate statistics (``var_hat``, exact
+      ``range_hat``); False gives the output alone.
+    with_probs: also return the probabilities ``p_i`` [b, h, R, n] (sharded
+      over seq like the slots).
+
+  Raises:
+    ValueError naming the argument for mismatched shapes and the mesh axis
+    that does not divide ``b``, ``h`` or ``n``.
+  """
+  mesh = _require_mesh(mesh)
+  q, k, v, log_pi, mask = (jnp.asarray(x) for x in (q, k, v, log_pi, mask))
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"q, k, v must be [b, h, R, d], [b, h, n, d], [b, h, n, dv]; got "
+                     f"{q.shape}, {k.shape}, {v.shape}")
+  b, h, r, d = q.shape
+  n = k.shape[2]
+  if k.shape != (b, h, n, d) or v.shape[:3] != (b, h, n):
+    raise ValueError(f"k must be {(b, h, 'n', d)} and v {(b, h, 'n', 'dv')}; got {k.shape}, "
+                     f"{v.shape}")
+  if log_pi.shape != (b, h, n):
+    raise ValueError(f"log_pi must be {(b, h, n)}, got {log_pi.shape}")
+  if mask.shape == (b, h, n):
+    mask = mask[:, :, None, :]
+  if mask.dtype != jnp.bool_ or mask.shape[-1] != n or mask.shape[:2] != (b, h) or (
+      mask.shape[2] not in (1, r)):
+    raise ValueError(f"mask must be bool [b, h, R or 1, n] = {(b, h, r, n)}, got "
+                     f"{mask.dtype} {mask.shape}")
+  mask = jnp.broadcast_to(mask, (b, h, r, n))
+  if scale is None:
+    scale = 1.0 / math.sqrt(d)
+  elif not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    raise ValueError(f"scale must be a finite float > 0 or None, got {scale!r}")
+  check_divisible("batch (b)", b, mesh, DATA)
+  check_divisible("KV heads (h)", h, mesh, MODEL)
+  check_divisible("slots (n)", n, mesh, SEQ)
+  rows, slots = P(DATA, MODEL), P(DATA, MODEL, SEQ)
+  out_specs = ShardedAttention(rows, rows, rows, rows,
+                               P(DATA, MODEL, None, SEQ) if with_probs else None)
+  body = lambda *a: _attention_body(*a, scale=float(scale), with_stats=with_stats,
+                                    with_probs=with_probs)
+  return jax.shard_map(body, mesh=mesh, in_specs=(rows, slots, slots, slots,
+                                                  P(DATA, MODEL, None, SEQ)),
+                       out_specs=out_specs, check_vma=False)(q, k, v, log_pi, mask)
+
+
+def cache_attention(qg, cache: KVCache, positions, *, with_stats: bool,
+                    with_probs: bool) -> ShardedAttention:
+  """A decoder layer's attention over its sequence-sharded caches.
+
+  Args:
+    qg: [b, h_kv, g, t, d] queries of a chunk (GQA groups).
+    cache: one layer's caches, leaves [b, h_kv, cap, ...], after the append.
+    positions: [b, t] positions of the chunk's queries (causal mask).
+    with_stats, with_probs: as in :func:`sharded_offset_attention`.
+
+  Returns:
+    ShardedAttention with ``out`` [b, h_kv, g, t, dv], statistics
+    [b, h_kv, g, t] and ``probs`` [b, h_kv, g, t, cap] (or None).
+  """
+  b, h, g, t, d = qg.shape
+  mask = cache.valid[:, :, None, :] & (cache.pos[:, :, None, :] <= positions[:, None, :, None])
+  mask = jnp.broadcast_to(mask[:, :, None], (b, h, g, t, cache.capacity))
+  res = sharded_offset_attention(qg.reshape(b, h, g * t, d), cache.k, cache.v, cache.log_pi,
+                                 mask.reshape(b, h, g * t, cache.capacity),
+                                 with_stats=with_stats, with_probs=with_probs)
+  rows = lambda x: x.reshape((b, h, g, t) + x.shape[3:])
+  return ShardedAttention(rows(res.out), rows(res.lse), rows(res.var_hat), rows(res.range_hat),
+                          None if res.probs is None else rows(res.probs))
+
+
+# --------------------------------------------------------------------------- append
+
+
+def append(cache: KVCache, k_new, v_new, new_valid) -> KVCache:
+  """``cache.append`` for every (row, KV head) of one layer's sharded caches.
+
+  Args:
+    cache: leaves [b, h_kv, cap, ...] sharded by :func:`cache_specs` ``(0)``.
+    k_new: [b, h_kv, t, d]; v_new: [b, h_kv, t, dv]; new_valid: [b, h_kv, t] bool.
+
+  Returns:
+    The caches with the tokens in exactly the slots one device would use
+    (``cache.slot_assignment`` on the all-gathered ``valid`` mask).
+  """
+  mesh = _require_mesh(None)
+  check_cache(mesh, cache, lead=0)
+  n_local = cache.capacity // axis_size(mesh, SEQ)
+
+  def body(c, k_new, v_new, new_valid):
+    valid_all = jax.lax.all_gather(c.valid, SEQ, axis=2, tiled=True)  # [b, h, cap]
+    slots = jax.vmap(jax.vmap(cache_lib.slot_assignment))(valid_all, new_valid)
+    lo = jax.lax.axis_index(SEQ) * n_local
+    mine = (slots.idx >= lo) & (slots.idx < lo + n_local)
+    idx = jnp.where(mine, slots.idx - lo, n_local)  # n_local: not this device's slot
+    return jax.vmap(jax.vmap(cache_lib.write_slots))(c, slots, idx, k_new, v_new)
+
+  specs = cache_specs(0)
+  new = P(DATA, MODEL)
+  return jax.shard_map(body, mesh=mesh, in_specs=(specs, new, new, new), out_specs=specs,
+                       check_vma=False)(
+      cache, k_new, v_new, new_valid)
+
+
+# --------------------------------------------------------------------------- eviction
+
+# Scores that read only per-slot metadata (log_pi, pos, valid, acc, last, obs).
+_METADATA_SCORES = (scores_lib.AccumulatedAttention, scores_lib.CurrentAttention,
+                    scores_lib.WindowAttention, scores_lib.Recency, scores_lib.Uniform)
+
+
+def _score_reads(score) -> Optional[set]:
+  """What a score reads beyond metadata: a subset of {"k_norm", "v_norm"}, or
+  None for a score this module does not know (then k and v are gathered)."""
+  if isinstance(score, _METADATA_SCORES):
+    return set()
+  if isinstance(score, scores_lib.KeyNorm):
+    return {"k_norm"}
+  if isinstance(score, scores_lib.ValueAware):
+    base = _score_reads(score.base)
+    return None if base is None else base | {"v_norm"}
+  return None
+
+
+def design_reads(design) -> Optional[set]:
+  """What ``design.evict`` reads of the keys and values (see :func:`_score_reads`).
+
+  Returns:
+    A set of "k_norm" / "v_norm" when the design's scores read at most the
+    key and value norms, or None when a score is unknown (full k, v needed).
+  """
+  reads: set = set()
+  found = [design.certain.heavy_score] if design.certain.heavy else []
+  if hasattr(design.tail, "score"):
+    found.append(design.tail.score)
+  for score in found:
+    r = _score_reads(score)
+    if r is None:
+      return None
+    reads |= r
+  return reads
+
+
+def _norm_column(x):
+  """[..., cap, d] -> [..., cap, 1] float32 row norms. The scores take
+  ``jnp.linalg.norm`` of this one-element row, ``sqrt(x * x)``, which is ``x``
+  exactly in binary floating point (no underflow at these magnitudes)."""
+  return jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
+
+
+def map_evict(design, fn, caches: KVCache, *head_args):
+  """Runs a per-head eviction on sequence-sharded caches exactly as on one device.
+
+  ``fn(caches, *head_args) -> (new_caches, info)`` is the one-device eviction
+  of all heads (``models.decode.evict``'s vmapped ``design.evict``), with
+  cache leaves ``[n_layers, batch, n_kv_heads, cap, ...]``, ``head_args``
+  leaves ``[n_layers, batch, n_kv_heads, ...]`` (PRNG keys, per-head targets)
+  and ``info`` leaves ``[n_layers, batch, n_kv_heads]`` or ``[..., cap]``.
+
+  Inside ``shard_map`` each device all-gathers the per-slot metadata of its
+  heads over ``seq`` and runs ``fn`` on whole heads: same inputs and keys, so
+  the same kept set and inclusion probabilities as one device. Keys and
+  values are not gathered: the designs' scores read them only through their
+  norms (``KeyNorm``, ``ValueAware``), which are gathered as one number per
+  slot. A design with a score this module does not know gathers k and v
+  whole (correct, but then eviction briefly holds a full head per device).
+
+  Args:
+    design: the eviction design (its scores decide what is gathered).
+    fn: the one-device eviction, traceable.
+    caches: stacked caches sharded by :func:`cache_specs` ``(1)``.
+    *head_args: per-head arrays, sharded over data and model like the caches.
+
+  Returns:
+    ``(new_caches, info)`` sharded like the inputs (info's slot leaves over seq).
+  """
+  mesh = _require_mesh(None)
+  check_cache(mesh, caches, lead=1)
+  n_local = caches.capacity // axis_size(mesh, SEQ)
+  reads = design_reads(design)
+
+  def gather(x):
+    return jax.lax.all_gather(x, SEQ, axis=3, tiled=True)
+
+  def body(c, *args):
+    if reads is None:
+      k_all, v_all = gather(c.k), gather(c.v)
+    else:  # norms only (or nothing): O(cap) per head instead of O(cap d)
+      k_all = gather(_norm_column(c.k)) if "k_norm" in reads else jnp.zeros(
+          c.k.shape[:3] + (c.capacity * axis_size(mesh, SEQ), 1), jnp.float32)
+      v_all = gather(_norm_column(c.v)) if "v_norm" in reads else jnp.zeros_like(k_all)
+    meta = c._replace(k=k_all, v=v_all, log_pi=gather(c.log_pi), pos=gather(c.pos),
+                      valid=gather(c.valid), acc=gather(c.acc), last=gather(c.last),
+                      obs=gather(c.obs))
+    new, info = fn(meta, *args)
+    lo = jax.lax.axis_index(SEQ) * n_local
+    mine = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, n_local, axis=3)
+    keep = mine(new.valid)
+    out = c._replace(
+        k=jnp.where(keep[..., None], c.k, jnp.zeros_like(c.k)),
+        v=jnp.where(keep[..., None], c.v, jnp.zeros_like(c.v)),
+        log_pi=mine(new.log_pi), pos=mine(new.pos), valid=keep, acc=mine(new.acc),
+        last=mine(new.last), obs=mine(new.obs), n_seen=new.n_seen, n_dropped=new.n_dropped)
+    info = jax.tree_util.tree_map(lambda x: mine(x) if x.ndim > 3 else x, info)
+    return out, info
+
+  # info's structure (which leaves carry the slot axis) from an abstract run of fn.
+  meta_shapes = caches._replace(
+      k=jax.ShapeDtypeStruct(caches.k.shape[:4] + (1,), jnp.float32),
+      v=jax.ShapeDtypeStruct(caches.v.shape[:4] + (1,), jnp.float32))
+  _, info_shapes = jax.eval_shape(fn, meta_shapes, *head_args)
+  info_specs = jax.tree_util.tree_map(
+      lambda x: P(None, DATA, MODEL, SEQ) if x.ndim > 3 else P(None, DATA, MODEL), info_shapes)
+  arg_specs = tuple(jax.tree_util.tree_map(lambda _: P(None, DATA, MODEL), a) for a in head_args)
+  specs = cache_specs(1)
+  return jax.shard_map(body, mesh=mesh, in_specs=(specs,) + arg_specs,
+                       out_specs=(specs, info_specs), check_vma=False)(caches, *head_args)
+
+
+# --------------------------------------------------------------------------- certificates
+
+
+def aggregate_heads(radii, *, mesh=None, how: str = "sum") -> Array:
+  """Per-step aggregate of per-(layer, head) radii with collectives over ``model``.
+
+  Args:
+    radii: [n_steps, n_layers, batch, n_heads] (e.g. ``certificate_radius`` of a
+      ``models.decode.Generation``); batch is split over data, heads over model.
+    mesh: a mesh from :func:`make_mesh` (default: the context mesh).
+    how: "sum" (``psum``) or "max" (``pmax``), as ``certificate.aggregate``.
+
+  Returns:
+    [n_steps, batch] float32: the sum or max over layers and heads.
+  """
+  if how not in ("sum", "max"):
+    raise ValueError(f"how must be 'sum' or 'max', got {how!r}")
+  mesh = _require_mesh(mesh)
+  radii = jnp.asarray(radii, jnp.float32)
+  if radii.ndim != 4:
+    raise ValueError(f"radii must be [n_steps, n_layers, batch, n_heads], got {radii.shape}")
+  check_divisible("batch", radii.shape[2], mesh, DATA)
+  check_divisible("n_heads", radii.shape[3], mesh, MODEL)
+
+  def body(r):
+    if how == "sum":
+      return jax.lax.psum(jnp.sum(r, axis=(1, 3)), MODEL)
+    return jax.lax.pmax(jnp.max(r, axis=(1, 3)), MODEL)
+
+  return jax.shard_map(body, mesh=mesh, in_specs=P(None, None, DATA, MODEL),
+                       out_specs=P(None, DATA))(radii)

