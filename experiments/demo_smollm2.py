@@ -134,10 +134,43 @@ def _timed(fn, *args):
   return out, time.perf_counter() - t0
 
 
+def ratio_summary(err, radius, ratio) -> dict:
+  """The Assumption-2 audit of a run's calls (SPEC section 6).
+
+  ``R`` (``Generation.ratio``) is 0 for calls with no sampled token (every
+  deterministic design); the quantiles and the split coverage are over the
+  calls with ``R > 0``. Coverage where ``R > 1`` vs ``R <= 1`` answers "does
+  coverage hold where Assumption 2 is strained?".
+  """
+  ratio = np.asarray(ratio, np.float64)
+  audited = ratio > 0
+  out = {"n_calls_audited": int(audited.sum())}
+  if not audited.any():
+    return dict(out, median_ratio=None, p90_ratio=None, coverage_r_le_1=None,
+                coverage_r_gt_1=None, n_calls_r_gt_1=0)
+  r = ratio[audited]
+  covered = (np.asarray(err) <= np.asarray(radius))[audited]
+  low, high = r <= 1.0, r > 1.0
+  return dict(out, median_ratio=float(np.median(r)), p90_ratio=float(np.quantile(r, 0.9)),
+              coverage_r_le_1=float(covered[low].mean()) if low.any() else None,
+              coverage_r_gt_1=float(covered[high].mean()) if high.any() else None,
+              n_calls_r_gt_1=int(high.sum()))
+
+
 def run_one(params, config, tok, examples, design_name: str, budget: float, regime: str, *,
-            delta: float, seed: int, n_sink: int, window: int, chunk: int) -> dict:
-  """One (design, budget) over a batch of examples; returns the result row."""
-  design = make_design(design_name, budget, n_sink, window)
+            delta: float, seed: int, n_sink: int, window: int, chunk: int,
+            compiled: dict | None = None) -> dict:
+  """One (design, budget) over a batch of examples; returns the result row.
+
+  The design is built at budget 1.0 and the run's budget is passed as the
+  traced ``budget`` argument of ``models.decode``, so that the compiled
+  programs (kept in ``compiled``, keyed by design, regime and capacity) serve
+  every budget of a design in the question-aware regime (its capacity does not
+  depend on the budget); streaming capacities are sized per budget.
+  """
+  design = make_design(design_name, 1.0, n_sink, window)
+  b_arg = None if design is None else jnp.float32(budget)
+  compiled = {} if compiled is None else compiled
   ctx, ctx_mask = _pad([c for c, _, _ in examples])
   qst, q_mask = _pad([q for _, q, _ in examples])
   key = jax.random.PRNGKey(seed)
@@ -148,15 +181,15 @@ def run_one(params, config, tok, examples, design_name: str, budget: float, regi
     capacity = prompt.shape[1] + (N_STEPS if design is None else 0)
     static = dict(config=config, capacity=capacity, n_steps=N_STEPS, design=design,
                   observation_window=obs, evaluate=True)
-    gen_fn = jax.jit(lambda p, k: decode.generate(p, prompt, p_mask, k, **static))
+    gen_fn = jax.jit(lambda p, k, b: decode.generate(p, prompt, p_mask, k, budget=b, **static))
 
-    def prefill(p, k):
+    def prefill(p, k, b):
       shadow = decode.init_caches(config, batch, prompt.shape[1] + N_STEPS)
       logits, caches, _, shadow = decode.forward_chunk(
           p, config, prompt, p_mask, decode.init_caches(config, batch, capacity),
           design=design, observation_window=obs, certificate=False, shadow=shadow)
       if design is not None:
-        caches, _ = decode.evict(design, caches, jax.random.split(k)[1])
+        caches, shadow = decode._evict(design, caches, shadow, jax.random.split(k)[1], None, b)  # pylint: disable=protected-access
       return _last_logits(logits, p_mask), caches, shadow
     n_prompt = int(p_mask.sum())
     full_tokens = prompt.shape[1] + N_STEPS
@@ -169,10 +202,10 @@ def run_one(params, config, tok, examples, design_name: str, budget: float, regi
       capacity = int(np.floor(budget * n_ctx)) + chunk + qst.shape[1] + N_STEPS
     static = dict(config=config, capacity=capacity, n_steps=N_STEPS, chunk=chunk,
                   design=design, observation_window=obs, evaluate=True)
-    gen_fn = jax.jit(lambda p, k: decode.generate_streaming(p, ctx, ctx_mask, qst, q_mask, k,
-                                                            **static))
+    gen_fn = jax.jit(lambda p, k, b: decode.generate_streaming(p, ctx, ctx_mask, qst, q_mask, k,
+                                                               budget=b, **static))
 
-    def prefill(p, k):  # generate_streaming up to the first decode step
+    def prefill(p, k, b):  # generate_streaming up to the first decode step
       pad = n_chunks * chunk - n_ctx
       as_chunks = lambda x: jnp.pad(x, ((0, 0), (0, pad))).reshape(
           batch, n_chunks, chunk).swapaxes(0, 1)
@@ -184,7 +217,7 @@ def run_one(params, config, tok, examples, design_name: str, budget: float, regi
                                                     shadow=shadow)
         k, sub = jax.random.split(k)
         if design is not None:
-          caches, _ = decode.evict(design, caches, sub)
+          caches, shadow = decode._evict(design, caches, shadow, sub, None, b)  # pylint: disable=protected-access
         return (caches, shadow, k), None
       shadow = decode.init_caches(config, batch, n_chunks * chunk + qst.shape[1] + N_STEPS)
       (caches, shadow, k), _ = jax.lax.scan(
@@ -204,19 +237,24 @@ def run_one(params, config, tok, examples, design_name: str, budget: float, regi
                                k, N_STEPS, design, False, False)
 
   t0 = time.perf_counter()
-  gen_c = gen_fn.lower(params, key).compile()
-  prefill_c = jax.jit(prefill).lower(params, key).compile()
+  slot = (design_name, regime, capacity, batch)
+  if slot not in compiled:
+    compiled[slot] = {"gen": gen_fn.lower(params, key, b_arg).compile(),
+                      "prefill": jax.jit(prefill).lower(params, key, b_arg).compile()}
+  gen_c, prefill_c = compiled[slot]["gen"], compiled[slot]["prefill"]
   compile_s = time.perf_counter() - t0
-  gen, t_gen = _timed(gen_c, params, key)
-  (first_logits, caches, shadow), t_prefill = _timed(prefill_c, params, key)
+  gen, t_gen = _timed(gen_c, params, key, b_arg)
+  (first_logits, caches, shadow), t_prefill = _timed(prefill_c, params, key, b_arg)
   k_decode = jax.random.split(key)[0] if regime == "question_aware" else None
   if k_decode is None:  # streaming: one split per chunk
     k_decode = key
     for _ in range(-(-ctx.shape[1] // chunk)):
       k_decode = jax.random.split(k_decode)[0]
   t0 = time.perf_counter()
-  decode_c = jax.jit(decode_steps).lower(params, first_logits, caches, shadow,
-                                         k_decode).compile()
+  if "decode" not in compiled[slot]:
+    compiled[slot]["decode"] = jax.jit(decode_steps).lower(params, first_logits, caches,
+                                                           shadow, k_decode).compile()
+  decode_c = compiled[slot]["decode"]
   compile_s += time.perf_counter() - t0
   split_gen, t_decode = _timed(decode_c, params, first_logits, caches, shadow, k_decode)
   # The separately timed prefill + decode reproduce generate()'s tokens.
@@ -254,6 +292,7 @@ def run_one(params, config, tok, examples, design_name: str, budget: float, regi
       "generate_s": round(t_gen, 3), "timed_path_same_tokens": same_tokens,
       "compile_s": round(compile_s, 2),
       "answers": texts, "keys": [ex[2] for ex in examples],
+      **ratio_summary(err, radius, gen.ratio),
   }
 
 
@@ -261,6 +300,8 @@ def run_demo(params, config, tok, out: str, design_names, budgets, regime: str, 
              context_len: int, num_examples: int, delta: float, seed: int, n_sink: int = 4,
              window: int = 16, chunk: int = 64) -> list[dict]:
   """Runs every (design, budget) not yet in ``out/rows.jsonl``; returns all rows."""
+  if list(design_names) == ["all"]:
+    design_names = list(DESIGNS)
   for d in design_names:
     if d not in DESIGNS:
       raise ValueError(f"--designs: unknown design {d!r}; choose from {list(DESIGNS)}")
@@ -274,13 +315,15 @@ def run_demo(params, config, tok, out: str, design_names, budgets, regime: str, 
   progress = results_io.Progress(len(units), len(units) - len(todo))
   logging.info("%d runs to do, %d already in %s", len(todo), len(units) - len(todo),
                results.path)
+  compiled = {}  # one set of compiled programs per (design, regime, capacity)
   for design_name, budget in todo:
     row = run_one(params, config, tok, examples, design_name, budget, regime, delta=delta,
-                  seed=seed, n_sink=n_sink, window=window, chunk=chunk)
+                  seed=seed, n_sink=n_sink, window=window, chunk=chunk, compiled=compiled)
     row.update(context_len=context_len, seed=seed)
     results.add(row)
     msg = (f"{progress.step()} {regime}/{design_name}@{budget}: acc {row['accuracy']:.2f} "
            f"err {row['mean_true_error']:.4f} cov {row['coverage']:.3f} "
+           f"median R {_fmt(row['median_ratio'], '.2f')} "
            f"prefill {row['prefill_tokens_per_s']:.0f} tok/s decode "
            f"{row['decode_tokens_per_s']:.1f} tok/s")
     logging.info(msg)
@@ -296,16 +339,19 @@ def _fmt(x, spec):
 def render_summary(rows, delta: float) -> str:
   lines = [
       "# SmolLM2 pass-key demo: deterministic vs randomized eviction", "",
-      f"| regime | design | budget | acc | mean ||e|| | cov@{delta} | sharp | K/V (run / full) "
-      "| metadata | kept K/V | prefill tok/s | decode tok/s |",
-      "|" + "---|" * 12,
+      f"| regime | design | budget | acc | mean ||e|| | cov@{delta} | sharp | median R "
+      f"| cov R<=1 / R>1 | K/V (run / full) | metadata | kept K/V | prefill tok/s "
+      "| decode tok/s |",
+      "|" + "---|" * 14,
   ]
   for r in sorted(rows, key=lambda r: (r["regime"], r["budget"], r["randomized"],
                                        r["design"])):
     lines.append(
         f"| {r['regime']} | {r['design']} | {r['budget']} | {r['accuracy']:.2f} | "
         f"{_fmt(r['mean_true_error'], '.4f')} | {_fmt(r['coverage'], '.3f')} | "
-        f"{_fmt(r['sharpness'], '.2f')} | {memory.format_bytes(r['kv_bytes'])} / "
+        f"{_fmt(r['sharpness'], '.2f')} | {_fmt(r.get('median_ratio'), '.2f')} | "
+        f"{_fmt(r.get('coverage_r_le_1'), '.3f')} / {_fmt(r.get('coverage_r_gt_1'), '.3f')} | "
+        f"{memory.format_bytes(r['kv_bytes'])} / "
         f"{memory.format_bytes(r['full_kv_bytes'])} | "
         f"{memory.format_bytes(r['metadata_bytes'])} | "
         f"{memory.format_bytes(r['kept_kv_bytes'])} | "
@@ -314,6 +360,9 @@ def render_summary(rows, delta: float) -> str:
             "error per (step, layer, head) decode call, from the shadow full cache. cov: "
             "fraction of calls with ||e|| <= Bernstein radius at delta; sharp: median "
             "radius/||e|| over covered calls with an error (deterministic designs: radius 0). "
+            "R: Assumption-2 ratio m max_T a_i/(pi_i sum a) of each call over the full "
+            "context (median over calls with a sampled tail; n/a for deterministic designs), "
+            "and coverage split at R = 1. "
             "K/V run/full: bytes as allocated (capacity) vs a cache holding every token; "
             "kept K/V: bytes of the slots in use at the end. Tokens/s in evaluation mode "
             "(shadow cache on), compile excluded."]
@@ -326,10 +375,10 @@ def define_flags():
   flags.DEFINE_string("out", None, "Output directory (rows.jsonl, summary.md).", required=True)
   flags.DEFINE_list("designs", ["snapkv", "poisson_tail"],
                     f"Designs, from {', '.join(DESIGNS)}; 'full' keeps everything "
-                    "(the reference).")
+                    "(the reference); 'all' = every one of them.")
   flags.DEFINE_list("budgets", ["0.125", "0.25", "0.5"], "Budgets, fractions of the tokens seen.")
-  flags.DEFINE_enum("regime", "question_aware", ["question_aware", "streaming"],
-                    "Eviction regime.")
+  flags.DEFINE_enum("regime", "question_aware", ["question_aware", "streaming", "both"],
+                    "Eviction regime; 'both' runs question_aware then streaming.")
   flags.DEFINE_integer("context_len", 256, "Filler tokens around the pass key (approximately).")
   flags.DEFINE_integer("num_examples", 4, "Examples (one batch).")
   flags.DEFINE_float("delta", 0.05, "Certificate miss probability.")
@@ -350,10 +399,13 @@ def main(argv):
   t0 = time.time()
   params, config, tok = gguf_loader.load_smollm2()
   logging.info("loaded SmolLM2 in %.1fs", time.time() - t0)
-  rows = run_demo(params, config, tok, FLAGS.out, FLAGS.designs, budgets, FLAGS.regime,
-                  context_len=FLAGS.context_len, num_examples=FLAGS.num_examples,
-                  delta=FLAGS.delta, seed=FLAGS.seed, n_sink=FLAGS.n_sink,
-                  window=FLAGS.window, chunk=FLAGS.chunk)
+  regimes = (["question_aware", "streaming"] if FLAGS.regime == "both" else [FLAGS.regime])
+  rows = []
+  for regime in regimes:
+    rows += run_demo(params, config, tok, FLAGS.out, FLAGS.designs, budgets, regime,
+                     context_len=FLAGS.context_len, num_examples=FLAGS.num_examples,
+                     delta=FLAGS.delta, seed=FLAGS.seed, n_sink=FLAGS.n_sink,
+                     window=FLAGS.window, chunk=FLAGS.chunk)
   summary = render_summary(rows, FLAGS.delta)
   results_io.atomic_write_text(os.path.join(FLAGS.out, "summary.md"), summary)
   print(summary)

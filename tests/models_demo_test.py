@@ -27,8 +27,9 @@ KEYS = {"design", "budget", "regime", "randomized", "num_examples", "accuracy",
         "n_calls", "kv_bytes", "metadata_bytes", "full_kv_bytes", "full_metadata_bytes",
         "kv_fraction", "capacity", "full_capacity", "kept_kv_bytes", "kept_metadata_bytes",
         "mean_kept_slots", "n_dropped", "prefill_tokens_per_s", "decode_tokens_per_s",
-        "prefill_s", "decode_s", "generate_s", "timed_path_same_tokens", "compile_s", "answers", "keys", "context_len", "seed",
-        "prompt_tokens_mean"}
+        "prefill_s", "decode_s", "generate_s", "timed_path_same_tokens", "compile_s", "answers",
+        "keys", "context_len", "seed", "prompt_tokens_mean", "n_calls_audited", "median_ratio",
+        "p90_ratio", "coverage_r_le_1", "coverage_r_gt_1", "n_calls_r_gt_1"}
 
 
 @absltest.skipUnless(gguf_loader.smollm2_installed(), "SmolLM2 weights not installed: "
@@ -68,6 +69,9 @@ class DemoTest(absltest.TestCase):
     self.assertEqual(by["sink_window"]["mean_radius"], 0.0)  # deterministic: no variance
     self.assertTrue(by["poisson_tail"]["randomized"])
     self.assertGreater(by["poisson_tail"]["mean_radius"], 0.0)
+    self.assertEqual(by["sink_window"]["n_calls_audited"], 0)  # nothing sampled
+    self.assertIsNone(by["sink_window"]["median_ratio"])
+    self.assertGreater(by["poisson_tail"]["median_ratio"], 0.0)
     self.assertLen(results_io.read_rows(os.path.join(out, "rows.jsonl")), 2)
     # Resume: a rerun with the same output redoes nothing.
     again = demo_smollm2.run_demo(params, config, tok, out, ["sink_window", "poisson_tail"],
