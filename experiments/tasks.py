@@ -1,0 +1,604 @@
+r"""Seeded long-context tasks with exact answers, for any tokenizer.
+
+Every generator takes a tokenizer with ``encode(text, add_bos=...) ->
+list[int]`` and ``decode(ids) -> str``, and optionally
+``apply_chat_template(messages) -> str``. With a chat template the user turn
+is split around its content (as ``experiments.demo_smollm2.make_examples``
+does): the template's text before the content opens the context, the text
+after it (end of the user turn and the assistant header) follows the
+question. Without one (no method, ``None``, or a template that raises
+``ValueError``) the prompt is plain text.
+
+An :class:`Example` holds
+
+* ``context_ids``: chat prefix + instruction + the long context (with the
+  tokenizer's default BOS). Its length is at least ``context_len`` tokens of
+  the given tokenizer: filler is added until the whole encoded context
+  reaches it (it overshoots by about one filler piece);
+* ``question_ids``: the question, the end of the user turn, the assistant
+  header and an answer prefix (no BOS). ``context_ids + question_ids`` is the
+  question-aware prompt; in the streaming regime the context is compressed
+  before ``question_ids`` is seen;
+* ``answer`` (the canonical answer string), ``answers`` (every accepted
+  answer), ``metric`` (the scoring rule's name, see :data:`METRICS`), ``task``
+  and ``meta`` (needle depths, hops, ...). ``example.score(text)`` scores a
+  generation exactly.
+
+Tasks (:data:`TASKS`, built by :func:`make_task`):
+
+* ``passkey``: a five-digit pass key in repetitive filler; ``depth`` in
+  [0, 1] (fraction of the filler before the needle) or None (uniform).
+* ``multi_needle``: ``num_needles`` needles "One of the special magic numbers
+  for <word> is: <number>." (RULER style). ``query="one"``: the needles have
+  distinct words and one is asked for; ``query="all"``: they share the word
+  and all numbers are asked for (every one must be produced).
+* ``kv_retrieval``: random UUID keys and values (``fmt="json"`` or
+  ``"lines"``), the value of one key is asked for.
+* ``variable_tracking``: ``VAR ABCDE = 12345`` then ``VAR FGHIJ = VAR
+  ABCDE`` ... (``num_hops`` hops) chains, with ``num_chains - 1`` distractor
+  chains of other values, in filler; asks which variables equal the target
+  value (exact set match).
+* ``agent_memory``: a long agent log (tool calls, observations) in which a
+  fact needed later (an access code) is stated once, early (``depth`` default
+  uniform in [0, 0.2]), with ``num_distractors`` similar facts about other
+  services; the question arrives after the log. This is the streaming
+  regime's case: the log is compressed before the question is known.
+
+:func:`depth_sweep` makes examples at a list of needle depths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import random
+import re
+import string
+from typing import Callable, Optional, Sequence
+
+# ----------------------------------------------------------------------------- scoring
+
+_DIGIT_RUN = re.compile(r"\d+")
+_VAR_NAME_LEN = 5
+_VAR_NAME = re.compile(r"\b[A-Z]{%d}\b" % _VAR_NAME_LEN)
+
+
+def normalize_answer(text: str) -> str:
+  """SQuAD/LongBench normalisation: lower case, no punctuation, no articles, single spaces."""
+  text = text.lower()
+  text = "".join(ch for ch in text if ch not in set(string.punctuation))
+  text = re.sub(r"\b(a|an|the)\b", " ", text)
+  return " ".join(text.split())
+
+
+def score_digits(text: str, answers: Sequence[str]) -> bool:
+  """``digits``: the generation's digits, concatenated (separators ignored), start with
+  the answer's digits (the first answer-length span must match exactly)."""
+  want = "".join(_DIGIT_RUN.findall(answers[0]))
+  return bool(want) and "".join(_DIGIT_RUN.findall(text))[:len(want)] == want
+
+
+def score_numbers_all(text: str, answers: Sequence[str]) -> bool:
+  """``numbers_all``: the first ``len(answers)`` numbers (maximal digit runs) of the
+  generation are exactly the answers, in any order."""
+  got = _DIGIT_RUN.findall(text)[:len(answers)]
+  return sorted(got) == sorted(answers)
+
+
+def score_exact_prefix(text: str, answers: Sequence[str]) -> bool:
+  """``exact_prefix``: after stripping whitespace and opening quotes/backticks and lower
+  casing, the generation starts with the (lower-cased) answer."""
+  got = text.strip().lstrip("\"'`").lower()
+  return any(got.startswith(a.strip().lower()) for a in answers)
+
+
+def score_set_exact(text: str, answers: Sequence[str]) -> bool:
+  """``set_exact``: the set of 5-letter upper-case names on the generation's first
+  non-empty line equals the set of answers."""
+  lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+  got = set(_VAR_NAME.findall(lines[0])) if lines else set()
+  return got == set(answers)
+
+
+def exact_match(text: str, answers: Sequence[str]) -> bool:
+  """Normalised generation (:func:`normalize_answer`) equals a normalised answer."""
+  got = normalize_answer(text)
+  return any(got == normalize_answer(a) for a in answers)
+
+
+def contains_match(text: str, answers: Sequence[str]) -> bool:
+  """A non-empty normalised answer occurs in the normalised generation (on word
+  boundaries)."""
+  got = f" {normalize_answer(text)} "
+  return any(normalize_answer(a) and f" {normalize_answer(a)} " in got for a in answers)
+
+
+def f1_score(text: str, answers: Sequence[str]) -> float:
+  """LongBench/SQuAD token-level F1 (whitespace tokens of the normalised strings), max
+  over the answers. English only (LongBench's Chinese datasets use jieba)."""
+  pred = normalize_answer(text).split()
+  best = 0.0
+  for a in answers:
+    ref = normalize_answer(a).split()
+    common = {}
+    for t in ref:
+      common[t] = common.get(t, 0) + 1
+    same = 0
+    for t in pred:
+      if common.get(t, 0) > 0:
+        common[t] -= 1
+        same += 1
+    if same:
+      precision, recall = same / len(pred), same / len(ref)
+      best = max(best, 2 * precision * recall / (precision + recall))
+  return best
+
+
+def string_match_all(text: str, answers: Sequence[str]) -> float:
+  """RULER's string_match_all for one sample: the fraction of the answers that occur
+  (case-insensitive substring) in the generation."""
+  low = text.lower()
+  return sum(a.lower() in low for a in answers) / len(answers)
+
+
+def string_match_part(text: str, answers: Sequence[str]) -> float:
+  """RULER's string_match_part for one sample: 1.0 if any answer occurs
+  (case-insensitive substring) in the generation, else 0.0."""
+  low = text.lower()
+  return float(any(a.lower() in low for a in answers))
+
+
+METRICS: dict[str, Callable[[str, Sequence[str]], bool]] = {
+    "digits": score_digits,
+    "numbers_all": score_numbers_all,
+    "exact_prefix": score_exact_prefix,
+    "set_exact": score_set_exact,
+    "exact_match": exact_match,
+    "contains": contains_match,
+    "ruler_all": lambda t, a: string_match_all(t, a) == 1.0,
+    "ruler_part": lambda t, a: string_match_part(t, a) == 1.0,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One prompt with its exact answer(s); see the module docstring."""
+
+  context_ids: list[int]
+  question_ids: list[int]
+  answer: str
+  task: str
+  meta: dict
+  answers: tuple[str, ...] = ()
+  metric: str = "digits"
+
+  def __post_init__(self):
+    if self.metric not in METRICS:
+      raise ValueError(f"metric must be one of {sorted(METRICS)}, got {self.metric!r}")
+    if not self.answers:
+      object.__setattr__(self, "answers", (self.answer,))
+
+  def score(self, generated_text: str) -> bool:
+    """Whether ``generated_text`` (the text after the answer prefix) is correct."""
+    return bool(METRICS[self.metric](generated_text, self.answers))
+
+
+# ----------------------------------------------------------------------------- prompts
+
+FILLER = (
+    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
+    "There and back again.", "The river flows to the sea.", "Birds sing in the morning.",
+    "The road goes on and on.", "Clouds drift over the hills.", "The old clock ticks.",
+)
+NEEDLE_WORDS = (
+    "apple", "river", "falcon", "copper", "meadow", "lantern", "violet", "harbor",
+    "canyon", "pepper", "glacier", "orchid", "saddle", "thunder", "walnut", "ember",
+)
+SERVICES = ("staging", "billing", "analytics", "backup", "mail", "search", "payments",
+            "inventory", "auth", "metrics")
+
+
+def chat_parts(tokenizer, use_chat: bool = True) -> tuple[str, str]:
+  """(prefix, suffix) of the tokenizer's chat template around a user message's
+  content; ``("", "\\n")`` when there is no template (plain text)."""
+  fn = getattr(tokenizer, "apply_chat_template", None) if use_chat else None
+  if fn is None:
+    return "", "\n"
+  try:
+    rendered = fn([{"role": "user", "content": "\x00"}])
+  except ValueError:  # e.g. models.tokenizer.Tokenizer without a template
+    return "", "\n"
+  if not isinstance(rendered, str) or rendered.count("\x00") != 1:
+    raise ValueError("apply_chat_template must return a str containing the user content once")
+  prefix, suffix = rendered.split("\x00")
+  return prefix, suffix
+
+
+class _Lengths:
+  """Cached token counts of pieces (the same filler sentences recur)."""
+
+  def __init__(self, tokenizer):
+    self.tok = tokenizer
+    self.cache = {}
+
+  def __call__(self, text: str) -> int:
+    if text not in self.cache:
+      self.cache[text] = len(self.tok.encode(text, add_bos=False))
+    return self.cache[text]
+
+
+def _grow(tokenizer, context_len: int, render: Callable[[list], str],
+          next_piece: Callable[[], str], joiner: str = " ") -> tuple[list[int], list]:
+  """Adds pieces until ``len(encode(render(pieces))) >= context_len``.
+
+  Piece lengths are estimated from separate encodings (which, for BPE, are
+  no shorter than the joint one), then checked on the full text.
+  """
+  lengths = _Lengths(tokenizer)
+  pieces = []
+  ids = tokenizer.encode(render(pieces))
+  est = len(ids)
+  while len(ids) < context_len:
+    while est < context_len:
+      p = next_piece()
+      pieces.append(p)
+      est += lengths(joiner + p)
+    ids = tokenizer.encode(render(pieces))
+    est = len(ids)
+  return list(ids), pieces
+
+
+def _insert_at(pieces: list, inserts: Sequence[tuple[float, str]]) -> tuple[list, list]:
+  """Inserts ``(depth, text)`` pairs at ``round(depth * len(pieces))``; returns the new
+  list and each insert's realised depth (index / len(pieces))."""
+  n = len(pieces)
+  pos = [min(n, max(0, int(round(d * n)))) for d, _ in inserts]
+  out, realised = [], []
+  order = sorted(range(len(inserts)), key=lambda i: (pos[i], i))
+  j = 0
+  for idx in range(n + 1):
+    while j < len(order) and pos[order[j]] == idx:
+      out.append(inserts[order[j]][1])
+      j += 1
+    if idx < n:
+      out.append(pieces[idx])
+  for i in range(len(inserts)):
+    realised.append(pos[i] / n if n else 0.0)
+  return out, realised
+
+
+def _check_depth(depth, name: str = "depth"):
+  if depth is not None and not (isinstance(depth, (int, float)) and 0.0 <= depth <= 1.0):
+    raise ValueError(f"{name} must be None or a number in [0, 1], got {depth!r}")
+
+
+def _check_int(value, name: str, lo: int, hi: Optional[int] = None):
+  if not isinstance(value, int) or isinstance(value, bool) or value < lo or (
+      hi is not None and value > hi):
+    rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+    raise ValueError(f"{name} must be an int {rng}, got {value!r}")
+
+
+def _number(rng: random.Random, digits: int) -> str:
+  return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+
+
+def _uuid(rng: random.Random) -> str:
+  groups = (8, 4, 4, 4, 12)
+  return "-".join("".join(rng.choice("0123456789abcdef") for _ in range(g)) for g in groups)
+
+
+def _encode_question(tokenizer, text: str) -> list[int]:
+  return list(tokenizer.encode(text, add_bos=False))
+
+
+# ----------------------------------------------------------------------------- tasks
+
+
+def passkey(tokenizer, rng: random.Random, context_len: int, *, depth: Optional[float] = None,
+            digits: int = 5, use_chat: bool = True) -> Example:
+  """A pass key hidden in repetitive filler (metric ``digits``)."""
+  _check_depth(depth)
+  _check_int(digits, "digits", 1, 20)
+  prefix, suffix = chat_parts(tokenizer, use_chat)
+  key = _number(rng, digits)
+  d = rng.random() if depth is None else float(depth)
+  needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+  head = prefix + ("There is a pass key hidden inside a lot of irrelevant text. Find it and "
+                   "remember it.\n\n")
+  realised = []
+
+  def render(pieces):
+    body, r = _insert_at(pieces, [(d, needle)])
+    realised[:] = r
+    return head + " ".join(body)
+  ids, pieces = _grow(tokenizer, context_len, render, lambda: rng.choice(FILLER))
+  render(pieces)
+  question = "\n\nWhat is the pass key?" + suffix + "The pass key is"
+  return Example(ids, _encode_question(tokenizer, question), key, "passkey",
+                 {"depth": realised[0], "n_pieces": len(pieces), "n_context_tokens": len(ids)},
+                 metric="digits")
+
+
+def multi_needle(tokenizer, rng: random.Random, context_len: int, *, num_needles: int = 4,
+                 query: str = "one", depths: Optional[Sequence[float]] = None,
+                 digits: int = 7, use_chat: bool = True) -> Example:
+  """``num_needles`` magic numbers; one asked for (``digits``) or all (``numbers_all``)."""
+  _check_int(num_needles, "num_needles", 1, len(NEEDLE_WORDS))
+  _check_int(digits, "digits", 1, 20)
+  if query not in ("one", "all"):
+    raise ValueError(f"query must be 'one' or 'all', got {query!r}")
+  if depths is not None:
+    if len(depths) != num_needles:
+      raise ValueError(f"depths must have num_needles={num_needles} entries, got {len(depths)}")
+    for x in depths:
+      _check_depth(x, "depths[i]")
+  prefix, suffix = chat_parts(tokenizer, use_chat)
+  values = []
+  while len(values) < num_needles:  # distinct numbers
+    v = _number(rng, digits)
+    if v not in values:
+      values.append(v)
+  if query == "one":
+    words = rng.sample(NEEDLE_WORDS, num_needles)
+    target = rng.randrange(num_needles)
+  else:
+    words = [rng.choice(NEEDLE_WORDS)] * num_needles
+    target = None
+  ds = [rng.random() for _ in range(num_needles)] if depths is None else list(depths)
+  needles = [(ds[i], f"One of the special magic numbers for {words[i]} is: {values[i]}.")
+             for i in range(num_needles)]
+  head = prefix + ("Some special magic numbers are hidden within the following text. Make sure "
+                   "to memorize it. I will quiz you about the numbers afterwards.\n\n")
+  realised = []
+
+  def render(pieces):
+    body, r = _insert_at(pieces, needles)
+    realised[:] = r
+    return head + " ".join(body)
+  ids, pieces = _grow(tokenizer, context_len, render, lambda: rng.choice(FILLER))
+  render(pieces)
+  if query == "one":
+    question = (f"\n\nWhat is the special magic number for {words[target]} mentioned in the "
+                f"provided text?" + suffix +
+                f"The special magic number for {words[target]} mentioned in the provided text is")
+    answer, answers, metric = values[target], (values[target],), "digits"
+  else:
+    question = (f"\n\nWhat are all the special magic numbers for {words[0]} mentioned in the "
+                f"provided text?" + suffix +
+                f"The special magic numbers for {words[0]} mentioned in the provided text are")
+    answer, answers, metric = ", ".join(values), tuple(values), "numbers_all"
+  meta = {"depths": realised, "num_needles": num_needles, "query": query, "target": target,
+          "n_pieces": len(pieces), "n_context_tokens": len(ids)}
+  return Example(ids, _encode_question(tokenizer, question), answer, "multi_needle", meta,
+                 answers, metric)
+
+
+def kv_retrieval(tokenizer, rng: random.Random, context_len: int, *,
+                 depth: Optional[float] = None, fmt: str = "json",
+                 use_chat: bool = True) -> Example:
+  """Random UUID key-value pairs; the value of one key is asked for (``exact_prefix``)."""
+  _check_depth(depth)
+  if fmt not in ("json", "lines"):
+    raise ValueError(f"fmt must be 'json' or 'lines', got {fmt!r}")
+  prefix, suffix = chat_parts(tokenizer, use_chat)
+  d = rng.random() if depth is None else float(depth)
+  target = (_uuid(rng), _uuid(rng))
+  seen = {target[0]}
+
+  def next_pair():
+    while True:
+      k = _uuid(rng)
+      if k not in seen:
+        seen.add(k)
+        return (k, _uuid(rng))
+  head = prefix + ("Extract the value corresponding to the specified key in the "
+                   + ("JSON object" if fmt == "json" else "list") + " below.\n\n")
+  fmt_pair = (lambda p: f'"{p[0]}": "{p[1]}"') if fmt == "json" else (
+      lambda p: f"{p[0]}: {p[1]}")
+  realised = []
+
+  def render(pairs):
+    all_pairs, r = _insert_at(pairs, [(d, target)])
+    realised[:] = r
+    lines = [fmt_pair(p) for p in all_pairs]
+    if fmt == "json":
+      return head + "JSON data:\n{" + ", ".join(lines) + "}"
+    return head + "\n".join(lines)
+  joiner = ", " if fmt == "json" else "\n"
+  lengths = _Lengths(tokenizer)
+  # Pairs are objects, not strings: estimate each from its formatted text.
+  pairs = []
+  ids = tokenizer.encode(render(pairs))
+  est = len(ids)
+  while len(ids) < context_len:
+    while est < context_len:
+      p = next_pair()
+      pairs.append(p)
+      est += lengths(joiner + fmt_pair(p))
+    ids = list(tokenizer.encode(render(pairs)))
+    est = len(ids)
+  render(pairs)
+  quoted = f'"{target[0]}"' if fmt == "json" else target[0]
+  question = (f"\n\nKey: {quoted}\nWhat is the value associated with the specified key?" + suffix +
+              "The value associated with the specified key is:")
+  meta = {"depth": realised[0], "num_pairs": len(pairs) + 1, "key": target[0], "fmt": fmt,
+          "n_pieces": len(pairs), "n_context_tokens": len(ids)}
+  return Example(list(ids), _encode_question(tokenizer, question), target[1], "kv_retrieval",
+                 meta, metric="exact_prefix")
+
+
+def _var_name(rng: random.Random, taken: set) -> str:
+  while True:
+    name = "".join(rng.choice(string.ascii_uppercase) for _ in range(_VAR_NAME_LEN))
+    if name not in taken and name != "VALUE":
+      taken.add(name)
+      return name
+
+
+def variable_tracking(tokenizer, rng: random.Random, context_len: int, *, num_hops: int = 4,
+                      num_chains: int = 2, digits: int = 5,
+                      use_chat: bool = True) -> Example:
+  """Multi-hop assignment chains in filler; which variables equal the value (``set_exact``)."""
+  _check_int(num_hops, "num_hops", 1, 50)
+  _check_int(num_chains, "num_chains", 1, 20)
+  _check_int(digits, "digits", 1, 20)
+  prefix, suffix = chat_parts(tokenizer, use_chat)
+  taken, vals, chains = set(), [], []
+  for _ in range(num_chains):
+    v = _number(rng, digits)
+    while v in vals:
+      v = _number(rng, digits)
+    vals.append(v)
+    names = [_var_name(rng, taken) for _ in range(num_hops + 1)]
+    stmts = [f"VAR {names[0]} = {v}."] + [f"VAR {names[i + 1]} = VAR {names[i]}."
+                                          for i in range(num_hops)]
+    chains.append((names, stmts))
+  # Statement j of every chain sits at a random depth inside the j-th slice of
+  # the context, so each chain's assignments appear in order.
+  inserts, owner = [], []
+  slot = 1.0 / (num_hops + 1)
+  for c, (_, stmts) in enumerate(chains):
+    for j, s in enumerate(stmts):
+      inserts.append(((j + rng.random()) * slot, s))
+      owner.append(c)
+  head = prefix + ("Memorize and track the chain(s) of variable assignment hidden in the "
+                   "following text.\n\n")
+
+  def render(pieces):
+    body, _ = _insert_at(pieces, inserts)
+    return head + " ".join(body)
+  ids, pieces = _grow(tokenizer, context_len, render, lambda: rng.choice(FILLER))
+  names = chains[0][0]
+  question = (f"\n\nQuestion: Find all variables that are assigned the value {vals[0]} in the "
+              f"text above." + suffix +
+              f"Answer: According to the chain(s) of variable assignment in the text above, "
+              f"{len(names)} variables are assigned the value {vals[0]}, they are:")
+  meta = {"num_hops": num_hops, "num_chains": num_chains, "value": vals[0],
+          "depths": [d for (d, _), o in zip(inserts, owner) if o == 0],
+          "n_pieces": len(pieces), "n_context_tokens": len(ids)}
+  return Example(ids, _encode_question(tokenizer, question), " ".join(names),
+                 "variable_tracking", meta, tuple(names), "set_exact")
+
+
+_FILES = ("utils.py", "main.py", "config.yaml", "README.md", "server.go", "index.ts", "Makefile",
+          "schema.sql", "app.js", "notes.txt")
+_CITIES = ("Paris", "Lima", "Oslo", "Cairo", "Tokyo", "Quito", "Perth", "Dakar", "Seoul", "Rome")
+
+
+def _log_line(rng: random.Random) -> str:
+  kind = rng.randrange(6)
+  if kind == 0:
+    return (f"Tool call: read_file('{rng.choice(_FILES)}') -> {rng.randrange(10, 900)} lines, "
+            f"{rng.randrange(1, 40)} functions.")
+  if kind == 1:
+    return (f"Tool call: search('weather in {rng.choice(_CITIES)}') -> "
+            f"{rng.randrange(1, 50)} results; top result says {rng.randrange(-5, 35)} degrees.")
+  if kind == 2:
+    return f"Observation: the test suite ran with {rng.randrange(0, 12)} failures."
+  if kind == 3:
+    return (f"Thought: I should check {rng.choice(_FILES)} next, then summarise the "
+            f"findings.")
+  if kind == 4:
+    return (f"Tool call: list_dir('src/') -> {rng.randrange(3, 60)} entries; the largest is "
+            f"{rng.choice(_FILES)}.")
+  return f"Observation: the build took {rng.randrange(2, 600)} seconds and succeeded."
+
+
+def agent_memory(tokenizer, rng: random.Random, context_len: int, *,
+                 depth: Optional[float] = None, num_distractors: int = 2, digits: int = 5,
+                 use_chat: bool = True) -> Example:
+  """An agent log with a fact stated once early; the question comes after it (``digits``)."""
+  _check_depth(depth)
+  _check_int(num_distractors, "num_distractors", 0, len(SERVICES) - 1)
+  _check_int(digits, "digits", 1, 20)
+  prefix, suffix = chat_parts(tokenizer, use_chat)
+  services = rng.sample(SERVICES, num_distractors + 1)
+  codes = []
+  while len(codes) < len(services):
+    c = _number(rng, digits)
+    if c not in codes:
+      codes.append(c)
+  d = rng.uniform(0.0, 0.2) if depth is None else float(depth)
+  facts = [(d, f"Note from the user: the access code for the {services[0]} server is "
+               f"{codes[0]}. You will need it later.")]
+  for s, c in zip(services[1:], codes[1:]):
+    facts.append((rng.random(), f"Observation: the access code for the {s} server is {c}."))
+  head = prefix + ("You are an agent working on a software project. Here is your log so "
+                   "far.\n\n")
+  realised = []
+
+  def render(lines):
+    body, r = _insert_at(lines, facts)
+    realised[:] = r
+    return head + "\n".join(f"[step {i + 1}] {ln}" for i, ln in enumerate(body))
+  ids, lines = _grow(tokenizer, context_len, render, lambda: _log_line(rng),
+                    joiner="\n[step 100] ")
+  render(lines)
+  question = (f"\n\nNew message from the user: what is the access code for the {services[0]} "
+              f"server?" + suffix + f"The access code for the {services[0]} server is")
+  meta = {"depth": realised[0], "service": services[0], "num_distractors": num_distractors,
+          "distractor_depths": realised[1:], "n_pieces": len(lines),
+          "n_context_tokens": len(ids)}
+  return Example(ids, _encode_question(tokenizer, question), codes[0], "agent_memory", meta,
+                 metric="digits")
+
+
+_GENERATORS = {
+    "passkey": passkey,
+    "multi_needle": multi_needle,
+    "kv_retrieval": kv_retrieval,
+    "variable_tracking": variable_tracking,
+    "agent_memory": agent_memory,
+}
+TASKS = tuple(_GENERATORS)
+MIN_CONTEXT_LEN = 16
+
+
+def make_task(name: str, tokenizer, num_examples: int, context_len: int, seed: int,
+              **kw) -> list[Example]:
+  """``num_examples`` seeded examples of task ``name`` (one of :data:`TASKS`).
+
+  Args:
+    name: task name.
+    tokenizer: see the module docstring.
+    num_examples: int >= 1.
+    context_len: int >= 16: minimum context length in tokens of ``tokenizer``.
+    seed: int; the same arguments give the same examples.
+    **kw: the task's options (see its generator), e.g. ``depth=0.5``.
+
+  Returns:
+    A list of :class:`Example`.
+  """
+  if name not in _GENERATORS:
+    raise ValueError(f"name must be one of {TASKS}, got {name!r}")
+  _check_int(num_examples, "num_examples", 1)
+  _check_int(context_len, "context_len", MIN_CONTEXT_LEN)
+  if not isinstance(seed, int) or isinstance(seed, bool):
+    raise ValueError(f"seed must be an int, got {seed!r}")
+  fn = _GENERATORS[name]
+  allowed = [p for p in inspect.signature(fn).parameters if p not in ("tokenizer", "rng",
+                                                                       "context_len")]
+  bad = sorted(set(kw) - set(allowed))
+  if bad:
+    raise ValueError(f"unknown option(s) {bad} for task {name!r}; allowed: {allowed}")
+  rng = random.Random(f"{name}:{seed}")
+  return [fn(tokenizer, rng, context_len, **kw) for _ in range(num_examples)]
+
+
+def depth_sweep(name: str, tokenizer, depths: Sequence[float], num_examples: int,
+                context_len: int, seed: int, **kw) -> list[Example]:
+  """``num_examples`` examples at each needle depth (tasks with a ``depth`` option), in
+  ``depths`` order; depth ``i`` uses seed ``(seed, i)``."""
+  if name not in ("passkey", "kv_retrieval", "agent_memory"):
+    raise ValueError(f"name must be a task with a depth option ('passkey', 'kv_retrieval', "
+                     f"'agent_memory'), got {name!r}")
+  if "depth" in kw:
+    raise ValueError("pass the depths as depths=, not depth=")
+  for d in depths:
+    _check_depth(d, "depths[i]")
+  out = []
+  for i, d in enumerate(depths):
+    out += make_task(name, tokenizer, num_examples, context_len, seed * 1_000_003 + i,
+                     depth=d, **kw)
+  return out
