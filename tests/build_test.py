@@ -22,7 +22,8 @@ PACKAGES = ("certkv_jax", "pallas_kernels", "models", "experiments")
 DISTRIBUTIONS = {"absl": "absl-py", "chex": "chex", "flax": "flax", "jax": "jax",
                  "numpy": "numpy", "optax": "optax", "orbax": "orbax-checkpoint",
                  "scipy": "scipy", "gguf": "gguf", "jinja2": "jinja2",
-                 "safetensors": "safetensors", "tokenizers": "tokenizers"}
+                 "safetensors": "safetensors", "tokenizers": "tokenizers",
+                 "matplotlib": "matplotlib"}
 
 
 class _Req(str):

@@ -1,0 +1,24 @@
+r"""Experiment 2: certificate coverage by design, budget, regime, task, delta, layer, head.
+
+Coverage of the realised attention error (true error from the shadow full
+cache <= the Bernstein radius at each ``--deltas``), with sharpness next to
+it (SPEC section 5), from the rows of ``experiments.suite.collect`` (one
+JSONL row per (task, regime, design, budget, example, run), resumable).
+Writes ``--out/rows.jsonl``, ``summary.md``, ``summary.json``,
+``coverage.png`` and ``error_vs_radius.png``.
+
+  python -m experiments.exp_coverage --out=/tmp/coverage
+"""
+
+from absl import app
+from absl import flags
+
+from experiments import suite
+from experiments import suite_report
+
+main = suite_report.script_main([suite_report.coverage_analysis], "Certificate coverage")
+
+if __name__ == "__main__":
+  suite.define_common_flags(flags, designs=["poisson_tail", "attention_proportional",
+                                            "uniform_random"])
+  app.run(main)

@@ -1,0 +1,32 @@
+r"""Experiments 4-6: failure prediction, attribution and certificate-gated recomputation.
+
+* failure prediction: ROC AUC (cluster-bootstrap CIs over examples) of the
+  certificate score, the negative mean output log-probability and the
+  disagreement of two independent ``poisson_tail`` runs, for predicting that
+  the evicted run's answer is wrong;
+* attribution: AUC of the same scores for separating cache-induced failures
+  (full cache right, evicted wrong) from inherent ones (full cache wrong);
+* gating: under a recompute budget (fraction of examples re-run with the
+  full cache), the fraction of the oracle's recoverable gain captured by
+  oracle, random, confidence and certificate gating, as a curve, per regime.
+
+Needs ``full`` and ``poisson_tail`` in ``--designs`` and ``--n_runs=2``.
+Writes ``--out/rows.jsonl``, ``summary.md``, ``summary.json``,
+``roc_failure.png`` and ``gating_<regime>.png``.
+
+  python -m experiments.exp_failure --out=/tmp/failure
+"""
+
+from absl import app
+from absl import flags
+
+from experiments import suite
+from experiments import suite_report
+
+main = suite_report.script_main([suite_report.failure_analysis],
+                                "Failure prediction, attribution, gated recomputation")
+
+if __name__ == "__main__":
+  suite.define_common_flags(flags, designs=["full", "poisson_tail"],
+                            task=["passkey", "agent_memory"])
+  app.run(main)

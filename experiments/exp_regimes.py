@@ -1,0 +1,22 @@
+r"""Experiment 8: streaming vs question-aware eviction.
+
+Accuracy and damage (full-cache accuracy minus evicted accuracy, on the same
+examples) per regime, design, task and budget. Writes ``--out/rows.jsonl``,
+``summary.md`` and ``summary.json``.
+
+  python -m experiments.exp_regimes --out=/tmp/regimes
+"""
+
+from absl import app
+from absl import flags
+
+from experiments import suite
+from experiments import suite_report
+
+main = suite_report.script_main([suite_report.regimes_analysis],
+                                "Streaming vs question-aware")
+
+if __name__ == "__main__":
+  suite.define_common_flags(flags, designs=["full", "snapkv", "h2o", "poisson_tail"],
+                            task=["passkey", "agent_memory"], n_runs=1)
+  app.run(main)

@@ -1,0 +1,249 @@
+"""The experiment suite end to end on the tiny Llama fixture: schema, resume, report.
+
+The model is ``tests/fixtures/tiny_llama`` (random weights, vocabulary 128);
+prompts come from a character-level stub tokenizer, so every script runs in
+seconds (its accuracy is meaningless: the suite's numbers come from
+``python -m experiments.run_all``).
+"""
+
+import json
+import os
+
+from absl import flags
+from absl.testing import absltest
+import numpy as np
+
+from experiments import exp_overhead
+from experiments import exp_theorem1
+from experiments import results_io
+from experiments import run_all
+from experiments import suite
+from experiments import suite_report
+from experiments import tasks
+from models import hf_loader
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_llama")
+
+ROW_KEYS = set(suite.KEY_FIELDS) | {
+    "randomized", "n_steps", "n_prompt_tokens", "answer", "text", "tokens", "correct",
+    "mean_logprob", "min_logprob", "unit_seconds", "batch_size", "n_calls", "coverage",
+    "sharpness", "mean_err", "max_err", "mean_rel_err", "mean_radius", "err_step_sum_mean",
+    "cert_score", "cert_mean", "cert_sub_mean", "cov_layer", "cov_head", "err_layer",
+    "R_frac_tail", "R_median", "R_p90", "R_max", "m_mean", "n_tail_mean", "sample"}
+
+
+class CharTokenizer:
+  """Characters as ids (mod 128, 0-2 reserved): enough to build the tasks' prompts."""
+
+  bos_id = 1
+
+  def encode(self, text, add_bos=True):
+    return ([self.bos_id] if add_bos else []) + [3 + ord(c) % 125 for c in text]
+
+  def decode(self, ids):
+    return "".join(chr(i - 3 + 32) if 3 <= i < 98 else " " for i in ids)
+
+
+def _setup():
+  params, config = hf_loader.load_hf_checkpoint(FIXTURE)
+  tok = CharTokenizer()
+  return params, config, tok
+
+
+PLAN = dict(
+    settings=dict(tasks=("passkey", "agent_memory"), num_examples=2, context_len=24,
+                  budgets=(0.25, 0.5), designs=("full", "poisson_tail"),
+                  regimes=("question_aware", "streaming"), n_runs=2, n_steps=3, chunk=32,
+                  n_sink=2, window=4),
+    theorem1=None,  # tested on its own below (each design costs three compiles)
+    overhead=None,
+)
+
+
+class SuiteTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
+    cls.params, cls.config, cls.tok = _setup()
+
+  def _examples(self, n=2):
+    s = PLAN["settings"]
+    return {t: tasks.make_task(t, self.tok, n, s["context_len"], 0) for t in s["tasks"]}
+
+  def test_run_all_schema_resume_and_report(self):
+    out = self.create_tempdir().full_path
+    plan = json.loads(json.dumps(PLAN))
+    plan["settings"] = {k: tuple(v) if isinstance(v, list) else v
+                        for k, v in plan["settings"].items()}
+    settings = suite.Settings(model="tiny", **plan["settings"]).check()
+    n_units = len(suite._units(settings))  # pylint: disable=protected-access
+    self.assertEqual(n_units, 1 + 2 + 2)  # full; poisson_tail x2 in each regime
+    expected = suite.expected_row_count(settings)
+    logs = []
+    kw = dict(model="tiny", command="test", examples_by_task=self._examples(),
+              log=logs.append)
+    # Interrupted after 2 units: partial rows, no report.
+    res = run_all.run_suite(self.params, self.config, self.tok, out, plan, max_units=2, **kw)
+    self.assertFalse(res["complete"])
+    partial = results_io.read_rows(os.path.join(out, "rows.jsonl"))
+    self.assertTrue(0 < len(partial) < expected)
+    # Drop the last row (a unit killed half-way), then resume.
+    lines = open(os.path.join(out, "rows.jsonl")).read().splitlines(keepends=True)
+    results_io.atomic_write_text(os.path.join(out, "rows.jsonl"), "".join(lines[:-1]))
+    res = run_all.run_suite(self.params, self.config, self.tok, out, plan, **kw)
+    self.assertTrue(res["complete"])
+    rows = results_io.read_rows(os.path.join(out, "rows.jsonl"))
+    self.assertLen(rows, expected)
+    keys = [results_io.row_key(r, suite.KEY_FIELDS) for r in rows]
+    self.assertLen(set(keys), expected)  # no duplicates
+    # The rows of the first run survived unchanged (same key, same draws).
+    by_key = dict(zip(keys, rows))
+    for r in partial[:-1]:
+      self.assertEqual(by_key[results_io.row_key(r, suite.KEY_FIELDS)], r)
+    for r in rows:
+      self.assertEqual(set(r), ROW_KEYS, r["design"])
+      self.assertEqual(set(r["coverage"]), {str(d) for d in suite.DELTAS})
+      self.assertLen(r["cov_layer"], self.config.n_layers)
+      self.assertLen(r["cov_head"], self.config.n_heads)
+      self.assertLen(r["tokens"], 3)
+      self.assertEqual(r["n_calls"], 3 * self.config.n_layers * self.config.n_heads)
+      if r["design"] == "full":
+        self.assertLess(r["mean_err"], 1e-5)
+    # Every unit of the rerun was skipped on a third call.
+    logs.clear()
+    run_all.run_suite(self.params, self.config, self.tok, out, plan, **kw)
+    self.assertIn("0 of 5 units to run", logs[0])
+    self.assertLen(results_io.read_rows(os.path.join(out, "rows.jsonl")), expected)
+    report = open(os.path.join(out, "report.md")).read()
+    for claim in ("coverage of realised error", "attribution AUC, certificate",
+                  "attribution AUC, two-run disagreement", "failure prediction",
+                  "question-aware eviction", "gated recomputation (streaming)"):
+      self.assertIn(claim, report)
+    table = [line for line in report.splitlines() if line.startswith("| coverage of")]
+    self.assertNotEmpty(table)
+    for line in table:
+      self.assertTrue(any(v in line for v in ("reproduced", "refuted")), line)
+    for png in ("coverage.png", "error_vs_radius.png", "r_audit_poisson_tail.png"):
+      self.assertTrue(os.path.exists(os.path.join(out, png)), png)
+
+  def test_theorem1_deterministic_is_blind(self):
+    out = self.create_tempdir().full_path
+    exs = self._examples(1)["passkey"]
+    kw = dict(model="tiny", task="passkey", context_len=24, n_draws=1, n_steps=2, n_sink=2,
+              window=4, log=lambda s: None)
+    rows = exp_theorem1.run_theorem1(self.params, self.config, exs, ["snapkv"], 0.5, out, **kw)
+    self.assertLen(rows, 1)
+    r = rows[0]
+    self.assertGreater(r["n_perturbed"], 0)
+    self.assertTrue(r["kept_set_identical"] and r["retained_identical"]
+                    and r["tokens_identical"] and r["radius_identical"], r)
+    self.assertNotEqual(r["err_orig"], r["err_pert"])  # ... while the truth moved
+    again = exp_theorem1.run_theorem1(self.params, self.config, exs, ["snapkv"], 0.5, out,
+                                      **kw)
+    self.assertEqual(again, rows)  # resumed: nothing redone
+    self.assertIn("snapkv", exp_theorem1.summarize(rows)["md"])
+
+  def test_overhead_rows(self):
+    out = self.create_tempdir().full_path
+    exs = self._examples(1)["passkey"]
+    rows = exp_overhead.run_overhead(self.params, self.config, exs, out, model="tiny",
+                                     budget=0.5, n_steps=2, repeats=2,
+                                     configs=("full", "randomized+certificate"),
+                                     log=lambda s: None)
+    self.assertEqual([r["config"] for r in rows], ["full", "randomized+certificate"])
+    full, cert = rows
+    self.assertLess(cert["capacity"], full["capacity"])
+    self.assertLess(cert["cache_bytes"]["kv"], full["cache_bytes"]["kv"])
+    self.assertLen(cert["per_step_ms"], 2)
+    with self.assertRaisesRegex(ValueError, "configs"):
+      exp_overhead.run_overhead(self.params, self.config, exs, out, model="tiny",
+                                configs=("nope",))
+
+  def test_script_flags_and_errors(self):
+    with self.assertRaisesRegex(ValueError, "--designs"):
+      suite.Settings(designs=("nope",)).check()
+    with self.assertRaisesRegex(ValueError, "--budgets"):
+      suite.Settings(budgets=(1.5,)).check()
+    with self.assertRaisesRegex(ValueError, "--task"):
+      suite.Settings(tasks=("nope",)).check()
+    with self.assertRaisesRegex(ValueError, "tokenizer.json"):
+      suite.load_model(FIXTURE)  # the fixture has no tokenizer
+    with self.assertRaisesRegex(ValueError, "--model"):
+      suite.load_model("/nonexistent/dir")
+
+  def test_hf_directory_with_tokenizer_json(self):
+    import shutil  # pylint: disable=g-import-not-at-top
+    import tokenizers  # pylint: disable=g-import-not-at-top
+    d = self.create_tempdir().full_path
+    for f in ("config.json", "model.safetensors"):
+      shutil.copy(os.path.join(FIXTURE, f), d)
+    vocab = {"<s>": 0, "<unk>": 1}
+    for c in "abcdefghijklmnopqrstuvwxyz0123456789 .,:?\n":
+      vocab.setdefault(c, len(vocab))
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    tk.decoder = tokenizers.decoders.Fuse()
+    tk.save(os.path.join(d, "tokenizer.json"))
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+      json.dump({"bos_token": "<s>", "add_bos_token": True}, f)
+    params, config, tok = suite.load_model(d)
+    self.assertEqual(config.n_layers, self.config.n_layers)
+    self.assertIsNotNone(params)
+    ids = tok.encode("pass key 123.")
+    self.assertEqual(ids[0], 0)
+    self.assertEqual(tok.decode(ids[1:]), "pass key 123.")
+    self.assertEqual(suite.model_name(d + "/"), os.path.basename(d))
+    ex = tasks.make_task("passkey", tok, 1, 32, 0)[0]  # no chat template: plain prompt
+    self.assertTrue(all(0 <= i < len(vocab) for i in ex.context_ids))
+
+  def test_analyses_on_known_rows(self):
+    def row(design, run, ex, correct, tokens, cert, lp, budget=0.25, regime="streaming"):
+      return dict(task="t", example=ex, design=design, run=run, regime=regime, budget=budget,
+                  correct=correct, tokens=tokens, cert_score=cert, cert_sub_mean=cert,
+                  mean_logprob=lp, err_step_sum_mean=cert, randomized=design != "full")
+    rows = []
+    full = [True, True, False, True, False, True]
+    ev = [False, True, False, False, False, True]
+    for i in range(6):
+      rows.append(row("full", 0, i, full[i], [1, 2], 0.0, -0.1, budget=1.0,
+                      regime="question_aware"))
+      rows.append(row("poisson_tail", 0, i, ev[i], [1, 2], float(i), -float(i)))
+      rows.append(row("poisson_tail", 1, i, ev[i], [1, 2] if i % 2 else [1, 3], 0.0, 0.0))
+    dis = suite_report.disagreement(rows)
+    self.assertEqual(dis[("streaming", 0.25, "t", 0)], 0.5)
+    self.assertEqual(dis[("streaming", 0.25, "t", 1)], 0.0)
+    sel, a = suite_report._failure_table(rows)  # pylint: disable=protected-access
+    self.assertLen(sel, 6)
+    np.testing.assert_array_equal(a["full"], full)
+    out = suite_report.failure_analysis(rows)
+    # failure AUC of cert = i: failures at 0, 2, 3, 4 vs successes at 1, 5.
+    from experiments import stats  # pylint: disable=g-import-not-at-top
+    self.assertAlmostEqual(out["failure_auc"]["certificate"][0],
+                           stats.roc_auc(np.arange(6.0), ~np.asarray(ev)))
+    self.assertAlmostEqual(out["attribution_auc"]["certificate"][0],
+                           stats.attribution_auc(np.arange(6.0), full, ev))
+    self.assertIn("gating_streaming", out)
+
+
+class TheoremAndOverheadTest(absltest.TestCase):
+
+  def test_summaries(self):
+    rows = [dict(design="snapkv", retained_identical=True, kept_set_identical=True,
+                 tokens_identical=True,
+                 radius_identical=True, err_orig=0.1, err_pert=0.3, mean_radius=0.0,
+                 coverage_orig=0.0, coverage_pert=0.0)]
+    s = exp_theorem1.summarize(rows)
+    self.assertAlmostEqual(s["designs"]["snapkv"]["rel_err_change"], 2.0)
+    ov = [dict(config=c, design=c, capacity=8, per_step_ms=[m, m], median_ms=m, batch=1,
+               prompt_len=10, n_steps=2, budget=0.5, cache_bytes={"kv": 1, "metadata": 1})
+          for c, m in zip(exp_overhead.CONFIGS, (1.0, 2.0, 3.0, 4.0))]
+    s = exp_overhead.summarize(ov)
+    self.assertAlmostEqual(s["ratio_cert_vs_deterministic"][0], 2.0)
+    self.assertEqual(suite_report.overhead_claims(s)[0]["verdict"], "reproduced")
+
+
+if __name__ == "__main__":
+  absltest.main()
