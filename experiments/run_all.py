@@ -18,7 +18,9 @@ Quick suite (defaults): tasks passkey, agent_memory and variable_tracking
 sometimes after eviction, and fails the third: without full-cache failures
 attribution has no inherent failures to separate, and without evicted
 successes failure prediction has no positives, so the pool is mixed; the mix
-confounds failure type with task), 2 examples each, ~160-token contexts,
+confounds failure type with task), 4 examples each (with 2, every evicted
+answer of the first committed run was wrong and failure prediction had no
+positives), ~160-token contexts,
 20 decode steps (variable tracking's answer is ~18 tokens), budgets
 12.5/25/50%, designs full / snapkv / poisson_tail (two independent runs) /
 attention_proportional, both regimes for poisson_tail (snapkv and
@@ -48,7 +50,7 @@ from experiments import tasks as tasks_lib
 FLAGS = flags.FLAGS
 
 QUICK = dict(
-    settings=dict(tasks=("passkey", "agent_memory", "variable_tracking"), num_examples=2,
+    settings=dict(tasks=("passkey", "agent_memory", "variable_tracking"), num_examples=4,
                   context_len=160, budgets=(0.125, 0.25, 0.5),
                   designs=("full", "snapkv", "poisson_tail", "attention_proportional"),
                   regimes=("question_aware", "streaming"), n_runs=2, n_steps=20,
