@@ -36,13 +36,13 @@ import os
 from typing import Optional
 
 from experiments import tasks
-from experiments.tasks import contains_match  # pylint: disable=unused-import
-from experiments.tasks import exact_match  # pylint: disable=unused-import
+from experiments.scoring import contains_match  # pylint: disable=unused-import
+from experiments.scoring import exact_match  # pylint: disable=unused-import
 from experiments.tasks import Example
-from experiments.tasks import f1_score  # pylint: disable=unused-import
-from experiments.tasks import normalize_answer  # pylint: disable=unused-import
-from experiments.tasks import string_match_all  # pylint: disable=unused-import
-from experiments.tasks import string_match_part  # pylint: disable=unused-import
+from experiments.scoring import f1_score  # pylint: disable=unused-import
+from experiments.scoring import normalize_answer  # pylint: disable=unused-import
+from experiments.scoring import string_match_all  # pylint: disable=unused-import
+from experiments.scoring import string_match_part  # pylint: disable=unused-import
 
 LONGBENCH_FIELDS = ("input", "context", "answers", "length")
 RULER_FIELDS = ("outputs", "length", "index")

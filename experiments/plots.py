@@ -8,8 +8,6 @@ leaves the old figure or the new one, never a torn file. Each returns
 
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import Mapping, Optional, Sequence
 
 import matplotlib
@@ -18,26 +16,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from experiments import results_io  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 DPI = 110
 
 
 def _save(fig, path: str) -> str:
-  if not str(path).endswith(".png"):
-    plt.close(fig)
-    raise ValueError(f"path must end with .png, got {path!r}")
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_", suffix=".png")
   try:
-    with os.fdopen(fd, "wb") as f:
-      fig.savefig(f, format="png", dpi=DPI, bbox_inches="tight")
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+    if not str(path).endswith(".png"):
+      raise ValueError(f"path must end with .png, got {path!r}")
+    results_io.atomic_write(
+        path, lambda f: fig.savefig(f, format="png", dpi=DPI, bbox_inches="tight"),
+        binary=True)
   finally:
     plt.close(fig)
   return path

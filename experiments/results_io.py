@@ -37,13 +37,16 @@ def read_rows(path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def atomic_write_text(path: str, text: str) -> None:
+def atomic_write(path: str, write, binary: bool = False) -> None:
+  """Calls ``write(f)`` on a temporary file in ``path``'s directory, then
+  renames it over ``path`` (readers see the old file or the new one, never a
+  partial one)."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_", suffix=os.path.basename(path))
   try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      f.write(text)
+    with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
+      write(f)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -51,6 +54,10 @@ def atomic_write_text(path: str, text: str) -> None:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+  atomic_write(path, lambda f: f.write(text))
 
 
 class JsonlResults:

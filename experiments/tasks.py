@@ -52,112 +52,23 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import random
-import re
 import string
 from typing import Callable, Optional, Sequence
 
-# ----------------------------------------------------------------------------- scoring
+# Scoring rules live in experiments.scoring; re-exported here for task users.
+from experiments.scoring import METRICS
+from experiments.scoring import VAR_NAME_LEN
+from experiments.scoring import contains_match  # pylint: disable=unused-import
+from experiments.scoring import exact_match  # pylint: disable=unused-import
+from experiments.scoring import f1_score  # pylint: disable=unused-import
+from experiments.scoring import normalize_answer  # pylint: disable=unused-import
+from experiments.scoring import score_digits  # pylint: disable=unused-import
+from experiments.scoring import score_exact_prefix  # pylint: disable=unused-import
+from experiments.scoring import score_numbers_all  # pylint: disable=unused-import
+from experiments.scoring import score_set_exact  # pylint: disable=unused-import
+from experiments.scoring import string_match_all  # pylint: disable=unused-import
+from experiments.scoring import string_match_part  # pylint: disable=unused-import
 
-_DIGIT_RUN = re.compile(r"\d+")
-_VAR_NAME_LEN = 5
-_VAR_NAME = re.compile(r"\b[A-Z]{%d}\b" % _VAR_NAME_LEN)
-
-
-def normalize_answer(text: str) -> str:
-  """SQuAD/LongBench normalisation: lower case, no punctuation, no articles, single spaces."""
-  text = text.lower()
-  text = "".join(ch for ch in text if ch not in set(string.punctuation))
-  text = re.sub(r"\b(a|an|the)\b", " ", text)
-  return " ".join(text.split())
-
-
-def score_digits(text: str, answers: Sequence[str]) -> bool:
-  """``digits``: the generation's digits, concatenated (separators ignored), start with
-  the answer's digits (the first answer-length span must match exactly)."""
-  want = "".join(_DIGIT_RUN.findall(answers[0]))
-  return bool(want) and "".join(_DIGIT_RUN.findall(text))[:len(want)] == want
-
-
-def score_numbers_all(text: str, answers: Sequence[str]) -> bool:
-  """``numbers_all``: the first ``len(answers)`` numbers (maximal digit runs) of the
-  generation are exactly the answers, in any order."""
-  got = _DIGIT_RUN.findall(text)[:len(answers)]
-  return sorted(got) == sorted(answers)
-
-
-def score_exact_prefix(text: str, answers: Sequence[str]) -> bool:
-  """``exact_prefix``: after stripping whitespace and opening quotes/backticks and lower
-  casing, the generation starts with the (lower-cased) answer."""
-  got = text.strip().lstrip("\"'`").lower()
-  return any(got.startswith(a.strip().lower()) for a in answers)
-
-
-def score_set_exact(text: str, answers: Sequence[str]) -> bool:
-  """``set_exact``: the set of 5-letter upper-case names on the generation's first
-  non-empty line equals the set of answers."""
-  lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-  got = set(_VAR_NAME.findall(lines[0])) if lines else set()
-  return got == set(answers)
-
-
-def exact_match(text: str, answers: Sequence[str]) -> bool:
-  """Normalised generation (:func:`normalize_answer`) equals a normalised answer."""
-  got = normalize_answer(text)
-  return any(got == normalize_answer(a) for a in answers)
-
-
-def contains_match(text: str, answers: Sequence[str]) -> bool:
-  """A non-empty normalised answer occurs in the normalised generation (on word
-  boundaries)."""
-  got = f" {normalize_answer(text)} "
-  return any(normalize_answer(a) and f" {normalize_answer(a)} " in got for a in answers)
-
-
-def f1_score(text: str, answers: Sequence[str]) -> float:
-  """LongBench/SQuAD token-level F1 (whitespace tokens of the normalised strings), max
-  over the answers. English only (LongBench's Chinese datasets use jieba)."""
-  pred = normalize_answer(text).split()
-  best = 0.0
-  for a in answers:
-    ref = normalize_answer(a).split()
-    common = {}
-    for t in ref:
-      common[t] = common.get(t, 0) + 1
-    same = 0
-    for t in pred:
-      if common.get(t, 0) > 0:
-        common[t] -= 1
-        same += 1
-    if same:
-      precision, recall = same / len(pred), same / len(ref)
-      best = max(best, 2 * precision * recall / (precision + recall))
-  return best
-
-
-def string_match_all(text: str, answers: Sequence[str]) -> float:
-  """RULER's string_match_all for one sample: the fraction of the answers that occur
-  (case-insensitive substring) in the generation."""
-  low = text.lower()
-  return sum(a.lower() in low for a in answers) / len(answers)
-
-
-def string_match_part(text: str, answers: Sequence[str]) -> float:
-  """RULER's string_match_part for one sample: 1.0 if any answer occurs
-  (case-insensitive substring) in the generation, else 0.0."""
-  low = text.lower()
-  return float(any(a.lower() in low for a in answers))
-
-
-METRICS: dict[str, Callable[[str, Sequence[str]], bool]] = {
-    "digits": score_digits,
-    "numbers_all": score_numbers_all,
-    "exact_prefix": score_exact_prefix,
-    "set_exact": score_set_exact,
-    "exact_match": exact_match,
-    "contains": contains_match,
-    "ruler_all": lambda t, a: string_match_all(t, a) == 1.0,
-    "ruler_part": lambda t, a: string_match_part(t, a) == 1.0,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,7 +341,7 @@ def kv_retrieval(tokenizer, rng: random.Random, context_len: int, *,
 
 def _var_name(rng: random.Random, taken: set) -> str:
   while True:
-    name = "".join(rng.choice(string.ascii_uppercase) for _ in range(_VAR_NAME_LEN))
+    name = "".join(rng.choice(string.ascii_uppercase) for _ in range(VAR_NAME_LEN))
     if name not in taken and name != "VALUE":
       taken.add(name)
       return name
