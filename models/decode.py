@@ -77,8 +77,109 @@ def _positions(cache: KVCache, valid) -> Array:
   return start[:, None] + jnp.cumsum(valid, axis=1).astype(jnp.int32) - 1
 
 
+def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, heads):
+  """Offset attention with certificate statistics on the KV heads ``heads`` (static).
+
+  Returns ``(out [b, h, g, t, d], stats)`` for those heads only; ``stats`` holds
+  ``[b, h, g, t]`` arrays (the truth and Assumption-2 audit too in evaluation
+  mode, from the shadow full cache).
+  """
+  take = lambda a: a[:, heads] if heads is not None else a
+  qg, cache = take(qg), jax.tree_util.tree_map(take, cache)
+  shadow = None if shadow is None else jax.tree_util.tree_map(take, shadow)
+  slots = lambda a: a[:, :, None, None]  # [b, h, cap, ...] -> [b, h, 1, 1, cap, ...]
+  mask = slots(cache.valid) & (slots(cache.pos) <= positions[:, None, None, :, None])
+  res = certkv_jax.offset_attention(qg, slots(cache.k), slots(cache.v), slots(cache.log_pi),
+                                    mask)  # out [b, h, g, t, d]
+  return res.out, _truth_stats(qg, res.out, shadow, positions,
+                                ChunkStats(res.var_hat, res.range_hat))
+
+
+def _truth_stats(qg, out, shadow: Optional[KVCache], positions, stats: ChunkStats) -> ChunkStats:
+  """Evaluation mode: adds the true error of ``out`` and the Assumption-2 audit
+  (from the shadow full cache, same KV heads as ``qg``) to ``stats``."""
+  if shadow is None:
+    return stats
+  slots = lambda a: a[:, :, None, None]
+  full_mask = slots(shadow.valid) & (slots(shadow.pos) <= positions[:, None, None, :, None])
+  full = diagnostics.full_attention(qg, slots(shadow.k), slots(shadow.v), full_mask)
+  err = diagnostics.attention_error(out, full)
+  # T: context tokens sampled with 0 < pi < 1 in some round (kept or not).
+  pi = slots(jnp.exp(shadow.log_pi))
+  tail = full_mask & (pi > 0.0) & (pi < 1.0)  # [b, h, 1, t, cap]
+  tail_m = jnp.sum(jnp.where(tail, pi, 0.0), axis=-1)
+  tail_n = jnp.sum(tail, axis=-1).astype(jnp.float32)
+  ratio = diagnostics.assumption2_ratio(qg, slots(shadow.k), full_mask, tail, pi, tail_m)
+  grouped = lambda a: jnp.broadcast_to(a, stats.var_hat.shape)
+  stats = stats._replace(true_error=err.abs, rel_error=err.rel, ratio=ratio,
+                         tail_m=grouped(tail_m), tail_n=grouped(tail_n))
+  return stats
+
+
+def _plain_heads(qg, cache: KVCache, positions, probs, heads):
+  """The same Hajek softmax output on KV heads ``heads`` without the certificate's
+  per-slot second-order sums (``probs``: all heads' probabilities, or None)."""
+  take = lambda a: a[:, heads] if heads is not None else a
+  if probs is None:
+    slots = lambda a: a[:, :, None, None]
+    c = jax.tree_util.tree_map(take, cache)
+    mask = slots(c.valid) & (slots(c.pos) <= positions[:, None, None, :, None])
+    probs = certkv_jax.attention_probs(take(qg), slots(c.k), slots(c.log_pi), mask)
+  else:
+    probs = take(probs)
+  return jnp.einsum("bhgtn,bhnd->bhgtd", probs, take(cache.v).astype(jnp.float32))
+
+
+def _nan_stats(shape, evaluation: bool) -> ChunkStats:
+  nan = jnp.full(shape, jnp.nan, jnp.float32)
+  if not evaluation:
+    return ChunkStats(nan, nan)
+  return ChunkStats(nan, nan, nan, nan, nan, nan, nan)
+
+
+def _subsampled_certificate(config, qg, cache, shadow, positions, probs, layer_flag,
+                            heads: Optional[tuple]):
+  """Attention output of every head, certificate statistics on a subset.
+
+  ``heads`` (static KV-head indices, None = all) get ``offset_attention`` with
+  its statistics, the others the plain Hajek softmax; ``layer_flag`` (traced
+  bool, or None = True) switches the whole layer between the two with
+  ``lax.cond``, so a skipped layer does no second-order work. Statistics that
+  were not computed are NaN. Returns ``(out [b, h_kv, g, t, d], stats
+  [b, h_kv, g, t])``.
+  """
+  n_kv = config.n_kv_heads
+  shape = qg.shape[:-1]  # [b, h_kv, g, t]
+  evaluation = shadow is not None
+  rest = None if heads is None else tuple(h for h in range(n_kv) if h not in heads)
+
+  def certified():
+    out, stats = _certified_heads(qg, cache, shadow, positions, heads)
+    out = out.astype(jnp.float32)  # as the plain branch's
+    if heads is None:
+      return out, stats
+    order = np.argsort(np.asarray(heads + rest))  # back to head order
+    if rest:
+      out = jnp.concatenate([out, _plain_heads(qg, cache, positions, probs, rest)], axis=1)
+    out = out[:, order]
+    fill = _nan_stats(shape[:1] + (len(rest),) + shape[2:], evaluation)
+    stats = jax.tree_util.tree_map(
+        lambda a, f: jnp.concatenate([a, f], axis=1)[:, order], stats, fill)
+    return out, stats
+
+  def plain():
+    return _plain_heads(qg, cache, positions, probs, None), _nan_stats(shape, evaluation)
+
+  if layer_flag is None and heads is None:  # the unsubsampled certificate, as before
+    return _certified_heads(qg, cache, shadow, positions, None)
+  if layer_flag is None:
+    return certified()
+  return jax.lax.cond(layer_flag, certified, plain)
+
+
 def _layer(config: LlamaConfig, design, observation_window: int, certificate: bool, x, valid,
-           layer_params, cache: KVCache, shadow: Optional[KVCache]):
+           layer_params, cache: KVCache, shadow: Optional[KVCache], layer_flag=None,
+           certificate_heads: Optional[tuple] = None):
   """One decoder layer on a chunk: append keys/values, offset attention, MLP.
 
   ``shadow`` (evaluation mode) is a never-evicted cache that receives the same
@@ -86,6 +187,9 @@ def _layer(config: LlamaConfig, design, observation_window: int, certificate: bo
   Its ``log_pi`` is not an attention offset but the record of every token's
   cumulative log inclusion probability (:func:`record_inclusion`), from which
   the Assumption-2 ratio ``R`` of each call is computed over the full context.
+
+  ``layer_flag`` (traced bool) and ``certificate_heads`` (static KV-head
+  indices) subsample the certificate (see :func:`forward_chunk`).
   """
   c = config
   b, t, _ = x.shape
@@ -102,6 +206,7 @@ def _layer(config: LlamaConfig, design, observation_window: int, certificate: bo
   qg = q.reshape(b, t, c.n_kv_heads, c.group_size, c.head_dim).transpose(0, 2, 3, 1, 4)
   slots = lambda a: a[:, :, None, None]  # [b, h_kv, cap, ...] -> [b, h_kv, 1, 1, cap, ...]
   mask = slots(cache.valid) & (slots(cache.pos) <= positions[:, None, None, :, None])
+  heads = lambda a: a.reshape(b, c.n_heads, t)
   probs = None
   if sharded:  # per-device partials merged with the split-K combine (certkv_jax.distributed)
     res = distributed.cache_attention(qg, cache, positions, with_stats=certificate,
@@ -109,26 +214,17 @@ def _layer(config: LlamaConfig, design, observation_window: int, certificate: bo
     probs = res.probs
   elif design is not None or not certificate:
     probs = certkv_jax.attention_probs(qg, slots(cache.k), slots(cache.log_pi), mask)
-  if certificate:
-    if not sharded:
-      res = certkv_jax.offset_attention(qg, slots(cache.k), slots(cache.v),
-                                        slots(cache.log_pi), mask)  # out [b, h_kv, g, t, d]
-    heads = lambda a: a.reshape(b, c.n_heads, t)
-    out, stats = res.out, ChunkStats(heads(res.var_hat), heads(res.range_hat))
-    if shadow is not None:
-      full_mask = slots(shadow.valid) & (slots(shadow.pos) <= positions[:, None, None, :, None])
-      full = diagnostics.full_attention(qg, slots(shadow.k), slots(shadow.v), full_mask)
-      err = diagnostics.attention_error(out, full)
-      # T: context tokens sampled with 0 < pi < 1 in some round (kept or not).
-      pi = slots(jnp.exp(shadow.log_pi))
-      tail = full_mask & (pi > 0.0) & (pi < 1.0)  # [b, h_kv, 1, t, cap]
-      tail_m = jnp.sum(jnp.where(tail, pi, 0.0), axis=-1)
-      tail_n = jnp.sum(tail, axis=-1).astype(jnp.float32)
-      ratio = diagnostics.assumption2_ratio(qg, slots(shadow.k), full_mask, tail, pi, tail_m)
-      per_head = lambda a: heads(jnp.broadcast_to(a, (b, c.n_kv_heads, c.group_size, t)))
-      stats = stats._replace(true_error=heads(err.abs), rel_error=heads(err.rel),
-                             ratio=heads(ratio), tail_m=per_head(tail_m),
-                             tail_n=per_head(tail_n))
+  if certificate and sharded:
+    if layer_flag is not None or certificate_heads is not None:
+      raise ValueError("certificate_layers / certificate_heads are not supported on a "
+                       "sequence-sharded cache")
+    out = res.out
+    stats = jax.tree_util.tree_map(heads, _truth_stats(
+        qg, out, shadow, positions, ChunkStats(res.var_hat, res.range_hat)))
+  elif certificate:
+    out, stats = _subsampled_certificate(c, qg, cache, shadow, positions, probs, layer_flag,
+                                         certificate_heads)
+    stats = jax.tree_util.tree_map(heads, stats)
   elif sharded:  # the combined partials without the second-order sums
     out, stats = res.out, None
   else:  # the same Hajek softmax, without the certificate's per-slot statistics
@@ -173,10 +269,13 @@ def _fold_statistics(design, cache: KVCache, probs, valid,
 
 
 @functools.partial(jax.jit, static_argnames=("config", "design", "observation_window",
-                                             "certificate"))
+                                             "certificate", "certificate_layers",
+                                             "certificate_heads"))
 def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *,
                   design=None, observation_window: int = 0, certificate: bool = True,
-                  shadow: Optional[KVCache] = None):
+                  shadow: Optional[KVCache] = None,
+                  certificate_layers: Optional[tuple] = None,
+                  certificate_heads: Optional[tuple] = None):
   """Runs a chunk of new tokens through the model with caches.
 
   Args:
@@ -197,22 +296,57 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
     shadow: evaluation mode: full caches (never evicted, from
       :func:`init_caches`) that receive the same keys and values; with
       ``certificate`` the stats then include the true error of every call.
+    certificate_layers: static tuple of layer indices (None = every layer):
+      subsample the certificate by layer. The other layers attend with the
+      plain Hajek softmax (a ``lax.cond`` inside the layer scan, so they skip
+      the per-slot second-order sums) and their stats are NaN.
+    certificate_heads: static tuple of KV-head indices (None = every head):
+      subsample the certificate by KV head (all query heads of a KV group);
+      the other heads' stats are NaN. Combine with ``certificate_layers`` for
+      a (layer, head) subsample. The attention outputs, and so the logits,
+      do not depend on either (the same Hajek estimate).
 
   Returns:
     ``(logits [batch, t, vocab] float32, caches, ChunkStats or None, shadow)``.
   """
+  layer_flags = check_certificate_subsample(config, certificate, certificate_layers,
+                                            certificate_heads)
   model = LlamaModel(config)
   x = model.apply(params, tokens, method=LlamaModel.embed_tokens)
 
   def body(x, layer):
-    layer_params, cache, shadow_cache = layer
+    layer_params, cache, shadow_cache, flag = layer
     x, cache, stats, shadow_cache = _layer(config, design, observation_window, certificate, x,
-                                           valid, layer_params, cache, shadow_cache)
+                                           valid, layer_params, cache, shadow_cache, flag,
+                                           certificate_heads)
     return x, (cache, stats, shadow_cache)
 
-  x, (caches, stats, shadow) = jax.lax.scan(body, x,
-                                            (params["params"]["layers"], caches, shadow))
+  x, (caches, stats, shadow) = jax.lax.scan(
+      body, x, (params["params"]["layers"], caches, shadow, layer_flags))
   return model.apply(params, x, method=LlamaModel.head), caches, stats, shadow
+
+
+def check_certificate_subsample(config: LlamaConfig, certificate: bool,
+                                certificate_layers: Optional[tuple],
+                                certificate_heads: Optional[tuple]):
+  """Checks the static certificate subsample; returns the per-layer flags
+  (``[n_layers]`` bool, or None when every layer is certified)."""
+  for name, value, n, what in (("certificate_layers", certificate_layers, config.n_layers,
+                                "layer"),
+                               ("certificate_heads", certificate_heads, config.n_kv_heads,
+                                "KV head")):
+    if value is None:
+      continue
+    if not certificate:
+      raise ValueError(f"{name} needs certificate=True")
+    if (not isinstance(value, tuple) or not value
+        or not all(isinstance(i, int) and 0 <= i < n for i in value)
+        or len(set(value)) != len(value)):
+      raise ValueError(f"{name} must be a non-empty tuple of distinct {what} indices in "
+                       f"[0, {n}), got {value!r}")
+  if certificate_layers is None:
+    return None
+  return jnp.asarray([i in certificate_layers for i in range(config.n_layers)])
 
 
 def evict(design, caches: KVCache, key, layer_budgets=None, budget=None):
@@ -323,7 +457,8 @@ class Generation(NamedTuple):
   logprobs: Array  # [batch, n_steps] float32 log-probability of each generated token
   logits: Optional[Array]  # [batch, n_steps, vocab] float32 if return_logits
   # Certificate statistics of decode step i: the forward pass of generated token
-  # i, whose attention produces the distribution of token i + 1.
+  # i, whose attention produces the distribution of token i + 1. NaN for the
+  # (layer, head) calls left out by ``certificate_layers`` / ``certificate_heads``.
   var_hat: Array  # [n_steps, n_layers, batch, n_heads] float32
   range_hat: Array  # [n_steps, n_layers, batch, n_heads] float32
   caches: KVCache  # final caches (``n_dropped`` counts tokens that found no slot)
@@ -348,7 +483,7 @@ def _last_logits(logits, mask):
 
 def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, design,
                  evict_each_step, return_logits, layer_budgets=None,
-                 budget=None) -> Generation:
+                 budget=None, certificate_layers=None, certificate_heads=None) -> Generation:
   """Greedy ``lax.scan`` decode from the logits of the last prompt token."""
   batch = first_logits.shape[0]
 
@@ -359,7 +494,8 @@ def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, des
     token_logp = jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0]
     new_logits, caches, stats, shadow = forward_chunk(
         params, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
-        shadow=shadow)
+        shadow=shadow, certificate_layers=certificate_layers,
+        certificate_heads=certificate_heads)
     key, sub = jax.random.split(key)
     if design is not None and evict_each_step:
       caches, shadow = _evict(design, caches, shadow, sub, layer_budgets, budget)
@@ -386,7 +522,8 @@ def _check_prompt(tokens, mask, n_steps):
 
 
 _STATIC = ("config", "capacity", "n_steps", "design", "observation_window", "evict_each_step",
-           "return_logits", "evaluate", "layer_budgets")
+           "return_logits", "evaluate", "layer_budgets", "certificate_layers",
+           "certificate_heads")
 
 
 def _check_layer_budgets(design, layer_budgets, config, capacity, budget=None):
@@ -418,7 +555,9 @@ def _checking_budget(jitted):
 def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n_steps: int,
              design=None, observation_window: int = 0, evict_each_step: bool = False,
              return_logits: bool = False, evaluate: bool = False,
-             layer_budgets: Optional[tuple] = None, budget=None) -> Generation:
+             layer_budgets: Optional[tuple] = None, budget=None,
+             certificate_layers: Optional[tuple] = None,
+             certificate_heads: Optional[tuple] = None) -> Generation:
   """Question-aware greedy generation: prefill, evict once, ``lax.scan`` decode.
 
   The whole prompt (context and question) is prefilled, the design (if any)
@@ -450,11 +589,16 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n
       replaces the design's budget in every layer, so one compile serves
       every budget (see :func:`evict`). Its range is checked where it is
       concrete (outside an enclosing ``jax.jit``).
+    certificate_layers, certificate_heads: optional static tuples of layer /
+      KV-head indices: compute the decode steps' certificate statistics (and
+      in evaluation mode the truth) only there, NaN elsewhere (see
+      :func:`forward_chunk`); the generated tokens do not change.
 
   Returns:
     A :class:`Generation`.
   """
   _check_prompt(tokens, mask, n_steps)
+  check_certificate_subsample(config, True, certificate_layers, certificate_heads)
   layer_budgets = _check_layer_budgets(design, layer_budgets, config, capacity, budget)
   batch, prompt_len = tokens.shape
   need = prompt_len + (n_steps if design is None else 0)
@@ -470,7 +614,8 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n
   if design is not None:
     caches, shadow = _evict(design, caches, shadow, sub, layer_budgets, budget)
   return _decode_loop(params, config, caches, shadow, _last_logits(logits, mask), key, n_steps,
-                      design, evict_each_step, return_logits, layer_budgets, budget)
+                      design, evict_each_step, return_logits, layer_budgets, budget,
+                      certificate_layers, certificate_heads)
 
 
 @_checking_budget
@@ -480,7 +625,9 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
                        design=None, observation_window: int = 0,
                        evict_each_step: bool = False, return_logits: bool = False,
                        evaluate: bool = False,
-                       layer_budgets: Optional[tuple] = None, budget=None) -> Generation:
+                       layer_budgets: Optional[tuple] = None, budget=None,
+                       certificate_layers: Optional[tuple] = None,
+                       certificate_heads: Optional[tuple] = None) -> Generation:
   """Streaming greedy generation: the context arrives in chunks, then the question.
 
   The context is fed ``chunk`` tokens at a time (a ``lax.scan`` over chunks);
@@ -502,13 +649,15 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
     chunk: context tokens per chunk (static); the context is padded to a
       multiple of it.
     design, observation_window, evict_each_step, return_logits, evaluate,
-      layer_budgets, budget: as in :func:`generate` (the shadow cache holds the
-      whole padded context, the question and the decoded tokens).
+      layer_budgets, budget, certificate_layers, certificate_heads: as in
+      :func:`generate` (the shadow cache holds the whole padded context, the
+      question and the decoded tokens).
 
   Returns:
     A :class:`Generation`.
   """
   _check_prompt(context, context_mask, n_steps)
+  check_certificate_subsample(config, True, certificate_layers, certificate_heads)
   _check_prompt(question, question_mask, n_steps)
   layer_budgets = _check_layer_budgets(design, layer_budgets, config, capacity, budget)
   if context.shape[0] != question.shape[0]:
@@ -543,4 +692,5 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
       params, config, question, question_mask, caches, design=design,
       observation_window=observation_window, certificate=False, shadow=shadow)
   return _decode_loop(params, config, caches, shadow, _last_logits(logits, question_mask), key,
-                      n_steps, design, evict_each_step, return_logits, layer_budgets, budget)
+                      n_steps, design, evict_each_step, return_logits, layer_budgets, budget,
+                      certificate_layers, certificate_heads)

@@ -218,5 +218,49 @@ class DecodeTest(absltest.TestCase):
                                       n_steps=2).ratio)
 
 
+  def test_certificate_subsample_by_layer_and_head(self):
+    # The subsample changes no output, and on the chosen (layer, KV head) calls
+    # every statistic equals the full certificate's; the rest are NaN.
+    c = self.config
+    self.assertEqual((c.n_layers, c.n_kv_heads, c.group_size), (2, 2, 2))
+    kw = dict(config=c, capacity=16, n_steps=N_STEPS, observation_window=1, evaluate=True,
+              return_logits=True, evict_each_step=True,
+              design=certkv_jax.designs.poisson_tail(0.7, n_sink=1, window=1,
+                                                     overflow_prob=0.05))
+    key = jax.random.PRNGKey(3)  # a draw that keeps tail tokens in every (layer, KV head)
+    ref = decode.generate(self.params, self.tokens, self.mask, key, **kw)
+    self.assertTrue((np.asarray(ref.var_hat) > 0).any(axis=(0, 2)).all())  # to compare
+    fields = ("var_hat", "range_hat", "true_error", "rel_error", "ratio", "tail_m", "tail_n")
+    for layers, heads in (((1,), None), (None, (1,)), ((0,), (1, 0))):
+      sub = decode.generate(self.params, self.tokens, self.mask, key, certificate_layers=layers,
+                            certificate_heads=heads, **kw)
+      np.testing.assert_array_equal(sub.tokens, ref.tokens)
+      np.testing.assert_allclose(sub.logits, ref.logits, atol=2e-6)
+      chosen = np.zeros((c.n_layers, c.n_heads), bool)  # [layer, query head]
+      for layer in layers or range(c.n_layers):
+        for h in heads or range(c.n_kv_heads):
+          chosen[layer, h * c.group_size:(h + 1) * c.group_size] = True
+      sel = np.broadcast_to(chosen[None, :, None, :], ref.var_hat.shape)
+      for f in fields:
+        got, want = np.asarray(getattr(sub, f)), np.asarray(getattr(ref, f))
+        self.assertTrue(np.isnan(got[~sel]).all(), (f, layers, heads))
+        np.testing.assert_allclose(got[sel], want[sel], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{f} {layers} {heads}")
+
+  def test_certificate_subsample_errors_name_the_argument(self):
+    call = lambda **kw: decode.generate(self.params, self.tokens, self.mask,
+                                        jax.random.PRNGKey(0), config=self.config,
+                                        capacity=16, n_steps=2, **kw)
+    with self.assertRaisesRegex(ValueError, r"certificate_layers must be .* in \[0, 2\).*5"):
+      call(certificate_layers=(5,))
+    with self.assertRaisesRegex(ValueError, r"certificate_heads must be .*KV head"):
+      call(certificate_heads=(0, 0))
+    with self.assertRaisesRegex(ValueError, "certificate_layers must be"):
+      call(certificate_layers=())
+    with self.assertRaisesRegex(ValueError, "certificate_heads needs certificate=True"):
+      decode.forward_chunk(self.params, self.config, self.tokens, self.mask,
+                           decode.init_caches(self.config, 2, 16), certificate=False,
+                           certificate_heads=(0,))
+
 if __name__ == "__main__":
   absltest.main()
