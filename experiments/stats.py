@@ -139,6 +139,47 @@ def attribution_auc(score, full_correct, evicted_correct) -> float:
   return roc_auc(s[fail], full[fail])
 
 
+def stratified_auc(scores, labels, strata) -> float:
+  """AUC over (positive, negative) pairs drawn from the same stratum only, ties 1/2.
+
+  Equals the mean of the per-stratum AUCs weighted by each stratum's
+  ``n_pos * n_neg``; strata with one class contribute no pair. Use it where
+  the pooled AUC could be earned by telling strata apart (e.g. one task whose
+  failures are all inherent, another whose failures are all cache-induced).
+
+  Raises:
+    ValueError: as :func:`roc_auc`, or when no stratum holds both classes.
+  """
+  s = _vec(scores, "scores")
+  lab = _labels(labels)
+  g = np.asarray(strata)
+  _same_len(scores=s, labels=lab, strata=g)
+  if not np.all(np.isfinite(s)):
+    raise ValueError("scores must be finite")
+  total, pairs = 0.0, 0
+  for u in np.unique(g):
+    idx = g == u
+    n1 = int(lab[idx].sum())
+    n0 = int(idx.sum()) - n1
+    if n1 and n0:
+      total += roc_auc(s[idx], lab[idx]) * n1 * n0
+      pairs += n1 * n0
+  if not pairs:
+    raise ValueError("strata: no stratum contains both classes")
+  return total / pairs
+
+
+def stratified_attribution_auc(score, full_correct, evicted_correct, strata) -> float:
+  """:func:`attribution_auc` over pairs of failures from the same stratum."""
+  s = _vec(score, "score")
+  full = _labels(full_correct, "full_correct")
+  ev = _labels(evicted_correct, "evicted_correct")
+  g = np.asarray(strata)
+  _same_len(score=s, full_correct=full, evicted_correct=ev, strata=g)
+  fail = ~ev
+  return stratified_auc(s[fail], full[fail], g[fail])
+
+
 # ----------------------------------------------------------------------------- intervals
 
 

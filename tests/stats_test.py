@@ -65,6 +65,40 @@ class RocTest(parameterized.TestCase):
     self.assertEqual(stats.attribution_auc(-score, full, ev), 0.0)
 
 
+  def test_stratified_auc_counts_within_stratum_pairs_only(self):
+    # Stratum a: positives 3, 1 vs negative 2 -> 1/2; stratum b: positive 0 vs
+    # negatives 5, 4 -> 0; stratum c has one class and no pair. Pooled AUC would
+    # compare across strata; the stratified one is (1 + 0) / (2 + 2) = 0.25.
+    s = np.array([3, 1, 2, 0, 5, 4, 9], float)
+    y = np.array([1, 1, 0, 1, 0, 0, 1], bool)
+    g = np.array(["a", "a", "a", "b", "b", "b", "c"])
+    self.assertAlmostEqual(stats.stratified_auc(s, y, g), 0.25)
+    rng = np.random.default_rng(3)  # brute force on random strata with ties
+    s, y, g = rng.integers(0, 4, 60).astype(float), rng.random(60) < 0.4, rng.integers(0, 3, 60)
+    num = den = 0.0
+    for i in range(60):
+      for j in range(60):
+        if y[i] and not y[j] and g[i] == g[j]:
+          num += 1.0 if s[i] > s[j] else 0.5 if s[i] == s[j] else 0.0
+          den += 1
+    self.assertAlmostEqual(stats.stratified_auc(s, y, g), num / den, places=12)
+    with self.assertRaisesRegex(ValueError, "no stratum contains both classes"):
+      stats.stratified_auc([1, 2], [True, False], ["a", "b"])
+
+  def test_stratified_attribution_separates_task_from_score(self):
+    # Task A's failures are all cache-induced, task B's all inherent: a score that
+    # only knows the task reaches pooled AUC 1 but has no within-task pair.
+    task = np.array(["A"] * 4 + ["B"] * 4)
+    ev = np.zeros(8, bool)
+    full = task == "A"
+    self.assertEqual(stats.attribution_auc(full.astype(float), full, ev), 1.0)
+    with self.assertRaisesRegex(ValueError, "no stratum"):
+      stats.stratified_attribution_auc(full.astype(float), full, ev, task)
+    full[[1, 5]] = ~full[[1, 5]]  # one failure of each kind in each task
+    score = np.array([4, 0, 3, 2, 1, 9, 0, 0], float)
+    # A: cache-induced 4, 3, 2 vs inherent 0 -> 3/3; B: cache-induced 9 vs 1, 0, 0 -> 3/3
+    self.assertEqual(stats.stratified_attribution_auc(score, full, ev, task), 1.0)
+
 class BootstrapTest(absltest.TestCase):
 
   def test_normal_mean_contains_truth_and_is_deterministic(self):
