@@ -26,8 +26,13 @@ positives), ~160-token contexts,
 attention_proportional, both regimes for poisson_tail (snapkv and
 attention_proportional question-aware only: each extra (design, regime) costs
 a compile of about a minute on 2 cores); Theorem 1 and the overhead on
-passkey prompts. ``--full``: 24 examples per task, 512-token contexts,
-every design, three tasks.
+passkey prompts; the streaming loss under eviction
+(``experiments.exp_perplexity``) on ``--text``, by default the built-in
+natural-language text ``experiments/data/gpl-3.0.txt`` (the GNU GPL v3, 7.6k
+SmolLM2 tokens, which its own terms allow to be copied verbatim): 6 segments
+of 256 tokens in chunks of 32, full / snapkv / poisson_tail. ``--full``: 24
+examples per task, 512-token contexts, every design, three tasks; 12
+segments of 512 tokens of the text.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from absl import app
 from absl import flags
 
 from experiments import exp_overhead
+from experiments import exp_perplexity
 from experiments import exp_theorem1
 from experiments import results_io
 from experiments import suite
@@ -58,6 +64,8 @@ QUICK = dict(
     theorem1=dict(task="passkey", num_examples=2, designs=("snapkv", "poisson_tail"),
                   budget=0.25, n_draws=3),
     overhead=dict(task="passkey", num_examples=1, budget=0.25, n_steps=16, repeats=5),
+    perplexity=dict(designs=("full", "snapkv", "poisson_tail"), budgets=(0.125, 0.25, 0.5),
+                    context_len=256, chunk=32, num_examples=6, n_runs=1),
 )
 FULL = dict(
     settings=dict(tasks=("passkey", "agent_memory", "multi_needle"), num_examples=24,
@@ -69,14 +77,21 @@ FULL = dict(
                   designs=("sink_window", "h2o", "tova", "snapkv", "key_norm", "poisson_tail"),
                   budget=0.25, n_draws=8),
     overhead=dict(task="passkey", num_examples=4, budget=0.25, n_steps=32, repeats=7),
+    perplexity=dict(designs=("full", "sink_window", "h2o", "tova", "snapkv", "key_norm",
+                             "uniform_random", "poisson_tail", "attention_proportional"),
+                    budgets=(0.125, 0.25, 0.5), context_len=512, chunk=64, num_examples=12,
+                    n_runs=2),
 )
+DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpl-3.0.txt")
 
 
 def run_suite(params, config, tok, out: str, plan: dict, *, model: str, command: str,
-              max_units=None, examples_by_task=None, log=print) -> dict:
+              max_units=None, examples_by_task=None, text: str = DEFAULT_TEXT,
+              log=print) -> dict:
   """Runs everything in ``plan`` (``QUICK`` or ``FULL``-shaped); writes ``out/report.md``.
 
-  ``plan["theorem1"]`` / ``plan["overhead"]`` may be None to skip those experiments.
+  ``plan["theorem1"]`` / ``plan["overhead"]`` / ``plan["perplexity"]`` may be
+  None (or absent) to skip those experiments; the streaming loss reads ``text``.
 
   Returns ``{"report": text, "complete": bool, "rows": n}``; ``complete`` is
   False when ``max_units`` stopped the collection early (no report then).
@@ -107,16 +122,23 @@ def run_suite(params, config, tok, out: str, plan: dict, *, model: str, command:
         budget=ov["budget"], n_steps=ov["n_steps"], repeats=ov["repeats"],
         seed=settings.seed, log=log)
     overhead = exp_overhead.summarize(ov_rows, out, settings.seed)
+  pp, ppl_rows = plan.get("perplexity"), []
   sections = [suite_report.coverage_analysis(rows, out),
               suite_report.assumption2_analysis(rows, out),
               suite_report.failure_analysis(rows, out),
               suite_report.regimes_analysis(rows, out)]
+  if pp:
+    ppl_rows = exp_perplexity.run_perplexity(
+        params, config, tok, text, out, model=model, seed=settings.seed,
+        n_sink=settings.n_sink, window=settings.window, log=log, **pp)
+    sections.append(dict(exp_perplexity.summarize(ppl_rows, out, settings.seed), claims=[]))
   wall = time.time() - t0
   report = suite_report.render_report(
       sections=sections, theorem1=theorem1, overhead=overhead, command=command, wall_s=wall,
       settings=settings,
       extra=[f"Rows: {len(rows)} suite rows (`rows.jsonl`), {len(th_rows)} Theorem-1 rows, "
-             f"{len(ov_rows)} overhead rows. Wall time counts this invocation only (a "
+             f"{len(ov_rows)} overhead rows, {len(ppl_rows)} streaming-loss rows "
+             "(`perplexity_rows.jsonl`). Wall time counts this invocation only (a "
              "resumed run does not redo finished rows)."])
   results_io.atomic_write_text(os.path.join(out, "report.md"), report)
   blob = {"sections": [{k: v for k, v in s.items() if k != "md"} for s in sections],
@@ -132,6 +154,8 @@ def define_flags():
   flags.DEFINE_bool("full", False, "Run the larger suite instead of the quick one.")
   flags.DEFINE_string("model", suite.DEFAULT_MODEL, "'smollm2' or a Hugging Face safetensors "
                       "checkpoint directory with tokenizer.json.")
+  flags.DEFINE_string("text", DEFAULT_TEXT, "UTF-8 text file of the streaming-loss "
+                      "experiment (default: the built-in GPL-3 text).")
   flags.DEFINE_integer("max_units", -1, "Stop the collection after this many units (-1: "
                        "all); a rerun resumes.")
 
@@ -145,7 +169,7 @@ def main(argv):
   res = run_suite(params, config, tok, FLAGS.out, FULL if FLAGS.full else QUICK,
                   model=suite.model_name(FLAGS.model), command=command,
                   max_units=None if FLAGS.max_units < 0 else FLAGS.max_units,
-                  log=lambda s: print(s, flush=True))
+                  text=FLAGS.text, log=lambda s: print(s, flush=True))
   if res["complete"]:
     print(res["report"])
   print(f"total {time.time() - t0:.0f}s")

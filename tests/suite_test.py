@@ -57,6 +57,9 @@ PLAN = dict(
                   n_sink=2, window=4),
     theorem1=None,  # tested on its own below (each design costs three compiles)
     overhead=None,
+    # the full-cache pass only (one compile); designs are tested in exp_perplexity_test
+    perplexity=dict(designs=("full",), budgets=(0.5,), context_len=24, chunk=8,
+                    num_examples=2, n_runs=1),
 )
 
 
@@ -83,8 +86,11 @@ class SuiteTest(absltest.TestCase):
     self.assertEqual(n_units, 1 + 2 + 2)  # full; poisson_tail x2 in each regime
     expected = suite.expected_row_count(settings)
     logs = []
+    text = os.path.join(out, "text.txt")
+    with open(text, "w") as f:
+      f.write("The quick brown fox jumps over the lazy dog. " * 4)
     kw = dict(model="tiny", command="test", examples_by_task=self._examples(),
-              log=logs.append)
+              log=logs.append, text=text)
     # Interrupted after 2 units: partial rows, no report.
     res = run_all.run_suite(self.params, self.config, self.tok, out, plan, max_units=2, **kw)
     self.assertFalse(res["complete"])
@@ -118,6 +124,8 @@ class SuiteTest(absltest.TestCase):
     self.assertIn("0 of 5 units to run", logs[0])
     self.assertLen(results_io.read_rows(os.path.join(out, "rows.jsonl")), expected)
     report = open(os.path.join(out, "report.md")).read()
+    self.assertIn("## Streaming loss under eviction", report)
+    self.assertLen(results_io.read_rows(os.path.join(out, "perplexity_rows.jsonl")), 2)
     for claim in ("coverage of realised error", "attribution AUC, certificate",
                   "attribution AUC, two-run disagreement", "failure prediction",
                   "question-aware eviction", "gated recomputation (streaming)"):
@@ -151,10 +159,15 @@ class SuiteTest(absltest.TestCase):
     exs = self._examples(1)["passkey"]
     rows = exp_overhead.run_overhead(self.params, self.config, exs, out, model="tiny",
                                      budget=0.5, n_steps=2, repeats=2,
-                                     configs=("full", "randomized+certificate"),
+                                     configs=("full", "randomized+certificate",
+                                              "randomized+certificate/layers+heads"),
                                      log=lambda s: None)
-    self.assertEqual([r["config"] for r in rows], ["full", "randomized+certificate"])
-    full, cert = rows
+    self.assertEqual([r["config"] for r in rows], ["full", "randomized+certificate",
+                                                   "randomized+certificate/layers+heads"])
+    full, cert, sub = rows
+    # The tiny model: layer 0 of 2 and KV head 0 of 2 carry the certificate.
+    self.assertEqual((cert["certificate_fraction"], sub["certificate_fraction"]), (1.0, 0.25))
+    self.assertEqual(sub["capacity"], cert["capacity"])
     self.assertLess(cert["capacity"], full["capacity"])
     self.assertLess(cert["cache_bytes"]["kv"], full["cache_bytes"]["kv"])
     self.assertLen(cert["per_step_ms"], 2)
@@ -239,9 +252,13 @@ class TheoremAndOverheadTest(absltest.TestCase):
     self.assertAlmostEqual(s["designs"]["snapkv"]["rel_err_change"], 2.0)
     ov = [dict(config=c, design=c, capacity=8, per_step_ms=[m, m], median_ms=m, batch=1,
                prompt_len=10, n_steps=2, budget=0.5, cache_bytes={"kv": 1, "metadata": 1})
-          for c, m in zip(exp_overhead.CONFIGS, (1.0, 2.0, 3.0, 4.0))]
+          for c, m in zip(exp_overhead.ALL_CONFIGS, (1.0, 2.0, 3.0, 4.0, 3.5, 3.2, 3.1))]
     s = exp_overhead.summarize(ov)
     self.assertAlmostEqual(s["ratio_cert_vs_deterministic"][0], 2.0)
+    self.assertAlmostEqual(s["ratio_randomized+certificate/layers_vs_randomized"][0], 3.5 / 3)
+    self.assertIn("randomized+certificate/layers+heads", s["md"])
+    del ov[-1]  # a missing subsampled configuration is left out, not an error
+    self.assertNotIn("randomized+certificate/layers+heads", exp_overhead.summarize(ov)["md"])
     self.assertEqual(suite_report.overhead_claims(s)[0]["verdict"], "reproduced")
 
 
