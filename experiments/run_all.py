@@ -149,11 +149,30 @@ def run_suite(params, config, tok, out: str, plan: dict, *, model: str, command:
   return {"report": report, "complete": True, "rows": len(rows)}
 
 
+def with_overrides(plan: dict, *, num_examples=None, context_len=None) -> dict:
+  """``plan`` with its examples per task / context length replaced where given (also the
+  streaming-loss segments and their length). Values are checked by the experiments."""
+  plan = {k: dict(v) if isinstance(v, dict) else v for k, v in plan.items()}
+  for name, value in (("num_examples", num_examples), ("context_len", context_len)):
+    if value is None:
+      continue
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"--{name} must be a positive int, got {value!r}")
+    plan["settings"][name] = value
+    if plan.get("perplexity"):
+      plan["perplexity"][name] = value
+  return plan
+
+
 def define_flags():
   flags.DEFINE_string("out", None, "Output directory (rows, report.md, plots).", required=True)
   flags.DEFINE_bool("full", False, "Run the larger suite instead of the quick one.")
   flags.DEFINE_string("model", suite.DEFAULT_MODEL, "'smollm2' or a Hugging Face safetensors "
                       "checkpoint directory with tokenizer.json.")
+  flags.DEFINE_integer("num_examples", None, "Override the plan's examples per task (and "
+                       "streaming-loss segments), e.g. a --full run at reduced size.")
+  flags.DEFINE_integer("context_len", None, "Override the plan's context length in tokens "
+                       "(tasks and streaming-loss segments).")
   flags.DEFINE_string("text", DEFAULT_TEXT, "UTF-8 text file of the streaming-loss "
                       "experiment (default: the built-in GPL-3 text).")
   flags.DEFINE_integer("max_units", -1, "Stop the collection after this many units (-1: "
@@ -166,7 +185,9 @@ def main(argv):
   params, config, tok = suite.load_model(FLAGS.model)
   print(f"model loaded in {time.time() - t0:.0f}s", flush=True)
   command = "python -m experiments.run_all " + " ".join(sys.argv[1:])
-  res = run_suite(params, config, tok, FLAGS.out, FULL if FLAGS.full else QUICK,
+  plan = with_overrides(FULL if FLAGS.full else QUICK, num_examples=FLAGS.num_examples,
+                        context_len=FLAGS.context_len)
+  res = run_suite(params, config, tok, FLAGS.out, plan,
                   model=suite.model_name(FLAGS.model), command=command,
                   max_units=None if FLAGS.max_units < 0 else FLAGS.max_units,
                   text=FLAGS.text, log=lambda s: print(s, flush=True))

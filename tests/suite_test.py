@@ -186,6 +186,15 @@ class SuiteTest(absltest.TestCase):
       suite.load_model(FIXTURE)  # the fixture has no tokenizer
     with self.assertRaisesRegex(ValueError, "--model"):
       suite.load_model("/nonexistent/dir")
+    plan = run_all.with_overrides(run_all.FULL, num_examples=8, context_len=256)
+    self.assertEqual((plan["settings"]["num_examples"], plan["settings"]["context_len"]),
+                     (8, 256))
+    self.assertEqual((plan["perplexity"]["num_examples"], plan["perplexity"]["context_len"]),
+                     (8, 256))
+    self.assertEqual(run_all.FULL["settings"]["num_examples"], 24)  # the plan is not mutated
+    self.assertEqual(run_all.with_overrides(run_all.QUICK), run_all.QUICK)
+    with self.assertRaisesRegex(ValueError, "--context_len must be a positive int"):
+      run_all.with_overrides(run_all.QUICK, context_len=0)
 
   def test_hf_directory_with_tokenizer_json(self):
     import shutil  # pylint: disable=g-import-not-at-top
