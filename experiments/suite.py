@@ -88,6 +88,10 @@ class Settings:
   n_sample_calls: int = 24  # raw calls kept per row for scatter plots / regression
   subsample_fraction: float = 0.25  # (layer, head) calls in the subsampled certificate
   model: str = DEFAULT_MODEL
+  # At most this many batch rows per call (0: a unit's whole batch in one call). Every
+  # call of a unit is padded to the same shape (one compile); bounds the memory of
+  # large plans (the shadow full cache is batch x layers x KV heads x context).
+  max_batch: int = 0
 
   def check(self) -> "Settings":
     for t in self.tasks:
@@ -110,7 +114,8 @@ class Settings:
     for name, v, lo in (("context_len", self.context_len, tasks_lib.MIN_CONTEXT_LEN),
                         ("num_examples", self.num_examples, 1), ("n_runs", self.n_runs, 1),
                         ("n_steps", self.n_steps, 1), ("chunk", self.chunk, 1),
-                        ("n_sink", self.n_sink, 0), ("window", self.window, 0)):
+                        ("n_sink", self.n_sink, 0), ("window", self.window, 0),
+                        ("max_batch", self.max_batch, 0)):
       if not isinstance(v, int) or v < lo:
         raise ValueError(f"--{name} must be an int >= {lo}, got {v!r}")
     if not 0.0 < self.subsample_fraction <= 1.0:
@@ -254,9 +259,14 @@ def is_randomized(name: str) -> bool:
   return name != "full" and bool(make_design(name, 0.5, 4, 16).randomized)
 
 
-def pad_batch(seqs):
-  """Right-padded ``(ids [n, max_len] int32, mask [n, max_len] bool)`` of token lists."""
+def pad_batch(seqs, length: Optional[int] = None):
+  """Right-padded ``(ids [n, max_len] int32, mask [n, max_len] bool)`` of token lists
+  (``length``: pad to this many columns instead, >= the longest)."""
   n = max(len(s) for s in seqs)
+  if length is not None:
+    if length < n:
+      raise ValueError(f"length ({length}) must be >= the longest sequence ({n})")
+    n = length
   ids = np.zeros((len(seqs), n), np.int32)
   mask = np.zeros((len(seqs), n), bool)
   for i, s in enumerate(seqs):
@@ -264,27 +274,43 @@ def pad_batch(seqs):
   return jnp.asarray(ids), jnp.asarray(mask)
 
 
+def pad_shape(examples) -> dict:
+  """The padded lengths of a batch of ``examples`` (see :func:`run_batch`)."""
+  return dict(prompt=max(len(e.context_ids) + len(e.question_ids) for e in examples),
+              context=max(len(e.context_ids) for e in examples),
+              question=max(len(e.question_ids) for e in examples))
+
+
 def run_batch(params, config, examples, design_name: str, row_budgets, regime: str, key, *,
-              n_steps: int, n_sink: int, window: int, chunk: int):
+              n_steps: int, n_sink: int, window: int, chunk: int,
+              shape: Optional[dict] = None, max_budget: Optional[float] = None):
   """One evaluation-mode call over ``examples`` (one per batch row), row ``i`` at budget
-  ``row_budgets[i]`` (ignored for 'full'); returns the ``decode.Generation``."""
-  design = make_design(design_name, max(row_budgets), n_sink, window)
+  ``row_budgets[i]`` (ignored for 'full'); returns the ``decode.Generation``.
+
+  ``shape`` (:func:`pad_shape` of a larger set) and ``max_budget`` (its largest
+  budget) fix the padded shapes and the static design, so that every slice of
+  one unit shares a compile.
+  """
+  shape = shape or pad_shape(examples)
+  max_budget = max(row_budgets) if max_budget is None else max_budget
+  design = make_design(design_name, max_budget, n_sink, window)
   obs = window if design is not None else 0
   budget = None if design is None else jnp.asarray(row_budgets, jnp.float32)
   if regime == "question_aware":
-    prompt, p_mask = pad_batch([e.context_ids + e.question_ids for e in examples])
+    prompt, p_mask = pad_batch([e.context_ids + e.question_ids for e in examples],
+                               shape["prompt"])
     capacity = prompt.shape[1] + (n_steps if design is None else 0)
     return decode.generate(params, prompt, p_mask, key, config=config, capacity=capacity,
                            n_steps=n_steps, design=design, observation_window=obs,
                            evaluate=True, budget=budget)
-  ctx, c_mask = pad_batch([e.context_ids for e in examples])
-  qst, q_mask = pad_batch([e.question_ids for e in examples])
+  ctx, c_mask = pad_batch([e.context_ids for e in examples], shape["context"])
+  qst, q_mask = pad_batch([e.question_ids for e in examples], shape["question"])
   n_ctx = ctx.shape[1]
   n_chunks = -(-n_ctx // chunk)
   if design is None:
     capacity = n_chunks * chunk + qst.shape[1] + n_steps
   else:  # the kept tokens plus one chunk, then the question and the answer
-    capacity = int(math.floor(max(row_budgets) * n_ctx)) + chunk + qst.shape[1] + n_steps
+    capacity = int(math.floor(max_budget * n_ctx)) + chunk + qst.shape[1] + n_steps
   return decode.generate_streaming(params, ctx, c_mask, qst, q_mask, key, config=config,
                                    capacity=capacity, n_steps=n_steps, chunk=chunk,
                                    design=design, observation_window=obs, evaluate=True,
@@ -418,12 +444,7 @@ def collect(params, config, tok, settings: Settings, out_dir: str, *,
     batch = batch_of(unit)
     key = jax.random.fold_in(jax.random.PRNGKey(settings.seed), run)
     t0 = time.time()
-    gen = run_batch(params, config, [examples[t][i] for _, t, i in batch], d,
-                    [b for b, _, _ in batch], regime, key, n_steps=settings.n_steps,
-                    n_sink=settings.n_sink, window=settings.window, chunk=settings.chunk)
-    gen_np = {k: np.asarray(getattr(gen, k)) for k in (
-        "tokens", "logprobs", "var_hat", "range_hat", "true_error", "rel_error", "ratio",
-        "tail_m", "tail_n")}
+    gen_np = _run_unit(params, config, examples, batch, d, regime, key, settings)
     seconds = time.time() - t0
     todo_rows = set(missing(unit))
     n_correct = 0
@@ -450,6 +471,42 @@ def collect(params, config, tok, settings: Settings, out_dir: str, *,
     log(f"{progress.step()} {regime}/{d}/run{run}: {len(batch)} rows in {seconds:.0f}s "
         f"(compile included), accuracy {n_correct / len(batch):.2f}")
   return select(results.rows, settings)
+
+
+GEN_FIELDS = ("tokens", "logprobs", "var_hat", "range_hat", "true_error", "rel_error", "ratio",
+              "tail_m", "tail_n")
+
+
+def _run_unit(params, config, examples, batch, design: str, regime: str, key,
+              settings: Settings) -> dict:
+  """A unit's ``Generation`` arrays (numpy, batch on axis 0 of tokens/logprobs and axis 2
+  of the per-call arrays), in slices of ``settings.max_batch`` rows.
+
+  Every slice is padded (repeating its last row, whose outputs are dropped) to
+  the same number of rows and to the unit's padded lengths, so one compile
+  serves them all; slice ``c`` draws with ``fold_in(key, c)`` (slice 0 with
+  ``key`` itself, so a unit that fits in one slice draws as without slicing).
+  """
+  exs = [examples[t][i] for _, t, i in batch]
+  budgets = [b for b, _, _ in batch]
+  size = settings.max_batch or len(batch)
+  kw = dict(n_steps=settings.n_steps, n_sink=settings.n_sink, window=settings.window,
+            chunk=settings.chunk, shape=pad_shape(exs), max_budget=max(budgets))
+  parts = []
+  for c, start in enumerate(range(0, len(batch), size)):
+    idx = list(range(start, min(start + size, len(batch))))
+    n_real = len(idx)
+    if len(batch) > size:
+      idx += [idx[-1]] * (size - n_real)
+    gen = run_batch(params, config, [exs[i] for i in idx], design, [budgets[i] for i in idx],
+                    regime, key if c == 0 else jax.random.fold_in(key, c), **kw)
+    part = {}
+    for k in GEN_FIELDS:
+      a = np.asarray(getattr(gen, k))
+      part[k] = a[:n_real] if k in ("tokens", "logprobs") else a[:, :, :n_real]
+    parts.append(part)
+  return {k: np.concatenate([p[k] for p in parts], axis=0 if k in ("tokens", "logprobs")
+                            else 2) for k in GEN_FIELDS}
 
 
 def make_examples(tok, settings: Settings, examples_by_task: Optional[dict] = None) -> dict:

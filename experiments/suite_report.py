@@ -560,7 +560,8 @@ def render_report(*, sections: Sequence[dict], theorem1: Optional[dict],
            f"{list(settings.budgets)}, designs {list(settings.designs)}, regimes "
            f"{list(settings.regimes)} ({list(settings.question_aware_only)} question-aware "
            f"only; 'full' once), {settings.n_runs} runs of {list(settings.multi_run_designs)}, "
-           f"{settings.n_steps} decode steps, seed {settings.seed}",
+           f"{settings.n_steps} decode steps, seed {settings.seed}"
+           + (f", at most {settings.max_batch} rows per call" if settings.max_batch else ""),
            "", "Verdict rule (`experiments.stats.verdict`): reproduced if our 95% interval "
            "overlaps the paper's range; otherwise refuted if ours lies on the side that "
            "contradicts the claim, else not reproduced. Small samples give wide intervals: "

@@ -137,6 +137,28 @@ class SuiteTest(absltest.TestCase):
     for png in ("coverage.png", "error_vs_radius.png", "r_audit_poisson_tail.png"):
       self.assertTrue(os.path.exists(os.path.join(out, png)), png)
 
+  def test_max_batch_slices_give_the_same_rows(self):
+    # Deterministic designs: slicing a unit's 8 rows into calls of 3 (padded to
+    # 3 rows and to the unit's lengths: one compile) changes no row.
+    kw = dict(tasks=("passkey", "agent_memory"), num_examples=2, context_len=24,
+              budgets=(0.25, 0.5), designs=("full", "snapkv"), regimes=("question_aware",),
+              n_steps=3, n_sink=2, window=4, model="tiny")
+    rows = {}
+    for mb in (0, 3):
+      out = self.create_tempdir().full_path
+      got = suite.collect(self.params, self.config, self.tok, suite.Settings(max_batch=mb, **kw),
+                          out, examples_by_task=self._examples(), log=lambda s: None)
+      rows[mb] = {results_io.row_key(r, suite.KEY_FIELDS): r for r in got}
+    self.assertLen(rows[3], 2 * 2 * (1 + 2))
+    self.assertEqual(set(rows[0]), set(rows[3]))
+    for k, r in rows[0].items():
+      s = rows[3][k]
+      self.assertEqual(r["tokens"], s["tokens"], k)
+      self.assertAlmostEqual(r["mean_err"], s["mean_err"], delta=1e-5)
+      self.assertAlmostEqual(r["mean_logprob"], s["mean_logprob"], delta=1e-4)
+    with self.assertRaisesRegex(ValueError, "--max_batch"):
+      suite.Settings(max_batch=-1).check()
+
   def test_theorem1_deterministic_is_blind(self):
     out = self.create_tempdir().full_path
     exs = self._examples(1)["passkey"]
