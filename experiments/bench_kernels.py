@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import certkv_jax
-from experiments import results_io
+from experiments.lib import results_io
 from pallas_kernels import offset_decode
 from pallas_kernels import reference
 

@@ -56,7 +56,7 @@ import numpy as np
 
 from certkv_jax import designs
 from certkv_jax import distributed
-from experiments import results_io
+from experiments.lib import results_io
 from models import decode
 from models import llama
 from models import sharding

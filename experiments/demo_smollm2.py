@@ -51,7 +51,7 @@ import numpy as np
 from certkv_jax import certificate
 from certkv_jax import designs
 from certkv_jax import diagnostics
-from experiments import results_io
+from experiments.lib import results_io
 from models import decode
 from models import gguf_loader
 from models import memory

@@ -13,8 +13,8 @@ only). Writes ``--out/rows.jsonl``, ``summary.md``, ``summary.json`` and the
 from absl import app
 from absl import flags
 
-from experiments import suite
-from experiments import suite_report
+from experiments.lib import suite
+from experiments.lib import suite_report
 
 main = suite_report.script_main([suite_report.assumption2_analysis], "Assumption-2 audit")
 

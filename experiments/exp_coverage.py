@@ -2,7 +2,7 @@ r"""Experiment 2: certificate coverage by design, budget, regime, task, delta, l
 
 Coverage of the realised attention error (true error from the shadow full
 cache <= the Bernstein radius at each ``--deltas``), with sharpness next to
-it (SPEC section 5), from the rows of ``experiments.suite.collect`` (one
+it (SPEC section 5), from the rows of ``experiments.lib.suite.collect`` (one
 JSONL row per (task, regime, design, budget, example, run), resumable).
 Writes ``--out/rows.jsonl``, ``summary.md``, ``summary.json``,
 ``coverage.png`` and ``error_vs_radius.png``.
@@ -13,8 +13,8 @@ Writes ``--out/rows.jsonl``, ``summary.md``, ``summary.json``,
 from absl import app
 from absl import flags
 
-from experiments import suite
-from experiments import suite_report
+from experiments.lib import suite
+from experiments.lib import suite_report
 
 main = suite_report.script_main([suite_report.coverage_analysis], "Certificate coverage")
 

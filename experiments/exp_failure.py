@@ -20,8 +20,8 @@ Writes ``--out/rows.jsonl``, ``summary.md``, ``summary.json``,
 from absl import app
 from absl import flags
 
-from experiments import suite
-from experiments import suite_report
+from experiments.lib import suite
+from experiments.lib import suite_report
 
 main = suite_report.script_main([suite_report.failure_analysis],
                                 "Failure prediction, attribution, gated recomputation")

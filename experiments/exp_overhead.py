@@ -28,7 +28,7 @@ capacity and the design's per-step work do.
 A subsampled score is the Horvitz-Thompson sum of the computed radii (their
 sum divided by the fraction of calls computed). What such a subsample is
 worth as a failure score is measured on the collection side
-(``cert_sub_mean`` of ``experiments.suite``).
+(``cert_sub_mean`` of ``experiments.lib.suite``).
 
 Memory: the bytes of the caches as allocated (keys/values and per-slot
 metadata, ``models.memory.caches_bytes``).
@@ -49,9 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from certkv_jax import certificate
-from experiments import plots
-from experiments import results_io
-from experiments import suite
+from experiments.lib import plots
+from experiments.lib import results_io
+from experiments.lib import suite
 from models import decode
 from models import memory
 
@@ -239,7 +239,7 @@ def main(argv):
     raise ValueError(f"--deterministic must be a deterministic design, got "
                      f"{FLAGS.deterministic!r}")
   params, config, tok = suite.load_model(FLAGS.model)
-  from experiments import tasks  # pylint: disable=g-import-not-at-top
+  from experiments.lib import tasks  # pylint: disable=g-import-not-at-top
   exs = tasks.make_task(FLAGS.task, tok, FLAGS.num_examples, FLAGS.context_len, FLAGS.seed)
   rows = run_overhead(params, config, exs, FLAGS.out, model=suite.model_name(FLAGS.model),
                       budget=float(FLAGS.budgets[0]), deterministic=FLAGS.deterministic,

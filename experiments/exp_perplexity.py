@@ -77,10 +77,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from certkv_jax import certificate
-from experiments import loaders
-from experiments import results_io
-from experiments import stats
-from experiments import suite
+from experiments.lib import loaders
+from experiments.lib import results_io
+from experiments.lib import stats
+from experiments.lib import suite
 from models import decode
 from models.llama import LlamaModel
 
@@ -90,7 +90,7 @@ KEY_FIELDS = ("model", "text_sha256", "segment", "context_len", "chunk", "design
 ROWS_FILE = "perplexity_rows.jsonl"
 SUMMARY_FILE = "perplexity.md"
 DELTA = suite.PRIMARY_DELTA  # the certificate's miss probability (per call)
-N_SINK = 4  # the suite's certainty-set settings (experiments.suite.Settings)
+N_SINK = 4  # the suite's certainty-set settings (experiments.lib.suite.Settings)
 WINDOW = 16
 
 
@@ -393,11 +393,11 @@ def run_perplexity(params, config, tok, text_path: str, out_dir: str, *, model: 
   """Runs every (design, run) unit with a missing row; returns this run's rows.
 
   Args:
-    params, config, tok: the model (``experiments.suite.load_model``).
-    text_path: the UTF-8 text file (``experiments.loaders.load_text``).
+    params, config, tok: the model (``experiments.lib.suite.load_model``).
+    text_path: the UTF-8 text file (``experiments.lib.loaders.load_text``).
     out_dir: rows go to ``out_dir/perplexity_rows.jsonl``.
     model: the model name recorded in rows.
-    designs: design names of ``experiments.suite.DESIGNS``; 'full' (the
+    designs: design names of ``experiments.lib.suite.DESIGNS``; 'full' (the
       reference) always runs, listed or not.
     budgets: fractions in (0, 1] of the tokens seen.
     context_len: tokens per segment (BOS included).
@@ -600,8 +600,8 @@ def summarize(rows: Sequence[dict], out_dir: Optional[str] = None, seed: int = 0
 
 
 def define_flags(flag_values=FLAGS):
-  """The script's flags (named and defaulted as ``experiments.suite.define_common_flags``
-  and ``experiments.suite.Settings`` where they mean the same thing)."""
+  """The script's flags (named and defaulted as ``experiments.lib.suite.define_common_flags``
+  and ``experiments.lib.suite.Settings`` where they mean the same thing)."""
   fv = dict(flag_values=flag_values)
   flags.DEFINE_string("out", None, "Output directory (perplexity_rows.jsonl, perplexity.md).",
                       required=True, **fv)

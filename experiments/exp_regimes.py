@@ -10,8 +10,8 @@ examples) per regime, design, task and budget. Writes ``--out/rows.jsonl``,
 from absl import app
 from absl import flags
 
-from experiments import suite
-from experiments import suite_report
+from experiments.lib import suite
+from experiments.lib import suite_report
 
 main = suite_report.script_main([suite_report.regimes_analysis],
                                 "Streaming vs question-aware")

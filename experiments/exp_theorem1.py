@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from certkv_jax import certificate
-from experiments import results_io
-from experiments import suite
+from experiments.lib import results_io
+from experiments.lib import suite
 from models import decode
 
 FLAGS = flags.FLAGS
@@ -193,7 +193,7 @@ def main(argv):
       raise ValueError(f"--designs: {d!r} is not an evicting design; choose from "
                        f"{[x for x in suite.DESIGNS if x != 'full']}")
   params, config, tok = suite.load_model(FLAGS.model)
-  from experiments import tasks  # pylint: disable=g-import-not-at-top
+  from experiments.lib import tasks  # pylint: disable=g-import-not-at-top
   exs = tasks.make_task(FLAGS.task, tok, FLAGS.num_examples, FLAGS.context_len, FLAGS.seed)
   rows = run_theorem1(params, config, exs, FLAGS.designs, float(FLAGS.budgets[0]), FLAGS.out,
                       model=suite.model_name(FLAGS.model), task=FLAGS.task,

@@ -23,7 +23,7 @@ import jax
 
 from certkv_jax import designs
 from certkv_jax import montecarlo
-from experiments import results_io
+from experiments.lib import results_io
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output directory (rows.jsonl, summary.md).", required=True)

@@ -3,13 +3,13 @@ r"""The main command: every experiment of SPEC section 8, then ``report.md`` for
   python -m experiments.run_all --out=DIR           # quick suite (SmolLM2, 2-core CPU)
   python -m experiments.run_all --out=DIR --full    # the larger version
 
-Collects the suite's rows once (``experiments.suite.collect``: one batched
+Collects the suite's rows once (``experiments.lib.suite.collect``: one batched
 evaluation-mode call per (regime, design, run); resumable, rows in
 ``DIR/rows.jsonl``), runs the Theorem-1 rotation experiment
 (``DIR/theorem1_rows.jsonl``) and the overhead timing
 (``DIR/overhead_rows.jsonl``), and writes ``DIR/report.md``: for each claim of
 SPEC section 7 the paper's number, ours with a 95% interval and a verdict
-(``experiments.stats.verdict``), followed by every experiment's tables and
+(``experiments.lib.stats.verdict``), followed by every experiment's tables and
 PNG plots (coverage vs nominal, error vs radius, R audit, ROC, gating,
 overhead). A rerun resumes: finished rows are not recomputed.
 
@@ -48,10 +48,10 @@ from absl import flags
 from experiments import exp_overhead
 from experiments import exp_perplexity
 from experiments import exp_theorem1
-from experiments import results_io
-from experiments import suite
-from experiments import suite_report
-from experiments import tasks as tasks_lib
+from experiments.lib import results_io
+from experiments.lib import suite
+from experiments.lib import suite_report
+from experiments.lib import tasks as tasks_lib
 
 FLAGS = flags.FLAGS
 

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from experiments import results_io
+from experiments.lib import results_io
 from models import llama
 from models.config import LlamaConfig
 

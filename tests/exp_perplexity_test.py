@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import exp_perplexity as ppl
-from experiments import results_io
-from experiments import suite
+from experiments.lib import results_io
+from experiments.lib import suite
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_llama")
 # A certainty set of 1 sink + 2 recent tokens, so that a 50% budget leaves tail slots

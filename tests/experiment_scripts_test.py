@@ -19,8 +19,8 @@ from absl import flags
 from absl.testing import absltest
 import tokenizers
 
-from experiments import results_io
-from experiments import suite
+from experiments.lib import results_io
+from experiments.lib import suite
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "tiny_llama")

@@ -8,7 +8,7 @@ from absl.testing import absltest
 from absl.testing import flagsaver
 
 from experiments import montecarlo_certificate
-from experiments import results_io
+from experiments.lib import results_io
 
 FLAGS = flags.FLAGS
 

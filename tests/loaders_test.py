@@ -1,4 +1,4 @@
-"""experiments.loaders on small files written in a temp dir."""
+"""experiments.lib.loaders on small files written in a temp dir."""
 
 import json
 import os
@@ -7,7 +7,7 @@ from absl import flags
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from experiments import loaders
+from experiments.lib import loaders
 
 
 def setUpModule():

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from experiments import demo_smollm2
-from experiments import results_io
+from experiments.lib import results_io
 from models import gguf_loader
 from models import llama
 from models import tokenizer as tokenizer_lib

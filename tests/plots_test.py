@@ -1,4 +1,4 @@
-"""experiments.plots: every figure is written as a valid PNG, atomically."""
+"""experiments.lib.plots: every figure is written as a valid PNG, atomically."""
 
 import os
 
@@ -6,8 +6,8 @@ from absl import flags
 from absl.testing import absltest
 import numpy as np
 
-from experiments import plots
-from experiments import stats
+from experiments.lib import plots
+from experiments.lib import stats
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

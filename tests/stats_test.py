@@ -1,4 +1,4 @@
-"""experiments.stats on inputs with known answers."""
+"""experiments.lib.stats on inputs with known answers."""
 
 import itertools
 import math
@@ -8,7 +8,7 @@ from absl.testing import parameterized
 import numpy as np
 from scipy import stats as sps
 
-from experiments import stats
+from experiments.lib import stats
 
 
 def _brute_auc(scores, labels):

@@ -15,11 +15,11 @@ import numpy as np
 
 from experiments import exp_overhead
 from experiments import exp_theorem1
-from experiments import results_io
+from experiments.lib import results_io
 from experiments import run_all
-from experiments import suite
-from experiments import suite_report
-from experiments import tasks
+from experiments.lib import suite
+from experiments.lib import suite_report
+from experiments.lib import tasks
 from models import hf_loader
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_llama")
@@ -264,7 +264,7 @@ class SuiteTest(absltest.TestCase):
     np.testing.assert_array_equal(a["full"], full)
     out = suite_report.failure_analysis(rows)
     # failure AUC of cert = i: failures at 0, 2, 3, 4 vs successes at 1, 5.
-    from experiments import stats  # pylint: disable=g-import-not-at-top
+    from experiments.lib import stats  # pylint: disable=g-import-not-at-top
     self.assertAlmostEqual(out["failure_auc"]["certificate"][0],
                            stats.roc_auc(np.arange(6.0), ~np.asarray(ev)))
     self.assertAlmostEqual(out["attribution_auc"]["certificate"][0],

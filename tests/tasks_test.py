@@ -1,11 +1,11 @@
-"""experiments.tasks: lengths, determinism, answers present and exact scoring."""
+"""experiments.lib.tasks: lengths, determinism, answers present and exact scoring."""
 
 import re
 
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from experiments import tasks
+from experiments.lib import tasks
 from models import gguf_loader
 
 

@@ -7,7 +7,7 @@ from absl.testing import absltest
 import jax
 import numpy as np
 
-from experiments import results_io
+from experiments.lib import results_io
 from experiments import train_synthetic
 
 SMALL = dict(batch=16, n_pairs=4, n_keys=16, n_values=16, layers=2, hidden=32, heads=4,

@@ -17,7 +17,7 @@ from the same per-example rows, collected here by :func:`collect`:
   and per-head coverage) plus a small seeded sample of raw calls for the
   scatter plots and the ``log R`` regression.
 
-Rows are written with :class:`experiments.results_io.JsonlResults` as each
+Rows are written with :class:`experiments.lib.results_io.JsonlResults` as each
 unit finishes (one atomic rewrite per row), keyed by
 :data:`KEY_FIELDS`; a rerun skips the rows already there, and a unit whose
 rows are all present is not run again. A unit interrupted half-way (some of
@@ -45,9 +45,9 @@ import numpy as np
 
 from certkv_jax import certificate
 from certkv_jax import designs
-from experiments import results_io
-from experiments import stats
-from experiments import tasks as tasks_lib
+from experiments.lib import results_io
+from experiments.lib import stats
+from experiments.lib import tasks as tasks_lib
 from models import decode
 
 DESIGNS = ("full", "sink_window", "h2o", "tova", "snapkv", "key_norm", "uniform_random",

@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from experiments import results_io  # pylint: disable=g-import-not-at-top,wrong-import-position
+from experiments.lib import results_io  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 DPI = 110
 

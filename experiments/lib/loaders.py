@@ -1,4 +1,4 @@
-"""User datasets as :class:`experiments.tasks.Example`: LongBench and RULER JSONL, plain text.
+"""User datasets as :class:`experiments.lib.tasks.Example`: LongBench and RULER JSONL, plain text.
 
 LongBench records (one JSON object a line) need ``input`` (the question),
 ``context``, ``answers`` (a list of strings) and ``length``; ``_id``,
@@ -35,14 +35,14 @@ import json
 import os
 from typing import Optional
 
-from experiments import tasks
-from experiments.scoring import contains_match  # pylint: disable=unused-import
-from experiments.scoring import exact_match  # pylint: disable=unused-import
-from experiments.tasks import Example
-from experiments.scoring import f1_score  # pylint: disable=unused-import
-from experiments.scoring import normalize_answer  # pylint: disable=unused-import
-from experiments.scoring import string_match_all  # pylint: disable=unused-import
-from experiments.scoring import string_match_part  # pylint: disable=unused-import
+from experiments.lib import tasks
+from experiments.lib.scoring import contains_match  # pylint: disable=unused-import
+from experiments.lib.scoring import exact_match  # pylint: disable=unused-import
+from experiments.lib.tasks import Example
+from experiments.lib.scoring import f1_score  # pylint: disable=unused-import
+from experiments.lib.scoring import normalize_answer  # pylint: disable=unused-import
+from experiments.lib.scoring import string_match_all  # pylint: disable=unused-import
+from experiments.lib.scoring import string_match_part  # pylint: disable=unused-import
 
 LONGBENCH_FIELDS = ("input", "context", "answers", "length")
 RULER_FIELDS = ("outputs", "length", "index")
@@ -148,7 +148,7 @@ def load_longbench(path: str, tokenizer, *, max_examples: Optional[int] = None,
 
   Args:
     path: the JSONL file.
-    tokenizer: see :mod:`experiments.tasks`.
+    tokenizer: see :mod:`experiments.lib.tasks`.
     max_examples: read at most this many records (None: all).
     max_context_tokens: the longest ``context_ids`` allowed (None: no limit).
     truncate: None (an over-long context is an error) or ``"middle"``.
@@ -182,7 +182,7 @@ def load_ruler(path: str, tokenizer, *, max_examples: Optional[int] = None,
 
   Args:
     path: the JSONL file.
-    tokenizer: see :mod:`experiments.tasks`.
+    tokenizer: see :mod:`experiments.lib.tasks`.
     max_examples: read at most this many records (None: all).
     max_context_tokens: the longest ``context_ids`` allowed (None: no limit).
     truncate: None (an over-long context is an error) or ``"middle"``.

@@ -1,7 +1,7 @@
 """Exact scoring rules of the experiment tasks and loaders (one generation vs answers).
 
 :data:`METRICS` maps a rule's name (``Example.metric`` in
-:mod:`experiments.tasks`) to a function ``(generated_text, answers) -> bool``;
+:mod:`experiments.lib.tasks`) to a function ``(generated_text, answers) -> bool``;
 LongBench's token F1 and RULER's string matches are here too.
 """
 

@@ -55,19 +55,19 @@ import random
 import string
 from typing import Callable, Optional, Sequence
 
-# Scoring rules live in experiments.scoring; re-exported here for task users.
-from experiments.scoring import METRICS
-from experiments.scoring import VAR_NAME_LEN
-from experiments.scoring import contains_match  # pylint: disable=unused-import
-from experiments.scoring import exact_match  # pylint: disable=unused-import
-from experiments.scoring import f1_score  # pylint: disable=unused-import
-from experiments.scoring import normalize_answer  # pylint: disable=unused-import
-from experiments.scoring import score_digits  # pylint: disable=unused-import
-from experiments.scoring import score_exact_prefix  # pylint: disable=unused-import
-from experiments.scoring import score_numbers_all  # pylint: disable=unused-import
-from experiments.scoring import score_set_exact  # pylint: disable=unused-import
-from experiments.scoring import string_match_all  # pylint: disable=unused-import
-from experiments.scoring import string_match_part  # pylint: disable=unused-import
+# Scoring rules live in experiments.lib.scoring; re-exported here for task users.
+from experiments.lib.scoring import METRICS
+from experiments.lib.scoring import VAR_NAME_LEN
+from experiments.lib.scoring import contains_match  # pylint: disable=unused-import
+from experiments.lib.scoring import exact_match  # pylint: disable=unused-import
+from experiments.lib.scoring import f1_score  # pylint: disable=unused-import
+from experiments.lib.scoring import normalize_answer  # pylint: disable=unused-import
+from experiments.lib.scoring import score_digits  # pylint: disable=unused-import
+from experiments.lib.scoring import score_exact_prefix  # pylint: disable=unused-import
+from experiments.lib.scoring import score_numbers_all  # pylint: disable=unused-import
+from experiments.lib.scoring import score_set_exact  # pylint: disable=unused-import
+from experiments.lib.scoring import string_match_all  # pylint: disable=unused-import
+from experiments.lib.scoring import string_match_part  # pylint: disable=unused-import
 
 
 

@@ -1,8 +1,8 @@
-"""Analyses of the suite's rows (``experiments.suite``) against SPEC section 7's claims.
+"""Analyses of the suite's rows (``experiments.lib.suite``) against SPEC section 7's claims.
 
 Each ``*_analysis`` function takes the rows (and options) and returns a JSON-able
 dict, its markdown section (``"md"``) and its claim rows (``"claims"``: claim,
-paper, ours, verdict from :func:`experiments.stats.verdict`). :func:`render_report`
+paper, ours, verdict from :func:`experiments.lib.stats.verdict`). :func:`render_report`
 assembles ``report.md``. Intervals are 95% percentile bootstraps that resample
 whole examples (``stats.cluster_bootstrap_ci`` with one group per (task,
 example)): the rows and decode calls of one example are dependent.
@@ -29,8 +29,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from experiments import plots
-from experiments import stats
+from experiments.lib import plots
+from experiments.lib import stats
 
 N_BOOT = 500
 GATING_BUDGET = 0.25
@@ -562,7 +562,7 @@ def render_report(*, sections: Sequence[dict], theorem1: Optional[dict],
            f"only; 'full' once), {settings.n_runs} runs of {list(settings.multi_run_designs)}, "
            f"{settings.n_steps} decode steps, seed {settings.seed}"
            + (f", at most {settings.max_batch} rows per call" if settings.max_batch else ""),
-           "", "Verdict rule (`experiments.stats.verdict`): reproduced if our 95% interval "
+           "", "Verdict rule (`experiments.lib.stats.verdict`): reproduced if our 95% interval "
            "overlaps the paper's range; otherwise refuted if ours lies on the side that "
            "contradicts the claim, else not reproduced. Small samples give wide intervals: "
            "an overlap is weak evidence.", ""]
@@ -584,7 +584,7 @@ def render_report(*, sections: Sequence[dict], theorem1: Optional[dict],
 def write_summary(out_dir: str, sections: Sequence[dict], title: str) -> str:
   """``out_dir/summary.md`` (the sections and a claims table) and ``summary.json``."""
   import json  # pylint: disable=g-import-not-at-top
-  from experiments import results_io  # pylint: disable=g-import-not-at-top
+  from experiments.lib import results_io  # pylint: disable=g-import-not-at-top
   claims = [c for s in sections for c in s.get("claims", [])]
   lines = [f"# {title}", ""]
   if claims:
@@ -605,7 +605,7 @@ def script_main(analyses, title: str, **settings_overrides):
   def main(argv):
     del argv
     from absl import flags  # pylint: disable=g-import-not-at-top
-    from experiments import suite  # pylint: disable=g-import-not-at-top
+    from experiments.lib import suite  # pylint: disable=g-import-not-at-top
     fv = flags.FLAGS
     settings = suite.settings_from_flags(fv, **settings_overrides)
     params, config, tok = suite.load_model(fv.model)
