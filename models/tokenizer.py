@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+from models.gguf_reader import metadata
+
 # llama.cpp pre-tokenizer name -> whether digits are split one by one first.
 _PRE_TOKENIZERS = {"smollm": True, "gpt2": False, "default": False, "starcoder": True}
 _CONTROL, _USER_DEFINED = 3, 4
@@ -102,7 +104,6 @@ def build_bpe_tokenizer(tokens: Sequence[str], merges: Sequence[str],
 
 def tokenizer_from_gguf(reader) -> Tokenizer:
   """The tokenizer of a GGUF file (``gguf.GGUFReader``)."""
-  from models.gguf_loader import metadata  # pylint: disable=g-import-not-at-top
   kind = metadata(reader, "tokenizer.ggml.model")
   if kind != "gpt2":
     raise ValueError(f"GGUF tokenizer.ggml.model {kind!r} is not supported (only 'gpt2', "

@@ -1,0 +1,102 @@
+"""Eviction of a model's caches: a design applied to every (layer, row, KV head).
+
+:func:`evict` resolves the budget (``models.budgets.eviction_targets``: the
+design's own, a per-layer schedule, or a traced fraction), then runs
+``design.evict`` on each cache with its own PRNG key, lifted with ``jax.vmap``
+over ``[n_layers, batch, n_kv_heads]``. On sequence-sharded caches (traced
+under a mesh) the same vmapped eviction runs through
+``certkv_jax.distributed.map_evict``, with the same result as one device.
+
+In evaluation mode :func:`record_inclusion` adds each round's inclusion
+probabilities to the shadow full cache (:func:`evict_and_record` does both).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from certkv_jax import distributed
+from certkv_jax.cache import KVCache
+from models import budgets as budgets_lib
+from models.caches import over_heads
+
+
+def evict(design, caches: KVCache, key, layer_budgets=None, budget=None):
+  """Applies ``design.evict`` to every (layer, row, KV head) cache.
+
+  Args:
+    design: a ``certkv_jax.EvictionDesign``.
+    caches: stacked caches, leaves ``[n_layers, batch, n_kv_heads, ...]``.
+    key: PRNG key, split into one key per cache.
+    layer_budgets: optional, static: one budget per layer, all ints (tokens)
+      or all floats (fractions), e.g. ``models.budgets.pyramid_budgets``; it
+      replaces the design's own budget, layer by layer.
+    budget: optional, may be traced: a fraction in (0, 1] of the tokens seen,
+      a scalar or one per batch row (``[batch]``), that replaces the design's
+      budget in every layer, so that one compiled program serves every budget
+      (the design is a static argument; its static budget would otherwise
+      force one compile per budget), and one batch can run several budgets.
+      Checked by ``models.budgets.check_budget`` where it is concrete.
+
+  Returns:
+    ``(caches, info)`` with ``info`` the design's ``EvictionInfo`` of this
+    round, leaves ``[n_layers, batch, n_kv_heads, ...]``. (The design's
+    running ``DesignState`` counters are not carried between rounds; the
+    per-round ``info`` and the caches' ``n_dropped`` report what happened.)
+  """
+  lead = caches.n_seen.shape  # [n_layers, batch, n_kv_heads]
+  keys = jax.random.split(key, lead[0] * lead[1] * lead[2])
+  keys = keys.reshape(lead + keys.shape[1:])
+  targets = budgets_lib.eviction_targets(caches.n_seen, layer_budgets, budget)  # or None
+  per_cache = (keys,) if targets is None else (keys, targets)
+
+  def one(cache, k, *target):  # one (layer, row, KV head); target [] int32, if any
+    d = budgets_lib.with_target(design, target[0]) if target else design
+    new, _, info = d.evict(cache, d.init(cache), k)
+    return new, info
+
+  evict_all = jax.vmap(over_heads(one))  # over [n_layers, batch, n_kv_heads]
+  if distributed.cache_mesh() is None:
+    return evict_all(caches, *per_cache)
+  # Sequence-sharded: each device gathers its heads' slot metadata, runs
+  # evict_all on whole heads and keeps its own slots.
+  return distributed.map_evict(design, evict_all, caches, *per_cache)
+
+
+def record_inclusion(shadow: KVCache, before: KVCache, info) -> KVCache:
+  """Evaluation mode: adds one eviction round's ``log pi`` to the shadow cache's record.
+
+  The shadow cache holds every token at slot = position (it is never
+  evicted and padding takes no slot), and its ``log_pi`` accumulates each
+  token's log inclusion probability over the rounds it took part in: a kept
+  token's total equals its offset in the evicted cache; an evicted token's
+  total stops at the round that evicted it (the product up to that round is
+  all that is defined for it).
+
+  Args:
+    shadow: the shadow caches, leaves ``[n_layers, batch, n_kv_heads, ...]``.
+    before: the caches the round was applied to.
+    info: the round's ``EvictionInfo`` (per slot of ``before``).
+
+  Returns:
+    The shadow caches with the round's ``log pi`` added.
+  """
+  def one(sh, cache, pi):
+    log_pi = jnp.log(jnp.where(cache.valid, pi, 1.0))
+    idx = jnp.where(cache.valid, cache.pos, sh.log_pi.shape[0])  # invalid -> dropped
+    return sh._replace(log_pi=sh.log_pi.at[idx].add(log_pi, mode="drop"))
+
+  return jax.vmap(over_heads(one))(shadow, before, info.pi)
+
+
+def evict_and_record(design, caches: KVCache, shadow: Optional[KVCache], key,
+                     layer_budgets=None, budget=None):
+  """:func:`evict`, and in evaluation mode (``shadow`` not None) the shadow's
+  inclusion record (:func:`record_inclusion`). Returns ``(caches, shadow)``."""
+  new, info = evict(design, caches, key, layer_budgets, budget)
+  if shadow is not None:
+    shadow = record_inclusion(shadow, caches, info)
+  return new, shadow
