@@ -1,6 +1,6 @@
 """certkv_jax: KV-cache eviction that certifies its own attention error.
 
-Public API (see SPEC.md for the method):
+Public API (the method: docs/method.md):
 
 * :func:`offset_attention` -- attention with Hajek offsets + certificate stats.
 * :func:`certificate_radius` -- the per-call error radius.
@@ -8,23 +8,31 @@ Public API (see SPEC.md for the method):
 * :mod:`certkv_jax.designs` -- eviction designs (deterministic and randomized).
 * :mod:`certkv_jax.cache` -- the fixed-capacity KV-cache pytree.
 * :mod:`certkv_jax.diagnostics` -- evaluation-mode truths (error, Assumption 2).
+* :mod:`certkv_jax.calibration` -- split-conformal scaling of the radius.
+* :mod:`certkv_jax.calibration_store` -- the fitted calibration as an orbax
+  artifact (imported on first use: it loads orbax).
+* :mod:`certkv_jax.signals` -- online warning signals from the kept set.
 """
 
 from certkv_jax import cache
+from certkv_jax import calibration
 from certkv_jax import certificate
 from certkv_jax import designs
 from certkv_jax import diagnostics
 from certkv_jax import sampling
 from certkv_jax import scores
+from certkv_jax import signals
 from certkv_jax.attention import OffsetAttentionResult
 from certkv_jax.attention import attention_probs
 from certkv_jax.attention import offset_attention
 from certkv_jax.cache import KVCache
 from certkv_jax.cache import init_cache
+from certkv_jax.calibration import ConformalScales
 from certkv_jax.certificate import anytime_delta
 from certkv_jax.certificate import certificate_radius
 from certkv_jax.designs import EvictionDesign
 from certkv_jax.sampling import inclusion_probabilities
+from certkv_jax.signals import Signals
 
 __version__ = "0.1.0"
 
@@ -35,6 +43,8 @@ __all__ = [
     "anytime_delta",
     "attention_probs",
     "cache",
+    "calibration",
+    "calibration_store",
     "certificate",
     "certificate_radius",
     "designs",
@@ -44,4 +54,15 @@ __all__ = [
     "offset_attention",
     "sampling",
     "scores",
+    "signals",
+    "ConformalScales",
+    "Signals",
 ]
+
+
+def __getattr__(name):
+  # calibration_store imports orbax (and tensorstore): load it on first use only.
+  if name == "calibration_store":
+    import importlib  # pylint: disable=import-outside-toplevel
+    return importlib.import_module("certkv_jax.calibration_store")
+  raise AttributeError(f"module 'certkv_jax' has no attribute {name!r}")

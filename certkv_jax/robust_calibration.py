@@ -1,0 +1,254 @@
+"""Source-robust, radius-binned conformal calibration (method, section 10).
+
+The per-(layer, KV head) scales of :mod:`certkv_jax.calibration_store` assume
+that the calls a calibration is applied to are exchangeable with those it was
+fitted on. Measured on SmolLM2 (``experiments/results/validity``), that fails
+across data sources: a scale fitted on natural text under-covers on retrieval
+tasks. This module fits what held up better there:
+
+* **Bins of the raw radius (Mondrian conformal).** Calls are grouped by which
+  of ``n_bins`` intervals their raw radius ``r`` falls in (edges: quantiles of
+  the calibration calls' radii). The radius is known online in every mode, so
+  a calibrated radius needs no truth and no extra statistic at run time. The
+  guarantee becomes conditional on the bin, which is where the raw radius is
+  most wrong (small ``r``: few or light tail tokens).
+* **Max over calibration sources.** Within each bin, the scale is the largest
+  of the per-source split-conformal quantiles (one per data source: a text,
+  a task). If the calls of a new source are distributed as any mixture of the
+  calibration sources (each exchangeable within itself), every component
+  covers at ``>= 1 - delta`` in every bin, so the mixture does too. A source
+  unlike all of them is not covered by this argument: that shift is measured
+  (leave-one-source-out), not assumed.
+* **Per regime, budget and delta**: one set of edges and scales each.
+
+Caveat: the bin edges are computed from the same calibration calls as the
+quantiles; with ``n_bins`` small against the number of calls this perturbs
+the exchangeability argument by O(n_bins / n) and is ignored here.
+
+:class:`BinnedCalibration` is the artifact (orbax, with the metadata of what it
+was fitted on; :meth:`BinnedCalibration.radius` refuses anything else).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from certkv_jax import _checks
+from certkv_jax import calibration
+from certkv_jax import calibration_store as store
+
+Array = jax.Array
+KIND = "certkv_jax.robust_calibration"
+FORMAT_VERSION = 1
+DEFAULT_BINS = 8
+
+
+def bin_edges(radii, n_bins: int) -> np.ndarray:
+  """[n_bins - 1] interior edges: quantiles of ``radii`` at ``k / n_bins``."""
+  n_bins = _checks.check_positive_int("n_bins", n_bins)
+  r = np.asarray(radii, np.float64).ravel()
+  if r.size == 0 or not np.all(np.isfinite(r)):
+    raise ValueError(f"radii must be finite and non-empty, got {r.size} values")
+  return np.quantile(r, np.arange(1, n_bins) / n_bins)
+
+
+def robust_scales(errors, radii, sources, edges, delta: float) -> tuple[np.ndarray, np.ndarray]:
+  """Per-bin scales: the max over sources of each source's conformal quantile.
+
+  Args:
+    errors: [n_calls] true errors.
+    radii: [n_calls] raw radii at ``delta``.
+    sources: [n_calls] source label of each call (any hashable values).
+    edges: [n_bins - 1] increasing interior bin edges of the raw radius.
+    delta: miss probability in (0, 1).
+
+  Returns:
+    ``(scales [n_bins], n_calls [n_sources, n_bins])``; a bin in which no
+    source has a finite quantile (too few calls) gets ``+inf``; a source with
+    too few calls in a bin is left out of that bin's max (its count is kept).
+  """
+  labels = np.asarray(sources)
+  e = np.asarray(errors, np.float64)
+  r = np.asarray(radii, np.float64)
+  if not (e.shape == r.shape == labels.shape) or e.ndim != 1:
+    raise ValueError(f"errors, radii and sources must be 1-D of one length, got {e.shape}, "
+                     f"{r.shape}, {labels.shape}")
+  edges = np.asarray(edges, np.float64)
+  n_bins = edges.size + 1
+  bins = np.searchsorted(edges, r, side="right")
+  names = np.unique(labels)
+  scales = np.full(n_bins, -np.inf)
+  counts = np.zeros((names.size, n_bins), np.int64)
+  for i, name in enumerate(names):
+    sel = labels == name
+    fit = calibration.fit_scales(e[sel], r[sel], bins[sel], n_bins, delta,
+                                 min_calls=calibration.min_finite_calls(delta))
+    counts[i] = fit.n_calls
+    own = np.where(fit.fell_back, -np.inf, fit.scales)  # too few calls: no say
+    scales = np.maximum(scales, own)
+  scales[np.isneginf(scales)] = np.inf
+  return scales, counts
+
+
+@dataclasses.dataclass(frozen=True)
+class BinnedCalibration:
+  """Scales per (regime, budget, delta, radius bin) of one (model, design).
+
+  Attributes:
+    scales: [n_regimes, n_budgets, n_deltas, n_bins] float64 multipliers.
+    edges: [n_regimes, n_budgets, n_deltas, n_bins - 1] interior radius edges.
+    n_calls: [n_regimes, n_budgets, n_deltas, n_sources, n_bins] int64.
+    regimes, budgets, deltas, data: the axes (``data`` = calibration sources).
+    model, design, created, format_version: as in
+      :class:`certkv_jax.calibration_store.Calibration`.
+  """
+
+  scales: np.ndarray
+  edges: np.ndarray
+  n_calls: np.ndarray
+  regimes: tuple
+  budgets: tuple
+  deltas: tuple
+  data: tuple
+  model: str
+  design: str
+  created: str
+  format_version: int = FORMAT_VERSION
+
+  def __post_init__(self):
+    if self.format_version != FORMAT_VERSION:
+      raise ValueError(f"format_version: this code reads version {FORMAT_VERSION}, got "
+                       f"{self.format_version!r}")
+    shape = (len(self.regimes), len(self.budgets), len(self.deltas))
+    scales = np.asarray(self.scales, np.float64)
+    if scales.ndim != 4 or scales.shape[:3] != shape:
+      raise ValueError(f"scales must be [n_regimes, n_budgets, n_deltas, n_bins] = {shape} + "
+                       f"[n_bins], got {scales.shape}")
+    if np.isnan(scales).any() or (scales < 0).any():
+      raise ValueError("scales must be in [0, inf] with no NaN")
+    edges = np.asarray(self.edges, np.float64)
+    if edges.shape != scales.shape[:3] + (scales.shape[3] - 1,):
+      raise ValueError(f"edges must be {scales.shape[:3] + (scales.shape[3] - 1,)}, got "
+                       f"{edges.shape}")
+    if np.any(np.diff(edges, axis=-1) < 0):
+      raise ValueError("edges must be nondecreasing along the bin axis")
+    for name in ("model", "design"):
+      if not isinstance(getattr(self, name), str) or not getattr(self, name):
+        raise ValueError(f"{name} must be a non-empty str")
+    datetime.datetime.fromisoformat(self.created)
+    for name, arr in (("scales", scales), ("edges", edges),
+                      ("n_calls", np.asarray(self.n_calls, np.int64))):
+      arr = np.array(arr)
+      arr.setflags(write=False)
+      object.__setattr__(self, name, arr)
+
+  @property
+  def n_bins(self) -> int:
+    return self.scales.shape[-1]
+
+  def _entry(self, model, design, regime, budget, delta):
+    for name, want, got in (("model", self.model, model), ("design", self.design, design)):
+      if got != want:
+        raise ValueError(f"{name}: this calibration was made for {want!r}, got {got!r}")
+    if regime not in self.regimes:
+      raise ValueError(f"regime: this calibration was made for {list(self.regimes)}, got "
+                       f"{regime!r}")
+    i = self.regimes.index(regime)
+    b = store._index_of("budget", budget, self.budgets)  # pylint: disable=protected-access
+    d = store._index_of("delta", delta, self.deltas)  # pylint: disable=protected-access
+    return i, b, d
+
+  def radius(self, raw, *, model: str, design: str, regime: str, budget: float,
+             delta: float) -> Array:
+    """Calibrated radii of raw radii ``raw [...]`` (jnp; ``raw`` may be traced).
+
+    Raises:
+      ValueError naming the field (model, design, regime, budget, delta) when
+      this calibration was not made for it.
+    """
+    i, b, d = self._entry(model, design, regime, budget, delta)
+    raw = jnp.asarray(raw)
+    bins = jnp.searchsorted(jnp.asarray(self.edges[i, b, d]), raw, side="right")
+    return calibration.apply_scales(raw, bins.astype(jnp.int32), self.scales[i, b, d])
+
+  def metadata(self) -> dict:
+    return {"kind": KIND, "format_version": self.format_version, "model": self.model,
+            "design": self.design, "regimes": list(self.regimes), "data": list(self.data),
+            "budgets": list(self.budgets), "deltas": list(self.deltas),
+            "created": self.created, "shapes": {k: list(getattr(self, k).shape)
+                                                for k in ("scales", "edges", "n_calls")}}
+
+
+def fit(errors, radii, *, regimes_per_call, budgets_per_call, sources_per_call,
+        regimes: Sequence[str], budgets: Sequence[float], deltas: Sequence[float], model: str,
+        design: str, n_bins: int = DEFAULT_BINS,
+        created: Optional[str] = None) -> BinnedCalibration:
+  """Fits a :class:`BinnedCalibration` from flat per-call arrays.
+
+  Args:
+    errors: [n_calls] true errors.
+    radii: [n_deltas, n_calls] raw radii, row j at ``deltas[j]``.
+    regimes_per_call, budgets_per_call, sources_per_call: [n_calls] labels.
+    regimes, budgets, deltas: the stored axes; every (regime, budget) needs calls.
+    model, design: metadata checked when applied.
+    n_bins: radius bins per (regime, budget, delta).
+  """
+  e = np.asarray(errors, np.float64)
+  r = np.asarray(radii, np.float64)
+  if r.shape != (len(deltas), e.size):
+    raise ValueError(f"radii must be [n_deltas={len(deltas)}, n_calls={e.size}], got {r.shape}")
+  reg = np.asarray(regimes_per_call)
+  bud = np.asarray(budgets_per_call, np.float64)
+  src = np.asarray(sources_per_call)
+  names = tuple(sorted(np.unique(src).tolist()))
+  shape = (len(regimes), len(budgets), len(deltas))
+  scales = np.empty(shape + (n_bins,))
+  edges = np.empty(shape + (n_bins - 1,))
+  n_calls = np.zeros(shape + (len(names), n_bins), np.int64)
+  for i, regime in enumerate(regimes):
+    for b, budget in enumerate(budgets):
+      sel = (reg == regime) & (np.abs(bud - budget) <= store.MATCH_TOL + 1e-6 * budget)
+      if not sel.any():
+        raise ValueError(f"no calibration calls for regime {regime!r}, budget {budget}")
+      for d, delta in enumerate(deltas):
+        edges[i, b, d] = bin_edges(r[d, sel], n_bins)
+        s, c = robust_scales(e[sel], r[d, sel], src[sel], edges[i, b, d], delta)
+        scales[i, b, d] = s
+        present = [names.index(x) for x in sorted(np.unique(src[sel]).tolist())]
+        n_calls[i, b, d, present] = c
+  created = created or datetime.datetime.now(datetime.timezone.utc).isoformat()
+  return BinnedCalibration(scales=scales, edges=edges, n_calls=n_calls, regimes=tuple(regimes),
+                           budgets=tuple(float(x) for x in budgets),
+                           deltas=tuple(float(x) for x in deltas), data=names, model=model,
+                           design=design, created=created)
+
+
+def save(path, cal: BinnedCalibration, *, overwrite: bool = False) -> str:
+  """Writes ``cal`` atomically to the directory ``path`` (orbax; see calibration_store.save)."""
+  if not isinstance(cal, BinnedCalibration):
+    raise ValueError(f"cal must be a BinnedCalibration, got {type(cal).__name__}")
+  arrays = {"scales": np.asarray(cal.scales), "edges": np.asarray(cal.edges),
+            "n_calls": np.asarray(cal.n_calls)}
+  return store.write_checkpoint(path, arrays, cal.metadata(), overwrite=overwrite)
+
+
+def load(path) -> BinnedCalibration:
+  """Reads a calibration written by :func:`save` (errors as calibration_store.load)."""
+  meta, read = store.read_checkpoint(path, KIND, FORMAT_VERSION)
+  shapes = meta["shapes"]
+  arrays = read({"scales": np.zeros(shapes["scales"], np.float64),
+                 "edges": np.zeros(shapes["edges"], np.float64),
+                 "n_calls": np.zeros(shapes["n_calls"], np.int64)})
+  return BinnedCalibration(
+      scales=np.asarray(arrays["scales"]), edges=np.asarray(arrays["edges"]),
+      n_calls=np.asarray(arrays["n_calls"]), regimes=tuple(meta["regimes"]),
+      budgets=tuple(meta["budgets"]), deltas=tuple(meta["deltas"]), data=tuple(meta["data"]),
+      model=meta["model"], design=meta["design"], created=meta["created"],
+      format_version=meta["format_version"])
