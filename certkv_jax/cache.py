@@ -11,7 +11,9 @@ too, so that a slot's statistics move with its token:
 * ``acc``:  attention mass received from every query observed so far (H2O).
 * ``last``: attention of the most recent query (TOVA; ``pi ∝ a`` when the
   query is known at eviction time).
-* ``obs``:  attention mass from observation-window queries only (SnapKV).
+* ``obs``:  attention mass from observation-window queries only (SnapKV);
+  :func:`observe_peak` folds the same field as a running max instead (the
+  attention envelope of ``designs.poisson_envelope``).
 """
 
 from __future__ import annotations
@@ -189,6 +191,37 @@ def observe(cache: KVCache, probs, *, observation: bool | Array = False) -> KVCa
   mass = jnp.sum(p, axis=0)
   obs_w = jnp.asarray(observation, jnp.float32)
   return cache._replace(acc=cache.acc + mass, last=p[-1], obs=cache.obs + obs_w * mass)
+
+
+def observe_peak(cache: KVCache, probs, *, observation: bool | Array = False) -> KVCache:
+  """:func:`observe` with the attention envelope in ``obs`` (method, section 6).
+
+  ``acc`` and ``last`` are updated exactly as :func:`observe` does (mean over
+  the GQA group; sum over queries; the last query). When ``observation`` is
+  true, ``obs`` becomes the running max, over the observation-window queries
+  and over the query heads of the group, of each slot's attention
+  probability: ``obs_i = max(obs_i, max_{g, q} probs[g, q, i])`` (0 on free
+  slots). So every observed window query and head has ``p_i <= obs_i``, which
+  the mean over the group (a head may put ``g`` times the mean on a slot) and
+  the sum over queries do not give slot by slot. The statistic lives in the
+  same field, so the cache pytree is unchanged; do not mix :func:`observe` and
+  this function on one cache between :func:`reset_observation` calls.
+
+  Args:
+    cache: one KV head's cache.
+    probs: [cap], [q, cap] or [g, q, cap] attention probabilities over the slots.
+    observation: whether these queries belong to the observation window; bool
+      or traced bool scalar.
+
+  Returns:
+    The cache with ``acc``, ``last`` (and ``obs`` if observation) updated.
+  """
+  new = observe(cache, probs)  # validates probs; acc and last as observe
+  probs = jnp.asarray(probs, jnp.float32)
+  p = probs.reshape((1,) * (3 - probs.ndim) + probs.shape)  # [g, q, cap]
+  peak = jnp.max(jnp.where(cache.valid, p, 0.0), axis=(0, 1))
+  obs = jnp.where(jnp.asarray(observation, bool), jnp.maximum(cache.obs, peak), cache.obs)
+  return new._replace(obs=obs)
 
 
 def reset_observation(cache: KVCache) -> KVCache:

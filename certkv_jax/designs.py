@@ -18,7 +18,14 @@ the certainty set ``H`` (sinks, recent window, heavy hitters) and lets a tail
 rule choose among the rest ``T`` for the remaining slots. Deterministic tail
 rules (:class:`TopK`) keep the highest scores; :class:`UniformTail` keeps a
 uniformly random subset with no offset (an ablation); :class:`PoissonTail` is
-SPEC section 3's randomized design with Hajek offsets.
+method, section 3's randomized design with Hajek offsets.
+
+Two variants aim at a more valid raw certificate (method, sections 3 and 6):
+:func:`poisson_defensive` mixes the tail score with the uniform score
+(:class:`scores.Defensive`), which floors ``pi`` and bounds the Assumption-2
+ratio ``R`` for any query; :func:`poisson_envelope` also folds the
+observation window as an attention envelope (``fold="peak"``,
+:func:`cache.observe_peak`) and samples the tail from its defensive mixture.
 
 Budget: ``int`` = tokens kept after eviction; ``float`` in (0, 1] = fraction of
 the tokens seen so far, ``floor(fraction * n_seen)`` (kvpress's convention).
@@ -183,7 +190,7 @@ class UniformTail:
 
 @dataclasses.dataclass(frozen=True)
 class PoissonTail:
-  """SPEC section 3: Poisson sampling of the tail with Hajek offsets.
+  """method, section 3: Poisson sampling of the tail with Hajek offsets.
 
   ``pi_i = clip(m score_i / sum_T score, eps, 1)`` (Eq. 2, clipped mass moved
   to H), each tail token kept independently with probability ``pi_i``, and a
@@ -254,14 +261,30 @@ class EvictionInfo(NamedTuple):
   triggered: Array  # [] bool, whether eviction happened
 
 
+# How ``EvictionDesign.update`` folds attention into the cache statistics.
+FOLDS = {"sum": cache_lib.observe, "peak": cache_lib.observe_peak}
+
+
 @dataclasses.dataclass(frozen=True)
 class EvictionDesign:
-  """A certainty set composed with a tail rule under a budget (static pytree)."""
+  """A certainty set composed with a tail rule under a budget (static pytree).
+
+  ``fold`` chooses how :meth:`update` folds attention into the slot
+  statistics: "sum" (:func:`cache.observe`: ``obs`` sums the window queries'
+  group-mean attention) or "peak" (:func:`cache.observe_peak`: ``obs`` is the
+  max over window queries and group heads). ``acc`` and ``last`` are the same
+  under both.
+  """
 
   name: str
   certain: CertaintySet
   tail: object
   budget: Budget
+  fold: str = "sum"
+
+  def __post_init__(self):
+    if self.fold not in FOLDS:
+      raise ValueError(f"fold must be one of {sorted(FOLDS)}, got {self.fold!r}")
 
   @property
   def randomized(self) -> bool:
@@ -270,7 +293,7 @@ class EvictionDesign:
   @property
   def hparams(self) -> dict:
     return {"name": self.name, "budget": self.budget, "certain": self.certain,
-            "tail": self.tail}
+            "tail": self.tail, "fold": self.fold}
 
   def init(self, cache: KVCache) -> DesignState:
     """Checks the cache against the design and returns a fresh state."""
@@ -292,7 +315,7 @@ class EvictionDesign:
       probs: [cap], [q, cap] or [g, q, cap] probabilities over the slots.
       observation: True for observation-window queries (SnapKV).
     """
-    return cache_lib.observe(cache, probs, observation=observation), state
+    return FOLDS[self.fold](cache, probs, observation=observation), state
 
   def evict(self, cache: KVCache, state: DesignState, key) -> tuple[KVCache, DesignState,
                                                                     EvictionInfo]:
@@ -339,15 +362,17 @@ def _check_budget_vs_certain(budget: Budget, certain: CertaintySet, name: str):
                      f"{name!r} (n_sink + window + heavy = {certain.size})")
 
 
-def compose(certain: CertaintySet, tail, budget, name: str = "custom") -> EvictionDesign:
-  """A design from a certainty set, a tail rule and a budget."""
+def compose(certain: CertaintySet, tail, budget, name: str = "custom",
+            fold: str = "sum") -> EvictionDesign:
+  """A design from a certainty set, a tail rule and a budget (``fold``: see
+  :class:`EvictionDesign`)."""
   budget = as_budget(budget)
   if not isinstance(certain, CertaintySet):
     raise TypeError(f"certain must be a CertaintySet, got {type(certain).__name__}")
   if not hasattr(tail, "select"):
     raise TypeError(f"tail must be a tail rule (TopK, UniformTail, PoissonTail), got {tail!r}")
   _check_budget_vs_certain(budget, certain, name)
-  return EvictionDesign(name=name, certain=certain, tail=tail, budget=budget)
+  return EvictionDesign(name=name, certain=certain, tail=tail, budget=budget, fold=fold)
 
 
 # --------------------------------------------------------------------------- factories
@@ -401,7 +426,7 @@ def poisson_tail(budget, score=scores.AccumulatedAttention(), n_sink: int = 0,
                  window: int = 0, heavy: int = 0, heavy_score=scores.AccumulatedAttention(),
                  eps: float = 1e-6, overflow_prob: float = 1e-3, max_redraws: int = 3,
                  name: str = "poisson_tail") -> EvictionDesign:
-  """SPEC section 3: certainty set + Poisson-sampled tail with Hajek offsets."""
+  """method, section 3: certainty set + Poisson-sampled tail with Hajek offsets."""
   return compose(
       CertaintySet(n_sink=n_sink, window=window, heavy=heavy, heavy_score=heavy_score),
       PoissonTail(score=score, eps=eps, overflow_prob=overflow_prob, max_redraws=max_redraws),
@@ -411,7 +436,7 @@ def poisson_tail(budget, score=scores.AccumulatedAttention(), n_sink: int = 0,
 def attention_proportional(budget, n_sink: int = 0, window: int = 0, heavy: int = 0,
                            eps: float = 1e-6, overflow_prob: float = 1e-3,
                            max_redraws: int = 3) -> EvictionDesign:
-  """SPEC section 6's ``pi ∝ a`` variant: tail probabilities proportional to the
+  """method, section 6's ``pi ∝ a`` variant: tail probabilities proportional to the
   attention of the current query (known at eviction time in question-aware
   eviction), for which Assumption 2 holds by construction."""
   return poisson_tail(budget, scores.CurrentAttention(), n_sink, window, heavy,
@@ -419,15 +444,69 @@ def attention_proportional(budget, n_sink: int = 0, window: int = 0, heavy: int 
                       "attention_proportional")
 
 
+def poisson_defensive(budget, n_sink: int = 0, window: int = 0, uniform_share: float = 0.2,
+                      heavy: int = 0, eps: float = 1e-6, overflow_prob: float = 1e-3,
+                      max_redraws: int = 3) -> EvictionDesign:
+  """:func:`poisson_tail` with the defensive tail score (method, sections 3 and 6).
+
+  The tail score is ``Defensive(AccumulatedAttention(), uniform_share)``:
+  ``(1 - u) acc_i / sum acc + u / n`` on the ``n`` valid slots. Eq. 2 then
+  gives ``pi_i >= min(1, m u / n)`` on the tail, so for any later query the
+  Assumption-2 ratio is ``R <= n max_T p_i / u`` (``p`` the query's attention
+  probabilities) instead of ``m / eps``; see :class:`scores.Defensive` for the
+  derivation and its limits. The price: the uniform share moves tail slots
+  away from high-score tokens, which raises the variance when the scores are
+  right.
+
+  Raises:
+    ValueError naming ``uniform_share`` unless it is in [0, 1].
+  """
+  return poisson_tail(budget, scores.Defensive(scores.AccumulatedAttention(), uniform_share),
+                      n_sink, window, heavy, scores.AccumulatedAttention(), eps,
+                      overflow_prob, max_redraws, "poisson_defensive")
+
+
+def poisson_envelope(budget, n_sink: int = 0, window: int = 0, uniform_share: float = 0.2,
+                     heavy: int = 0, eps: float = 1e-6, overflow_prob: float = 1e-3,
+                     max_redraws: int = 3) -> EvictionDesign:
+  """Poisson tail sampled from the question's attention envelope (method,
+  sections 3 and 6).
+
+  ``update`` folds the observation window with :func:`cache.observe_peak`
+  (``fold="peak"``): ``obs_i`` is the max over the window queries and the
+  GQA group's heads of slot ``i``'s attention probability. The tail score is
+  ``Defensive(WindowAttention(1), uniform_share)``. For every observed window
+  query and head, ``p_i <= obs_i``, so with ``O = sum_valid obs`` (known at
+  eviction time; ``1 <= O <= g W`` for ``W`` window queries and ``g`` heads,
+  near 1 when they agree) the ratio of that query is
+  ``R <= O / (1 - u)``, and for any other query ``R <= n max_T p_i / u`` as
+  in :func:`poisson_defensive`. Before any window query is observed
+  (``obs = 0``) the score is uniform (flat ``pi``). Use it where the
+  observation window is the question (question-aware eviction); statistics
+  must be folded through ``design.update`` (``cache.observe`` would fill
+  ``obs`` with sums instead).
+
+  Raises:
+    ValueError naming ``uniform_share`` unless it is in [0, 1].
+  """
+  return compose(
+      CertaintySet(n_sink=n_sink, window=window, heavy=heavy),
+      PoissonTail(score=scores.Defensive(scores.WindowAttention(1), uniform_share), eps=eps,
+                  overflow_prob=overflow_prob, max_redraws=max_redraws),
+      budget, "poisson_envelope", fold="peak")
+
+
 DETERMINISTIC = ("sink_window", "h2o", "tova", "snapkv", "key_norm")
-RANDOMIZED = ("uniform_random", "poisson_tail", "poisson_flat", "attention_proportional")
+RANDOMIZED = ("uniform_random", "poisson_tail", "poisson_flat", "attention_proportional",
+              "poisson_defensive", "poisson_envelope")
 
 
 def by_name(name: str, budget, n_sink: int = 4, window: int = 16) -> EvictionDesign:
   """A design by its name, with the shared sink/window settings experiments use.
 
   ``snapkv`` uses ``window`` as its observation window (pool size 5);
-  ``poisson_flat`` is ``poisson_tail`` with uniform scores (flat pi).
+  ``poisson_flat`` is ``poisson_tail`` with uniform scores (flat pi);
+  ``poisson_defensive`` and ``poisson_envelope`` use ``uniform_share=0.2``.
 
   Raises:
     ValueError naming the design and listing the known names.
@@ -444,6 +523,8 @@ def by_name(name: str, budget, n_sink: int = 4, window: int = 16) -> EvictionDes
       "poisson_flat": lambda: poisson_tail(budget, score=scores.Uniform(), name="poisson_flat",
                                            **kw),
       "attention_proportional": lambda: attention_proportional(budget, **kw),
+      "poisson_defensive": lambda: poisson_defensive(budget, **kw),
+      "poisson_envelope": lambda: poisson_envelope(budget, **kw),
   }
   if name not in table:
     raise ValueError(f"unknown design {name!r}; choose from {sorted(table)}")

@@ -8,6 +8,8 @@ configuration. Scores are read only on valid slots.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax.numpy as jnp
 
@@ -26,7 +28,7 @@ class AccumulatedAttention:
 @dataclasses.dataclass(frozen=True)
 class CurrentAttention:
   """TOVA: attention of the latest query. With the question as the latest
-  query this is the ``pi ∝ a`` score of SPEC section 6."""
+  query this is the ``pi ∝ a`` score of method, section 6."""
 
   def __call__(self, cache: KVCache):
     return cache.last
@@ -90,3 +92,78 @@ class ValueAware:
 
   def __call__(self, cache: KVCache):
     return self.base(cache) * jnp.linalg.norm(cache.v.astype(jnp.float32), axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Defensive:
+  """A defensive mixture of a base score with the uniform score (method,
+  section 6).
+
+  On the valid slots (``n`` of them)::
+
+      score_i = (1 - u) * base_i / sum_valid(base) + u / n,    u = uniform_share
+
+  and 0 on free slots; the scores sum to 1 over the valid slots. A base whose
+  sum over the valid slots is 0 (nothing observed yet) falls back to the
+  uniform ``1 / n``; an empty cache gives all zeros. ``base`` must be
+  non-negative (attention masses); a negative concrete base raises, and under
+  ``jit`` a negative base is not repaired (the result is then meaningless).
+
+  **What it buys for Assumption 2** (method, sections 3 and 6). Let ``T`` be
+  the tail, ``m`` the expected kept tail count and ``pi`` the Eq. 2
+  probabilities from this score. Because the scores sum to 1 over the valid
+  slots, ``sum_T score <= 1``; so at ``c0 = m / sum_T score`` every tail token
+  has ``c0 score_i >= m score_i >= m u / n``. When ``eps <= m u / n`` (true for
+  the default ``eps = 1e-6``) the floor does not bind at ``c0``, the capped
+  tokens only raise the Eq. 2 multiplier above ``c0``, hence
+
+      pi_i >= min(1, m ((1 - u) bbar_i + u / n)) >= min(1, m u / n),
+
+  with ``bbar_i = base_i / sum_valid(base)``. For ANY query with attention
+  probabilities ``p_i = a_i / sum_C a`` (over the context ``C`` at eviction,
+  ``|C| = n``), the ratio ``R = m max_{T, pi<1} a_i / (pi_i sum_C a)`` obeys
+
+      R <= max_{i in T} p_i / ((1 - u) bbar_i + u / n)
+        <= min( max_T p_i / ((1 - u) bbar_i),   n max_T p_i / u ).
+
+  The second form holds whatever the query: the floor's ``m / eps`` becomes
+  ``n max_T p_i / u <= n / u``. That is still not a constant ``B`` (a query
+  that puts all its attention on one tail token still gives ``R ~ n / u``);
+  it is ``O(1 / u)`` only when the query spreads its tail attention, with
+  ``max_T p_i = O(1 / n)``. The first form is the score-matching term: a query
+  whose attention is at most ``K`` times the base share (``p_i <= K bbar_i``)
+  gets ``R <= K / (1 - u)``. (``m`` in ``R`` counted over ``pi < 1`` tokens, as
+  ``diagnostics.assumption2_ratio`` does, is at most the design's ``m``, so the
+  bound stands. Over several eviction rounds ``pi`` is the product of the
+  rounds' probabilities and the floors multiply.)
+
+  Attributes:
+    base: a non-negative score (e.g. ``AccumulatedAttention()``).
+    uniform_share: ``u`` in [0, 1]; 0 is the normalised base, 1 is uniform.
+  """
+
+  base: object
+  uniform_share: float
+
+  def __post_init__(self):
+    if not callable(self.base):
+      raise TypeError(f"base must be a score (callable on a KVCache), got {self.base!r}")
+    u = self.uniform_share
+    if (isinstance(u, bool) or not isinstance(u, numbers.Real) or not math.isfinite(u)
+        or not 0.0 <= u <= 1.0):
+      raise ValueError(f"uniform_share must be a float in [0, 1], got {u!r}")
+    object.__setattr__(self, "uniform_share", float(u))
+
+  def __call__(self, cache: KVCache):
+    valid = cache.valid
+    b = jnp.where(valid, jnp.asarray(self.base(cache), jnp.float32), 0.0)
+    b_conc = _checks.concrete_array(b)
+    if b_conc is not None and (b_conc < 0).any():
+      raise ValueError(f"Defensive needs a non-negative base score; {self.base} gave "
+                       f"min {b_conc.min()} on the valid slots")
+    n = jnp.sum(valid).astype(jnp.float32)
+    total = jnp.sum(b)
+    uniform = jnp.where(valid, 1.0 / jnp.maximum(n, 1.0), 0.0)
+    normalized = jnp.where(total > 0, b / jnp.where(total > 0, total, 1.0), uniform)
+    u = self.uniform_share
+    return ((1.0 - u) * normalized + u * uniform).astype(jnp.float32)
