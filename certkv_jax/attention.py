@@ -87,8 +87,8 @@ def offset_attention(
   """Attention over kept slots with Hajek offsets and certificate statistics.
 
   Logits are ``q . k_i * scale - log_pi_i``; softmax over valid slots gives the
-  Hajek estimator ``o_hat = sum (a_i/pi_i) v_i / sum (a_i/pi_i)`` (SPEC section 3).
-  In the same sweep it accumulates the variance statistics of SPEC section 4.
+  Hajek estimator ``o_hat = sum (a_i/pi_i) v_i / sum (a_i/pi_i)`` (method, section 3).
+  In the same sweep it accumulates the variance statistics of method, section 4.
 
   Leading dimensions broadcast by numpy rules, so a GQA group
   ``q [b, h_kv, g, d]`` attends over ``k [b, h_kv, 1, n, d]``.
@@ -103,7 +103,7 @@ def offset_attention(
     scale: logit scale; default ``1/sqrt(d)``.
     block_size: None computes all logits at once; an int sweeps the keys in
       blocks with online-softmax rescaling (the kernel's algorithm).
-    range_mode: "exact" gives SPEC's ``b_hat``; "bound" a one-pass upper bound.
+    range_mode: "exact" gives the method's ``b_hat``; "bound" a one-pass upper bound.
     implementation: "xla" (the jnp reference), "pallas" (the fused kernel of
       ``pallas_kernels.offset_decode``; in interpret mode on CPU) or "auto"
       (Pallas on GPU/TPU, XLA on CPU).

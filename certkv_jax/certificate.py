@@ -1,4 +1,4 @@
-"""The per-call error certificate of SPEC section 5 and its aggregation.
+"""The per-call error certificate of method, section 5 and its aggregation.
 
 For one attention call with variance estimate ``V_hat`` and range ``b_hat``
 (fields ``var_hat`` and ``range_hat`` of an ``OffsetAttentionResult``)::
@@ -63,7 +63,7 @@ def certificate_radius(result, delta, form: str = "bernstein") -> Array:
       ``range_hat``), any leading shape.
     delta: miss probability in (0, 1): a float, or an array broadcasting
       against the result (e.g. :func:`anytime_delta` per step).
-    form: "bernstein" (SPEC section 5) or "chebyshev".
+    form: "bernstein" (method, section 5) or "chebyshev".
 
   Returns:
     float32 radius with the result's leading shape.

@@ -2,7 +2,7 @@
 
 These need the full cache (a shadow cache kept only in evaluation mode):
 the true attention output ``o``, the realised error ``||o_hat - o||``, and the
-Assumption-2 ratio ``R`` of SPEC section 6. Plus the summary statistics the
+Assumption-2 ratio ``R`` of method, section 6. Plus the summary statistics the
 experiments report (coverage, sharpness, the log R regression).
 """
 
@@ -45,7 +45,7 @@ def attention_error(estimate, full) -> ErrorNorms:
 
 
 def assumption2_ratio(q, k, mask, tail, pi, m=None, *, scale: Optional[float] = None) -> Array:
-  """``R = m * max_{i in T} a_i / (pi_i sum_{j in C} a_j)`` (SPEC section 6).
+  """``R = m * max_{i in T} a_i / (pi_i sum_{j in C} a_j)`` (method, section 6).
 
   Assumption 2 asks ``R <= B`` for a constant ``B``; the floor ``eps`` alone
   only gives ``R <= m / eps``. Tokens with ``pi_i = 1`` belong to the certainty
@@ -77,7 +77,7 @@ def assumption2_ratio(q, k, mask, tail, pi, m=None, *, scale: Optional[float] = 
 
 class LinearizedMoments(NamedTuple):
   bias: Array  # [..., dv] second-order Hajek bias of o_hat
-  var: Array  # [...] V = E||e_lin||^2 (SPEC section 4)
+  var: Array  # [...] V = E||e_lin||^2 (method, section 4)
   full: Array  # [..., dv] full-cache output o
 
 
@@ -123,7 +123,7 @@ def coverage(errors, radii) -> float:
 
 def sharpness(errors, radii) -> float:
   """Median of ``radius / error`` over covered calls with a positive error
-  (SPEC section 5: a radius that covers by being huge is useless). NaN if none."""
+  (method, section 5: a radius that covers by being huge is useless). NaN if none."""
   e, r = np.asarray(errors, np.float64), np.asarray(radii, np.float64)
   sel = (e <= r) & (e > 0)
   return float(np.median(r[sel] / e[sel])) if sel.any() else float("nan")
@@ -138,7 +138,7 @@ class LogRFit(NamedTuple):
 
 
 def fit_log_r(r, m, n_tail) -> LogRFit:
-  """OLS of ``log R`` on ``log m`` and ``n_tail`` (with intercept), SPEC section 6."""
+  """OLS of ``log R`` on ``log m`` and ``n_tail`` (with intercept), method, section 6."""
   r, m, n_tail = (np.asarray(x, np.float64).ravel() for x in (r, m, n_tail))
   if not (r.shape == m.shape == n_tail.shape):
     raise ValueError(f"r, m, n_tail must have equal sizes, got {r.shape} {m.shape} "

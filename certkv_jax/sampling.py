@@ -1,6 +1,6 @@
 """Poisson sampling of the tail: Eq. 2 inclusion probabilities and capacity.
 
-* :func:`inclusion_probabilities` solves Eq. 2 of SPEC section 3,
+* :func:`inclusion_probabilities` solves Eq. 2 of method, section 3,
   ``pi_i = clip(c * score_i, eps, 1)`` with ``c`` chosen so that
   ``sum_T pi_i = m`` exactly: tokens whose ``c * score_i`` reaches 1 become
   certain (``pi_i = 1``, mass moved into H) and the rest are renormalised.

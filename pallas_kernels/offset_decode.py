@@ -280,7 +280,7 @@ def _cache_partials(q, k, v, offset, lengths, *, scale, block_sizes, backend, in
 
 
 def _exact_cache_range(q, k, v, offset, lengths, scale, fin):
-  """SPEC's exact b_hat over the cache slots: one XLA pass after the kernel.
+  """the method's exact b_hat over the cache slots: one XLA pass after the kernel.
 
   Args: q [B, R, d] query rows; fin: ``reference.Finalized`` with rows [B, R].
   """
@@ -311,7 +311,7 @@ def offset_decode_attention(q, k, v, offset, lengths=None, *, scale: Optional[fl
     interpret: run the kernel in the Pallas interpreter (any device).
     debug: print the kernel's jaxpr and lowering.
     range_mode: "bound" (one pass, the kernel's) or "exact" (one more cheap
-      XLA pass over the keys for SPEC's b_hat).
+      XLA pass over the keys for the method's b_hat).
     with_stats: False computes the offset attention alone (var_hat and
       range_hat are then zero): the baseline the statistics' cost is measured
       against.

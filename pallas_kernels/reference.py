@@ -1,6 +1,6 @@
 """Pure-jnp reference for offset attention with certificate statistics.
 
-This module is the single place where the formulas of SPEC sections 3-4 are
+This module is the single place where the formulas of method, sections 3-4 are
 written down. ``certkv_jax.offset_attention`` calls it on the XLA path, and the
 Pallas kernels are tested against it. It imports nothing from Pallas.
 
@@ -325,7 +325,7 @@ def grouped_reference(
     scale: logit scale, default 1/sqrt(d).
     block_size: None folds all slots in one block; an int sweeps key blocks of
       that size with :func:`online_update` (the kernel's algorithm).
-    range_mode: "exact" (SPEC section 5's b_hat) or "bound" (one-pass upper
+    range_mode: "exact" (method, section 5's b_hat) or "bound" (one-pass upper
       bound, see module docstring).
     with_stats: False computes the offset attention alone (statistics zero),
       the baseline that their cost is measured against.
