@@ -1,25 +1,11 @@
 r"""Sharded decoding benchmark: per-device memory and step time for (data, model, seq) meshes.
 
-For each mesh shape it runs ``models.sharding.generate`` (prefill, one
-eviction, greedy decode with a certificate per step, evicting after every
-step) on a random Llama-family model, and reports
-
-* per-device bytes of the caches and of the parameters, read from the
-  arrays' ``addressable_shards`` (what each device actually holds), against
-  the one-device totals: caches should be 1/N per device for an N-device mesh,
-  parameters ``1/model`` of the attention and MLP weights plus the
-  replicated embedding, head and norms;
-* XLA's compiled per-device memory (arguments, outputs, temporaries) where the
-  backend reports it;
-* the wall time of the whole generate call (median of ``--repeats``) and per
-  generated token;
-* agreement with one device (max |logit difference|, same tokens).
-
-On fake CPU devices (``--fake_devices=N`` sets
-``--xla_force_host_platform_device_count=N`` before jax starts) the devices
-share the host's cores, so the times say nothing about speed-up: the memory
-accounting and the agreement are what this measures there. On a multi-GPU
-host or a TPU slice leave ``--fake_devices`` at 0.
+Runs ``models.sharding.generate`` on a random Llama-family model for each mesh
+shape and reports per-device cache and parameter bytes, XLA's per-device
+memory, the wall time and the agreement with one device
+(:mod:`experiments.lib.bench_sharding`). On fake CPU devices
+(``--fake_devices=N``) only the memory accounting and the agreement mean
+anything.
 
   python -m experiments.bench_sharding --fake_devices=8 \
       --out=experiments/results/bench_sharding_cpu.md
@@ -44,23 +30,10 @@ if __name__ == "__main__":
   _early_fake_devices(sys.argv[1:])
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import json
-import platform
-import statistics
-import time
-
 from absl import app
 from absl import flags
-import jax
-import numpy as np
 
-from certkv_jax import designs
-from certkv_jax import distributed
-from experiments.lib import results_io
-from models import decode
-from models import llama
-from models import sharding
-from models.config import LlamaConfig
+from experiments.lib import bench_sharding
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("fake_devices", 0, "Fake CPU devices (0: the real devices).", lower_bound=0)
@@ -83,148 +56,15 @@ flags.DEFINE_integer("repeats", 3, "Timed repetitions (median).", lower_bound=1)
 flags.DEFINE_string("out", None, "Markdown summary path (JSONL rows beside it, resumable).")
 
 
-def parse_mesh(text: str) -> tuple:
-  """``"2x4x1"`` -> (2, 4, 1); ValueError naming the flag otherwise."""
-  parts = text.lower().split("x")
-  if len(parts) != 3 or not all(p.isdigit() and int(p) >= 1 for p in parts):
-    raise ValueError(f"--meshes entries must be data x model x seq with ints >= 1, e.g. "
-                     f"2x4x1; got {text!r}")
-  return tuple(int(p) for p in parts)
-
-
-def _leaf_bytes(tree) -> tuple:
-  """(total bytes, max bytes on one device) of a tree of jax arrays."""
-  total = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(tree))
-  per = distributed.per_device_bytes(tree)
-  return total, max(per.values())
-
-
-def _memory(compiled) -> dict:
-  """XLA's per-device memory of the compiled generate (absent where unsupported)."""
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # pylint: disable=broad-except
-    m = None
-  if m is None:
-    return {}
-  return {"xla_argument_bytes": int(m.argument_size_in_bytes),
-          "xla_output_bytes": int(m.output_size_in_bytes),
-          "xla_temp_bytes": int(m.temp_size_in_bytes)}
-
-
-def run_one(shape, config, params, tokens, mask, kwargs, ref, repeats) -> dict:
-  """Compiles ``models.decode.generate`` for one mesh, times it, reads its memory."""
-  mesh = distributed.make_mesh(*shape)
-  t0 = time.perf_counter()
-  placed, args = sharding._prepare(  # pylint: disable=protected-access
-      mesh, params, config, tokens.shape[0], kwargs["capacity"],
-      (tokens, mask, np.asarray(jax.random.PRNGKey(0))))
-  with jax.set_mesh(mesh):
-    jitted = getattr(decode.generate, "__wrapped__", decode.generate)  # the jax.jit object
-    compiled = jitted.lower(placed, *args, **kwargs).compile()
-  gen = jax.block_until_ready(compiled(placed, *args))
-  first = time.perf_counter() - t0
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(placed, *args))
-    times.append(time.perf_counter() - t0)
-  cache_total, cache_dev = _leaf_bytes(gen.caches)
-  param_total, param_dev = _leaf_bytes(placed)
-  row = {
-      "mesh": "x".join(map(str, shape)), "devices": int(mesh.devices.size),
-      "cache_bytes_total": cache_total, "cache_bytes_per_device": cache_dev,
-      "cache_fraction_per_device": cache_dev / cache_total,
-      "param_bytes_total": param_total, "param_bytes_per_device": param_dev,
-      "compile_and_first_call_s": first, "generate_s": statistics.median(times),
-      "ms_per_token": 1e3 * statistics.median(times) / kwargs["n_steps"],
-      "same_tokens": bool(np.array_equal(np.asarray(gen.tokens), np.asarray(ref.tokens))),
-      "max_logit_diff": float(np.max(np.abs(np.asarray(gen.logits) - np.asarray(ref.logits)))),
-  }
-  row.update(_memory(compiled))
-  return row
-
-
-def render(rows, device, setup) -> str:
-  mib = lambda b: f"{b / 2**20:.3f}"
-  lines = [f"# Sharded decoding on {device}", "", setup, "",
-           "| mesh (d x m x s) | devices | cache MiB total | cache MiB / device | fraction | "
-           "params MiB / device | XLA temp MiB / device | generate s | ms / token | "
-           "same tokens | max logit diff |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-  for r in rows:
-    temp = r.get("xla_temp_bytes")
-    lines.append(
-        f"| {r['mesh']} | {r['devices']} | {mib(r['cache_bytes_total'])} | "
-        f"{mib(r['cache_bytes_per_device'])} | {r['cache_fraction_per_device']:.4f} | "
-        f"{mib(r['param_bytes_per_device'])} | {'-' if temp is None else mib(temp)} | "
-        f"{r['generate_s']:.3f} | {r['ms_per_token']:.1f} | {r['same_tokens']} | "
-        f"{r['max_logit_diff']:.2e} |")
-  lines += ["", "Cache bytes per device include the per-head counters (``n_seen``, "
-            "``n_dropped``), replicated over seq; the slot arrays are exactly 1/N per device. "
-            "XLA temp is the compiled program's per-device scratch (gathered eviction "
-            "metadata, logits, attention temporaries).",
-            "", "Times on fake CPU devices share the host's cores: they measure the "
-            "overhead of the partitioned program, not a speed-up. On fake devices a seq "
-            "axis is slow because every device repeats the eviction on its heads' gathered "
-            "metadata, and all devices share the same cores."]
-  return "\n".join(lines) + "\n"
-
-
 def main(argv):
   del argv
-  shapes = [parse_mesh(m) for m in FLAGS.meshes]
-  config = LlamaConfig(vocab_size=FLAGS.vocab, hidden=FLAGS.hidden, n_layers=FLAGS.n_layers,
-                       n_heads=FLAGS.n_heads, n_kv_heads=FLAGS.n_kv_heads,
-                       head_dim=FLAGS.head_dim, ffn_dim=FLAGS.ffn_dim)
-  if FLAGS.prompt_len > FLAGS.capacity:
-    raise ValueError(f"--prompt_len ({FLAGS.prompt_len}) must be <= --capacity "
-                     f"({FLAGS.capacity})")
-  for shape in shapes:  # fail fast, before any compile
-    if int(np.prod(shape)) > jax.device_count():
-      raise ValueError(f"mesh {shape} needs {int(np.prod(shape))} devices, "
-                       f"{jax.device_count()} available (use --fake_devices on CPU)")
-    sharding.check_model(config, jax.sharding.AbstractMesh(shape, distributed.AXES),
-                         batch=FLAGS.batch, capacity=FLAGS.capacity)
-  device = (f"{jax.device_count()} x {jax.devices()[0].device_kind} ({jax.default_backend()}"
-            f"{', fake' if FLAGS.fake_devices else ''}), {platform.machine()}, "
-            f"jax {jax.__version__}")
-  setup = (f"Model: {config.n_layers} layers, hidden {config.hidden}, {config.n_heads} heads / "
-           f"{config.n_kv_heads} KV heads x {config.head_dim}, ffn {config.ffn_dim}; batch "
-           f"{FLAGS.batch}, prompt {FLAGS.prompt_len}, capacity {FLAGS.capacity}, "
-           f"{FLAGS.n_steps} decode steps, design {FLAGS.design} at budget {FLAGS.budget}, "
-           "evicting after every step, certificate statistics every step.")
-  print(device, "\n", setup, flush=True)
-  params = llama.init_params(config, jax.random.PRNGKey(0))
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, config.vocab_size, (FLAGS.batch, FLAGS.prompt_len)).astype(np.int32)
-  mask = np.ones(tokens.shape, bool)
-  kwargs = dict(config=config, capacity=FLAGS.capacity, n_steps=FLAGS.n_steps,
-                design=designs.by_name(FLAGS.design, FLAGS.budget), evict_each_step=True,
-                return_logits=True)
-  ref = decode.generate(params, tokens, mask, jax.random.PRNGKey(0), **kwargs)
-  results = None
-  if FLAGS.out:
-    results = results_io.JsonlResults(os.path.splitext(FLAGS.out)[0] + ".jsonl",
-                                      ("mesh", "setup"))
-  rows = []
-  progress = results_io.Progress(len(shapes))
-  for shape in shapes:
-    name = "x".join(map(str, shape))
-    if results is not None and results.has(mesh=name, setup=setup):
-      rows.append(next(r for r in results.rows if r["mesh"] == name and r["setup"] == setup))
-      progress.step()
-      continue
-    row = run_one(shape, config, params, tokens, mask, kwargs, ref, FLAGS.repeats)
-    row["setup"] = setup
-    print(json.dumps(row), progress.step(), flush=True)
-    rows.append(row)
-    if results is not None:
-      results.add(row)
-      results_io.atomic_write_text(FLAGS.out, render(rows, device, setup))
-  if FLAGS.out:
-    results_io.atomic_write_text(FLAGS.out, render(rows, device, setup))
-  print(render(rows, device, setup))
+  bench_sharding.run_and_report(
+      meshes=FLAGS.meshes, n_layers=FLAGS.n_layers, hidden=FLAGS.hidden,
+      n_heads=FLAGS.n_heads, n_kv_heads=FLAGS.n_kv_heads, head_dim=FLAGS.head_dim,
+      ffn_dim=FLAGS.ffn_dim, vocab=FLAGS.vocab, batch=FLAGS.batch,
+      prompt_len=FLAGS.prompt_len, capacity=FLAGS.capacity, n_steps=FLAGS.n_steps,
+      design=FLAGS.design, budget=FLAGS.budget, repeats=FLAGS.repeats,
+      fake_devices=FLAGS.fake_devices, out=FLAGS.out)
 
 
 if __name__ == "__main__":

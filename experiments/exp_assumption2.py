@@ -1,4 +1,4 @@
-r"""Experiment 3: Assumption-2 audit (SPEC section 6).
+r"""Experiment 3: Assumption-2 audit (method, section 6).
 
 Distribution of ``R = m max_T a_i / (pi_i sum_j a_j)`` per decode call,
 regression of ``log R`` on ``log m`` and ``n_tail``, coverage as a function of
@@ -13,12 +13,19 @@ only). Writes ``--out/rows.jsonl``, ``summary.md``, ``summary.json`` and the
 from absl import app
 from absl import flags
 
-from experiments.lib import suite
 from experiments.lib import suite_report
+from experiments.lib import suite_settings
+from experiments.lib.analyses import assumption2
 
-main = suite_report.script_main([suite_report.assumption2_analysis], "Assumption-2 audit")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  print(suite_report.run_analyses(FLAGS, [assumption2.assumption2_analysis], "Assumption-2 audit"))
+
 
 if __name__ == "__main__":
-  suite.define_common_flags(flags, designs=["poisson_tail", "attention_proportional"],
-                            n_runs=1)
+  suite_settings.define_common_flags(flags, designs=["poisson_tail", "attention_proportional"],
+                                     n_runs=1)
   app.run(main)

@@ -2,7 +2,7 @@ r"""Experiment 2: certificate coverage by design, budget, regime, task, delta, l
 
 Coverage of the realised attention error (true error from the shadow full
 cache <= the Bernstein radius at each ``--deltas``), with sharpness next to
-it (SPEC section 5), from the rows of ``experiments.lib.suite.collect`` (one
+it (method, section 5), from the rows of ``experiments.lib.suite.collect`` (one
 JSONL row per (task, regime, design, budget, example, run), resumable).
 Writes ``--out/rows.jsonl``, ``summary.md``, ``summary.json``,
 ``coverage.png`` and ``error_vs_radius.png``.
@@ -13,12 +13,19 @@ Writes ``--out/rows.jsonl``, ``summary.md``, ``summary.json``,
 from absl import app
 from absl import flags
 
-from experiments.lib import suite
 from experiments.lib import suite_report
+from experiments.lib import suite_settings
+from experiments.lib.analyses import coverage
 
-main = suite_report.script_main([suite_report.coverage_analysis], "Certificate coverage")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  print(suite_report.run_analyses(FLAGS, [coverage.coverage_analysis], "Certificate coverage"))
+
 
 if __name__ == "__main__":
-  suite.define_common_flags(flags, designs=["poisson_tail", "attention_proportional",
-                                            "uniform_random"])
+  suite_settings.define_common_flags(flags, designs=["poisson_tail", "attention_proportional",
+                                                     "uniform_random"])
   app.run(main)

@@ -20,13 +20,20 @@ Writes ``--out/rows.jsonl``, ``summary.md``, ``summary.json``,
 from absl import app
 from absl import flags
 
-from experiments.lib import suite
 from experiments.lib import suite_report
+from experiments.lib import suite_settings
+from experiments.lib.analyses import failures
 
-main = suite_report.script_main([suite_report.failure_analysis],
-                                "Failure prediction, attribution, gated recomputation")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  print(suite_report.run_analyses(FLAGS, [failures.failure_analysis],
+                                  "Failure prediction, attribution, gated recomputation"))
+
 
 if __name__ == "__main__":
-  suite.define_common_flags(flags, designs=["full", "poisson_tail"],
-                            task=["passkey", "agent_memory"])
+  suite_settings.define_common_flags(flags, designs=["full", "poisson_tail"],
+                                     task=["passkey", "agent_memory"])
   app.run(main)

@@ -1,227 +1,25 @@
 r"""Experiment 7: time and memory per decode step.
 
-Configurations (one jitted ``lax.scan`` of ``--n_steps`` single-token decode
-steps each, compile excluded, median of ``--repeats`` timed calls):
-
-* ``full``: no eviction, the whole prompt in the cache;
-* ``deterministic``: SnapKV-style design (``--deterministic``) at ``--budget``,
-  without the certificate's statistics;
-* ``randomized``: ``poisson_tail`` at ``--budget`` without the certificate
-  (the Hajek softmax only);
-* ``randomized+certificate``: the same with ``certkv_jax.offset_attention``'s
-  per-call variance and range statistics and the per-step radius sum.
-
-The evicted caches are compacted to the capacity a deployment would allocate
-(``floor(budget n) + n_steps`` slots). The caches come from one prefill
-without design statistics, evicted by each design (its scores are then
-uninformative): what is kept does not change the cost of a step, only the
-capacity and the design's per-step work do.
-
-* ``randomized+certificate/layers``: the certificate on every 4th layer only
-  (``certificate_layers``; the other layers skip the second-order sums via a
-  ``lax.cond`` in the layer scan);
-* ``randomized+certificate/heads``: the certificate on the first KV head's
-  query heads only (``certificate_heads``);
-* ``randomized+certificate/layers+heads``: both (about 1/12 of the calls on
-  SmolLM2: 8 of 30 layers x 1 of 3 KV heads).
-
-A subsampled score is the Horvitz-Thompson sum of the computed radii (their
-sum divided by the fraction of calls computed). What such a subsample is
-worth as a failure score is measured on the collection side
-(``cert_sub_mean`` of ``experiments.lib.suite``).
-
-Memory: the bytes of the caches as allocated (keys/values and per-slot
-metadata, ``models.memory.caches_bytes``).
+Times the full cache, a deterministic design, ``poisson_tail`` without and
+with the certificate, and the certificate subsampled by layer and by KV head
+(:mod:`experiments.lib.overhead`, :data:`~experiments.lib.overhead.TIMED_CONFIGS`).
+Writes ``--out/overhead_rows.jsonl``, ``summary.md`` and ``overhead.png``.
 
   python -m experiments.exp_overhead --out=/tmp/overhead
 """
 
-from __future__ import annotations
-
-import math
-import os
-import time
-
 from absl import app
 from absl import flags
-import jax
-import jax.numpy as jnp
-import numpy as np
 
-from certkv_jax import certificate
-from experiments.lib import plots
-from experiments.lib import results_io
-from experiments.lib import suite
-from models import decode
-from models import memory
+from experiments.lib import model_loading
+from experiments.lib import overhead
 
 FLAGS = flags.FLAGS
-CONFIGS = ("full", "deterministic", "randomized", "randomized+certificate")
-SUBSAMPLED = ("randomized+certificate/layers", "randomized+certificate/heads",
-              "randomized+certificate/layers+heads")
-ALL_CONFIGS = CONFIGS + SUBSAMPLED
-LAYER_STRIDE = 4  # certificate on layers 0, 4, 8, ...
-
-
-def subsample_of(config_name: str, model_config):
-  """``(certificate_layers, certificate_heads, fraction of calls)`` of a configuration."""
-  layers = heads = None
-  frac = 1.0
-  if "layers" in config_name.split("/")[-1]:
-    layers = tuple(range(0, model_config.n_layers, LAYER_STRIDE))
-    frac *= len(layers) / model_config.n_layers
-  if "heads" in config_name.split("/")[-1]:
-    heads = (0,)
-    frac *= 1 / model_config.n_kv_heads
-  return layers, heads, frac
-KEY_FIELDS = ("model", "config", "budget", "batch", "prompt_len", "n_steps", "seed")
-
-
-def _compact(caches, capacity: int):
-  """Slots [0, capacity) of every per-slot leaf (eviction compacts kept slots to the front)."""
-  cap = caches.k.shape[-2]
-
-  def cut(x):
-    if x.ndim >= 4 and x.shape[3] == cap:
-      return x[:, :, :, :capacity]
-    return x
-  return jax.tree_util.tree_map(cut, caches)
-
-
-def run_overhead(params, config, examples, out_dir: str, *, model: str, budget: float = 0.25,
-                 deterministic: str = "snapkv", n_steps: int = 16, repeats: int = 5,
-                 seed: int = 0, configs=ALL_CONFIGS, log=print) -> list[dict]:
-  """One row per configuration in ``configs`` (a subset of :data:`ALL_CONFIGS`; resumable)."""
-  bad = sorted(set(configs) - set(ALL_CONFIGS))
-  if bad:
-    raise ValueError(f"configs: unknown {bad}; choose from {list(ALL_CONFIGS)}")
-  results = results_io.JsonlResults(os.path.join(out_dir, "overhead_rows.jsonl"), KEY_FIELDS)
-  prompt, mask = suite.pad_batch([e.context_ids + e.question_ids for e in examples])
-  batch, plen = prompt.shape
-  common = dict(model=model, budget=float(budget), batch=batch, prompt_len=plen,
-                n_steps=n_steps, seed=seed)
-  todo = [c for c in configs if not results.has(config=c, **common)]
-  if not todo:
-    return [r for r in results.rows if all(r.get(k) == v for k, v in common.items())]
-  full_cap = plen + n_steps
-
-  @jax.jit
-  def prefill(p):
-    logits, caches, _, _ = decode.forward_chunk(
-        p, config, prompt, mask, decode.init_caches(config, batch, full_cap), certificate=False)
-    return decode._last_logits(logits, mask), caches  # pylint: disable=protected-access
-
-  first, full_caches = prefill(params)
-  small_cap = int(math.floor(budget * plen)) + n_steps
-  progress = results_io.Progress(len(configs), len(configs) - len(todo))
-  for name in todo:
-    design_name = {"full": "full", "deterministic": deterministic}.get(name, "poisson_tail")
-    design = suite.make_design(design_name, budget, 4, 16)
-    with_cert = name.startswith("randomized+certificate")
-    cert_layers, cert_heads, cert_frac = subsample_of(name, config)
-    caches = full_caches
-    if design is not None:
-      caches, _ = jax.jit(lambda c, k, d=design: decode.evict(d, c, k))(
-          full_caches, jax.random.PRNGKey(seed))
-      caches = _compact(caches, small_cap)
-
-    def steps(p, first_logits, caches, design=design, with_cert=with_cert,
-              sub=(cert_layers, cert_heads, cert_frac)):
-      def step(carry, _):
-        caches, logits = carry
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        new_logits, caches, st, _ = decode.forward_chunk(
-            p, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
-            certificate=with_cert, certificate_layers=sub[0], certificate_heads=sub[1])
-        # Horvitz-Thompson: the computed radii (NaN elsewhere) over the fraction computed.
-        score = (jnp.nansum(certificate.radius_from_stats(st.var_hat, st.range_hat, 0.05))
-                 / sub[2] if with_cert else jnp.float32(0.0))
-        return (caches, new_logits[:, 0]), (token, score)
-      (_, _), (toks, score) = jax.lax.scan(step, (caches, first_logits), None, length=n_steps)
-      return toks, score
-
-    t0 = time.perf_counter()
-    compiled = jax.jit(steps).lower(params, first, caches).compile()
-    compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      jax.block_until_ready(compiled(params, first, caches))
-      times.append(time.perf_counter() - t0)
-    per_step_ms = [1000.0 * t / n_steps for t in times]
-    mem = memory.caches_bytes(caches)
-    row = dict(common, config=name, design=design_name, certificate=with_cert,
-               certificate_fraction=cert_frac if with_cert else 0.0,
-               capacity=int(caches.k.shape[-2]), per_step_ms=per_step_ms,
-               median_ms=float(np.median(per_step_ms)), compile_s=round(compile_s, 2),
-               cache_bytes={k: int(v) for k, v in mem.items()})
-    results.add(row)
-    log(f"{progress.step()} overhead/{name}: {row['median_ms']:.1f} ms/step, capacity "
-        f"{row['capacity']}")
-  return [r for r in results.rows if all(r.get(k) == v for k, v in common.items())]
-
-
-def _fraction(config_name: str, row: dict) -> float:
-  """Fraction of (layer, head) calls certified (rows written before the field existed:
-  all or none)."""
-  if "certificate_fraction" in row:
-    return float(row["certificate_fraction"])
-  return 1.0 if config_name.startswith("randomized+certificate") else 0.0
-
-
-def summarize(rows, plot_dir=None, seed: int = 0) -> dict:
-  by = {r["config"]: r for r in rows}
-  out = {"rows": len(rows), "plots": []}
-  md = ["## Overhead per decode step (experiment 7)", ""]
-  if not all(c in by for c in CONFIGS):
-    out["md"] = "\n".join(md + ["(incomplete)"])
-    return out
-  rng = np.random.default_rng(seed)
-
-  def ratio_ci(a, b):
-    x, y = np.asarray(by[a]["per_step_ms"]), np.asarray(by[b]["per_step_ms"])
-    est = float(np.median(x) / np.median(y))
-    boots = [np.median(rng.choice(x, len(x))) / np.median(rng.choice(y, len(y)))
-             for _ in range(1000)]
-    return [est, float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))]
-  out["ratio_cert_vs_deterministic"] = ratio_ci("randomized+certificate", "deterministic")
-  out["ratio_cert_vs_randomized"] = ratio_ci("randomized+certificate", "randomized")
-  out["ratio_cert_vs_full"] = ratio_ci("randomized+certificate", "full")
-  present = [c for c in ALL_CONFIGS if c in by]
-  for c in present:
-    if c in SUBSAMPLED:  # what the subsample saves of the certificate's extra time
-      out[f"ratio_{c}_vs_deterministic"] = ratio_ci(c, "deterministic")
-      out[f"ratio_{c}_vs_randomized"] = ratio_ci(c, "randomized")
-  body = []
-  for c in present:
-    r = by[c]
-    b = r["cache_bytes"]
-    body.append([c, r["design"], f"{_fraction(c, r):.3f}",
-                 r["capacity"], f"{r['median_ms']:.1f}",
-                 f"{min(r['per_step_ms']):.1f}-{max(r['per_step_ms']):.1f}",
-                 memory.format_bytes(b.get("kv", 0)), memory.format_bytes(b.get("metadata", 0))])
-  md += [f"batch {by['full']['batch']}, prompt {by['full']['prompt_len']} tokens, "
-         f"{by['full']['n_steps']} steps, budget {by['full']['budget']}", "",
-         "| config | design | certified calls | capacity | ms/step (median) | range | K/V | "
-         "metadata |", "|---|---|---|---|---|---|---|---|"]
-  md += ["| " + " | ".join(str(x) for x in row) + " |" for row in body]
-  md += ["", "Ratios of median ms/step, 95% bootstrap interval over the timed calls:", ""]
-  for k in [k for k in out if k.startswith("ratio_")]:
-    e, lo, hi = out[k]
-    md.append(f"- {k}: {e:.2f} [{lo:.2f}, {hi:.2f}]")
-  if plot_dir:
-    out["plots"].append(plots.plot_overhead(
-        {c: by[c]["median_ms"] for c in present}, os.path.join(plot_dir, "overhead.png"),
-        errors={c: float(np.std(by[c]["per_step_ms"])) for c in present},
-        title="Decode step time (CPU)"))
-    md += ["", "![overhead.png](overhead.png)"]
-  out["md"] = "\n".join(md)
-  return out
 
 
 def define_flags():
   flags.DEFINE_string("out", None, "Output directory.", required=True)
-  flags.DEFINE_string("model", suite.DEFAULT_MODEL, "'smollm2' or an HF checkpoint dir.")
+  flags.DEFINE_string("model", model_loading.DEFAULT_MODEL, "'smollm2' or an HF checkpoint dir.")
   flags.DEFINE_string("task", "passkey", "Task of the prompts.")
   flags.DEFINE_integer("context_len", 256, "Context length (tokens).")
   flags.DEFINE_list("budgets", ["0.25"], "Budget (the first entry is used).")
@@ -234,19 +32,11 @@ def define_flags():
 
 def main(argv):
   del argv
-  if FLAGS.deterministic not in suite.DESIGNS or suite.is_randomized(FLAGS.deterministic) or \
-      FLAGS.deterministic == "full":
-    raise ValueError(f"--deterministic must be a deterministic design, got "
-                     f"{FLAGS.deterministic!r}")
-  params, config, tok = suite.load_model(FLAGS.model)
-  from experiments.lib import tasks  # pylint: disable=g-import-not-at-top
-  exs = tasks.make_task(FLAGS.task, tok, FLAGS.num_examples, FLAGS.context_len, FLAGS.seed)
-  rows = run_overhead(params, config, exs, FLAGS.out, model=suite.model_name(FLAGS.model),
-                      budget=float(FLAGS.budgets[0]), deterministic=FLAGS.deterministic,
-                      n_steps=FLAGS.n_steps, repeats=FLAGS.repeats, seed=FLAGS.seed)
-  s = summarize(rows, FLAGS.out)
-  results_io.atomic_write_text(os.path.join(FLAGS.out, "summary.md"), s["md"] + "\n")
-  print(s["md"])
+  print(overhead.run_and_report(
+      out=FLAGS.out, model=FLAGS.model, task=FLAGS.task, context_len=FLAGS.context_len,
+      budget=float(FLAGS.budgets[0]), deterministic=FLAGS.deterministic,
+      num_examples=FLAGS.num_examples, n_steps=FLAGS.n_steps, repeats=FLAGS.repeats,
+      seed=FLAGS.seed))
 
 
 if __name__ == "__main__":

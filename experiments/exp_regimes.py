@@ -10,13 +10,19 @@ examples) per regime, design, task and budget. Writes ``--out/rows.jsonl``,
 from absl import app
 from absl import flags
 
-from experiments.lib import suite
 from experiments.lib import suite_report
+from experiments.lib import suite_settings
+from experiments.lib.analyses import regimes
 
-main = suite_report.script_main([suite_report.regimes_analysis],
-                                "Streaming vs question-aware")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  print(suite_report.run_analyses(FLAGS, [regimes.regimes_analysis], "Streaming vs question-aware"))
+
 
 if __name__ == "__main__":
-  suite.define_common_flags(flags, designs=["full", "snapkv", "h2o", "poisson_tail"],
-                            task=["passkey", "agent_memory"], n_runs=1)
+  suite_settings.define_common_flags(flags, designs=["full", "snapkv", "h2o", "poisson_tail"],
+                                     task=["passkey", "agent_memory"], n_runs=1)
   app.run(main)

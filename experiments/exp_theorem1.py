@@ -1,182 +1,25 @@
 r"""Experiment 1: permutation / rotation (Theorem 1) on a real model's cache.
 
-For each example (question-aware prompt) and design: prefill, evict, then
-rotate the VALUES of a fixed set P of evicted tokens (a random orthogonal
-matrix: every value norm, hence every value-aware score, is unchanged) in the
-pre-eviction cache and in the shadow full cache, and evict again with the same
-PRNG key. Reported per (design, example, draw):
-
-* ``kept_set_identical``: the kept set (positions, validity, log pi) is
-  identical after the perturbation; ``retained_identical``: the whole kept
-  state (with the kept keys and values) is bit-identical;
-* ``tokens_identical`` / ``radius_identical``: the decoded tokens and the
-  certificate statistics computed from the kept state are identical;
-* ``err_orig`` / ``err_pert``: the mean true attention error over the decode
-  calls, against the original and the perturbed full cache.
-
-Deterministic designs: P is the design's own evicted set; everything it
-computes is blind to P, while the error it would have to certify changes
-(Theorem 1). The randomized design is blind per draw as well; what differs is
-that its radius is a statement over draws: P is the set one draw (draw 0)
-evicts, and the coverage at ``delta = 0.05`` over the other draws is reported
-for the original and for the perturbed values.
+Rotates the values of the evicted tokens and evicts again with the same key:
+what each design keeps, decodes and certifies is compared before and after
+(:mod:`experiments.lib.theorem1`). Writes ``--out/theorem1_rows.jsonl`` and
+``summary.md``.
 
   python -m experiments.exp_theorem1 --out=/tmp/thm1
 """
 
-from __future__ import annotations
-
-import os
-import time
-
 from absl import app
 from absl import flags
-import jax
-import jax.numpy as jnp
-import numpy as np
 
-from certkv_jax import certificate
-from experiments.lib import results_io
-from experiments.lib import suite
-from models import decode
+from experiments.lib import model_loading
+from experiments.lib import theorem1
 
 FLAGS = flags.FLAGS
-KEY_FIELDS = ("model", "task", "design", "budget", "example", "draw", "seed", "context_len")
-
-
-def _tree_equal(a, b) -> bool:
-  return all(np.array_equal(np.asarray(x), np.asarray(y))
-             for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
-
-
-def _retained(c):
-  return (c.k, c.v, c.log_pi, c.pos, c.valid)
-
-
-def _rotate(caches, shadow, perturb, key):
-  """Values of the slots in ``perturb`` [L, B, Hkv, cap] rotated, in caches and shadow."""
-  d = caches.v.shape[-1]
-  rot, _ = jnp.linalg.qr(jax.random.normal(key, (d, d)))
-  cap = caches.v.shape[-2]
-  new_v = jnp.where(perturb[..., None], caches.v @ rot, caches.v)
-  sh_v = shadow.v.at[..., :cap, :].set(
-      jnp.where(perturb[..., None], shadow.v[..., :cap, :] @ rot, shadow.v[..., :cap, :]))
-  return caches._replace(v=new_v), shadow._replace(v=sh_v)
-
-
-def run_theorem1(params, config, examples, design_names, budget: float, out_dir: str, *,
-                 model: str, task: str, context_len: int, seed: int = 0, n_draws: int = 4,
-                 n_steps: int = 8, n_sink: int = 4, window: int = 16, log=print) -> list[dict]:
-  """Runs the experiment for every (design, example, draw) not yet in ``out_dir``."""
-  results = results_io.JsonlResults(os.path.join(out_dir, "theorem1_rows.jsonl"), KEY_FIELDS)
-  prompt, mask = suite.pad_batch([e.context_ids + e.question_ids for e in examples])
-  batch, plen = prompt.shape
-  common = dict(model=model, task=task, budget=float(budget), seed=seed,
-                context_len=context_len)
-  progress = results_io.Progress(len(design_names))
-  for name in design_names:
-    design = suite.make_design(name, budget, n_sink, window)
-    draws = n_draws if design.randomized else 1
-    if all(results.has(design=name, example=i, draw=k, **common)
-           for i in range(batch) for k in range(draws)):
-      log(f"{progress.step()} theorem1/{name}: already done")
-      continue
-    t0 = time.time()
-
-    @jax.jit
-    def prefill(p):
-      shadow = decode.init_caches(config, batch, plen + n_steps)
-      logits, caches, _, shadow = decode.forward_chunk(
-          p, config, prompt, mask, decode.init_caches(config, batch, plen), design=design,
-          observation_window=window, certificate=False, shadow=shadow)
-      return decode._last_logits(logits, mask), caches, shadow  # pylint: disable=protected-access
-
-    @jax.jit
-    def evict(caches, shadow, key):
-      new, info = decode.evict(design, caches, key, budget=jnp.float32(budget))
-      return new, decode.record_inclusion(shadow, caches, info), info.evicted
-
-    @jax.jit
-    def decode_from(p, first, caches, shadow, key):
-      loop = decode._decode_loop  # pylint: disable=protected-access
-      gen = loop(p, config, caches, shadow, first, key, n_steps, design, False, False)
-      return gen.tokens, gen.var_hat, gen.range_hat, gen.true_error
-
-    first, caches, shadow = prefill(params)
-    assert np.array_equal(np.asarray(caches.pos), np.asarray(shadow.pos[..., :plen]))
-    keys = [jax.random.fold_in(jax.random.PRNGKey(seed), k) for k in range(draws + 1)]
-    _, _, evicted0 = evict(caches, shadow, keys[0])
-    pert_caches, pert_shadow = _rotate(caches, shadow, evicted0, jax.random.PRNGKey(seed + 1))
-    for k in range(draws):
-      key = keys[k] if not design.randomized else keys[k + 1]
-      kept_a, sh_a, _ = evict(caches, shadow, key)
-      kept_b, sh_b, _ = evict(pert_caches, pert_shadow, key)
-      dec_key = jax.random.fold_in(key, 1)
-      ta, va, ra, ea = (np.asarray(x) for x in decode_from(params, first, kept_a, sh_a, dec_key))
-      tb, vb, rb, eb = (np.asarray(x) for x in decode_from(params, first, kept_b, sh_b, dec_key))
-      rad_a = np.asarray(certificate.radius_from_stats(va, ra, 0.05))
-      for i in range(batch):
-        if results.has(design=name, example=i, draw=k, **common):
-          continue
-        same_kept = _tree_equal([x[:, i] for x in _retained(kept_a)],
-                                [x[:, i] for x in _retained(kept_b)])
-        same_set = _tree_equal([x[:, i] for x in _retained(kept_a)[2:]],
-                               [x[:, i] for x in _retained(kept_b)[2:]])
-        results.add(dict(
-            common, design=name, example=i, draw=k, randomized=bool(design.randomized),
-            n_perturbed=int(np.asarray(evicted0)[:, i].sum()),
-            retained_identical=same_kept, kept_set_identical=same_set,
-            tokens_identical=bool(np.array_equal(ta[i], tb[i])),
-            radius_identical=bool(np.array_equal(va[:, :, i], vb[:, :, i])
-                                  and np.array_equal(ra[:, :, i], rb[:, :, i])),
-            err_orig=float(ea[:, :, i].mean()), err_pert=float(eb[:, :, i].mean()),
-            mean_radius=float(rad_a[:, :, i].mean()),
-            coverage_orig=float(np.mean(ea[:, :, i] <= rad_a[:, :, i])),
-            coverage_pert=float(np.mean(eb[:, :, i] <= rad_a[:, :, i]))))
-    log(f"{progress.step()} theorem1/{name}: {time.time() - t0:.0f}s")
-  want = set(design_names)
-  return [r for r in results.rows if r["design"] in want
-          and all(r.get(k) == v for k, v in common.items())]
-
-
-def summarize(rows) -> dict:
-  """Per-design aggregates and the markdown section."""
-  out = {"designs": {}}
-  body = []
-  for name in sorted({r["design"] for r in rows}):
-    sel = [r for r in rows if r["design"] == name]
-    agg = {k: float(np.mean([r[k] for r in sel])) for k in (
-        "retained_identical", "kept_set_identical", "tokens_identical", "radius_identical",
-        "err_orig", "err_pert", "mean_radius", "coverage_orig", "coverage_pert")}
-    agg["rel_err_change"] = float(np.mean([abs(r["err_pert"] - r["err_orig"])
-                                           / max(r["err_orig"], 1e-12) for r in sel]))
-    agg["n"] = len(sel)
-    out["designs"][name] = agg
-    body.append([name, agg["n"], f"{agg['kept_set_identical']:.2f}",
-                 f"{agg['retained_identical']:.2f}",
-                 f"{agg['tokens_identical']:.2f}", f"{agg['radius_identical']:.2f}",
-                 f"{agg['err_orig']:.4f}", f"{agg['err_pert']:.4f}",
-                 f"{agg['rel_err_change']:.2f}", f"{agg['coverage_orig']:.3f}",
-                 f"{agg['coverage_pert']:.3f}"])
-  md = ["## Theorem 1: rotating evicted values (experiment 1)", "",
-        "Fractions of (example, draw) pairs with a bit-identical kept state, identical "
-        "decoded tokens and identical certificate statistics after rotating the values of "
-        "the evicted set P; mean true error before/after; coverage at delta 0.05 of the "
-        "(unchanged) radius against both errors.", "",
-        "| design | n | kept set identical | kept state identical | tokens identical | "
-        "radius identical | err orig | err pert | rel. change | cov orig | cov pert |",
-        "|" + "---|" * 11]
-  md += ["| " + " | ".join(str(x) for x in row) + " |" for row in body]
-  md += ["", "A deterministic design's radius is 0 (nothing it computes sees P), so its "
-         "'coverage' is the fraction of calls with no error; the randomized design's "
-         "radius is a statement over draws (draws 1..n; P is the set draw 0 evicted)."]
-  out["md"] = "\n".join(md)
-  return out
 
 
 def define_flags():
   flags.DEFINE_string("out", None, "Output directory.", required=True)
-  flags.DEFINE_string("model", suite.DEFAULT_MODEL, "'smollm2' or an HF checkpoint dir.")
+  flags.DEFINE_string("model", model_loading.DEFAULT_MODEL, "'smollm2' or an HF checkpoint dir.")
   flags.DEFINE_string("task", "passkey", "Task.")
   flags.DEFINE_integer("context_len", 192, "Context length (tokens).")
   flags.DEFINE_list("budgets", ["0.25"], "Budget (the first entry is used).")
@@ -188,19 +31,10 @@ def define_flags():
 
 def main(argv):
   del argv
-  for d in FLAGS.designs:
-    if d not in suite.DESIGNS or d == "full":
-      raise ValueError(f"--designs: {d!r} is not an evicting design; choose from "
-                       f"{[x for x in suite.DESIGNS if x != 'full']}")
-  params, config, tok = suite.load_model(FLAGS.model)
-  from experiments.lib import tasks  # pylint: disable=g-import-not-at-top
-  exs = tasks.make_task(FLAGS.task, tok, FLAGS.num_examples, FLAGS.context_len, FLAGS.seed)
-  rows = run_theorem1(params, config, exs, FLAGS.designs, float(FLAGS.budgets[0]), FLAGS.out,
-                      model=suite.model_name(FLAGS.model), task=FLAGS.task,
-                      context_len=FLAGS.context_len, seed=FLAGS.seed, n_draws=FLAGS.n_draws)
-  s = summarize(rows)
-  results_io.atomic_write_text(os.path.join(FLAGS.out, "summary.md"), s["md"] + "\n")
-  print(s["md"])
+  print(theorem1.run_and_report(
+      out=FLAGS.out, model=FLAGS.model, task=FLAGS.task, context_len=FLAGS.context_len,
+      budget=float(FLAGS.budgets[0]), designs=FLAGS.designs,
+      num_examples=FLAGS.num_examples, n_draws=FLAGS.n_draws, seed=FLAGS.seed))
 
 
 if __name__ == "__main__":

@@ -1,29 +1,19 @@
 r"""Synthetic Monte Carlo: deterministic vs randomized designs, side by side.
 
 For a fixed synthetic attention problem, each design evicts the cache to a
-budget; randomized designs are re-run over many seeded draws. Per (problem,
-regime, design, budget) it writes one JSONL row: bias, mean squared error,
-E[V_hat] / E||e||^2, certificate coverage and sharpness per delta, kept tokens
-and the Assumption-2 ratio R. Deterministic designs have no randomness: their
-certificate statistics are identically zero (Theorem 1: the retained state
-cannot see the error), so their "coverage" is that of a zero radius.
+budget, randomized designs over many seeded draws; one JSONL row per
+(problem, regime, design, budget): bias, MSE, certificate coverage and
+sharpness, the Assumption-2 ratio (:mod:`experiments.lib.montecarlo_certificate`).
 
   python -m experiments.montecarlo_certificate --out=/tmp/mc
 
 Rows are written atomically as they finish; a rerun skips finished rows.
 """
 
-import os
-import time
-
 from absl import app
 from absl import flags
-from absl import logging
-import jax
 
-from certkv_jax import designs
-from certkv_jax import montecarlo
-from experiments.lib import results_io
+from experiments.lib import montecarlo_certificate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output directory (rows.jsonl, summary.md).", required=True)
@@ -45,95 +35,13 @@ flags.DEFINE_integer("window", 16, "Recent window kept by every design.")
 flags.DEFINE_integer("seed", 0, "Seed of the problem and of the draws.")
 
 
-def make_design(name: str, budget: int, n_sink: int, window: int):
-  try:
-    return designs.by_name(name, budget, n_sink, window)
-  except ValueError as err:
-    raise ValueError(f"--designs: {err}") from err
-
-
-def _fractions(values, flag):
-  out = []
-  for v in values:
-    f = float(v)
-    if not 0.0 < f < 1.0:
-      raise ValueError(f"--{flag} entries must be in (0, 1), got {v}")
-    out.append(f)
-  return out
-
-
 def main(argv):
   del argv
-  budgets = _fractions(FLAGS.budgets, "budgets")
-  deltas = _fractions(FLAGS.deltas, "deltas")
-  for p in FLAGS.problems:
-    if p not in ("gaussian", "spike"):
-      raise ValueError(f"--problems: unknown problem {p!r}")
-  for r in FLAGS.regimes:
-    if r not in ("question_aware", "streaming"):
-      raise ValueError(f"--regimes: unknown regime {r!r}")
-  results = results_io.JsonlResults(os.path.join(FLAGS.out, "rows.jsonl"),
-                                    ("problem", "regime", "design", "budget"))
-  units = [(p, r, d, b) for p in FLAGS.problems for r in FLAGS.regimes
-           for d in FLAGS.designs for b in budgets]
-  todo = [u for u in units if not results.has(problem=u[0], regime=u[1], design=u[2],
-                                              budget=u[3])]
-  progress = results_io.Progress(len(units), len(units) - len(todo))
-  logging.info("%d rows to run, %d already in %s", len(todo), len(units) - len(todo),
-               results.path)
-  key = jax.random.PRNGKey(FLAGS.seed)
-  for problem_name, regime, design_name, frac in todo:
-    problem = montecarlo.synthetic_problem(
-        jax.random.fold_in(key, 0), n=FLAGS.context_len, d=FLAGS.head_dim, dv=FLAGS.head_dim,
-        q_scale=1.0, spikes=3 if problem_name == "spike" else 0, n_history=8)
-    budget = int(frac * FLAGS.context_len)
-    design = make_design(design_name, budget, FLAGS.n_sink, FLAGS.window)
-    n = FLAGS.num_trials if design.randomized else 1
-    keys = jax.random.split(jax.random.fold_in(key, 1), n)
-    t0 = time.time()
-    o, trials = montecarlo.run_trials(problem, design, keys,
-                                      question_aware=regime == "question_aware")
-    s = montecarlo.summarize(o, trials, deltas=deltas)
-    row = {
-        "problem": problem_name, "regime": regime, "design": design_name, "budget": frac,
-        "budget_tokens": budget, "randomized": design.randomized, "n_trials": n,
-        "mean_kept": s.mean_kept, "bias_norm": s.bias_norm, "bias_se": s.bias_se,
-        "mse": s.mse, "mean_var_hat": s.mean_var_hat, "var_ratio": s.var_ratio,
-        "coverage": {str(d): c for d, c in s.coverage.items()},
-        "sharpness": {str(d): c for d, c in s.sharpness.items()},
-        "median_R": s.median_r, "seconds": round(time.time() - t0, 2),
-        "context_len": FLAGS.context_len, "head_dim": FLAGS.head_dim, "seed": FLAGS.seed,
-    }
-    results.add(row)
-    logging.info("%s %s/%s/%s@%.3f: mse %.4g cov(0.05) %.3f R %.3g", progress.step(),
-                 problem_name, regime, design_name, frac, s.mse,
-                 s.coverage.get(0.05, float("nan")), s.median_r)
-  summary = render_summary(results.rows, deltas)
-  results_io.atomic_write_text(os.path.join(FLAGS.out, "summary.md"), summary)
-  print(summary)
-
-
-def _fmt(x, spec):
-  return "n/a" if x is None else format(x, spec)
-
-
-def render_summary(rows, deltas) -> str:
-  head = ("| problem | regime | design | budget | kept | MSE | E[V_hat]/MSE | "
-          + " | ".join(f"cov@{d}" for d in deltas) + " | sharp@0.05 | median R |")
-  lines = ["# Synthetic Monte Carlo: certificate by design", "", head,
-           "|" + "---|" * (9 + len(deltas))]
-  for r in sorted(rows, key=lambda r: (r["problem"], r["regime"], r["budget"],
-                                       r["randomized"], r["design"])):
-    cov = " | ".join(_fmt(r["coverage"].get(str(d)), ".3f") for d in deltas)
-    lines.append(
-        f"| {r['problem']} | {r['regime']} | {r['design']} | {r['budget']} | "
-        f"{r['mean_kept']:.1f} | {_fmt(r['mse'], '.4g')} | {_fmt(r['var_ratio'], '.3f')} | "
-        f"{cov} | {_fmt(r['sharpness'].get('0.05'), '.2f')} | {_fmt(r['median_R'], '.3g')} |")
-  lines += ["", "kept: mean tokens kept of the budget; MSE: E||o_hat - o||^2; cov@delta: "
-            "fraction of draws with ||e|| <= r(delta) (Bernstein radius); sharp: median "
-            "r/||e|| over covered draws; R: Assumption-2 ratio (SPEC section 6). "
-            "Deterministic designs have V_hat = 0, hence radius 0."]
-  return "\n".join(lines) + "\n"
+  montecarlo_certificate.run_and_report(
+      out=FLAGS.out, context_len=FLAGS.context_len, head_dim=FLAGS.head_dim,
+      budgets=FLAGS.budgets, deltas=FLAGS.deltas, designs=FLAGS.designs,
+      problems=FLAGS.problems, regimes=FLAGS.regimes, num_trials=FLAGS.num_trials,
+      n_sink=FLAGS.n_sink, window=FLAGS.window, seed=FLAGS.seed)
 
 
 if __name__ == "__main__":

