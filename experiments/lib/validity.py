@@ -161,6 +161,28 @@ def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
   return summary
 
 
+def _signal_profile(calls, design, failing, min_context) -> list[str]:
+  """Median warning signals of the failing cells' calls next to all calls of ``design``."""
+  names = [n for n in report_lib.SIGNALS if n in calls.columns]
+  if not names:
+    return []
+  fmt = report_lib._fmt  # pylint: disable=protected-access
+  base = calls.where(design=design) & (calls["context_len"] >= min_context)
+  rows = [("all calls", base)]
+  for c in failing:
+    m = base & calls.where(regime=c["regime"], data=c["data"], context_len=c["context_len"]) & (
+        np.abs(calls["budget"] - c["budget"]) < 1e-6)
+    rows.append((f"{c['regime']} / {c['data']} / {c['budget']:g} / {c['context_len']}", m))
+  lines = ["| calls | " + " | ".join(names) + " | raw miss rate |",
+           "| --- | " + " | ".join("---" for _ in names) + " | --- |"]
+  for label, m in rows:
+    miss = np.mean(calls["true_error"][m] > calls_lib.raw_radii(calls.select(m),
+                                                                 calls_lib.PRIMARY_DELTA))
+    lines.append(f"| {label} | " + " | ".join(fmt(float(np.median(calls[n][m])), ".3g")
+                                              for n in names) + f" | {fmt(float(miss))} |")
+  return lines
+
+
 def headline_lines(summary: dict) -> list[str]:
   """The headline table of a validity summary: raw vs calibrated per design."""
   fmt = report_lib._fmt  # pylint: disable=protected-access
@@ -214,6 +236,11 @@ def _report_lines(summary, calls, cells, alt_cells, default_design, default_cali
   lines += ["## Cells where the default setting misses the target", ""]
   if failing:
     lines += report_lib.cells_table(failing)
+    lines += ["", "What the warning signals say in those cells (medians over their calls, next "
+              f"to the medians over every call of `{default_design}` at contexts >= "
+              f"{min_context}; tail mass and r_hat are the strongest predictors of a raw miss, "
+              "low values warn):", ""] + _signal_profile(calls, default_design, failing,
+                                                         min_context)
   else:
     lines.append("None.")
   lines += ["", "## Online warning signals", "",
