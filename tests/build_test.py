@@ -21,7 +21,7 @@ PACKAGES = ("certkv_jax", "pallas_kernels", "models", "experiments")
 # Import name -> distribution name, for the third-party packages we use.
 DISTRIBUTIONS = {"absl": "absl-py", "chex": "chex", "flax": "flax", "jax": "jax",
                  "numpy": "numpy", "optax": "optax", "orbax": "orbax-checkpoint",
-                 "scipy": "scipy", "gguf": "gguf", "jinja2": "jinja2",
+                 "pytest": "pytest", "scipy": "scipy", "gguf": "gguf", "jinja2": "jinja2",
                  "safetensors": "safetensors", "tokenizers": "tokenizers",
                  "matplotlib": "matplotlib"}
 
@@ -87,6 +87,22 @@ def _imports(path):
   return mods
 
 
+def _test_helper_imports(path):
+  """The test helper files (``tests/<name>.py``) that ``path`` imports from ``tests``."""
+  with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names |= {a.name.split(".")[1] for a in node.names if a.name.startswith("tests.")}
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      if node.module == "tests":
+        names |= {a.name for a in node.names}
+      elif node.module.startswith("tests."):
+        names.add(node.module.split(".")[1])
+  return {f"tests/{n}.py" for n in names}
+
+
 class BuildTest(absltest.TestCase):
 
   @classmethod
@@ -135,6 +151,9 @@ class BuildTest(absltest.TestCase):
       local = {d[1:] for d in t["deps"] if not isinstance(d, _Req)} | {name}
       reqs = {d.lower() for d in t["deps"] if isinstance(d, _Req)}
       for src in t["srcs"]:
+        for helper in _test_helper_imports(src):
+          self.assertIn(module_target.get(helper), local,
+                        f"{src} imports {helper} but {name} does not depend on its target")
         for mod in _imports(src):
           if mod in stdlib or mod in ("tests",):
             continue

@@ -9,7 +9,6 @@ static arguments as the script run, so the whole file compiles the streaming
 pass twice (full, poisson_tail) and the one-shot forward once.
 """
 
-import json
 import os
 import shutil
 import tempfile
@@ -20,11 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import exp_perplexity as ppl
+from experiments import exp_perplexity
+from experiments.lib import model_loading
 from experiments.lib import results_io
+from experiments.lib import streaming_loss
+from experiments.lib import streaming_loss_experiment as ppl
+from experiments.lib import streaming_loss_report
 from experiments.lib import suite
+from tests import test_util
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_llama")
 # A certainty set of 1 sink + 2 recent tokens, so that a 50% budget leaves tail slots
 # for Poisson sampling (a radius > 0) from the first eviction on.
 CTX, CHUNK, N_SEG, N_SINK, WINDOW = 24, 8, 2, 1, 2
@@ -44,36 +47,17 @@ ROW_KEYS = set(ppl.KEY_FIELDS) | {
     "spearman_radius_increase"}
 
 
-def _model_dir(root):
-  """The fixture's weights with a character-level tokenizer.json (BOS added)."""
-  import tokenizers  # pylint: disable=g-import-not-at-top
-  d = os.path.join(root, "tiny_char")
-  os.makedirs(d)
-  for f in ("config.json", "model.safetensors"):
-    shutil.copy(os.path.join(FIXTURE, f), d)
-  vocab = {"<s>": 0, "<unk>": 1}
-  for c in CHARS:
-    vocab.setdefault(c, len(vocab))
-  tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-  tk.normalizer = tokenizers.normalizers.Lowercase()
-  tk.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
-  tk.decoder = tokenizers.decoders.Fuse()
-  tk.save(os.path.join(d, "tokenizer.json"))
-  with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
-    json.dump({"bos_token": "<s>", "add_bos_token": True}, f)
-  return d
-
-
 class PerplexityTest(absltest.TestCase):
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    if not flags.FLAGS.is_parsed():
-      flags.FLAGS.mark_as_parsed()
+    test_util.ensure_flags_parsed()
     cls.root = tempfile.mkdtemp()
-    cls.model_dir = _model_dir(cls.root)
-    cls.params, cls.config, cls.tok = suite.load_model(cls.model_dir)
+    cls.model_dir = os.path.join(cls.root, "tiny_char")  # the rows' model name
+    os.makedirs(cls.model_dir)
+    test_util.tiny_hf_dir(cls.model_dir, CHARS, lowercase=True)  # TEXT is mixed case
+    cls.params, cls.config, cls.tok = model_loading.load_model(cls.model_dir)
     cls.text_path = os.path.join(cls.root, "text.txt")
     with open(cls.text_path, "w", encoding="utf-8") as f:
       f.write(TEXT)
@@ -85,9 +69,9 @@ class PerplexityTest(absltest.TestCase):
     super().tearDownClass()
 
   def _full(self, tokens, mask):
-    cap = ppl.capacity_for(CTX, CHUNK, "full", BUDGETS, N_SINK, WINDOW)
-    return ppl.streaming_nll(self.params, tokens, mask, jax.random.PRNGKey(0),
-                             config=self.config, capacity=cap, chunk=CHUNK)
+    cap = streaming_loss.capacity_for(CTX, CHUNK, "full", BUDGETS, N_SINK, WINDOW)
+    return streaming_loss.streaming_nll(self.params, tokens, mask, jax.random.PRNGKey(0),
+                                        config=self.config, capacity=cap, chunk=CHUNK)
 
   def test_segments(self):
     self.assertLen(self.segs, N_SEG)
@@ -103,7 +87,7 @@ class PerplexityTest(absltest.TestCase):
     mask[1, -5:] = False  # a ragged (right-padded) row; CTX is not a chunk multiple here
     mask = jnp.asarray(mask)
     res = self._full(tokens, mask)
-    ref = np.asarray(ppl.one_shot_logprob(self.params, tokens, mask, config=self.config))
+    ref = np.asarray(streaming_loss.one_shot_logprob(self.params, tokens, mask, config=self.config))
     want_scored = np.asarray(mask) & np.pad(np.asarray(mask)[:, 1:], ((0, 0), (0, 1)))
     np.testing.assert_array_equal(np.asarray(res.scored), want_scored)
     self.assertEqual(int(want_scored[0].sum()), CTX - 1)  # last token: no target
@@ -118,17 +102,17 @@ class PerplexityTest(absltest.TestCase):
     tokens = jnp.asarray(self.segs, jnp.int32)
     ones = jnp.ones(tokens.shape, bool)
     full = np.asarray(self._full(tokens, ones).logprob)
-    ref = np.asarray(ppl.one_shot_logprob(self.params, tokens, ones, config=self.config))
+    ref = np.asarray(streaming_loss.one_shot_logprob(self.params, tokens, ones, config=self.config))
     np.testing.assert_allclose(full, ref, atol=ATOL, rtol=0)
     # The script's layout: rows (budget, segment) = (0.5, 0), (0.5, 1), (1.0, 0), (1.0, 1).
     design = suite.make_design("poisson_tail", max(BUDGETS), N_SINK, WINDOW)
-    cap = ppl.capacity_for(CTX, CHUNK, "poisson_tail", BUDGETS, N_SINK, WINDOW)
+    cap = streaming_loss.capacity_for(CTX, CHUNK, "poisson_tail", BUDGETS, N_SINK, WINDOW)
     rows = jnp.concatenate([tokens, tokens])
     budget = jnp.asarray([0.5, 0.5, 1.0, 1.0], jnp.float32)
-    res = ppl.streaming_nll(self.params, rows, jnp.ones(rows.shape, bool),
-                            jax.random.PRNGKey(3), config=self.config, capacity=cap,
-                            chunk=CHUNK, design=design, budget=budget,
-                            observation_window=WINDOW)
+    res = streaming_loss.streaming_nll(self.params, rows, jnp.ones(rows.shape, bool),
+                                       jax.random.PRNGKey(3), config=self.config, capacity=cap,
+                                       chunk=CHUNK, design=design, budget=budget,
+                                       observation_window=WINDOW)
     lp, rad = np.asarray(res.logprob), np.asarray(res.radius)
     np.testing.assert_allclose(lp[2:], full, atol=1e-5, rtol=0)  # budget 1.0 = full cache
     np.testing.assert_array_equal(rad[2:], 0.0)  # nothing sampled: no uncertainty
@@ -145,7 +129,7 @@ class PerplexityTest(absltest.TestCase):
   def test_script_schema_resume_and_summary(self):
     out = self.create_tempdir().full_path
     fv = flags.FlagValues()
-    ppl.define_flags(fv)
+    exp_perplexity.define_flags(fv)
     args = ["prog", f"--out={out}", f"--text={self.text_path}", f"--model={self.model_dir}",
             f"--context_len={CTX}", f"--chunk={CHUNK}", f"--num_examples={N_SEG}",
             f"--budgets={','.join(str(b) for b in BUDGETS)}", "--designs=full,poisson_tail",
@@ -157,7 +141,7 @@ class PerplexityTest(absltest.TestCase):
     self.assertIsNone(ppl.run_from_flags(fv, log=logs.append))
     partial = results_io.read_rows(path)
     self.assertLen(partial, N_SEG + len(BUDGETS) * N_SEG)
-    self.assertFalse(os.path.exists(os.path.join(out, ppl.SUMMARY_FILE)))
+    self.assertFalse(os.path.exists(os.path.join(out, streaming_loss_report.SUMMARY_FILE)))
     # A unit killed half-way: its last row is lost; the rerun redoes the unit.
     lines = open(path).read().splitlines(keepends=True)
     results_io.atomic_write_text(path, "".join(lines[:-1]))
@@ -202,7 +186,7 @@ class PerplexityTest(absltest.TestCase):
     evicted = [r for r in rows if r["design"] == "poisson_tail" and r["budget"] == 0.5]
     self.assertTrue(any(r["spearman_radius_increase"] is not None for r in evicted))
     # The summary: every design x budget, written atomically.
-    md = open(os.path.join(out, ppl.SUMMARY_FILE)).read()
+    md = open(os.path.join(out, streaming_loss_report.SUMMARY_FILE)).read()
     self.assertEqual(md.strip(), s["md"].strip())
     table = {(e["design"], e["budget"]): e for e in s["table"]}
     self.assertEqual(set(table), {("full", 1.0), ("poisson_tail", 0.5),
@@ -255,32 +239,35 @@ class PerplexityTest(absltest.TestCase):
     design = suite.make_design("poisson_tail", 0.5, N_SINK, WINDOW)
     kw = dict(config=self.config, capacity=CTX)
     with self.assertRaisesRegex(ValueError, "chunk"):
-      ppl.streaming_nll(self.params, tokens, ones, jax.random.PRNGKey(0), chunk=0, **kw)
+      streaming_loss.streaming_nll(self.params, tokens, ones, jax.random.PRNGKey(0), chunk=0, **kw)
     for bad in (1.5, 0.0, [0.5, -0.1]):
       with self.assertRaisesRegex(ValueError, "budget"):
-        ppl.streaming_nll(self.params, tokens, ones, jax.random.PRNGKey(0), chunk=CHUNK,
-                          design=design, budget=bad, **kw)
+        streaming_loss.streaming_nll(self.params, tokens, ones, jax.random.PRNGKey(0), chunk=CHUNK,
+                                     design=design, budget=bad, **kw)
     with self.assertRaisesRegex(ValueError, "budget needs a design"):
-      ppl.streaming_nll(self.params, tokens, ones, jax.random.PRNGKey(0), chunk=CHUNK,
-                        budget=0.5, **kw)
+      streaming_loss.streaming_nll(self.params, tokens, ones, jax.random.PRNGKey(0), chunk=CHUNK,
+                                   budget=0.5, **kw)
     with self.assertRaisesRegex(ValueError, "capacity"):
-      ppl.streaming_nll(self.params, tokens, ones, jax.random.PRNGKey(0), chunk=CHUNK,
-                        config=self.config, capacity=CTX - 1)
+      streaming_loss.streaming_nll(self.params, tokens, ones, jax.random.PRNGKey(0), chunk=CHUNK,
+                                   config=self.config, capacity=CTX - 1)
 
   def test_spearman_and_row_summary(self):
-    self.assertIsNone(ppl.spearman([0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]))
-    self.assertAlmostEqual(ppl.spearman([1.0, 2.0, 3.0, 4.0], [1.0, 4.0, 9.0, 16.0]), 1.0)
-    self.assertAlmostEqual(ppl.spearman([1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]), -1.0)
+    self.assertIsNone(streaming_loss.spearman([0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]))
+    self.assertAlmostEqual(
+        streaming_loss.spearman([1.0, 2.0, 3.0, 4.0], [1.0, 4.0, 9.0, 16.0]), 1.0)
+    self.assertAlmostEqual(
+        streaming_loss.spearman([1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]), -1.0)
     lp = -np.arange(1.0, 7.0)  # 6 tokens, chunk 2; last not scored
     sc = np.array([True] * 5 + [False])
-    full = ppl.row_summary(lp, sc, np.zeros(6), [2, 4, 6], 0, 2)
+    full = streaming_loss.row_summary(lp, sc, np.zeros(6), [2, 4, 6], 0, 2)
     self.assertEqual(full["n_scored"], 5)
     self.assertAlmostEqual(full["mean_nll"], 3.0)
     self.assertEqual(full["chunk_nll"], [1.5, 3.5, 5.0])
     self.assertEqual(full["mean_nll_after_first_chunk"], 4.0)
     self.assertEqual(full["token_nll"], [1.0, 2.0, 3.0, 4.0, 5.0])
-    ev = ppl.row_summary(lp - np.array([0, 0, 1, 2, 3, 0.0]), sc, np.array([0, 0, 1, 2, 3, 0.0]),
-                         [2, 3, 3], 0, 2, full["token_nll"])
+    ev = streaming_loss.row_summary(lp - np.array([0, 0, 1, 2, 3, 0.0]), sc,
+                                    np.array([0, 0, 1, 2, 3, 0.0]), [2, 3, 3], 0, 2,
+                                    full["token_nll"])
     self.assertAlmostEqual(ev["delta_nll"], 6.0 / 5)
     self.assertAlmostEqual(ev["delta_nll_after_first_chunk"], 2.0)
     self.assertAlmostEqual(ev["spearman_radius_increase"], 1.0)

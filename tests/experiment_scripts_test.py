@@ -9,38 +9,23 @@ only add their own summaries, which is also the resume behaviour a user
 relies on when running the experiments one after another.
 """
 
-import json
 import os
-import shutil
 import subprocess
 import sys
 
-from absl import flags
 from absl.testing import absltest
-import tokenizers
+import pytest
 
 from experiments.lib import results_io
 from experiments.lib import suite
+from tests import test_util
+
+# Child processes (each imports jax and compiles its script): end to end, slow tier.
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURE = os.path.join(ROOT, "tests", "fixtures", "tiny_llama")
 COMMON = ["--task=passkey,agent_memory", "--num_examples=2", "--context_len=24",
           "--budgets=0.5", "--designs=full,poisson_tail", "--n_runs=2", "--n_steps=3"]
-
-
-def _model_dir(d: str) -> str:
-  for f in ("config.json", "model.safetensors"):
-    shutil.copy(os.path.join(FIXTURE, f), d)
-  vocab = {"<s>": 0, "<unk>": 1}
-  for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;?!'-=()\n":
-    vocab.setdefault(c, len(vocab))
-  tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-  tk.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
-  tk.decoder = tokenizers.decoders.Fuse()
-  tk.save(os.path.join(d, "tokenizer.json"))
-  with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
-    json.dump({"bos_token": "<s>", "add_bos_token": True}, f)
-  return d
 
 
 class ExperimentScriptsTest(absltest.TestCase):
@@ -48,12 +33,12 @@ class ExperimentScriptsTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    if not flags.FLAGS.is_parsed():  # create_tempdir under plain pytest
-      flags.FLAGS.mark_as_parsed()
+    test_util.ensure_flags_parsed()  # create_tempdir under plain pytest
 
   def setUp(self):
     super().setUp()
-    self.model = _model_dir(self.create_tempdir().full_path)
+    self.model = test_util.tiny_hf_dir(self.create_tempdir().full_path,
+                                       test_util.MIXED_CASE_CHARS)
 
   def _run(self, module: str, *args) -> str:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -96,8 +81,8 @@ class ExperimentScriptsTest(absltest.TestCase):
                        "--n_steps=2", "--repeats=2", "--budgets=0.5")
     self.assertIn("Overhead per decode step", stdout)
     rows = results_io.read_rows(os.path.join(out, "overhead_rows.jsonl"))
-    from experiments import exp_overhead  # pylint: disable=g-import-not-at-top
-    self.assertEqual([r["config"] for r in rows], list(exp_overhead.ALL_CONFIGS))
+    from experiments.lib import overhead  # pylint: disable=g-import-not-at-top
+    self.assertEqual([r["config"] for r in rows], list(overhead.ALL_CONFIGS))
     self.assertIn("ratio_cert_vs_deterministic", open(os.path.join(out, "summary.md")).read())
     # A bad flag fails with the flag's name.
     env = dict(os.environ, PYTHONPATH=ROOT)

@@ -3,26 +3,17 @@
 import json
 import os
 
-from absl import flags
 from absl.testing import absltest
 from absl.testing import parameterized
 
 from experiments.lib import loaders
+from tests import test_util
+
+CharTokenizer = test_util.CharTokenizer  # one token per character; id 1 is BOS
 
 
 def setUpModule():
-  if not flags.FLAGS.is_parsed():  # under pytest (create_tempdir reads --test_tmpdir)
-    flags.FLAGS.mark_as_parsed()
-
-
-class CharTokenizer:
-  """One token per character; id 1 is BOS."""
-
-  def encode(self, text, add_bos=True):
-    return ([1] if add_bos else []) + [ord(c) + 2 for c in text]
-
-  def decode(self, ids):
-    return "".join(chr(i - 2) for i in ids if i >= 2)
+  test_util.ensure_flags_parsed()  # under pytest (create_tempdir reads --test_tmpdir)
 
 
 def _write(directory, name, records):

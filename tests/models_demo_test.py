@@ -13,8 +13,9 @@ from absl import flags
 from absl.testing import absltest
 import jax
 import numpy as np
+import pytest
 
-from experiments import demo_smollm2
+from experiments.lib import demo
 from experiments.lib import results_io
 from models import gguf_loader
 from models import llama
@@ -41,6 +42,7 @@ class DemoTest(absltest.TestCase):
     if not flags.FLAGS.is_parsed():  # under pytest (create_tempdir reads --test_tmpdir)
       flags.FLAGS.mark_as_parsed()
 
+  @pytest.mark.slow  # the demo end to end: SmolLM2's 49k vocabulary, ~6 compiles
   def test_end_to_end_schema_and_resume(self):
     tok = tokenizer_lib.tokenizer_from_gguf(gguf_loader.open_gguf(gguf_loader.smollm2_path()))
     config = LlamaConfig(vocab_size=tok.vocab_size, hidden=32, n_layers=2, n_heads=2,
@@ -49,14 +51,14 @@ class DemoTest(absltest.TestCase):
     out = self.create_tempdir().full_path
     kw = dict(context_len=16, num_examples=1, delta=0.05, seed=0, n_sink=2, window=4,
               chunk=32)
-    rows = demo_smollm2.run_demo(params, config, tok, out, ["sink_window", "poisson_tail"],
-                                 [0.5], "question_aware", **kw)
+    rows = demo.run_demo(params, config, tok, out, ["sink_window", "poisson_tail"],
+                         [0.5], "question_aware", **kw)
     self.assertLen(rows, 2)
     for r in rows:
       self.assertEqual(set(r), KEYS)
       self.assertEqual(r["regime"], "question_aware")
       self.assertTrue(0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["coverage"] <= 1.0)
-      self.assertEqual(r["n_calls"], demo_smollm2.N_STEPS * 2 * 2)  # steps, layers, heads
+      self.assertEqual(r["n_calls"], demo.N_STEPS * 2 * 2)  # steps, layers, heads
       self.assertGreaterEqual(r["full_kv_bytes"], r["kv_bytes"])
       self.assertLess(r["kept_kv_bytes"], r["kv_bytes"])
       self.assertEqual(r["n_dropped"], 0)
@@ -74,16 +76,16 @@ class DemoTest(absltest.TestCase):
     self.assertGreater(by["poisson_tail"]["median_ratio"], 0.0)
     self.assertLen(results_io.read_rows(os.path.join(out, "rows.jsonl")), 2)
     # Resume: a rerun with the same output redoes nothing.
-    again = demo_smollm2.run_demo(params, config, tok, out, ["sink_window", "poisson_tail"],
-                                  [0.5], "question_aware", **kw)
+    again = demo.run_demo(params, config, tok, out, ["sink_window", "poisson_tail"],
+                          [0.5], "question_aware", **kw)
     self.assertEqual(again, rows)
-    summary = demo_smollm2.render_summary(rows, 0.05)
+    summary = demo.render_summary(rows, 0.05)
     self.assertIn("poisson_tail", summary)
 
   def test_answer_check_and_examples(self):
-    self.assertTrue(demo_smollm2.answer_correct(" 12345.", "12345"))
-    self.assertFalse(demo_smollm2.answer_correct(" 1234.", "12345"))
-    self.assertFalse(demo_smollm2.answer_correct(" 123456", "12346"))
+    self.assertTrue(demo.answer_correct(" 12345.", "12345"))
+    self.assertFalse(demo.answer_correct(" 1234.", "12345"))
+    self.assertFalse(demo.answer_correct(" 123456", "12346"))
 
 
 if __name__ == "__main__":

@@ -11,15 +11,13 @@ import numpy as np
 
 from models import llama
 from models import rope
-from models.config import LlamaConfig
+from tests import test_util
 
-TINY = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                   ffn_dim=48)
+TINY = test_util.tiny_config(ffn_dim=48)
 
 
-@functools.lru_cache(maxsize=None)
 def _params(seed=0):
-  return llama.init_params(TINY, jax.random.PRNGKey(seed))
+  return test_util.tiny_params(TINY, seed)
 
 
 @functools.lru_cache(maxsize=None)

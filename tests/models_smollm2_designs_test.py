@@ -21,6 +21,7 @@ from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from certkv_jax import certificate
 from certkv_jax import designs
@@ -44,6 +45,8 @@ CONTEXT = (
     "on the second floor is quiet, and the children's corner is near the entrance.")
 QUESTION = " Question: when does the library close? Answer:"
 N_STEPS = 3
+# SmolLM2's real weights (30 layers), 16 compiles of generate: the slow tier.
+pytestmark = pytest.mark.slow
 
 
 CASES = [(name, regime) for regime in ("question_aware", "streaming") for name in DESIGNS]

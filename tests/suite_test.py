@@ -9,20 +9,27 @@ seconds (its accuracy is meaningless: the suite's numbers come from
 import json
 import os
 
-from absl import flags
 from absl.testing import absltest
 import numpy as np
+import pytest
 
-from experiments import exp_overhead
-from experiments import exp_theorem1
+from experiments.lib import model_loading
+from experiments.lib import overhead
 from experiments.lib import results_io
-from experiments import run_all
 from experiments.lib import suite
 from experiments.lib import suite_report
+from experiments.lib import suite_runner
+from experiments.lib import suite_settings
 from experiments.lib import tasks
+from experiments.lib import theorem1
+from experiments.lib.analyses import assumption2
+from experiments.lib.analyses import coverage
+from experiments.lib.analyses import failures
+from experiments.lib.analyses import regimes
 from models import hf_loader
+from tests import test_util
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny_llama")
+FIXTURE = test_util.TINY_LLAMA
 
 ROW_KEYS = set(suite.KEY_FIELDS) | {
     "randomized", "n_steps", "n_prompt_tokens", "answer", "text", "tokens", "correct",
@@ -60,6 +67,10 @@ PLAN = dict(
     # the full-cache pass only (one compile); designs are tested in exp_perplexity_test
     perplexity=dict(designs=("full",), budgets=(0.5,), context_len=24, chunk=8,
                     num_examples=2, n_runs=1),
+    # One (design, regime): one compile; the study itself is tested in validity_test.
+    validity=dict(designs=("poisson_tail",), regimes=("question_aware",), budgets=(0.5,),
+                  data=("text", "passkey"), context_lens=(24,), num_examples=2, n_steps=2,
+                  question_len=4, n_sink=2, window=4, chunk=8),
 )
 
 
@@ -68,20 +79,20 @@ class SuiteTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    if not flags.FLAGS.is_parsed():
-      flags.FLAGS.mark_as_parsed()
+    test_util.ensure_flags_parsed()
     cls.params, cls.config, cls.tok = _setup()
 
   def _examples(self, n=2):
     s = PLAN["settings"]
     return {t: tasks.make_task(t, self.tok, n, s["context_len"], 0) for t in s["tasks"]}
 
+  @pytest.mark.slow  # the whole suite (collection, streaming loss, report, plots)
   def test_run_all_schema_resume_and_report(self):
     out = self.create_tempdir().full_path
     plan = json.loads(json.dumps(PLAN))
     plan["settings"] = {k: tuple(v) if isinstance(v, list) else v
                         for k, v in plan["settings"].items()}
-    settings = suite.Settings(model="tiny", **plan["settings"]).check()
+    settings = suite_settings.Settings(model="tiny", **plan["settings"]).check()
     n_units = len(suite._units(settings))  # pylint: disable=protected-access
     self.assertEqual(n_units, 1 + 2 + 2)  # full; poisson_tail x2 in each regime
     expected = suite.expected_row_count(settings)
@@ -92,14 +103,14 @@ class SuiteTest(absltest.TestCase):
     kw = dict(model="tiny", command="test", examples_by_task=self._examples(),
               log=logs.append, text=text)
     # Interrupted after 2 units: partial rows, no report.
-    res = run_all.run_suite(self.params, self.config, self.tok, out, plan, max_units=2, **kw)
+    res = suite_runner.run_suite(self.params, self.config, self.tok, out, plan, max_units=2, **kw)
     self.assertFalse(res["complete"])
     partial = results_io.read_rows(os.path.join(out, "rows.jsonl"))
     self.assertTrue(0 < len(partial) < expected)
     # Drop the last row (a unit killed half-way), then resume.
     lines = open(os.path.join(out, "rows.jsonl")).read().splitlines(keepends=True)
     results_io.atomic_write_text(os.path.join(out, "rows.jsonl"), "".join(lines[:-1]))
-    res = run_all.run_suite(self.params, self.config, self.tok, out, plan, **kw)
+    res = suite_runner.run_suite(self.params, self.config, self.tok, out, plan, **kw)
     self.assertTrue(res["complete"])
     rows = results_io.read_rows(os.path.join(out, "rows.jsonl"))
     self.assertLen(rows, expected)
@@ -111,7 +122,7 @@ class SuiteTest(absltest.TestCase):
       self.assertEqual(by_key[results_io.row_key(r, suite.KEY_FIELDS)], r)
     for r in rows:
       self.assertEqual(set(r), ROW_KEYS, r["design"])
-      self.assertEqual(set(r["coverage"]), {str(d) for d in suite.DELTAS})
+      self.assertEqual(set(r["coverage"]), {str(d) for d in suite_settings.DELTAS})
       self.assertLen(r["cov_layer"], self.config.n_layers)
       self.assertLen(r["cov_head"], self.config.n_heads)
       self.assertLen(r["tokens"], 3)
@@ -120,11 +131,13 @@ class SuiteTest(absltest.TestCase):
         self.assertLess(r["mean_err"], 1e-5)
     # Every unit of the rerun was skipped on a third call.
     logs.clear()
-    run_all.run_suite(self.params, self.config, self.tok, out, plan, **kw)
+    suite_runner.run_suite(self.params, self.config, self.tok, out, plan, **kw)
     self.assertIn("0 of 5 units to run", logs[0])
     self.assertLen(results_io.read_rows(os.path.join(out, "rows.jsonl")), expected)
     report = open(os.path.join(out, "report.md")).read()
     self.assertIn("## Streaming loss under eviction", report)
+    self.assertIn("## Validity of the certificate, raw and calibrated", report)
+    self.assertTrue(os.path.exists(os.path.join(out, "validity", "summary.json")))
     self.assertLen(results_io.read_rows(os.path.join(out, "perplexity_rows.jsonl")), 2)
     for claim in ("coverage of realised error", "attribution AUC, certificate",
                   "attribution AUC, two-run disagreement", "failure prediction",
@@ -146,8 +159,9 @@ class SuiteTest(absltest.TestCase):
     rows = {}
     for mb in (0, 3):
       out = self.create_tempdir().full_path
-      got = suite.collect(self.params, self.config, self.tok, suite.Settings(max_batch=mb, **kw),
-                          out, examples_by_task=self._examples(), log=lambda s: None)
+      got = suite.collect(self.params, self.config, self.tok,
+                          suite_settings.Settings(max_batch=mb, **kw), out,
+                          examples_by_task=self._examples(), log=lambda s: None)
       rows[mb] = {results_io.row_key(r, suite.KEY_FIELDS): r for r in got}
     self.assertLen(rows[3], 2 * 2 * (1 + 2))
     self.assertEqual(set(rows[0]), set(rows[3]))
@@ -157,33 +171,33 @@ class SuiteTest(absltest.TestCase):
       self.assertAlmostEqual(r["mean_err"], s["mean_err"], delta=1e-5)
       self.assertAlmostEqual(r["mean_logprob"], s["mean_logprob"], delta=1e-4)
     with self.assertRaisesRegex(ValueError, "--max_batch"):
-      suite.Settings(max_batch=-1).check()
+      suite_settings.Settings(max_batch=-1).check()
 
   def test_theorem1_deterministic_is_blind(self):
     out = self.create_tempdir().full_path
     exs = self._examples(1)["passkey"]
     kw = dict(model="tiny", task="passkey", context_len=24, n_draws=1, n_steps=2, n_sink=2,
               window=4, log=lambda s: None)
-    rows = exp_theorem1.run_theorem1(self.params, self.config, exs, ["snapkv"], 0.5, out, **kw)
+    rows = theorem1.run_theorem1(self.params, self.config, exs, ["snapkv"], 0.5, out, **kw)
     self.assertLen(rows, 1)
     r = rows[0]
     self.assertGreater(r["n_perturbed"], 0)
     self.assertTrue(r["kept_set_identical"] and r["retained_identical"]
                     and r["tokens_identical"] and r["radius_identical"], r)
     self.assertNotEqual(r["err_orig"], r["err_pert"])  # ... while the truth moved
-    again = exp_theorem1.run_theorem1(self.params, self.config, exs, ["snapkv"], 0.5, out,
-                                      **kw)
+    again = theorem1.run_theorem1(self.params, self.config, exs, ["snapkv"], 0.5, out,
+                                  **kw)
     self.assertEqual(again, rows)  # resumed: nothing redone
-    self.assertIn("snapkv", exp_theorem1.summarize(rows)["md"])
+    self.assertIn("snapkv", theorem1.summarize(rows)["md"])
 
   def test_overhead_rows(self):
     out = self.create_tempdir().full_path
     exs = self._examples(1)["passkey"]
-    rows = exp_overhead.run_overhead(self.params, self.config, exs, out, model="tiny",
-                                     budget=0.5, n_steps=2, repeats=2,
-                                     configs=("full", "randomized+certificate",
-                                              "randomized+certificate/layers+heads"),
-                                     log=lambda s: None)
+    rows = overhead.run_overhead(self.params, self.config, exs, out, model="tiny",
+                                 budget=0.5, n_steps=2, repeats=2,
+                                 configs=("full", "randomized+certificate",
+                                          "randomized+certificate/layers+heads"),
+                                 log=lambda s: None)
     self.assertEqual([r["config"] for r in rows], ["full", "randomized+certificate",
                                                    "randomized+certificate/layers+heads"])
     full, cert, sub = rows
@@ -194,54 +208,42 @@ class SuiteTest(absltest.TestCase):
     self.assertLess(cert["cache_bytes"]["kv"], full["cache_bytes"]["kv"])
     self.assertLen(cert["per_step_ms"], 2)
     with self.assertRaisesRegex(ValueError, "configs"):
-      exp_overhead.run_overhead(self.params, self.config, exs, out, model="tiny",
-                                configs=("nope",))
+      overhead.run_overhead(self.params, self.config, exs, out, model="tiny",
+                            configs=("nope",))
 
   def test_script_flags_and_errors(self):
     with self.assertRaisesRegex(ValueError, "--designs"):
-      suite.Settings(designs=("nope",)).check()
+      suite_settings.Settings(designs=("nope",)).check()
     with self.assertRaisesRegex(ValueError, "--budgets"):
-      suite.Settings(budgets=(1.5,)).check()
+      suite_settings.Settings(budgets=(1.5,)).check()
     with self.assertRaisesRegex(ValueError, "--task"):
-      suite.Settings(tasks=("nope",)).check()
+      suite_settings.Settings(tasks=("nope",)).check()
     with self.assertRaisesRegex(ValueError, "tokenizer.json"):
-      suite.load_model(FIXTURE)  # the fixture has no tokenizer
+      model_loading.load_model(FIXTURE)  # the fixture has no tokenizer
     with self.assertRaisesRegex(ValueError, "--model"):
-      suite.load_model("/nonexistent/dir")
-    plan = run_all.with_overrides(run_all.FULL, num_examples=8, context_len=256)
+      model_loading.load_model("/nonexistent/dir")
+    plan = suite_runner.with_overrides(suite_runner.FULL, num_examples=8, context_len=256)
     self.assertEqual((plan["settings"]["num_examples"], plan["settings"]["context_len"]),
                      (8, 256))
     self.assertEqual((plan["perplexity"]["num_examples"], plan["perplexity"]["context_len"]),
                      (8, 256))
-    self.assertEqual(run_all.FULL["settings"]["num_examples"], 24)  # the plan is not mutated
-    self.assertEqual(run_all.with_overrides(run_all.QUICK), run_all.QUICK)
+    self.assertEqual(suite_runner.FULL["settings"]["num_examples"], 24)  # the plan is not mutated
+    self.assertEqual(suite_runner.with_overrides(suite_runner.QUICK), suite_runner.QUICK)
     with self.assertRaisesRegex(ValueError, "--context_len must be a positive int"):
-      run_all.with_overrides(run_all.QUICK, context_len=0)
+      suite_runner.with_overrides(suite_runner.QUICK, context_len=0)
 
   def test_hf_directory_with_tokenizer_json(self):
-    import shutil  # pylint: disable=g-import-not-at-top
-    import tokenizers  # pylint: disable=g-import-not-at-top
-    d = self.create_tempdir().full_path
-    for f in ("config.json", "model.safetensors"):
-      shutil.copy(os.path.join(FIXTURE, f), d)
-    vocab = {"<s>": 0, "<unk>": 1}
-    for c in "abcdefghijklmnopqrstuvwxyz0123456789 .,:?\n":
-      vocab.setdefault(c, len(vocab))
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
-    tk.decoder = tokenizers.decoders.Fuse()
-    tk.save(os.path.join(d, "tokenizer.json"))
-    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
-      json.dump({"bos_token": "<s>", "add_bos_token": True}, f)
-    params, config, tok = suite.load_model(d)
+    d = test_util.tiny_hf_dir(self.create_tempdir().full_path, test_util.LOWER_CHARS)
+    n_vocab = 2 + len(test_util.LOWER_CHARS)  # <s>, <unk>, the characters
+    params, config, tok = model_loading.load_model(d)
     self.assertEqual(config.n_layers, self.config.n_layers)
     self.assertIsNotNone(params)
     ids = tok.encode("pass key 123.")
     self.assertEqual(ids[0], 0)
     self.assertEqual(tok.decode(ids[1:]), "pass key 123.")
-    self.assertEqual(suite.model_name(d + "/"), os.path.basename(d))
+    self.assertEqual(model_loading.model_name(d + "/"), os.path.basename(d))
     ex = tasks.make_task("passkey", tok, 1, 32, 0)[0]  # no chat template: plain prompt
-    self.assertTrue(all(0 <= i < len(vocab) for i in ex.context_ids))
+    self.assertTrue(all(0 <= i < n_vocab for i in ex.context_ids))
 
   def test_analyses_on_known_rows(self):
     def row(design, run, ex, correct, tokens, cert, lp, budget=0.25, regime="streaming"):
@@ -256,13 +258,13 @@ class SuiteTest(absltest.TestCase):
                       regime="question_aware"))
       rows.append(row("poisson_tail", 0, i, ev[i], [1, 2], float(i), -float(i)))
       rows.append(row("poisson_tail", 1, i, ev[i], [1, 2] if i % 2 else [1, 3], 0.0, 0.0))
-    dis = suite_report.disagreement(rows)
+    dis = failures.disagreement(rows)
     self.assertEqual(dis[("streaming", 0.25, "t", 0)], 0.5)
     self.assertEqual(dis[("streaming", 0.25, "t", 1)], 0.0)
-    sel, a = suite_report._failure_table(rows)  # pylint: disable=protected-access
+    sel, a = failures._failure_table(rows)  # pylint: disable=protected-access
     self.assertLen(sel, 6)
     np.testing.assert_array_equal(a["full"], full)
-    out = suite_report.failure_analysis(rows)
+    out = failures.failure_analysis(rows)
     # failure AUC of cert = i: failures at 0, 2, 3, 4 vs successes at 1, 5.
     from experiments.lib import stats  # pylint: disable=g-import-not-at-top
     self.assertAlmostEqual(out["failure_auc"]["certificate"][0],
@@ -270,6 +272,50 @@ class SuiteTest(absltest.TestCase):
     self.assertAlmostEqual(out["attribution_auc"]["certificate"][0],
                            stats.attribution_auc(np.arange(6.0), full, ev))
     self.assertIn("gating_streaming", out)
+
+  def test_coverage_assumption2_and_regimes_on_known_rows(self):
+    # The three analyses the (slow) run_all test reaches through real rows, on
+    # hand-made rows whose answers are known.
+    plot_dir = self.create_tempdir().full_path
+    rng = np.random.default_rng(0)
+    rows = []
+    for budget in (0.25, 0.5):
+      for ex in range(4):
+        err = rng.uniform(0.0, 1.0, 5)
+        rows.append(dict(
+            task="t", example=ex, design="poisson_tail", run=0, randomized=True,
+            regime="streaming", budget=budget, coverage={"0.05": float(ex % 2), "0.1": 1.0},
+            sharpness=1.5, mean_err=0.1, mean_radius=0.2, cov_layer=[1.0, 0.5],
+            cov_head=[0.5, 1.0], sample=dict(err=err.tolist(), radius=[0.5] * 5,
+                                             R=rng.uniform(0.5, 4.0, 5).tolist(),
+                                             m=[2.0] * 5, n_tail=[6.0] * 5)))
+    cov = coverage.coverage_analysis(rows, plot_dir)
+    by = {(b["budget"], b["delta"]): b["coverage"][0] for b in cov["by"]}
+    self.assertEqual(by, {(0.25, 0.05): 0.5, (0.25, 0.1): 1.0, (0.5, 0.05): 0.5,
+                          (0.5, 0.1): 1.0})
+    self.assertAlmostEqual(cov["claims"][0]["ci"][0], 0.5)
+    self.assertLen(cov["claims"], 3)  # all budgets, then each budget
+    self.assertIn("| poisson_tail | 1.00 0.50 | 0.500 |", cov["md"])  # per layer
+    a2 = assumption2.assumption2_analysis(rows, plot_dir)["designs"]["poisson_tail"]
+    r_all = np.concatenate([r["sample"]["R"] for r in rows])
+    hit = np.concatenate([np.asarray(r["sample"]["err"]) <= 0.5 for r in rows])
+    self.assertEqual(a2["n_calls"], 40)
+    self.assertAlmostEqual(a2["R_max"], float(r_all.max()))
+    self.assertEqual(a2["coverage_by_R"]["count"], [40])  # 40 calls: one bin
+    self.assertAlmostEqual(a2["coverage_by_R"]["coverage"][0], float(hit.mean()))
+    for png in ("coverage.png", "error_vs_radius.png", "r_audit_poisson_tail.png"):
+      self.assertTrue(os.path.exists(os.path.join(plot_dir, png)), png)
+    # Regimes: damage = full-cache correctness - evicted correctness, per example.
+    full, qa, st = [1, 1, 0, 1], [1, 0, 0, 1], [0, 0, 0, 1]
+    rows = [dict(task="t", example=i, design="full", run=0, regime="question_aware",
+                 budget=1.0, correct=bool(full[i])) for i in range(4)]
+    for regime, ok in (("question_aware", qa), ("streaming", st)):
+      rows += [dict(task="t", example=i, design="snapkv", run=0, regime=regime, budget=0.5,
+                    correct=bool(ok[i])) for i in range(4)]
+    reg = regimes.regimes_analysis(rows)
+    damage = {e["regime"]: e["damage"][0] for e in reg["table"]}
+    self.assertEqual(damage, {"question_aware": 0.25, "streaming": 0.5})
+    self.assertEqual([c["ci"][0] for c in reg["claims"]], [0.25, 0.25])  # qa; streaming - qa
 
 
 class TheoremAndOverheadTest(absltest.TestCase):
@@ -279,17 +325,17 @@ class TheoremAndOverheadTest(absltest.TestCase):
                  tokens_identical=True,
                  radius_identical=True, err_orig=0.1, err_pert=0.3, mean_radius=0.0,
                  coverage_orig=0.0, coverage_pert=0.0)]
-    s = exp_theorem1.summarize(rows)
+    s = theorem1.summarize(rows)
     self.assertAlmostEqual(s["designs"]["snapkv"]["rel_err_change"], 2.0)
     ov = [dict(config=c, design=c, capacity=8, per_step_ms=[m, m], median_ms=m, batch=1,
                prompt_len=10, n_steps=2, budget=0.5, cache_bytes={"kv": 1, "metadata": 1})
-          for c, m in zip(exp_overhead.ALL_CONFIGS, (1.0, 2.0, 3.0, 4.0, 3.5, 3.2, 3.1))]
-    s = exp_overhead.summarize(ov)
+          for c, m in zip(overhead.ALL_CONFIGS, (1.0, 2.0, 3.0, 4.0, 3.5, 3.2, 3.1))]
+    s = overhead.summarize(ov)
     self.assertAlmostEqual(s["ratio_cert_vs_deterministic"][0], 2.0)
     self.assertAlmostEqual(s["ratio_randomized+certificate/layers_vs_randomized"][0], 3.5 / 3)
     self.assertIn("randomized+certificate/layers+heads", s["md"])
     del ov[-1]  # a missing subsampled configuration is left out, not an error
-    self.assertNotIn("randomized+certificate/layers+heads", exp_overhead.summarize(ov)["md"])
+    self.assertNotIn("randomized+certificate/layers+heads", overhead.summarize(ov)["md"])
     self.assertEqual(suite_report.overhead_claims(s)[0]["verdict"], "reproduced")
 
 

@@ -7,16 +7,9 @@ from absl.testing import parameterized
 
 from experiments.lib import tasks
 from models import gguf_loader
+from tests import test_util
 
-
-class CharTokenizer:
-  """One token per character; id 1 is BOS. Exact round trip."""
-
-  def encode(self, text, add_bos=True):
-    return ([1] if add_bos else []) + [ord(c) + 2 for c in text]
-
-  def decode(self, ids):
-    return "".join(chr(i - 2) for i in ids if i >= 2)
+CharTokenizer = test_util.CharTokenizer  # one token per character; id 1 is BOS
 
 
 class WordTokenizer:

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from experiments.lib import results_io
-from experiments import train_synthetic
+from experiments.lib import train_synthetic
 
 SMALL = dict(batch=16, n_pairs=4, n_keys=16, n_values=16, layers=2, hidden=32, heads=4,
              kv_heads=2, lr=1e-2, checkpoint_every=5, log_every=1, seed=3,

@@ -1,0 +1,154 @@
+"""certkv_jax.robust_calibration: radius-binned, source-robust conformal scales.
+
+Synthetic calls with a known law: the error is ``radius * |N(0, sigma^2)|``
+with ``sigma`` depending on the source and on the radius bin, so that the
+exact scale that covers each (source, bin) at 1 - delta is known:
+``sigma * z`` with ``z`` the (1 - delta / 2) normal quantile.
+"""
+
+import math
+import os
+import tempfile
+
+from absl.testing import absltest
+import numpy as np
+from scipy import stats as sp_stats
+
+from certkv_jax import robust_calibration as rc
+
+DELTA = 0.05
+Z = sp_stats.norm.ppf(1 - DELTA / 2)  # |N(0,1)| quantile at 1 - delta
+
+
+def _calls(rng, n, sigma_small, sigma_large, source):
+  """n calls: radius log-uniform on [0.1, 10]; sigma_small below radius 1, else sigma_large."""
+  radius = np.exp(rng.uniform(np.log(0.1), np.log(10.0), n))
+  sigma = np.where(radius < 1.0, sigma_small, sigma_large)
+  err = radius * np.abs(rng.normal(size=n)) * sigma
+  return err, radius, np.full(n, source)
+
+
+class RobustScalesTest(absltest.TestCase):
+
+  def test_max_over_sources_covers_each_source_per_bin(self):
+    # Two sources with different laws; bins split at radius 1 (edges given).
+    rng = np.random.default_rng(0)
+    n = 4000  # per source; 2000 per bin
+    e1, r1, s1 = _calls(rng, n, 0.5, 1.0, "a")
+    e2, r2, s2 = _calls(rng, n, 1.5, 0.3, "b")
+    scales, counts = rc.robust_scales(np.r_[e1, e2], np.r_[r1, r2], np.r_[s1, s2], [1.0], DELTA)
+    self.assertEqual(counts.shape, (2, 2))
+    # Exact scales: bin 0 -> max(0.5, 1.5) z, bin 1 -> max(1.0, 0.3) z. The conformal
+    # quantile of 2000 draws of |N| has sd about sqrt(p(1-p)/n)/f(z) * sigma ~ 0.05 sigma
+    # (p = 0.95, f = 2 phi(z) = 0.117): 4 sd = 0.2 sigma, relative 0.1.
+    np.testing.assert_allclose(scales, [1.5 * Z, 1.0 * Z], rtol=0.1)
+    # Held out: fresh draws of each source are covered at >= 1 - delta in each bin
+    # (binomial sd of coverage over 20000 draws: 0.0015; the conformal level exceeds
+    # 1 - delta; allow 4 sd below).
+    for sig_s, sig_l in ((0.5, 1.0), (1.5, 0.3)):
+      e, r, _ = _calls(rng, 40000, sig_s, sig_l, "x")
+      covered = e <= scales[(r >= 1.0).astype(int)] * r
+      for b in (0, 1):
+        m = (r >= 1.0) == b
+        self.assertGreaterEqual(covered[m].mean(), 1 - DELTA - 4 * 0.0015)
+    # Power: a single pooled scale (no bins, no max) under-covers source b's small bin.
+    pooled = np.quantile(np.r_[e1, e2] / np.r_[r1, r2], 1 - DELTA)
+    e, r, _ = _calls(rng, 40000, 1.5, 0.3, "x")
+    m = r < 1.0
+    self.assertLess(np.mean(e[m] <= pooled * r[m]), 1 - DELTA - 0.05)
+
+  def test_mixture_of_sources_is_covered(self):
+    rng = np.random.default_rng(1)
+    e1, r1, s1 = _calls(rng, 3000, 0.5, 1.0, "a")
+    e2, r2, s2 = _calls(rng, 3000, 1.5, 0.3, "b")
+    edges = rc.bin_edges(np.r_[r1, r2], 4)
+    scales, _ = rc.robust_scales(np.r_[e1, e2], np.r_[r1, r2], np.r_[s1, s2], edges, DELTA)
+    # A 30/70 mixture of fresh draws: coverage >= 1 - delta - 4 sd (sd 0.0015).
+    ea, ra, _ = _calls(rng, 6000, 0.5, 1.0, "a")
+    eb, rb, _ = _calls(rng, 14000, 1.5, 0.3, "b")
+    e, r = np.r_[ea, eb], np.r_[ra, rb]
+    bins = np.searchsorted(edges, r, side="right")
+    self.assertGreaterEqual(np.mean(e <= scales[bins] * r), 1 - DELTA - 4 * 0.0015)
+
+  def test_too_few_calls_give_infinite_scale_not_a_guess(self):
+    e = np.ones(10)
+    r = np.ones(10)
+    scales, counts = rc.robust_scales(e, r, np.array(["a"] * 10), [], DELTA)  # 10 < 19
+    self.assertTrue(np.isinf(scales).all())
+    self.assertEqual(counts.tolist(), [[10]])
+
+  def test_bad_input(self):
+    with self.assertRaisesRegex(ValueError, "one length"):
+      rc.robust_scales(np.ones(3), np.ones(4), np.array(["a"] * 3), [], DELTA)
+    with self.assertRaisesRegex(ValueError, "radii"):
+      rc.bin_edges([np.nan, 1.0], 2)
+    with self.assertRaisesRegex(ValueError, "n_bins"):
+      rc.bin_edges([1.0, 2.0], 0)
+
+
+class BinnedCalibrationTest(absltest.TestCase):
+
+  def _fit(self):
+    rng = np.random.default_rng(2)
+    e1, r1, s1 = _calls(rng, 2000, 0.5, 1.0, "text")
+    e2, r2, s2 = _calls(rng, 2000, 1.5, 0.3, "passkey")
+    e, r, s = np.r_[e1, e2], np.r_[r1, r2], np.r_[s1, s2]
+    n = e.size
+    regimes = np.where(np.arange(n) % 2 == 0, "streaming", "question_aware")
+    budgets = np.where(np.arange(n) % 3 == 0, 0.25, 0.5)
+    radii = np.stack([r, 1.3 * r])
+    return rc.fit(e, radii, regimes_per_call=regimes, budgets_per_call=budgets,
+                  sources_per_call=s, regimes=("question_aware", "streaming"),
+                  budgets=(0.25, 0.5), deltas=(0.05, 0.1), model="m", design="poisson_tail",
+                  n_bins=4)
+
+  def test_round_trip_and_radius(self):
+    cal = self._fit()
+    self.assertEqual(cal.scales.shape, (2, 2, 2, 4))
+    self.assertEqual(cal.edges.shape, (2, 2, 2, 3))
+    self.assertEqual(cal.data, ("passkey", "text"))
+    with tempfile.TemporaryDirectory() as d:
+      path = os.path.join(d, "cal")
+      rc.save(path, cal)
+      with self.assertRaises(FileExistsError):
+        rc.save(path, cal)
+      back = rc.load(path)
+    for k in ("scales", "edges", "n_calls"):
+      np.testing.assert_array_equal(getattr(back, k), getattr(cal, k))
+    for k in ("regimes", "budgets", "deltas", "data", "model", "design", "created"):
+      self.assertEqual(getattr(back, k), getattr(cal, k))
+    raw = np.array([0.05, 0.5, 5.0, 50.0])
+    got = np.asarray(back.radius(raw, model="m", design="poisson_tail", regime="streaming",
+                                 budget=0.25, delta=0.05))
+    edges, scales = cal.edges[1, 0, 0], cal.scales[1, 0, 0]
+    want = scales[np.searchsorted(edges, raw, side="right")] * raw
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+  def test_misuse_names_the_field(self):
+    cal = self._fit()
+    ok = dict(model="m", design="poisson_tail", regime="streaming", budget=0.25, delta=0.05)
+    for field, bad in (("model", "other"), ("design", "snapkv"), ("regime", "chat"),
+                       ("budget", 0.125), ("delta", 0.01)):
+      with self.subTest(field=field):
+        with self.assertRaisesRegex(ValueError, field):
+          cal.radius(np.ones(2), **dict(ok, **{field: bad}))
+    with self.assertRaisesRegex(ValueError, "regime 'streaming', budget 0.125"):
+      rc.fit(np.ones(40), np.ones((1, 40)), regimes_per_call=np.array(["streaming"] * 40),
+             budgets_per_call=np.full(40, 0.25), sources_per_call=np.array(["a"] * 40),
+             regimes=("streaming",), budgets=(0.125,), deltas=(0.05,), model="m", design="d")
+
+  def test_load_rejects_other_artifacts(self):
+    from certkv_jax import calibration_store  # pylint: disable=g-import-not-at-top
+    with tempfile.TemporaryDirectory() as d:
+      with self.assertRaises(FileNotFoundError):
+        rc.load(os.path.join(d, "missing"))
+      path = os.path.join(d, "percall")
+      calibration_store.write_checkpoint(path, {"x": np.zeros(2)},
+                                         {"kind": "something else", "format_version": 1})
+      with self.assertRaisesRegex(ValueError, "robust_calibration"):
+        rc.load(path)
+    self.assertTrue(math.isfinite(Z))
+
+
+if __name__ == "__main__":
+  absltest.main()

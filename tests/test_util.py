@@ -1,0 +1,89 @@
+"""Helpers shared by the tests: the tiny fixtures, stub tokenizers, tiny models.
+
+Imported as ``from tests import test_util``: setup.cfg puts the repository root
+on pytest's path; a test file run on its own runs from the root as
+``python -m tests.suite_test`` (or with ``PYTHONPATH=.``). Heavy imports (jax, models, tokenizers) happen inside the
+functions that need them, so tests that use only the stub tokenizers stay light.
+"""
+
+import functools
+import json
+import os
+import shutil
+
+from absl import flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+# A random-weight Llama (2 layers, 2 heads, vocabulary 128) in Hugging Face format.
+TINY_LLAMA = os.path.join(FIXTURES, "tiny_llama")
+
+# Character sets of the tiny tokenizer.json files (ids 0 and 1 are <s> and <unk>;
+# every set stays under the fixture's vocabulary of 128).
+LOWER_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:?\n"
+MIXED_CASE_CHARS = ("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+                    " .,:;?!'-=()\n")
+
+
+def ensure_flags_parsed():
+  """Marks absl flags parsed under pytest (``create_tempdir`` reads --test_tmpdir)."""
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
+class CharTokenizer:
+  """One token per character; id 1 is BOS. Exact round trip."""
+
+  def encode(self, text, add_bos=True):
+    return ([1] if add_bos else []) + [ord(c) + 2 for c in text]
+
+  def decode(self, ids):
+    return "".join(chr(i - 2) for i in ids if i >= 2)
+
+
+def tiny_hf_dir(directory, chars=LOWER_CHARS, lowercase=False):
+  """Writes the tiny Llama fixture with a character-level ``tokenizer.json`` to ``directory``.
+
+  A Hugging Face-style model directory (config, weights, tokenizer, BOS added),
+  loadable by ``experiments.lib.suite.load_model`` like any real one.
+
+  Args:
+    directory: an existing directory; the files are written into it.
+    chars: the characters of the vocabulary (ids from 2 on; others map to <unk>).
+    lowercase: whether the tokenizer lowercases its input first.
+
+  Returns:
+    ``directory``.
+  """
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  for f in ("config.json", "model.safetensors"):
+    shutil.copy(os.path.join(TINY_LLAMA, f), directory)
+  vocab = {"<s>": 0, "<unk>": 1}
+  for c in chars:
+    vocab.setdefault(c, len(vocab))
+  tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+  if lowercase:
+    tk.normalizer = tokenizers.normalizers.Lowercase()
+  tk.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+  tk.decoder = tokenizers.decoders.Fuse()
+  tk.save(os.path.join(directory, "tokenizer.json"))
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump({"bos_token": "<s>", "add_bos_token": True}, f)
+  return directory
+
+
+def tiny_config(**overrides):
+  """A tiny random Llama config (vocabulary 64, 2 layers, 4 heads, 2 KV heads)."""
+  from models.config import LlamaConfig  # pylint: disable=g-import-not-at-top
+  kw = dict(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+            ffn_dim=64)
+  kw.update(overrides)
+  return LlamaConfig(**kw)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_params(config, seed=0):
+  """Random parameters of ``config`` (cached: a test file initialises each once)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from models import llama  # pylint: disable=g-import-not-at-top
+  return llama.init_params(config, jax.random.PRNGKey(seed))

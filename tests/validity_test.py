@@ -1,0 +1,218 @@
+"""The validity study (experiments.lib.validity*) and the calibrate command, on tiny models."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest
+import jax
+import numpy as np
+import pytest
+
+from certkv_jax import robust_calibration
+from certkv_jax import signals as signals_lib
+from experiments.lib import model_loading
+from experiments.lib import validity
+from experiments.lib import validity_calls
+from experiments.lib import validity_collect
+from experiments.lib import validity_report
+from models import decode
+from tests import test_util
+
+TEXT = ("the quick brown fox jumps over the lazy dog. " * 40)
+
+
+def _plan(**kw):
+  base = dict(designs=("poisson_tail",), regimes=("question_aware", "streaming"),
+              budgets=(0.25, 0.5), data=("text", "passkey"), context_lens=(64,),
+              num_examples=2, n_steps=2, question_len=4, window=4, n_sink=2, chunk=16,
+              model="tiny")
+  base.update(kw)
+  return validity_collect.Plan(**base)
+
+
+class PlanTest(absltest.TestCase):
+
+  def test_bad_values_name_the_flag(self):
+    for kw, flag in ((dict(designs=("snapkv",)), "--designs"), (dict(data=("nope",)), "--data"),
+                     (dict(budgets=(1.0,)), "--budgets"), (dict(regimes=("x",)), "--regimes"),
+                     (dict(context_lens=(4,)), "--context_lens"),
+                     (dict(num_examples=0), "--num_examples"),
+                     (dict(designs_at=((128, ("poisson_tail",)),)), "designs_at")):
+      with self.subTest(flag=flag):
+        with self.assertRaisesRegex(ValueError, flag):
+          _plan(**kw).check()
+
+  def test_units_respect_subsets(self):
+    plan = _plan(designs=("poisson_tail", "attention_proportional"), context_lens=(64, 128),
+                 designs_at=((128, ("poisson_tail",)),), data_at=((128, ("text",)),)).check()
+    units = plan.units()
+    self.assertNotIn((64, "streaming", "attention_proportional", "text"), units)
+    self.assertIn((64, "question_aware", "attention_proportional", "passkey"), units)
+    self.assertEqual([u for u in units if u[0] == 128],
+                     [(128, "question_aware", "poisson_tail", "text"),
+                      (128, "streaming", "poisson_tail", "text")])
+
+  def test_text_examples_are_consecutive_and_checked(self):
+    tok = test_util.CharTokenizer()
+    exs = validity_collect.text_examples(tok, "abcdefghij" * 10, 2, 20, 3)
+    self.assertLen(exs, 2)
+    self.assertEqual(exs[0].context_ids[0], 1)  # BOS
+    self.assertLen(exs[0].context_ids, 20)
+    self.assertEqual(tok.decode(exs[0].question_ids), tok.decode(
+        tok.encode("abcdefghij" * 10, add_bos=False)[19:22]))
+    self.assertEqual(exs[1].meta["segment"], 1)
+    with self.assertRaisesRegex(ValueError, "too few"):
+      validity_collect.text_examples(tok, "abc", 2, 20, 3, source="short.txt")
+
+
+class SignalsInGenerationTest(absltest.TestCase):
+
+  def test_evaluation_mode_reports_signals(self):
+    config = test_util.tiny_config()
+    params = test_util.tiny_params(config)
+    from certkv_jax import designs  # pylint: disable=g-import-not-at-top
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 40), 2, config.vocab_size)
+    mask = np.ones((2, 40), bool)
+    gen = decode.generate(params, tokens, mask, jax.random.PRNGKey(1), config=config,
+                          capacity=48, n_steps=3, design=designs.poisson_tail(0.5, n_sink=2,
+                                                                              window=4),
+                          evaluate=True)
+    shape = gen.var_hat.shape  # [steps, layers, batch, heads]
+    for k in signals_lib.Signals._fields:
+      if k in ("var_hat", "range_hat"):
+        continue
+      a = np.asarray(getattr(gen, k))
+      self.assertEqual(a.shape, shape, k)
+      self.assertTrue(np.all(np.isfinite(a)), k)
+    ess = np.asarray(gen.ess)
+    self.assertTrue(np.all(ess >= 1.0 - 1e-4))
+    self.assertTrue(np.all(np.asarray(gen.range_ratio) <= 1.0 + 1e-4))
+    plain = decode.generate(params, tokens, mask, jax.random.PRNGKey(1), config=config,
+                            capacity=48, n_steps=3,
+                            design=designs.poisson_tail(0.5, n_sink=2, window=4))
+    self.assertIsNone(plain.ess)  # normal mode computes no signals
+    np.testing.assert_array_equal(plain.tokens, gen.tokens)
+
+
+class ValidityEndToEndTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    test_util.ensure_flags_parsed()
+    cls.model_dir = test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="validity_model_"))
+    cls.model = model_loading.load_model(cls.model_dir)
+
+  def test_run_writes_summary_artifact_and_resumes(self):
+    out = self.create_tempdir().full_path
+    plan = _plan()
+    logs = []
+    summary = validity.run(*self.model, plan, out, text=TEXT, log=logs.append)
+    with open(os.path.join(out, "summary.json")) as f:
+      on_disk = json.load(f)
+    self.assertEqual(on_disk["default"]["design"], "poisson_tail")
+    self.assertEqual(on_disk["default"]["radius"], "calibrated")
+    self.assertEqual(on_disk["default"]["calibrated_on"], ["passkey", "text"])
+    self.assertEqual(on_disk["default"]["artifact"], "calibration")
+    cells = on_disk["cells"]
+    # raw cells: 2 budgets x 2 regimes x 2 data; calibrated: the same, held out.
+    self.assertLen([c for c in cells if c["radius"] == "raw"], 8)
+    cal = [c for c in cells if c["radius"] == "calibrated"]
+    self.assertLen(cal, 8)
+    for c in cells:
+      for key in ("design", "radius", "budget", "regime", "data", "held_out", "context_len",
+                  "n_calls", "coverage", "coverage_ci", "sharpness", "m_median", "R_median"):
+        self.assertIn(key, c)
+      self.assertEqual(set(c["coverage"]), {"0.01", "0.05", "0.1"})
+      lo, hi = c["coverage_ci"]["0.05"]
+      self.assertLessEqual(lo, c["coverage"]["0.05"] + 1e-12)
+      self.assertGreaterEqual(hi, c["coverage"]["0.05"] - 1e-12)
+    for c in cal + on_disk["alternative_cells"]:  # never scored by its own data
+      self.assertNotIn(c["data"], c["calibrated_on"])
+    self.assertLen(on_disk["alternative_cells"], 16)  # 2 schemes x 8 cells
+    self.assertEqual([c["coverage"] for c in summary["cells"]],
+                     [c["coverage"] for c in on_disk["cells"]])
+    self.assertTrue(os.path.exists(os.path.join(out, "report.md")))
+    calib = robust_calibration.load(os.path.join(out, "calibration"))
+    self.assertEqual(calib.design, "poisson_tail")
+    self.assertEqual(calib.data, ("passkey", "text"))
+    with self.assertRaisesRegex(ValueError, "design"):
+      calib.radius(np.ones(2), model="tiny", design="poisson_envelope",
+                   regime="streaming", budget=0.25, delta=0.05)
+    # A rerun resumes: nothing left to run, the same cells.
+    logs.clear()
+    again = validity.run(*self.model, plan, out, text=TEXT, log=logs.append)
+    self.assertIn("0 of 4 units to run", logs[0])
+    self.assertEqual(again["cells"], summary["cells"])
+    # Another plan in the same directory is an error, not a silent mix.
+    with self.assertRaisesRegex(ValueError, "another plan"):
+      validity.run(*self.model, _plan(n_steps=3), out, text=TEXT, log=logs.append)
+
+  def test_calibrated_radii_scale_the_raw_radius(self):
+    out = self.create_tempdir().full_path
+    plan = _plan(regimes=("question_aware",))
+    paths = validity_collect.collect(*self.model, plan, out, text=TEXT, log=lambda s: None)
+    calls = validity_calls.load_calls(paths)
+    self.assertEqual(len(calls), 2 * 2 * 2 * 2 * calls.n_layers * calls.n_heads)
+    calib = validity_calls.fit_fold(calls, design="poisson_tail", data=("text",),
+                                    context_len=64, budgets=plan.budgets)
+    cal = validity_calls.calibrated_radii(calls, calib, 0.05, plan.budgets)
+    raw = validity_calls.raw_radii(calls, 0.05)
+    for b_i, b in enumerate(plan.budgets):
+      m = calls["budget"] == b
+      scale = calib.scales[b_i, calib.deltas.index(0.05)][calls["layer"][m],
+                                                          calls["kv_head"][m]]
+      with np.errstate(invalid="ignore"):  # an infinite scale gives an infinite radius
+        expected = np.where(np.isinf(scale), np.inf, scale * raw[m])
+      np.testing.assert_allclose(cal[m], expected, rtol=1e-6)
+    # In-sample (the calibration's own calls): coverage is at least the conformal level
+    # within each (budget, group), so at least 1 - delta pooled.
+    text = calls.where(data="text")
+    self.assertGreaterEqual(np.mean(calls["true_error"][text] <= cal[text]), 0.95)
+
+
+class CalibrateCommandTest(absltest.TestCase):
+
+  @pytest.mark.slow  # a child process: jax import and one compile
+  def test_calibrate_writes_a_loadable_binned_calibration(self):
+    model_dir = test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="calibrate_model_"))
+    text = os.path.join(model_dir, "text.txt")
+    with open(text, "w") as f:
+      f.write(TEXT)
+    out = tempfile.mkdtemp(prefix="calibrate_out_")
+    cmd = [sys.executable, "-m", "experiments.calibrate", f"--out={out}",
+           f"--model={model_dir}", "--data=text,passkey", "--regimes=question_aware",
+           "--budgets=0.5", "--deltas=0.05", "--context_len=48", "--num_examples=2",
+           "--n_steps=2", f"--text={text}", "--n_bins=2"]
+    done = subprocess.run(cmd, cwd=test_util.ROOT, capture_output=True, text=True, timeout=600,
+                          check=False)
+    self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+    self.assertIn("binned calibration of poisson_tail", done.stdout)
+    cal = robust_calibration.load(os.path.join(out, "calibration"))
+    self.assertEqual(cal.data, ("passkey", "text"))
+    self.assertEqual(cal.scales.shape, (1, 1, 1, 2))
+    again = subprocess.run(cmd, cwd=test_util.ROOT, capture_output=True, text=True,
+                           timeout=600, check=False)
+    self.assertNotEqual(again.returncode, 0)  # refuses to overwrite
+    self.assertIn("--overwrite", again.stderr)
+
+
+class ClusterIntervalTest(absltest.TestCase):
+
+  def test_interval_contains_the_estimate_and_widens_with_dependence(self):
+    rng = np.random.default_rng(0)
+    clusters = np.repeat(np.arange(20), 50)
+    independent = rng.random(1000) < 0.9
+    dependent = np.repeat(rng.random(20) < 0.9, 50)  # whole clusters hit or miss
+    lo_i, hi_i = validity_report.cluster_ratio_ci(independent, clusters)
+    lo_d, hi_d = validity_report.cluster_ratio_ci(dependent, clusters)
+    self.assertLessEqual(lo_i, independent.mean())
+    self.assertGreaterEqual(hi_i, independent.mean())
+    self.assertGreater(hi_d - lo_d, 2 * (hi_i - lo_i))
+
+
+if __name__ == "__main__":
+  absltest.main()
