@@ -10,6 +10,11 @@ of compiling it again. ``CERTKV_TEST_JAX_CACHE=<dir>`` moves the cache;
 
 The cache is pruned (oldest entries first) to ``MAX_CACHE_BYTES`` when a
 session starts, before any worker runs, so it cannot grow without bound.
+
+Measured (fast tier, ``-n 2``, 2 shared CPU cores): 8 min 12 s from an empty
+cache, 1 min 21 s rerun. Within one run from an empty cache it saves nothing
+measurable (767 s of CPU time with it, 763 s with ``off``): the test files
+rarely compile the same function twice; the gain is on reruns.
 """
 
 import os
