@@ -25,7 +25,8 @@ crosses ``data`` or ``model``):
   from the all-gathered ``valid`` mask with ``cache.slot_assignment`` (exactly
   one device's placement); each device writes the tokens that land in its
   slot range.
-* **eviction** (:func:`map_evict`): the per-slot metadata (``log_pi``, ``pos``,
+* **eviction** (:func:`certkv_jax.distributed_eviction.map_evict`): the per-slot
+  metadata (``log_pi``, ``pos``,
   ``valid``, the attention statistics, and the key/value norms when a score
   reads them) is all-gathered over ``seq`` -- ``O(cap)`` numbers per head,
   against ``O(cap d)`` for keys and values -- and the design runs on the whole
@@ -54,7 +55,6 @@ from jax.sharding import PartitionSpec as P
 
 from certkv_jax import _checks
 from certkv_jax import cache as cache_lib
-from certkv_jax import scores as scores_lib
 from certkv_jax.cache import KVCache
 from pallas_kernels import reference
 
@@ -382,121 +382,6 @@ def append(cache: KVCache, k_new, v_new, new_valid) -> KVCache:
   return jax.shard_map(body, mesh=mesh, in_specs=(specs, new, new, new), out_specs=specs,
                        check_vma=False)(
       cache, k_new, v_new, new_valid)
-
-
-# --------------------------------------------------------------------------- eviction
-
-# Scores that read only per-slot metadata (log_pi, pos, valid, acc, last, obs).
-_METADATA_SCORES = (scores_lib.AccumulatedAttention, scores_lib.CurrentAttention,
-                    scores_lib.WindowAttention, scores_lib.Recency, scores_lib.Uniform)
-
-
-def _score_reads(score) -> Optional[set]:
-  """What a score reads beyond metadata: a subset of {"k_norm", "v_norm"}, or
-  None for a score this module does not know (then k and v are gathered)."""
-  if isinstance(score, _METADATA_SCORES):
-    return set()
-  if isinstance(score, scores_lib.KeyNorm):
-    return {"k_norm"}
-  if isinstance(score, scores_lib.ValueAware):
-    base = _score_reads(score.base)
-    return None if base is None else base | {"v_norm"}
-  return None
-
-
-def design_reads(design) -> Optional[set]:
-  """What ``design.evict`` reads of the keys and values (see :func:`_score_reads`).
-
-  Returns:
-    A set of "k_norm" / "v_norm" when the design's scores read at most the
-    key and value norms, or None when a score is unknown (full k, v needed).
-  """
-  reads: set = set()
-  found = [design.certain.heavy_score] if design.certain.heavy else []
-  if hasattr(design.tail, "score"):
-    found.append(design.tail.score)
-  for score in found:
-    r = _score_reads(score)
-    if r is None:
-      return None
-    reads |= r
-  return reads
-
-
-def _norm_column(x):
-  """[..., cap, d] -> [..., cap, 1] float32 row norms. The scores take
-  ``jnp.linalg.norm`` of this one-element row, ``sqrt(x * x)``, which is ``x``
-  exactly in binary floating point (no underflow at these magnitudes)."""
-  return jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
-
-
-def map_evict(design, fn, caches: KVCache, *head_args):
-  """Runs a per-head eviction on sequence-sharded caches exactly as on one device.
-
-  ``fn(caches, *head_args) -> (new_caches, info)`` is the one-device eviction
-  of all heads (``models.decode.evict``'s vmapped ``design.evict``), with
-  cache leaves ``[n_layers, batch, n_kv_heads, cap, ...]``, ``head_args``
-  leaves ``[n_layers, batch, n_kv_heads, ...]`` (PRNG keys, per-head targets)
-  and ``info`` leaves ``[n_layers, batch, n_kv_heads]`` or ``[..., cap]``.
-
-  Inside ``shard_map`` each device all-gathers the per-slot metadata of its
-  heads over ``seq`` and runs ``fn`` on whole heads: same inputs and keys, so
-  the same kept set and inclusion probabilities as one device. Keys and
-  values are not gathered: the designs' scores read them only through their
-  norms (``KeyNorm``, ``ValueAware``), which are gathered as one number per
-  slot. A design with a score this module does not know gathers k and v
-  whole (correct, but then eviction briefly holds a full head per device).
-
-  Args:
-    design: the eviction design (its scores decide what is gathered).
-    fn: the one-device eviction, traceable.
-    caches: stacked caches sharded by :func:`cache_specs` ``(1)``.
-    *head_args: per-head arrays, sharded over data and model like the caches.
-
-  Returns:
-    ``(new_caches, info)`` sharded like the inputs (info's slot leaves over seq).
-  """
-  mesh = _require_mesh(None)
-  check_cache(mesh, caches, lead=1)
-  n_local = caches.capacity // axis_size(mesh, SEQ)
-  reads = design_reads(design)
-
-  def gather(x):
-    return jax.lax.all_gather(x, SEQ, axis=3, tiled=True)
-
-  def body(c, *args):
-    if reads is None:
-      k_all, v_all = gather(c.k), gather(c.v)
-    else:  # norms only (or nothing): O(cap) per head instead of O(cap d)
-      k_all = gather(_norm_column(c.k)) if "k_norm" in reads else jnp.zeros(
-          c.k.shape[:3] + (c.capacity * axis_size(mesh, SEQ), 1), jnp.float32)
-      v_all = gather(_norm_column(c.v)) if "v_norm" in reads else jnp.zeros_like(k_all)
-    meta = c._replace(k=k_all, v=v_all, log_pi=gather(c.log_pi), pos=gather(c.pos),
-                      valid=gather(c.valid), acc=gather(c.acc), last=gather(c.last),
-                      obs=gather(c.obs))
-    new, info = fn(meta, *args)
-    lo = jax.lax.axis_index(SEQ) * n_local
-    mine = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, n_local, axis=3)
-    keep = mine(new.valid)
-    out = c._replace(
-        k=jnp.where(keep[..., None], c.k, jnp.zeros_like(c.k)),
-        v=jnp.where(keep[..., None], c.v, jnp.zeros_like(c.v)),
-        log_pi=mine(new.log_pi), pos=mine(new.pos), valid=keep, acc=mine(new.acc),
-        last=mine(new.last), obs=mine(new.obs), n_seen=new.n_seen, n_dropped=new.n_dropped)
-    info = jax.tree_util.tree_map(lambda x: mine(x) if x.ndim > 3 else x, info)
-    return out, info
-
-  # info's structure (which leaves carry the slot axis) from an abstract run of fn.
-  meta_shapes = caches._replace(
-      k=jax.ShapeDtypeStruct(caches.k.shape[:4] + (1,), jnp.float32),
-      v=jax.ShapeDtypeStruct(caches.v.shape[:4] + (1,), jnp.float32))
-  _, info_shapes = jax.eval_shape(fn, meta_shapes, *head_args)
-  info_specs = jax.tree_util.tree_map(
-      lambda x: P(None, DATA, MODEL, SEQ) if x.ndim > 3 else P(None, DATA, MODEL), info_shapes)
-  arg_specs = tuple(jax.tree_util.tree_map(lambda _: P(None, DATA, MODEL), a) for a in head_args)
-  specs = cache_specs(1)
-  return jax.shard_map(body, mesh=mesh, in_specs=(specs,) + arg_specs,
-                       out_specs=(specs, info_specs), check_vma=False)(caches, *head_args)
 
 
 # --------------------------------------------------------------------------- certificates

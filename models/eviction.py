@@ -5,7 +5,7 @@ design's own, a per-layer schedule, or a traced fraction), then runs
 ``design.evict`` on each cache with its own PRNG key, lifted with ``jax.vmap``
 over ``[n_layers, batch, n_kv_heads]``. On sequence-sharded caches (traced
 under a mesh) the same vmapped eviction runs through
-``certkv_jax.distributed.map_evict``, with the same result as one device.
+``certkv_jax.distributed_eviction.map_evict``, with the same result as one device.
 
 In evaluation mode :func:`record_inclusion` adds each round's inclusion
 probabilities to the shadow full cache (:func:`evict_and_record` does both).
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from certkv_jax import distributed
+from certkv_jax import distributed_eviction
 from certkv_jax.cache import KVCache
 from models import budgets as budgets_lib
 from models.caches import over_heads
@@ -63,7 +64,7 @@ def evict(design, caches: KVCache, key, layer_budgets=None, budget=None):
     return evict_all(caches, *per_cache)
   # Sequence-sharded: each device gathers its heads' slot metadata, runs
   # evict_all on whole heads and keeps its own slots.
-  return distributed.map_evict(design, evict_all, caches, *per_cache)
+  return distributed_eviction.map_evict(design, evict_all, caches, *per_cache)
 
 
 def record_inclusion(shadow: KVCache, before: KVCache, info) -> KVCache:

@@ -35,7 +35,7 @@ import json
 import os
 from typing import Optional
 
-from experiments.lib import tasks
+from experiments.lib import prompts
 from experiments.lib.scoring import contains_match  # pylint: disable=unused-import
 from experiments.lib.scoring import exact_match  # pylint: disable=unused-import
 from experiments.lib.tasks import Example
@@ -155,7 +155,7 @@ def load_longbench(path: str, tokenizer, *, max_examples: Optional[int] = None,
     use_chat: wrap the prompt in the tokenizer's chat template, if it has one.
   """
   _check_options(max_context_tokens, truncate)
-  prefix, suffix = tasks.chat_parts(tokenizer, use_chat)
+  prefix, suffix = prompts.chat_parts(tokenizer, use_chat)
   out = []
   for lineno, rec in read_jsonl(path, LONGBENCH_FIELDS, max_examples):
     where = f"{path}:{lineno}"
@@ -196,7 +196,7 @@ def load_ruler(path: str, tokenizer, *, max_examples: Optional[int] = None,
     raise ValueError(f"metric must be 'all' or 'part', got {metric!r}")
   if not isinstance(question_sep, str) or not question_sep:
     raise ValueError(f"question_sep must be a non-empty string, got {question_sep!r}")
-  prefix, suffix = tasks.chat_parts(tokenizer, use_chat)
+  prefix, suffix = prompts.chat_parts(tokenizer, use_chat)
   out = []
   for lineno, rec in read_jsonl(path, RULER_FIELDS, max_examples):
     where = f"{path}:{lineno}"

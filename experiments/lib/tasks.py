@@ -53,8 +53,20 @@ import dataclasses
 import inspect
 import random
 import string
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
+from experiments.lib.prompts import chat_parts
+from experiments.lib.prompts import check_depth
+from experiments.lib.prompts import check_int
+from experiments.lib.prompts import encode_question
+from experiments.lib.prompts import FILLER
+from experiments.lib.prompts import grow_context
+from experiments.lib.prompts import insert_at
+from experiments.lib.prompts import NEEDLE_WORDS
+from experiments.lib.prompts import random_number
+from experiments.lib.prompts import random_uuid
+from experiments.lib.prompts import SERVICES
+from experiments.lib.prompts import TokenLengths
 # Scoring rules live in experiments.lib.scoring; re-exported here for task users.
 from experiments.lib.scoring import METRICS
 from experiments.lib.scoring import VAR_NAME_LEN
@@ -94,125 +106,16 @@ class Example:
     return bool(METRICS[self.metric](generated_text, self.answers))
 
 
-# ----------------------------------------------------------------------------- prompts
-
-FILLER = (
-    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
-    "There and back again.", "The river flows to the sea.", "Birds sing in the morning.",
-    "The road goes on and on.", "Clouds drift over the hills.", "The old clock ticks.",
-)
-NEEDLE_WORDS = (
-    "apple", "river", "falcon", "copper", "meadow", "lantern", "violet", "harbor",
-    "canyon", "pepper", "glacier", "orchid", "saddle", "thunder", "walnut", "ember",
-)
-SERVICES = ("staging", "billing", "analytics", "backup", "mail", "search", "payments",
-            "inventory", "auth", "metrics")
-
-
-def chat_parts(tokenizer, use_chat: bool = True) -> tuple[str, str]:
-  """(prefix, suffix) of the tokenizer's chat template around a user message's
-  content; ``("", "\\n")`` when there is no template (plain text)."""
-  fn = getattr(tokenizer, "apply_chat_template", None) if use_chat else None
-  if fn is None:
-    return "", "\n"
-  try:
-    rendered = fn([{"role": "user", "content": "\x00"}])
-  except ValueError:  # e.g. models.tokenizer.Tokenizer without a template
-    return "", "\n"
-  if not isinstance(rendered, str) or rendered.count("\x00") != 1:
-    raise ValueError("apply_chat_template must return a str containing the user content once")
-  prefix, suffix = rendered.split("\x00")
-  return prefix, suffix
-
-
-class _Lengths:
-  """Cached token counts of pieces (the same filler sentences recur)."""
-
-  def __init__(self, tokenizer):
-    self.tok = tokenizer
-    self.cache = {}
-
-  def __call__(self, text: str) -> int:
-    if text not in self.cache:
-      self.cache[text] = len(self.tok.encode(text, add_bos=False))
-    return self.cache[text]
-
-
-def _grow(tokenizer, context_len: int, render: Callable[[list], str],
-          next_piece: Callable[[], str], joiner: str = " ") -> tuple[list[int], list]:
-  """Adds pieces until ``len(encode(render(pieces))) >= context_len``.
-
-  Piece lengths are estimated from separate encodings (which, for BPE, are
-  no shorter than the joint one), then checked on the full text.
-  """
-  lengths = _Lengths(tokenizer)
-  pieces = []
-  ids = tokenizer.encode(render(pieces))
-  est = len(ids)
-  while len(ids) < context_len:
-    while est < context_len:
-      p = next_piece()
-      pieces.append(p)
-      est += lengths(joiner + p)
-    ids = tokenizer.encode(render(pieces))
-    est = len(ids)
-  return list(ids), pieces
-
-
-def _insert_at(pieces: list, inserts: Sequence[tuple[float, str]]) -> tuple[list, list]:
-  """Inserts ``(depth, text)`` pairs at ``round(depth * len(pieces))``; returns the new
-  list and each insert's realised depth (index / len(pieces))."""
-  n = len(pieces)
-  pos = [min(n, max(0, int(round(d * n)))) for d, _ in inserts]
-  out, realised = [], []
-  order = sorted(range(len(inserts)), key=lambda i: (pos[i], i))
-  j = 0
-  for idx in range(n + 1):
-    while j < len(order) and pos[order[j]] == idx:
-      out.append(inserts[order[j]][1])
-      j += 1
-    if idx < n:
-      out.append(pieces[idx])
-  for i in range(len(inserts)):
-    realised.append(pos[i] / n if n else 0.0)
-  return out, realised
-
-
-def _check_depth(depth, name: str = "depth"):
-  if depth is not None and not (isinstance(depth, (int, float)) and 0.0 <= depth <= 1.0):
-    raise ValueError(f"{name} must be None or a number in [0, 1], got {depth!r}")
-
-
-def _check_int(value, name: str, lo: int, hi: Optional[int] = None):
-  if not isinstance(value, int) or isinstance(value, bool) or value < lo or (
-      hi is not None and value > hi):
-    rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-    raise ValueError(f"{name} must be an int {rng}, got {value!r}")
-
-
-def _number(rng: random.Random, digits: int) -> str:
-  return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
-
-
-def _uuid(rng: random.Random) -> str:
-  groups = (8, 4, 4, 4, 12)
-  return "-".join("".join(rng.choice("0123456789abcdef") for _ in range(g)) for g in groups)
-
-
-def _encode_question(tokenizer, text: str) -> list[int]:
-  return list(tokenizer.encode(text, add_bos=False))
-
-
 # ----------------------------------------------------------------------------- tasks
 
 
 def passkey(tokenizer, rng: random.Random, context_len: int, *, depth: Optional[float] = None,
             digits: int = 5, use_chat: bool = True) -> Example:
   """A pass key hidden in repetitive filler (metric ``digits``)."""
-  _check_depth(depth)
-  _check_int(digits, "digits", 1, 20)
+  check_depth(depth)
+  check_int(digits, "digits", 1, 20)
   prefix, suffix = chat_parts(tokenizer, use_chat)
-  key = _number(rng, digits)
+  key = random_number(rng, digits)
   d = rng.random() if depth is None else float(depth)
   needle = f"The pass key is {key}. Remember it. {key} is the pass key."
   head = prefix + ("There is a pass key hidden inside a lot of irrelevant text. Find it and "
@@ -220,13 +123,13 @@ def passkey(tokenizer, rng: random.Random, context_len: int, *, depth: Optional[
   realised = []
 
   def render(pieces):
-    body, r = _insert_at(pieces, [(d, needle)])
+    body, r = insert_at(pieces, [(d, needle)])
     realised[:] = r
     return head + " ".join(body)
-  ids, pieces = _grow(tokenizer, context_len, render, lambda: rng.choice(FILLER))
+  ids, pieces = grow_context(tokenizer, context_len, render, lambda: rng.choice(FILLER))
   render(pieces)
   question = "\n\nWhat is the pass key?" + suffix + "The pass key is"
-  return Example(ids, _encode_question(tokenizer, question), key, "passkey",
+  return Example(ids, encode_question(tokenizer, question), key, "passkey",
                  {"depth": realised[0], "n_pieces": len(pieces), "n_context_tokens": len(ids)},
                  metric="digits")
 
@@ -235,19 +138,19 @@ def multi_needle(tokenizer, rng: random.Random, context_len: int, *, num_needles
                  query: str = "one", depths: Optional[Sequence[float]] = None,
                  digits: int = 7, use_chat: bool = True) -> Example:
   """``num_needles`` magic numbers; one asked for (``digits``) or all (``numbers_all``)."""
-  _check_int(num_needles, "num_needles", 1, len(NEEDLE_WORDS))
-  _check_int(digits, "digits", 1, 20)
+  check_int(num_needles, "num_needles", 1, len(NEEDLE_WORDS))
+  check_int(digits, "digits", 1, 20)
   if query not in ("one", "all"):
     raise ValueError(f"query must be 'one' or 'all', got {query!r}")
   if depths is not None:
     if len(depths) != num_needles:
       raise ValueError(f"depths must have num_needles={num_needles} entries, got {len(depths)}")
     for x in depths:
-      _check_depth(x, "depths[i]")
+      check_depth(x, "depths[i]")
   prefix, suffix = chat_parts(tokenizer, use_chat)
   values = []
   while len(values) < num_needles:  # distinct numbers
-    v = _number(rng, digits)
+    v = random_number(rng, digits)
     if v not in values:
       values.append(v)
   if query == "one":
@@ -264,10 +167,10 @@ def multi_needle(tokenizer, rng: random.Random, context_len: int, *, num_needles
   realised = []
 
   def render(pieces):
-    body, r = _insert_at(pieces, needles)
+    body, r = insert_at(pieces, needles)
     realised[:] = r
     return head + " ".join(body)
-  ids, pieces = _grow(tokenizer, context_len, render, lambda: rng.choice(FILLER))
+  ids, pieces = grow_context(tokenizer, context_len, render, lambda: rng.choice(FILLER))
   render(pieces)
   if query == "one":
     question = (f"\n\nWhat is the special magic number for {words[target]} mentioned in the "
@@ -281,7 +184,7 @@ def multi_needle(tokenizer, rng: random.Random, context_len: int, *, num_needles
     answer, answers, metric = ", ".join(values), tuple(values), "numbers_all"
   meta = {"depths": realised, "num_needles": num_needles, "query": query, "target": target,
           "n_pieces": len(pieces), "n_context_tokens": len(ids)}
-  return Example(ids, _encode_question(tokenizer, question), answer, "multi_needle", meta,
+  return Example(ids, encode_question(tokenizer, question), answer, "multi_needle", meta,
                  answers, metric)
 
 
@@ -289,20 +192,20 @@ def kv_retrieval(tokenizer, rng: random.Random, context_len: int, *,
                  depth: Optional[float] = None, fmt: str = "json",
                  use_chat: bool = True) -> Example:
   """Random UUID key-value pairs; the value of one key is asked for (``exact_prefix``)."""
-  _check_depth(depth)
+  check_depth(depth)
   if fmt not in ("json", "lines"):
     raise ValueError(f"fmt must be 'json' or 'lines', got {fmt!r}")
   prefix, suffix = chat_parts(tokenizer, use_chat)
   d = rng.random() if depth is None else float(depth)
-  target = (_uuid(rng), _uuid(rng))
+  target = (random_uuid(rng), random_uuid(rng))
   seen = {target[0]}
 
   def next_pair():
     while True:
-      k = _uuid(rng)
+      k = random_uuid(rng)
       if k not in seen:
         seen.add(k)
-        return (k, _uuid(rng))
+        return (k, random_uuid(rng))
   head = prefix + ("Extract the value corresponding to the specified key in the "
                    + ("JSON object" if fmt == "json" else "list") + " below.\n\n")
   fmt_pair = (lambda p: f'"{p[0]}": "{p[1]}"') if fmt == "json" else (
@@ -310,14 +213,14 @@ def kv_retrieval(tokenizer, rng: random.Random, context_len: int, *,
   realised = []
 
   def render(pairs):
-    all_pairs, r = _insert_at(pairs, [(d, target)])
+    all_pairs, r = insert_at(pairs, [(d, target)])
     realised[:] = r
     lines = [fmt_pair(p) for p in all_pairs]
     if fmt == "json":
       return head + "JSON data:\n{" + ", ".join(lines) + "}"
     return head + "\n".join(lines)
   joiner = ", " if fmt == "json" else "\n"
-  lengths = _Lengths(tokenizer)
+  lengths = TokenLengths(tokenizer)
   # Pairs are objects, not strings: estimate each from its formatted text.
   pairs = []
   ids = tokenizer.encode(render(pairs))
@@ -335,7 +238,7 @@ def kv_retrieval(tokenizer, rng: random.Random, context_len: int, *,
               "The value associated with the specified key is:")
   meta = {"depth": realised[0], "num_pairs": len(pairs) + 1, "key": target[0], "fmt": fmt,
           "n_pieces": len(pairs), "n_context_tokens": len(ids)}
-  return Example(list(ids), _encode_question(tokenizer, question), target[1], "kv_retrieval",
+  return Example(list(ids), encode_question(tokenizer, question), target[1], "kv_retrieval",
                  meta, metric="exact_prefix")
 
 
@@ -351,15 +254,15 @@ def variable_tracking(tokenizer, rng: random.Random, context_len: int, *, num_ho
                       num_chains: int = 2, digits: int = 5,
                       use_chat: bool = True) -> Example:
   """Multi-hop assignment chains in filler; which variables equal the value (``set_exact``)."""
-  _check_int(num_hops, "num_hops", 1, 50)
-  _check_int(num_chains, "num_chains", 1, 20)
-  _check_int(digits, "digits", 1, 20)
+  check_int(num_hops, "num_hops", 1, 50)
+  check_int(num_chains, "num_chains", 1, 20)
+  check_int(digits, "digits", 1, 20)
   prefix, suffix = chat_parts(tokenizer, use_chat)
   taken, vals, chains = set(), [], []
   for _ in range(num_chains):
-    v = _number(rng, digits)
+    v = random_number(rng, digits)
     while v in vals:
-      v = _number(rng, digits)
+      v = random_number(rng, digits)
     vals.append(v)
     names = [_var_name(rng, taken) for _ in range(num_hops + 1)]
     stmts = [f"VAR {names[0]} = {v}."] + [f"VAR {names[i + 1]} = VAR {names[i]}."
@@ -377,9 +280,9 @@ def variable_tracking(tokenizer, rng: random.Random, context_len: int, *, num_ho
                    "following text.\n\n")
 
   def render(pieces):
-    body, _ = _insert_at(pieces, inserts)
+    body, _ = insert_at(pieces, inserts)
     return head + " ".join(body)
-  ids, pieces = _grow(tokenizer, context_len, render, lambda: rng.choice(FILLER))
+  ids, pieces = grow_context(tokenizer, context_len, render, lambda: rng.choice(FILLER))
   names = chains[0][0]
   question = (f"\n\nQuestion: Find all variables that are assigned the value {vals[0]} in the "
               f"text above." + suffix +
@@ -388,7 +291,7 @@ def variable_tracking(tokenizer, rng: random.Random, context_len: int, *, num_ho
   meta = {"num_hops": num_hops, "num_chains": num_chains, "value": vals[0],
           "depths": [d for (d, _), o in zip(inserts, owner) if o == 0],
           "n_pieces": len(pieces), "n_context_tokens": len(ids)}
-  return Example(ids, _encode_question(tokenizer, question), " ".join(names),
+  return Example(ids, encode_question(tokenizer, question), " ".join(names),
                  "variable_tracking", meta, tuple(names), "set_exact")
 
 
@@ -420,14 +323,14 @@ def agent_memory(tokenizer, rng: random.Random, context_len: int, *,
                  depth: Optional[float] = None, num_distractors: int = 2, digits: int = 5,
                  use_chat: bool = True) -> Example:
   """An agent log with a fact stated once early; the question comes after it (``digits``)."""
-  _check_depth(depth)
-  _check_int(num_distractors, "num_distractors", 0, len(SERVICES) - 1)
-  _check_int(digits, "digits", 1, 20)
+  check_depth(depth)
+  check_int(num_distractors, "num_distractors", 0, len(SERVICES) - 1)
+  check_int(digits, "digits", 1, 20)
   prefix, suffix = chat_parts(tokenizer, use_chat)
   services = rng.sample(SERVICES, num_distractors + 1)
   codes = []
   while len(codes) < len(services):
-    c = _number(rng, digits)
+    c = random_number(rng, digits)
     if c not in codes:
       codes.append(c)
   d = rng.uniform(0.0, 0.2) if depth is None else float(depth)
@@ -440,10 +343,10 @@ def agent_memory(tokenizer, rng: random.Random, context_len: int, *,
   realised = []
 
   def render(lines):
-    body, r = _insert_at(lines, facts)
+    body, r = insert_at(lines, facts)
     realised[:] = r
     return head + "\n".join(f"[step {i + 1}] {ln}" for i, ln in enumerate(body))
-  ids, lines = _grow(tokenizer, context_len, render, lambda: _log_line(rng),
+  ids, lines = grow_context(tokenizer, context_len, render, lambda: _log_line(rng),
                     joiner="\n[step 100] ")
   render(lines)
   question = (f"\n\nNew message from the user: what is the access code for the {services[0]} "
@@ -451,7 +354,7 @@ def agent_memory(tokenizer, rng: random.Random, context_len: int, *,
   meta = {"depth": realised[0], "service": services[0], "num_distractors": num_distractors,
           "distractor_depths": realised[1:], "n_pieces": len(lines),
           "n_context_tokens": len(ids)}
-  return Example(ids, _encode_question(tokenizer, question), codes[0], "agent_memory", meta,
+  return Example(ids, encode_question(tokenizer, question), codes[0], "agent_memory", meta,
                  metric="digits")
 
 
@@ -483,8 +386,8 @@ def make_task(name: str, tokenizer, num_examples: int, context_len: int, seed: i
   """
   if name not in _GENERATORS:
     raise ValueError(f"name must be one of {TASKS}, got {name!r}")
-  _check_int(num_examples, "num_examples", 1)
-  _check_int(context_len, "context_len", MIN_CONTEXT_LEN)
+  check_int(num_examples, "num_examples", 1)
+  check_int(context_len, "context_len", MIN_CONTEXT_LEN)
   if not isinstance(seed, int) or isinstance(seed, bool):
     raise ValueError(f"seed must be an int, got {seed!r}")
   fn = _GENERATORS[name]
@@ -507,7 +410,7 @@ def depth_sweep(name: str, tokenizer, depths: Sequence[float], num_examples: int
   if "depth" in kw:
     raise ValueError("pass the depths as depths=, not depth=")
   for d in depths:
-    _check_depth(d, "depths[i]")
+    check_depth(d, "depths[i]")
   out = []
   for i, d in enumerate(depths):
     out += make_task(name, tokenizer, num_examples, context_len, seed * 1_000_003 + i,

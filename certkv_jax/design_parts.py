@@ -1,0 +1,167 @@
+"""The parts a design composes: the certainty set and the tail rules.
+
+:class:`CertaintySet` says which tokens are kept with probability 1 (sinks,
+the recent window, heavy hitters); a tail rule (:class:`TopK`,
+:class:`UniformTail`, :class:`PoissonTail`) chooses among the rest for the
+remaining slots and returns a :class:`TailChoice`. :func:`certkv_jax.designs.compose`
+puts them together under a budget (method, section 3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from certkv_jax import _checks
+from certkv_jax import sampling
+from certkv_jax import scores
+from certkv_jax.cache import KVCache
+
+Array = jax.Array
+
+
+# --------------------------------------------------------------------------- certainty set
+
+
+@dataclasses.dataclass(frozen=True)
+class CertaintySet:
+  """Tokens kept with probability 1: sinks, recent window, heavy hitters.
+
+  Attributes:
+    n_sink: tokens at positions ``< n_sink`` (attention sinks).
+    window: the ``window`` most recent positions (``>= n_seen - window``).
+    heavy: the ``heavy`` highest ``heavy_score`` among the rest.
+    heavy_score: score for the heavy hitters (default accumulated attention).
+  """
+
+  n_sink: int = 0
+  window: int = 0
+  heavy: int = 0
+  heavy_score: object = scores.AccumulatedAttention()
+
+  def __post_init__(self):
+    for name in ("n_sink", "window", "heavy"):
+      _checks.check_nonneg_int(name, getattr(self, name))
+
+  @property
+  def size(self) -> int:
+    """Upper bound on the number of certain tokens."""
+    return self.n_sink + self.window + self.heavy
+
+  def __call__(self, cache: KVCache) -> Array:
+    valid = cache.valid
+    sink = valid & (cache.pos < self.n_sink)
+    recent = valid & (cache.pos >= cache.n_seen - self.window)
+    base = sink | recent
+    if self.heavy == 0:
+      return base
+    s = jnp.where(valid & ~base, self.heavy_score(cache), -jnp.inf)
+    heavy = (_rank_desc(s) < self.heavy) & valid & ~base
+    return base | heavy
+
+
+def _rank_desc(score) -> Array:
+  """Rank of each entry in descending order (0 = largest; ties by slot index)."""
+  order = jnp.argsort(-score, stable=True)
+  return jnp.zeros(score.shape, jnp.int32).at[order].set(
+      jnp.arange(score.shape[-1], dtype=jnp.int32))
+
+
+# --------------------------------------------------------------------------- tail rules
+
+
+class TailChoice(NamedTuple):
+  keep: Array  # [cap] bool, kept tail tokens
+  log_pi: Array  # [cap] float32, log inclusion probability applied as offset (0 = none)
+  pi: Array  # [cap] float32, this round's inclusion probability of each tail token
+  m: Array  # [] float32, expected number of kept tail tokens
+  n_redraws: Array  # [] int32
+  n_dropped: Array  # [] int32
+
+
+def _no_random(keep, pi, m):
+  zero = jnp.zeros((), jnp.int32)
+  return TailChoice(keep, jnp.zeros(keep.shape, jnp.float32), pi, m, zero, zero)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK:
+  """Deterministic: keep the ``slots`` tail tokens with the highest score."""
+
+  score: object = scores.AccumulatedAttention()
+  randomized = False
+
+  def select(self, cache, tail, slots, key) -> TailChoice:
+    del key
+    s = jnp.where(tail, self.score(cache).astype(jnp.float32), -jnp.inf)
+    keep = tail & (_rank_desc(s) < slots)
+    return _no_random(keep, keep.astype(jnp.float32), jnp.sum(keep).astype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformTail:
+  """Ablation: a uniformly random ``slots``-subset of the tail, no offset."""
+
+  randomized = True
+
+  def select(self, cache, tail, slots, key) -> TailChoice:
+    del cache
+    prio = jnp.where(tail, jax.random.uniform(key, tail.shape), -jnp.inf)
+    keep = tail & (_rank_desc(prio) < slots)
+    n_tail = jnp.sum(tail)
+    frac = jnp.minimum(slots, n_tail) / jnp.maximum(n_tail, 1)
+    return _no_random(keep, jnp.where(tail, frac, 0.0).astype(jnp.float32),
+                      jnp.sum(keep).astype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class PoissonTail:
+  """method, section 3: Poisson sampling of the tail with Hajek offsets.
+
+  ``pi_i = clip(m score_i / sum_T score, eps, 1)`` (Eq. 2, clipped mass moved
+  to H), each tail token kept independently with probability ``pi_i``, and a
+  kept token's cache offset decreases by ``log pi_i`` (cumulative across
+  rounds). ``m`` is the largest expected count whose overflow probability of
+  the available tail slots is <= ``overflow_prob`` (Chernoff bound);
+  overflowing draws are redrawn up to ``max_redraws`` times.
+
+  Attributes:
+    score: non-negative importance score (default accumulated attention;
+      ``scores.CurrentAttention()`` gives ``pi ∝ a``).
+    eps: probability floor in (0, 1].
+    overflow_prob: per-draw overflow bound in (0, 1).
+    max_redraws: redraws after an overflow (>= 0).
+  """
+
+  score: object = scores.AccumulatedAttention()
+  eps: float = 1e-6
+  overflow_prob: float = 1e-3
+  max_redraws: int = 3
+  randomized = True
+
+  def __post_init__(self):
+    sampling.check_eps(self.eps)
+    if not (isinstance(self.overflow_prob, float) and 0.0 < self.overflow_prob < 1.0):
+      raise ValueError(f"overflow_prob must be a float in (0, 1), got {self.overflow_prob!r}")
+    _checks.check_nonneg_int("max_redraws", self.max_redraws)
+
+  def select(self, cache, tail, slots, key) -> TailChoice:
+    s = self.score(cache).astype(jnp.float32)
+    s_tail = jnp.where(tail, s, 0.0)
+    s_conc = _checks.concrete_array(s_tail)
+    if s_conc is not None:
+      _checks.check_finite("score", s_conc)
+      if (s_conc < 0).any():
+        raise ValueError(f"PoissonTail needs a non-negative score; {self.score} gave "
+                         f"min {s_conc.min()} on the tail")
+    n_tail = jnp.sum(tail).astype(jnp.float32)
+    m = jnp.minimum(sampling.expected_tail_count(slots, self.overflow_prob), n_tail)
+    m_pos = jnp.maximum(m, 1e-30)
+    pi = sampling.solve_inclusion(s_tail, m_pos, self.eps, tail)
+    pi = jnp.where(m > 0, pi, 0.0)
+    draw = sampling.poisson_draw(key, pi, tail, slots, self.max_redraws)
+    log_pi = jnp.where(draw.keep, jnp.log(jnp.where(draw.keep, pi, 1.0)), 0.0)
+    return TailChoice(draw.keep, log_pi, pi, m, draw.n_redraws, draw.n_dropped)
