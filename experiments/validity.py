@@ -37,6 +37,8 @@ flags.DEFINE_integer("num_examples", _P.num_examples, "Examples per data source.
 flags.DEFINE_list("examples_at", [], "Fewer examples at some contexts: CONTEXT:N entries.")
 flags.DEFINE_list("designs_at", [], "A subset of designs at some contexts: CONTEXT:D1+D2.")
 flags.DEFINE_list("data_at", [], "A subset of data sources at some contexts: CONTEXT:S1+S2.")
+flags.DEFINE_list("groups_at", [], "Further units padded among themselves (so that adding "
+                  "them keeps a finished run's units): CONTEXT:DATA1+DATA2:DESIGN1+DESIGN2.")
 flags.DEFINE_integer("n_steps", _P.n_steps, "Decode steps per example.")
 flags.DEFINE_integer("seed", _P.seed, "Seed of tasks and designs.")
 flags.DEFINE_integer("max_batch", 0, "Rows per call (0: a unit's whole batch).")
@@ -76,9 +78,18 @@ def plan_from_flags(fv) -> collect_lib.Plan:
         raise ValueError(f"--{name} entries must be CONTEXT:A+B, got {entry!r}")
       pairs.append((_ints(name, [c])[0], tuple(rest.split("+"))))
     subsets[name] = tuple(pairs)
+  groups = []
+  for entry in fv.groups_at:
+    parts = entry.split(":")
+    if len(parts) != 3 or not all(parts):
+      raise ValueError(f"--groups_at entries must be CONTEXT:DATA1+DATA2:DESIGN1+DESIGN2, got "
+                       f"{entry!r}")
+    groups.append((_ints("groups_at", [parts[0]])[0], tuple(parts[1].split("+")),
+                   tuple(parts[2].split("+"))))
   kw = dict(designs=tuple(fv.designs), regimes=tuple(fv.regimes), budgets=budgets,
             data=tuple(fv.data), context_lens=_ints("context_lens", fv.context_lens),
-            num_examples=fv.num_examples, examples_at=tuple(at), **subsets, n_steps=fv.n_steps,
+            num_examples=fv.num_examples, examples_at=tuple(at), **subsets, groups_at=tuple(groups),
+            n_steps=fv.n_steps,
             seed=fv.seed, max_batch=fv.max_batch, model=model_loading.model_name(fv.model))
   if fv.quick:
     kw.update({k: v for k, v in QUICK.items() if not fv[k].present})

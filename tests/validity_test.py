@@ -55,6 +55,36 @@ class PlanTest(absltest.TestCase):
                      [(128, "question_aware", "poisson_tail", "text"),
                       (128, "streaming", "poisson_tail", "text")])
 
+  def test_pad_groups_add_units_without_touching_finished_ones(self):
+    base = _plan(context_lens=(64, 128)).check()
+    grown = _plan(context_lens=(64, 128), groups_at=(
+        (128, ("kv_retrieval", "multi_needle"), ("poisson_tail",)),
+        (256, ("agent_memory",), ("poisson_tail",)))).check()
+    new = [u for u in grown.units() if u not in base.units()]
+    self.assertEqual(grown.units()[:len(base.units())], base.units())
+    self.assertEqual(set(new), {(c, r, "poisson_tail", s)
+                                for c, s in ((128, "kv_retrieval"), (128, "multi_needle"),
+                                             (256, "agent_memory"))
+                                for r in ("question_aware", "streaming")})
+    for u in base.units():  # a finished run's units keep their fingerprints
+      self.assertEqual(validity_collect.unit_fingerprint(base, u, "sha"),
+                       validity_collect.unit_fingerprint(grown, u, "sha"))
+    self.assertEqual(grown.pad_group_of((128, "streaming", "poisson_tail", "multi_needle")),
+                     ("kv_retrieval", "multi_needle"))
+    self.assertEqual(grown.pad_groups(128), [("text", "passkey"),
+                                             ("kv_retrieval", "multi_needle")])
+    self.assertEqual(grown.all_context_lens, (64, 128, 256))
+    with self.assertRaisesRegex(ValueError, "not in this plan"):
+      grown.pad_group_of((256, "streaming", "poisson_tail", "text"))
+    for groups, msg in ((((128, ("text",), ("poisson_tail",)),), "planned twice"),
+                        (((128, ("nope",), ("poisson_tail",)),), "unknown data source"),
+                        (((128, ("passkey",), ("snapkv",)),), "not a randomized"),
+                        (((128, (), ("poisson_tail",)),), "non-empty"),
+                        (((128, ("passkey",)),), r"\(context, data sources, designs\)")):
+      with self.subTest(msg=msg):
+        with self.assertRaisesRegex(ValueError, msg):
+          _plan(context_lens=(64, 128), groups_at=groups).check()
+
   def test_text_examples_are_consecutive_and_checked(self):
     tok = test_util.CharTokenizer()
     exs = validity_collect.text_examples(tok, "abcdefghij" * 10, 2, 20, 3)
@@ -150,6 +180,15 @@ class ValidityEndToEndTest(absltest.TestCase):
     # Another plan in the same directory is an error, not a silent mix.
     with self.assertRaisesRegex(ValueError, "another plan"):
       validity.run(*self.model, _plan(n_steps=3), out, text=TEXT, log=logs.append)
+    # A pad group grows the run: only its units run, and the analysis takes them in.
+    logs.clear()
+    grown = validity.run(*self.model, _plan(groups_at=((64, ("kv_retrieval",),
+                                                        ("poisson_tail",)),)),
+                         out, text=TEXT, log=logs.append)
+    self.assertIn("2 of 6 units to run", logs[0])
+    self.assertEqual(grown["default"]["calibrated_on"], ["kv_retrieval", "passkey", "text"])
+    raw = lambda cells: [c for c in cells if c["radius"] == "raw" and c["data"] != "kv_retrieval"]
+    self.assertEqual(raw(grown["cells"]), raw(summary["cells"]))  # old units untouched
 
   def test_calibrated_radii_scale_the_raw_radius(self):
     out = self.create_tempdir().full_path

@@ -93,7 +93,10 @@ FULL = dict(
                   examples_at=((1024, 3), (2048, 2)),
                   designs_at=((1024, ("poisson_tail", "poisson_defensive", "poisson_envelope")),
                               (2048, ("poisson_tail",))),
-                  data_at=((2048, ("text", "passkey")),)),
+                  data_at=((2048, ("text", "passkey")),),
+                  groups_at=((1024, ("multi_needle", "agent_memory"), ("poisson_tail",)),
+                             (2048, ("kv_retrieval", "variable_tracking", "multi_needle",
+                                     "agent_memory"), ("poisson_tail",)))),
 )
 DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                             "gpl-3.0.txt")

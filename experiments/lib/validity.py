@@ -115,8 +115,8 @@ def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
                                        context_len=calib_context, budgets=plan.budgets)
   robust_calibration.save(os.path.join(os.path.abspath(out_dir), ARTIFACT), default_calib,
                           overwrite=True)
-  long_ctx = [c for c in plan.context_lens if c >= 1024]
-  min_context = min(long_ctx) if long_ctx else min(plan.context_lens)
+  long_ctx = [c for c in plan.all_context_lens if c >= 1024]
+  min_context = min(long_ctx) if long_ctx else min(plan.all_context_lens)
   sig_calls = calls.select(calls.where(design=default_design) &
                            (calls["context_len"] >= min_context))
   signals = report_lib.signal_aucs(sig_calls) if len(sig_calls) else []
@@ -140,7 +140,9 @@ def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
                 context_lens=list(plan.context_lens), num_examples=plan.num_examples,
                 examples_at=[list(x) for x in plan.examples_at],
                 designs_at=[[c, list(v)] for c, v in plan.designs_at],
-                data_at=[[c, list(v)] for c, v in plan.data_at], n_steps=plan.n_steps,
+                data_at=[[c, list(v)] for c, v in plan.data_at],
+                groups_at=[[c, list(d), list(g)] for c, d, g in plan.groups_at],
+                n_steps=plan.n_steps,
                 seed=plan.seed, model=plan.model, calib_context=calib_context),
       calibrations=[dict(design=d, scheme=sch, data=list(k),
                          scale_median=float(np.median(c.scales[np.isfinite(c.scales)]))
@@ -148,7 +150,9 @@ def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
                          scale_max=float(np.max(c.scales)),
                          infinite_share=float(np.mean(np.isinf(c.scales))))
                     for (d, sch, k), c in calibrations.items()],
-      seconds=seconds)
+      seconds=seconds,
+      collection_seconds=round(sum(float(collect_lib.unit_meta(p).get("seconds", 0.0))
+                                   for p in paths), 1))
   lines = _report_lines(summary, calls, cells, alt_cells, default_design, default_calib, plan,
                         min_context, calib_context)
   try:
@@ -183,6 +187,40 @@ def _signal_profile(calls, design, failing, min_context) -> list[str]:
   return lines
 
 
+def _why_lines(calls, design, failing, default_calib, calib_context, budgets) -> tuple:
+  """Why each failing cell misses: held-out vs in-sample coverage, and by how much the
+  held-out calibrated radius would have to grow (its ``1 - delta`` quantile of
+  ``||e|| / r``). Returns (markdown lines, per-cell dicts for the summary)."""
+  fmt = report_lib._fmt  # pylint: disable=protected-access
+  delta = calls_lib.PRIMARY_DELTA
+  sources = tuple(default_calib.data)
+  lines = ["| cell | held-out coverage | in-sample coverage (this source calibrated too) | "
+           "held-out radius must grow by | raw miss rate |", "| --- | --- | --- | --- | --- |"]
+  out = []
+  for c in failing:
+    m = calls.where(design=design, regime=c["regime"], data=c["data"],
+                    context_len=c["context_len"]) & (np.abs(calls["budget"] - c["budget"]) < 1e-6)
+    m &= np.isfinite(calls["true_error"])
+    cell_calls = calls.select(m)
+    others = tuple(x for x in sources if x != c["data"])
+    loso = calls_lib.fit_binned(calls, design=design, data=others, context_len=calib_context,
+                                budgets=budgets)
+    e = cell_calls["true_error"]
+    r_out = calls_lib.binned_radii(cell_calls, loso, delta, budgets)
+    r_in = calls_lib.binned_radii(cell_calls, default_calib, delta, budgets)
+    with np.errstate(divide="ignore", invalid="ignore"):
+      grow = float(np.quantile(e / r_out, 1 - delta))
+    row = dict(regime=c["regime"], data=c["data"], budget=c["budget"],
+               context_len=c["context_len"], held_out_coverage=float(np.mean(e <= r_out)),
+               in_sample_coverage=float(np.mean(e <= r_in)), must_grow_by=grow,
+               raw_miss_rate=float(np.mean(e > calls_lib.raw_radii(cell_calls, delta))))
+    out.append(row)
+    lines.append(f"| {c['regime']} / {c['data']} / {c['budget']:g} / {c['context_len']} | "
+                 f"{fmt(row['held_out_coverage'])} | {fmt(row['in_sample_coverage'])} | "
+                 f"x{fmt(grow, '.2f')} | {fmt(row['raw_miss_rate'])} |")
+  return lines, out
+
+
 def headline_lines(summary: dict) -> list[str]:
   """The headline table of a validity summary: raw vs calibrated per design."""
   fmt = report_lib._fmt  # pylint: disable=protected-access
@@ -212,7 +250,13 @@ def _report_lines(summary, calls, cells, alt_cells, default_design, default_cali
            f"({', '.join(f'{n} at {c}' for c, n in plan.examples_at) or 'at every context'}); "
            f"{plan.n_steps} decode steps; every decode call (step x layer x query head) of "
            f"every row counted ({len(calls)} calls)."
-           + (f" Run time {summary['seconds']:.0f} s." if summary.get("seconds") else ""), "",
+           + (f" Pad groups added to that plan (padded among themselves): "
+              + "; ".join(f"{', '.join(d)} with {', '.join(g)} at {c}"
+                          for c, d, g in plan.groups_at) + "." if plan.groups_at else "")
+           + f" Collection {summary['collection_seconds']:.0f} s (the units' own timings, "
+           "compile included, summed)"
+           + (f"; this invocation {summary['seconds']:.0f} s." if summary.get("seconds")
+              else "."), "",
            "Guarantees (method, sections 5 and 10): the raw radius is design-based and holds "
            "only where Assumption 2 holds; the calibrated radius holds marginally (averaged "
            "over calls), under exchangeability of the calibration calls and the calls it is "
@@ -241,6 +285,16 @@ def _report_lines(summary, calls, cells, alt_cells, default_design, default_cali
               f"{min_context}; tail mass and r_hat are the strongest predictors of a raw miss, "
               "low values warn):", ""] + _signal_profile(calls, default_design, failing,
                                                          min_context)
+    why, summary["why"] = _why_lines(calls, default_design, failing, default_calib,
+                                     calib_context, plan.budgets)
+    n_in = sum(w["in_sample_coverage"] >= report_lib.TARGET for w in summary["why"])
+    lines += ["", f"Why: in {n_in} of {len(failing)} of these cells the same data source is "
+              "covered once it is among the calibration sources (in-sample: the shipped "
+              "artifact); held out, its ratio ||e|| / r is heavier than that of every "
+              "calibration source in the same radius bins, so the max over sources falls "
+              "short. That is a shift between data sources, which no split-conformal scale "
+              "fitted on other sources can promise to cover. The warning signals above show "
+              "where it happens online.", ""] + why
   else:
     lines.append("None.")
   lines += ["", "## Online warning signals", "",

@@ -76,6 +76,11 @@ class Plan:
   examples_at: tuple = ()
   designs_at: tuple = ()
   data_at: tuple = ()
+  # Further units at a context, as (context, data sources, designs) triples: a *pad
+  # group* whose examples are padded among themselves, so that adding data sources to a
+  # finished run leaves its units (and their fingerprints) valid. Any design and data
+  # source may be named, e.g. groups_at=((1024, ("multi_needle",), ("poisson_tail",)),).
+  groups_at: tuple = ()
 
   def check(self) -> "Plan":
     for d in self.designs:  # only randomized designs have a certificate
@@ -103,7 +108,7 @@ class Plan:
       if not isinstance(v, int) or v < lo:
         raise ValueError(f"--{name} must be an int >= {lo}, got {v!r}")
     for c, n in self.examples_at:
-      if c not in self.context_lens or not isinstance(n, int) or n < 1:
+      if c not in self.all_context_lens or not isinstance(n, int) or n < 1:
         raise ValueError(f"examples_at: ({c}, {n}) must name a planned context length and "
                          "a positive int")
     for name, pairs, allowed in (("designs_at", self.designs_at, self.designs),
@@ -112,7 +117,54 @@ class Plan:
         if c not in self.context_lens or not subset or not set(subset) <= set(allowed):
           raise ValueError(f"{name}: ({c}, {subset}) must name a planned context length and "
                            f"a non-empty subset of {list(allowed)}")
+    for entry in self.groups_at:
+      if len(entry) != 3:
+        raise ValueError(f"groups_at: entries must be (context, data sources, designs), got "
+                         f"{entry!r}")
+      c, data, designs = entry
+      if not isinstance(c, int) or c < tasks_lib.MIN_CONTEXT_LEN or not data or not designs:
+        raise ValueError(f"groups_at: ({c}, {data}, {designs}) needs an int context >= "
+                         f"{tasks_lib.MIN_CONTEXT_LEN} and non-empty data sources and designs")
+      for s in data:
+        if s != TEXT and s not in tasks_lib.TASKS:
+          raise ValueError(f"groups_at: unknown data source {s!r}; choose from "
+                           f"{[TEXT] + list(tasks_lib.TASKS)}")
+      for d in designs:
+        if d not in designs_lib.RANDOMIZED:
+          raise ValueError(f"groups_at: {d!r} is not a randomized design; choose from "
+                           f"{sorted(designs_lib.RANDOMIZED)}")
+    keys = [u for u in self.units()]
+    dup = sorted({u for u in keys if keys.count(u) > 1})
+    if dup:
+      raise ValueError(f"groups_at: units planned twice (a data source in two pad groups of "
+                       f"one context): {dup[:4]}")
     return self
+
+  @property
+  def all_context_lens(self) -> tuple:
+    """The main contexts and those of ``groups_at``, sorted."""
+    return tuple(sorted(set(self.context_lens) | {g[0] for g in self.groups_at}))
+
+  def pad_groups(self, context_len: int) -> list[tuple]:
+    """The pad groups at ``context_len``: tuples of data sources padded together (the
+    main plan's, if it has this context, first)."""
+    out = []
+    if context_len in self.context_lens:
+      out.append(tuple(dict(self.data_at).get(context_len, self.data)))
+    out += [tuple(g[1]) for g in self.groups_at if g[0] == context_len]
+    return out
+
+  def pad_group_of(self, unit) -> tuple:
+    """The data sources padded with ``unit``'s (they set its padded shape)."""
+    c, _, d, s = unit
+    if c in self.context_lens:
+      main = dict(self.data_at).get(c, self.data)
+      if s in main and d in dict(self.designs_at).get(c, self.designs):
+        return tuple(main)
+    for gc, data, designs in self.groups_at:
+      if gc == c and s in data and d in designs:
+        return tuple(data)
+    raise ValueError(f"unit {unit} is not in this plan")
 
   def examples_for(self, context_len: int) -> int:
     return dict(self.examples_at).get(context_len, self.num_examples)
@@ -123,6 +175,13 @@ class Plan:
     for c in sorted(self.context_lens):
       designs = dict(self.designs_at).get(c, self.designs)
       data = dict(self.data_at).get(c, self.data)
+      for regime in self.regimes:
+        for d in designs:
+          if regime != "question_aware" and d in self.question_aware_only:
+            continue
+          for s in data:
+            out.append((c, regime, d, s))
+    for c, data, designs in sorted(self.groups_at, key=lambda g: g[0]):
       for regime in self.regimes:
         for d in designs:
           if regime != "question_aware" and d in self.question_aware_only:
@@ -166,11 +225,12 @@ def text_examples(tok, text: str, num_examples: int, context_len: int, question_
 
 
 def make_examples(tok, plan: Plan, context_len: int, text: str,
-                  text_source: str = DEFAULT_TEXT) -> dict:
-  """data source -> examples at ``context_len`` (seeded; text from ``text``)."""
+                  text_source: str = DEFAULT_TEXT, data: Optional[Sequence[str]] = None) -> dict:
+  """data source -> examples at ``context_len`` (seeded; text from ``text``) for the
+  sources ``data`` (default: the main plan's at that context)."""
   n = plan.examples_for(context_len)
   out = {}
-  for s in dict(plan.data_at).get(context_len, plan.data):
+  for s in data if data is not None else dict(plan.data_at).get(context_len, plan.data):
     if s == TEXT:
       out[s] = text_examples(tok, text, n, context_len, plan.question_len, source=text_source)
     else:
@@ -185,12 +245,13 @@ def unit_path(out_dir: str, unit) -> str:
 
 def unit_fingerprint(plan: Plan, unit, text_sha: str) -> str:
   """What a unit's numbers depend on: its own keys and the plan's settings at its context
-  (the other data sources of that context set the common padded shape), not the rest of
-  the plan, so that a plan can grow or shrink by whole units and keep its finished ones."""
+  (the other data sources of its pad group set the common padded shape), not the rest
+  of the plan, so that a plan can grow or shrink by whole units, or by pad groups, and
+  keep its finished ones."""
   c, regime, d, s = unit
   blob = json.dumps(dict(
       unit=[c, regime, d, s], examples=plan.examples_for(c),
-      data=list(dict(plan.data_at).get(c, plan.data)), budgets=list(plan.budgets),
+      data=list(plan.pad_group_of(unit)), budgets=list(plan.budgets),
       n_steps=plan.n_steps, question_len=plan.question_len, n_sink=plan.n_sink,
       window=plan.window, chunk=plan.chunk, seed=plan.seed, model=plan.model,
       max_batch=plan.max_batch, text=text_sha, version=FORMAT_VERSION), sort_keys=True)
@@ -251,6 +312,12 @@ def load_unit(path: str) -> tuple[dict, dict]:
   return arrays, meta
 
 
+def unit_meta(path: str) -> dict:
+  """A unit file's metadata only (its arrays are not read)."""
+  with np.load(path, allow_pickle=False) as z:
+    return json.loads(str(z["meta"]))
+
+
 def collect(params, config, tok, plan: Plan, out_dir: str, *, text: str,
             text_source: str = DEFAULT_TEXT, max_units: Optional[int] = None,
             log: Callable[[str], None] = print) -> list[str]:
@@ -280,13 +347,14 @@ def collect(params, config, tok, plan: Plan, out_dir: str, *, text: str,
       log(f"stopping after {max_units} units (--max_units); rerun to resume")
       break
     c, regime, d, s = unit
-    if c not in examples:
-      examples[c] = make_examples(tok, plan, c, text, text_source)
-      shapes[c] = suite.pad_shape([e for v in examples[c].values() for e in v])
-    exs = examples[c][s]
+    group = (c, plan.pad_group_of(unit))
+    if group not in examples:
+      examples[group] = make_examples(tok, plan, c, text, text_source, data=group[1])
+      shapes[group] = suite.pad_shape([e for v in examples[group].values() for e in v])
+    exs = examples[group][s]
     key = jax.random.fold_in(jax.random.PRNGKey(plan.seed), _unit_seed(unit))
     t0 = time.time()
-    arrays = run_unit(params, config, exs, plan.budgets, d, regime, key, plan, shapes[c])
+    arrays = run_unit(params, config, exs, plan.budgets, d, regime, key, plan, shapes[group])
     seconds = time.time() - t0
     correct = [bool(exs[int(i)].score(tok.decode(t.tolist())))
                for t, i in zip(arrays["tokens"], arrays["example"])]
