@@ -135,6 +135,16 @@ class EvictionDesign:
   group-mean attention) or "peak" (:func:`cache.observe_peak`: ``obs`` is the
   max over window queries and group heads). ``acc`` and ``last`` are the same
   under both.
+
+  ``observation_window`` belongs to the design, because the design knows
+  which statistics it scores with: when a prompt chunk is folded
+  (``models.forward.forward_chunk``), its last ``observation_window`` real
+  queries are the observation window and ``obs`` is replaced by their
+  attention (SnapKV: the window before each eviction; in streaming, each
+  chunk's). A design whose scores read ``obs`` (:func:`scores.reads_observation`)
+  needs a window of at least 1 and refuses 0: with no window its score
+  would be zero everywhere and its choice would silently fall back to slot
+  order.
   """
 
   name: str
@@ -142,10 +152,25 @@ class EvictionDesign:
   tail: object
   budget: Budget
   fold: str = "sum"
+  observation_window: int = 0
 
   def __post_init__(self):
     if self.fold not in FOLDS:
       raise ValueError(f"fold must be one of {sorted(FOLDS)}, got {self.fold!r}")
+    w = self.observation_window
+    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+      raise ValueError(f"observation_window must be an int >= 0, got {w!r}")
+    if w == 0 and self.needs_observation:
+      raise ValueError(f"design {self.name!r} scores with the observation-window statistic "
+                       "(WindowAttention) and needs observation_window >= 1, got 0")
+
+  @property
+  def needs_observation(self) -> bool:
+    """Whether the design's scores read the observation-window statistic ``obs``."""
+    scores_used = [getattr(self.tail, "score", None)]
+    if self.certain.heavy:
+      scores_used.append(self.certain.heavy_score)
+    return any(scores.reads_observation(x) for x in scores_used if x is not None)
 
   @property
   def randomized(self) -> bool:
@@ -154,7 +179,8 @@ class EvictionDesign:
   @property
   def hparams(self) -> dict:
     return {"name": self.name, "budget": self.budget, "certain": self.certain,
-            "tail": self.tail, "fold": self.fold}
+            "tail": self.tail, "fold": self.fold,
+            "observation_window": self.observation_window}
 
   def init(self, cache: KVCache) -> DesignState:
     """Checks the cache against the design and returns a fresh state."""
@@ -224,16 +250,17 @@ def _check_budget_vs_certain(budget: Budget, certain: CertaintySet, name: str):
 
 
 def compose(certain: CertaintySet, tail, budget, name: str = "custom",
-            fold: str = "sum") -> EvictionDesign:
-  """A design from a certainty set, a tail rule and a budget (``fold``: see
-  :class:`EvictionDesign`)."""
+            fold: str = "sum", observation_window: int = 0) -> EvictionDesign:
+  """A design from a certainty set, a tail rule and a budget (``fold`` and
+  ``observation_window``: see :class:`EvictionDesign`)."""
   budget = as_budget(budget)
   if not isinstance(certain, CertaintySet):
     raise TypeError(f"certain must be a CertaintySet, got {type(certain).__name__}")
   if not hasattr(tail, "select"):
     raise TypeError(f"tail must be a tail rule (TopK, UniformTail, PoissonTail), got {tail!r}")
   _check_budget_vs_certain(budget, certain, name)
-  return EvictionDesign(name=name, certain=certain, tail=tail, budget=budget, fold=fold)
+  return EvictionDesign(name=name, certain=certain, tail=tail, budget=budget, fold=fold,
+                        observation_window=observation_window)
 
 
 # --------------------------------------------------------------------------- factories
@@ -249,10 +276,11 @@ def sink_window(budget, n_sink: int = 4) -> EvictionDesign:
 
 
 def top_k(budget, score, n_sink: int = 0, window: int = 0, value_aware: bool = False,
-          name: str = "top_k") -> EvictionDesign:
+          name: str = "top_k", observation_window: int = 0) -> EvictionDesign:
   """Sinks + recent window + the highest-scoring tokens (deterministic)."""
   return compose(CertaintySet(n_sink=n_sink, window=window),
-                 TopK(_maybe_value_aware(score, value_aware)), budget, name)
+                 TopK(_maybe_value_aware(score, value_aware)), budget, name,
+                 observation_window=observation_window)
 
 
 def h2o(budget, n_sink: int = 0, window: int = 0, value_aware: bool = False):
@@ -266,10 +294,16 @@ def tova(budget, n_sink: int = 0, window: int = 0, value_aware: bool = False):
 
 
 def snapkv(budget, window: int = 64, pool_size: int = 5, n_sink: int = 0,
-           value_aware: bool = False):
+           value_aware: bool = False, observation_window: Optional[int] = None):
   """SnapKV (question-aware): observation-window attention, pooled; the window
-  itself is kept."""
-  return top_k(budget, scores.WindowAttention(pool_size), n_sink, window, value_aware, "snapkv")
+  itself is kept.
+
+  ``observation_window`` (default: ``window``) is the number of last prompt
+  queries whose attention scores the tokens; it must be >= 1.
+  """
+  obs = window if observation_window is None else observation_window
+  return top_k(budget, scores.WindowAttention(pool_size), n_sink, window, value_aware, "snapkv",
+               observation_window=obs)
 
 
 def key_norm(budget, n_sink: int = 0, window: int = 0, value_aware: bool = False):
@@ -329,7 +363,7 @@ def poisson_defensive(budget, n_sink: int = 0, window: int = 0, uniform_share: f
 
 def poisson_envelope(budget, n_sink: int = 0, window: int = 0, uniform_share: float = 0.2,
                      heavy: int = 0, eps: float = 1e-6, overflow_prob: float = 1e-3,
-                     max_redraws: int = 3) -> EvictionDesign:
+                     max_redraws: int = 3, observation_window: int = 16) -> EvictionDesign:
   """Poisson tail sampled from the question's attention envelope (method,
   sections 3 and 6).
 
@@ -345,16 +379,18 @@ def poisson_envelope(budget, n_sink: int = 0, window: int = 0, uniform_share: fl
   (``obs = 0``) the score is uniform (flat ``pi``). Use it where the
   observation window is the question (question-aware eviction); statistics
   must be folded through ``design.update`` (``cache.observe`` would fill
-  ``obs`` with sums instead).
+  ``obs`` with sums instead). ``observation_window`` (>= 1) is the number of
+  last prompt queries in the envelope (in streaming, of each chunk).
 
   Raises:
-    ValueError naming ``uniform_share`` unless it is in [0, 1].
+    ValueError naming ``uniform_share`` unless it is in [0, 1], or
+    ``observation_window`` unless it is >= 1.
   """
   return compose(
       CertaintySet(n_sink=n_sink, window=window, heavy=heavy),
       PoissonTail(score=scores.Defensive(scores.WindowAttention(1), uniform_share), eps=eps,
                   overflow_prob=overflow_prob, max_redraws=max_redraws),
-      budget, "poisson_envelope", fold="peak")
+      budget, "poisson_envelope", fold="peak", observation_window=observation_window)
 
 
 DETERMINISTIC = ("sink_window", "h2o", "tova", "snapkv", "key_norm")
@@ -365,7 +401,8 @@ RANDOMIZED = ("uniform_random", "poisson_tail", "poisson_flat", "attention_propo
 def by_name(name: str, budget, n_sink: int = 4, window: int = 16) -> EvictionDesign:
   """A design by its name, with the shared sink/window settings experiments use.
 
-  ``snapkv`` uses ``window`` as its observation window (pool size 5);
+  ``snapkv`` and ``poisson_envelope`` use ``window`` (at least 1) as their
+  observation window (snapkv with pool size 5);
   ``poisson_flat`` is ``poisson_tail`` with uniform scores (flat pi);
   ``poisson_defensive`` and ``poisson_envelope`` use ``uniform_share=0.2``.
 
@@ -385,7 +422,8 @@ def by_name(name: str, budget, n_sink: int = 4, window: int = 16) -> EvictionDes
                                            **kw),
       "attention_proportional": lambda: attention_proportional(budget, **kw),
       "poisson_defensive": lambda: poisson_defensive(budget, **kw),
-      "poisson_envelope": lambda: poisson_envelope(budget, **kw),
+      "poisson_envelope": lambda: poisson_envelope(budget, observation_window=max(window, 1),
+                                                   **kw),
   }
   if name not in table:
     raise ValueError(f"unknown design {name!r}; choose from {sorted(table)}")

@@ -167,3 +167,14 @@ class Defensive:
     normalized = jnp.where(total > 0, b / jnp.where(total > 0, total, 1.0), uniform)
     u = self.uniform_share
     return ((1.0 - u) * normalized + u * uniform).astype(jnp.float32)
+
+
+def reads_observation(score) -> bool:
+  """Whether ``score`` reads the observation-window statistic ``obs`` (SnapKV's
+  :class:`WindowAttention`, directly or inside :class:`ValueAware` /
+  :class:`Defensive`): a design scoring with it needs an observation window."""
+  if isinstance(score, WindowAttention):
+    return True
+  if isinstance(score, (ValueAware, Defensive)):
+    return reads_observation(score.base)
+  return False

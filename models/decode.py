@@ -128,7 +128,7 @@ def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, des
     token_logp = jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0]
     new_logits, caches, stats, shadow = forward_chunk(
         params, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
-        shadow=shadow, certificate_layers=certificate_layers,
+        observe=False, shadow=shadow, certificate_layers=certificate_layers,
         certificate_heads=certificate_heads)
     key, sub = jax.random.split(key)
     if design is not None and evict_each_step:
@@ -157,7 +157,7 @@ def _check_prompt(tokens, mask, n_steps):
     raise ValueError(f"n_steps must be >= 1, got {n_steps}")
 
 
-_STATIC = ("config", "capacity", "n_steps", "design", "observation_window", "evict_each_step",
+_STATIC = ("config", "capacity", "n_steps", "design", "evict_each_step",
            "return_logits", "evaluate", "layer_budgets", "certificate_layers",
            "certificate_heads")
 
@@ -189,7 +189,7 @@ def _checking_budgets(jitted):
 @_checking_budgets
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n_steps: int,
-             design=None, observation_window: int = 0, evict_each_step: bool = False,
+             design=None, evict_each_step: bool = False,
              return_logits: bool = False, evaluate: bool = False,
              layer_budgets: Optional[tuple] = None, budget=None,
              certificate_layers: Optional[tuple] = None,
@@ -210,8 +210,9 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n
     config, capacity, n_steps: static; ``capacity`` slots per (layer, row,
       KV head) must hold the prompt, and the tokens kept after eviction plus
       those appended before the next one.
-    design: optional eviction design; None keeps everything.
-    observation_window: prompt queries that form the observation window.
+    design: optional eviction design; None keeps everything. Its
+      ``observation_window`` last prompt queries are the observation window
+      (SnapKV's statistic; the window belongs to the design).
     evict_each_step: evict after every decode step too.
     return_logits: also return the full logits of every step.
     evaluate: evaluation mode: keep a shadow full cache (``prompt_len +
@@ -243,8 +244,7 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n
   caches = init_caches(config, batch, capacity)
   shadow = init_caches(config, batch, prompt_len + n_steps) if evaluate else None
   logits, caches, _, shadow = forward_chunk(
-      params, config, tokens, mask, caches, design=design,
-      observation_window=observation_window, certificate=False, shadow=shadow)
+      params, config, tokens, mask, caches, design=design, certificate=False, shadow=shadow)
   key, sub = jax.random.split(key)
   if design is not None:
     caches, shadow = evict_and_record(design, caches, shadow, sub, layer_budgets, budget)
@@ -257,8 +257,8 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n
 @functools.partial(jax.jit, static_argnames=_STATIC + ("chunk",))
 def generate_streaming(params, context, context_mask, question, question_mask, key, *,
                        config: LlamaConfig, capacity: int, n_steps: int, chunk: int,
-                       design=None, observation_window: int = 0,
-                       evict_each_step: bool = False, return_logits: bool = False,
+                       design=None, evict_each_step: bool = False,
+                       return_logits: bool = False,
                        evaluate: bool = False,
                        layer_budgets: Optional[tuple] = None, budget=None,
                        certificate_layers: Optional[tuple] = None,
@@ -267,9 +267,10 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
 
   The context is fed ``chunk`` tokens at a time (a ``lax.scan`` over chunks);
   after each chunk the design evicts down to its budget, before the question
-  is known. Then the question is prefilled (its last ``observation_window``
-  queries are the observation window) and ``n_steps`` tokens are decoded as
-  in :func:`generate`.
+  is known; each chunk's last ``design.observation_window`` queries are the
+  observation window that scores that eviction (SnapKV). Then the question is
+  prefilled (its last queries are the window) and ``n_steps`` tokens are
+  decoded as in :func:`generate`.
 
   Args:
     params: model parameters.
@@ -283,7 +284,7 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
       decoded tokens (overflow is counted in the caches' ``n_dropped``).
     chunk: context tokens per chunk (static); the context is padded to a
       multiple of it.
-    design, observation_window, evict_each_step, return_logits, evaluate,
+    design, evict_each_step, return_logits, evaluate,
       layer_budgets, budget, certificate_layers, certificate_heads: as in
       :func:`generate` (the shadow cache holds the whole padded context, the
       question and the decoded tokens).
@@ -323,8 +324,8 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
   (caches, shadow, key), _ = jax.lax.scan(feed, (caches, shadow, key),
                                           (as_chunks(context), as_chunks(context_mask)))
   logits, caches, _, shadow = forward_chunk(
-      params, config, question, question_mask, caches, design=design,
-      observation_window=observation_window, certificate=False, shadow=shadow)
+      params, config, question, question_mask, caches, design=design, certificate=False,
+      shadow=shadow)
   return _decode_loop(params, config, caches, shadow, _last_logits(logits, question_mask), key,
                       n_steps, design, evict_each_step, return_logits, layer_budgets, budget,
                       certificate_layers, certificate_heads)

@@ -6,9 +6,10 @@
 keys and values to its caches, attends over them
 (:func:`models.certified_attention.attend`, with the certificate statistics)
 and, with a design, folds the chunk's attention probabilities into the slot
-statistics the design scores (``design.update``); the last
-``observation_window`` queries of a chunk count as SnapKV's observation
-window. Eviction itself is ``models.eviction``.
+statistics the design scores (``design.update``); in a prompt chunk
+(``observe=True``) the last ``design.observation_window`` real queries are
+the observation window (SnapKV's ``obs``, replaced chunk by chunk). Eviction
+itself is ``models.eviction``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _positions(cache: KVCache, valid) -> Array:
   return start[:, None] + jnp.cumsum(valid, axis=1).astype(jnp.int32) - 1
 
 
-def _layer(config: LlamaConfig, design, observation_window: int, certificate: bool, x, valid,
+def _layer(config: LlamaConfig, design, observe: bool, certificate: bool, x, valid,
            layer_params, cache: KVCache, shadow: Optional[KVCache], layer_flag=None,
            certificate_heads: Optional[tuple] = None):
   """One decoder layer on a chunk: append keys/values, offset attention, MLP.
@@ -72,7 +73,8 @@ def _layer(config: LlamaConfig, design, observation_window: int, certificate: bo
   if stats is not None:  # [b, h_kv, g, t] -> [b, n_heads, t]
     stats = jax.tree_util.tree_map(lambda a: a.reshape(b, c.n_heads, t), stats)
   if design is not None:
-    cache = _fold_statistics(design, cache, probs, valid, observation_window)
+    window = design.observation_window if observe else 0
+    cache = _fold_statistics(design, cache, probs, valid, window)
   out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, c.n_heads, c.head_dim)
   x = block.apply(variables, x, out, method=Block.finish)
   return x, cache, stats, shadow
@@ -85,7 +87,10 @@ def _fold_statistics(design, cache: KVCache, probs, valid,
 
   In order: the non-window real queries, then the last ``observation_window``
   real queries as the observation window, so that the last real query is the
-  latest (``last``, TOVA) and ``obs`` holds the window only (SnapKV).
+  latest (``last``, TOVA) and ``obs`` holds this window only (SnapKV): with a
+  window, ``obs`` is reset before the window is folded, so that in streaming
+  each chunk's window replaces the previous chunk's (a row whose chunk is all
+  padding keeps its statistics, ``obs`` included).
   """
   probs = jnp.where(valid[:, None, None, :, None], probs, 0.0)  # padded queries count 0
   t = valid.shape[1]
@@ -101,6 +106,7 @@ def _fold_statistics(design, cache: KVCache, probs, valid,
     else:
       w = in_window[None, :, None]
       new, state = design.update(cache_h, state, jnp.where(w, 0.0, p))
+      new = new._replace(obs=jnp.zeros_like(new.obs))
       new = design.update(new, state, jnp.where(w, p, 0.0), observation=True)[0]
     # A row whose chunk is all padding (ragged streaming) keeps its statistics.
     return jax.tree_util.tree_map(lambda a, b: jnp.where(has_real, a, b), new, cache_h)
@@ -109,11 +115,11 @@ def _fold_statistics(design, cache: KVCache, probs, valid,
   return jax.vmap(per_head)(cache, probs, n_real > 0)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "design", "observation_window",
+@functools.partial(jax.jit, static_argnames=("config", "design", "observe",
                                              "certificate", "certificate_layers",
                                              "certificate_heads"))
 def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *,
-                  design=None, observation_window: int = 0, certificate: bool = True,
+                  design=None, observe: bool = True, certificate: bool = True,
                   shadow: Optional[KVCache] = None,
                   certificate_layers: Optional[tuple] = None,
                   certificate_heads: Optional[tuple] = None):
@@ -128,8 +134,12 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
     caches: from :func:`models.caches.init_caches` (or a previous chunk).
     design: optional ``certkv_jax.EvictionDesign``; its ``update`` folds the
       chunk's attention probabilities into the slot statistics.
-    observation_window: the last this many real queries of the chunk are the
-      observation window (SnapKV's ``obs`` statistic).
+    observe: whether this is a prompt chunk whose last
+      ``design.observation_window`` real queries are the design's observation
+      window (``obs`` is replaced by their attention; SnapKV, the envelope
+      design). The window belongs to the design (see
+      ``certkv_jax.designs.EvictionDesign``); decode steps pass False, so that
+      ``obs`` keeps the prompt's window.
     certificate: compute attention with ``certkv_jax.offset_attention`` and
       return its certificate statistics; False computes the same Hajek
       softmax with ``certkv_jax.attention_probs`` only (cheaper for long
@@ -157,7 +167,7 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
 
   def body(x, layer):
     layer_params, cache, shadow_cache, flag = layer
-    x, cache, stats, shadow_cache = _layer(config, design, observation_window, certificate, x,
+    x, cache, stats, shadow_cache = _layer(config, design, observe, certificate, x,
                                            valid, layer_params, cache, shadow_cache, flag,
                                            certificate_heads)
     return x, (cache, stats, shadow_cache)

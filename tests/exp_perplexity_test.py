@@ -111,8 +111,7 @@ class PerplexityTest(absltest.TestCase):
     budget = jnp.asarray([0.5, 0.5, 1.0, 1.0], jnp.float32)
     res = streaming_loss.streaming_nll(self.params, rows, jnp.ones(rows.shape, bool),
                                        jax.random.PRNGKey(3), config=self.config, capacity=cap,
-                                       chunk=CHUNK, design=design, budget=budget,
-                                       observation_window=WINDOW)
+                                       chunk=CHUNK, design=design, budget=budget)
     lp, rad = np.asarray(res.logprob), np.asarray(res.radius)
     np.testing.assert_allclose(lp[2:], full, atol=1e-5, rtol=0)  # budget 1.0 = full cache
     np.testing.assert_array_equal(rad[2:], 0.0)  # nothing sampled: no uncertainty

@@ -70,7 +70,7 @@ class LayerBudgetsDecodeTest(absltest.TestCase):
     c = self.config
     _, caches, _, _ = decode.forward_chunk(self.params, c, self.tokens, self.mask,
                                            decode.init_caches(c, 2, 16), design=design,
-                                           observation_window=2, certificate=False)
+                                           certificate=False)
     return caches
 
   def test_evict_each_layer_keeps_its_own_count(self):
@@ -102,7 +102,7 @@ class LayerBudgetsDecodeTest(absltest.TestCase):
     design = certkv_jax.designs.snapkv(4, window=2)
     gen = decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
                           config=self.config, capacity=16, n_steps=N_STEPS, design=design,
-                          observation_window=2, layer_budgets=(6, 3), evaluate=True)
+                          layer_budgets=(6, 3), evaluate=True)
     n_valid = np.asarray(gen.caches.n_valid)
     np.testing.assert_array_equal(n_valid[0], 6 + N_STEPS)
     np.testing.assert_array_equal(n_valid[1], 3 + N_STEPS)

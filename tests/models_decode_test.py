@@ -60,7 +60,7 @@ class DecodeTest(absltest.TestCase):
     design = certkv_jax.designs.snapkv(0.5, window=3)
     _, caches, stats, _ = decode.forward_chunk(self.params, c, self.tokens, self.mask,
                                             decode.init_caches(c, 2, 20), design=design,
-                                            observation_window=3, certificate=False)
+                                            certificate=False)
     self.assertIsNone(stats)
     n_real = np.array([10, 7])[None, :, None]  # [layers, batch, kv heads]
     # Each real query's probabilities sum to one over the slots.
@@ -72,7 +72,7 @@ class DecodeTest(absltest.TestCase):
     # A chunk that is all padding for row 1 (ragged streaming) leaves its statistics alone.
     more = np.stack([np.ones(10, bool), np.zeros(10, bool)])
     _, after, _, _ = decode.forward_chunk(self.params, c, self.tokens, more, caches,
-                                          design=design, observation_window=3,
+                                          design=design,
                                           certificate=False)
     for field in ("acc", "last", "obs", "pos"):
       np.testing.assert_array_equal(getattr(after, field)[:, 1], getattr(caches, field)[:, 1])
@@ -86,8 +86,7 @@ class DecodeTest(absltest.TestCase):
   def test_question_aware_snapkv_keeps_budget_and_window(self):
     design = certkv_jax.designs.snapkv(4, window=2)
     gen = decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
-                          config=self.config, capacity=16, n_steps=N_STEPS, design=design,
-                          observation_window=2)
+                          config=self.config, capacity=16, n_steps=N_STEPS, design=design)
     self.assertIsNone(gen.true_error)  # normal mode keeps no shadow cache
     caches = gen.caches
     np.testing.assert_array_equal(caches.n_valid, 4 + N_STEPS)  # budget, then decoded tokens
@@ -99,6 +98,33 @@ class DecodeTest(absltest.TestCase):
     np.testing.assert_array_equal(caches.log_pi, 0.0)  # deterministic: no offsets
     np.testing.assert_array_equal(gen.var_hat, 0.0)
     self.assertTrue(np.isfinite(np.asarray(gen.logprobs)).all())
+
+  def test_streaming_snapkv_scores_each_chunk_by_its_window(self):
+    # Regression: the streaming regime fed its context chunks with no observation
+    # window, so SnapKV's score was 0 everywhere and its kept set was the one a
+    # constant score picks (slot order). The chunk's last queries must score it.
+    question = np.array([[5, 6], [8, 9]], np.int32)
+    kw = dict(config=self.config, capacity=4 + 3 + 2 + N_STEPS, n_steps=N_STEPS, chunk=3)
+    run = lambda design: decode.generate_streaming(
+        self.params, self.tokens, self.mask, question, np.ones((2, 2), bool),
+        jax.random.PRNGKey(0), design=design, **kw).caches
+    snap = run(certkv_jax.designs.snapkv(4, window=1, pool_size=1, observation_window=2))
+    flat = run(certkv_jax.designs.top_k(4, certkv_jax.scores.Uniform(), window=1))
+    kept = lambda c: np.sort(np.where(np.asarray(c.valid), np.asarray(c.pos), -1), axis=-1)
+    self.assertTrue((kept(snap) != kept(flat)).any(), "SnapKV kept what a flat score keeps")
+    self.assertGreater(float(jnp.max(snap.obs)), 0.0)
+
+  def test_a_design_that_reads_the_window_needs_one(self):
+    with self.assertRaisesRegex(ValueError, "observation_window >= 1"):
+      certkv_jax.designs.snapkv(0.5, window=0)
+    with self.assertRaisesRegex(ValueError, "observation_window >= 1"):
+      certkv_jax.designs.top_k(0.5, certkv_jax.scores.ValueAware(
+          certkv_jax.scores.WindowAttention()))
+    with self.assertRaisesRegex(ValueError, "observation_window must be an int"):
+      certkv_jax.designs.snapkv(0.5, observation_window=-1)
+    self.assertEqual(certkv_jax.designs.snapkv(0.5, window=8).observation_window, 8)
+    self.assertEqual(certkv_jax.designs.h2o(0.5, window=8).observation_window, 0)
+    self.assertEqual(certkv_jax.designs.by_name("poisson_envelope", 0.5).observation_window, 16)
 
   def test_streaming_poisson_design_evicts_with_offsets_and_certificate(self):
     design = certkv_jax.designs.poisson_tail(6, n_sink=1, window=1, overflow_prob=0.05)
@@ -124,7 +150,7 @@ class DecodeTest(absltest.TestCase):
     self.assertTrue(np.isfinite(np.asarray(gen.logprobs)).all())
 
   def test_traced_budget_matches_static_budget_with_one_compile(self):
-    kw = dict(config=self.config, capacity=16, n_steps=N_STEPS, observation_window=2,
+    kw = dict(config=self.config, capacity=16, n_steps=N_STEPS,
               evaluate=True)
     key = jax.random.PRNGKey(3)
     jitted = decode.generate.__wrapped__  # the jitted function under the budget check
@@ -187,7 +213,7 @@ class DecodeTest(absltest.TestCase):
     self.assertTrue((record[kept] <= 0).all())
 
   def test_assumption2_ratio_in_evaluation_mode(self):
-    kw = dict(config=self.config, capacity=16, n_steps=N_STEPS, observation_window=2,
+    kw = dict(config=self.config, capacity=16, n_steps=N_STEPS,
               evaluate=True)
     poisson = decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
                               design=certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=2),
@@ -223,7 +249,7 @@ class DecodeTest(absltest.TestCase):
     # every statistic equals the full certificate's; the rest are NaN.
     c = self.config
     self.assertEqual((c.n_layers, c.n_kv_heads, c.group_size), (2, 2, 2))
-    kw = dict(config=c, capacity=16, n_steps=N_STEPS, observation_window=1, evaluate=True,
+    kw = dict(config=c, capacity=16, n_steps=N_STEPS, evaluate=True,
               return_logits=True, evict_each_step=True,
               design=certkv_jax.designs.poisson_tail(0.7, n_sink=1, window=1,
                                                      overflow_prob=0.05))

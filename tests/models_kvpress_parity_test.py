@@ -204,8 +204,7 @@ def _prefill_cached(window):
   # for every design here; any of them gives the same caches.
   _, caches, _, _ = decode.forward_chunk(
       params, config, tokens, jnp.ones(tokens.shape, bool), caches,
-      design=designs.snapkv(0.5, window=window, pool_size=SNAPKV_KERNEL),
-      observation_window=window, certificate=False)
+      design=designs.snapkv(0.5, window=window, pool_size=SNAPKV_KERNEL), certificate=False)
   return caches, ref, meta
 
 

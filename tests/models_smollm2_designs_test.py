@@ -33,7 +33,8 @@ DESIGNS = {
     "sink_window": lambda b: designs.sink_window(b, n_sink=2),
     "h2o": lambda b: designs.h2o(b, n_sink=2, window=2),
     "tova": lambda b: designs.tova(b, n_sink=2, window=2),
-    "snapkv": lambda b: designs.snapkv(b, window=2, pool_size=5, n_sink=2),
+    "snapkv": lambda b: designs.snapkv(b, window=2, pool_size=5, n_sink=2,
+                                       observation_window=8),  # about the question
     "key_norm": lambda b: designs.key_norm(b, n_sink=2, window=2),
     "uniform_random": lambda b: designs.uniform_random(b, n_sink=2, window=2),
     "poisson_tail": lambda b: designs.poisson_tail(b, n_sink=2, window=2),
@@ -73,13 +74,13 @@ class SmolLM2DesignsTest(parameterized.TestCase):
       return decode.generate(self.params, prompt, jnp.ones(prompt.shape, bool),
                              jax.random.PRNGKey(0), config=self.config,
                              capacity=prompt.shape[1] + N_STEPS, n_steps=N_STEPS,
-                             design=design, observation_window=q.shape[1], evaluate=True,
+                             design=design, evaluate=True,
                              budget=budget)
     return decode.generate_streaming(
         self.params, ctx, jnp.ones(ctx.shape, bool), q, jnp.ones(q.shape, bool),
         jax.random.PRNGKey(0), config=self.config,
         capacity=ctx.shape[1] // 2 + 16 + q.shape[1] + N_STEPS, n_steps=N_STEPS, chunk=16,
-        design=design, observation_window=q.shape[1], evaluate=True, budget=budget)
+        design=design, evaluate=True, budget=budget)
 
   @parameterized.parameters(*CASES)
   def test_design(self, name, regime):

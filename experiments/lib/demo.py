@@ -169,20 +169,19 @@ def run_one(params, config, tok, examples, design_name: str, budget: float, regi
   ctx, ctx_mask = _pad([c for c, _, _ in examples])
   qst, q_mask = _pad([q for _, q, _ in examples])
   key = jax.random.PRNGKey(seed)
-  obs = window if design is not None else 0
   batch = len(examples)
   if regime == "question_aware":
     prompt, p_mask = _pad([c + q for c, q, _ in examples])
     capacity = prompt.shape[1] + (N_STEPS if design is None else 0)
     static = dict(config=config, capacity=capacity, n_steps=N_STEPS, design=design,
-                  observation_window=obs, evaluate=True)
+                  evaluate=True)
     gen_fn = jax.jit(lambda p, k, b: decode.generate(p, prompt, p_mask, k, budget=b, **static))
 
     def prefill(p, k, b):
       shadow = decode.init_caches(config, batch, prompt.shape[1] + N_STEPS)
       logits, caches, _, shadow = decode.forward_chunk(
           p, config, prompt, p_mask, decode.init_caches(config, batch, capacity),
-          design=design, observation_window=obs, certificate=False, shadow=shadow)
+          design=design, certificate=False, shadow=shadow)
       if design is not None:
         caches, shadow = decode._evict(design, caches, shadow, jax.random.split(k)[1], None, b)  # pylint: disable=protected-access
       return _last_logits(logits, p_mask), caches, shadow
@@ -196,7 +195,7 @@ def run_one(params, config, tok, examples, design_name: str, budget: float, regi
     else:  # the kept tokens plus the next chunk (appended before it is evicted)
       capacity = int(np.floor(budget * n_ctx)) + chunk + qst.shape[1] + N_STEPS
     static = dict(config=config, capacity=capacity, n_steps=N_STEPS, chunk=chunk,
-                  design=design, observation_window=obs, evaluate=True)
+                  design=design, evaluate=True)
     gen_fn = jax.jit(lambda p, k, b: decode.generate_streaming(p, ctx, ctx_mask, qst, q_mask, k,
                                                                budget=b, **static))
 
@@ -219,8 +218,7 @@ def run_one(params, config, tok, examples, design_name: str, budget: float, regi
           feed, (decode.init_caches(config, batch, capacity), shadow, k),
           (as_chunks(ctx), as_chunks(ctx_mask)))
       logits, caches, _, shadow = decode.forward_chunk(
-          p, config, qst, q_mask, caches, design=design, observation_window=obs,
-          certificate=False, shadow=shadow)
+          p, config, qst, q_mask, caches, design=design, certificate=False, shadow=shadow)
       return _last_logits(logits, q_mask), caches, shadow
     n_prompt = int(ctx_mask.sum() + q_mask.sum())
     full_tokens = n_chunks * chunk + qst.shape[1] + N_STEPS

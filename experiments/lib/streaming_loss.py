@@ -76,9 +76,9 @@ def _check_chunk(chunk):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "chunk", "design",
-                                             "observation_window", "delta"))
+                                             "delta"))
 def _streaming_nll(params, tokens, mask, key, budget, *, config, capacity: int, chunk: int,
-                   design, observation_window: int, delta: float) -> StreamingNLL:
+                   design, delta: float) -> StreamingNLL:
   b, n = tokens.shape
   # Targets up front: position i predicts token i + 1; the last real token has none.
   targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
@@ -92,13 +92,11 @@ def _streaming_nll(params, tokens, mask, key, budget, *, config, capacity: int, 
   def step(carry, x):
     caches, key = carry
     toks, valid, tgt, sc = x
-    if design is not None and observation_window:
-      # SnapKV's statistic is the attention of the LAST observation_window queries
-      # before this eviction (this chunk's), not of every earlier chunk's window.
-      caches = caches._replace(obs=jnp.zeros_like(caches.obs))
+    # With a design that has an observation window (SnapKV), the chunk's last
+    # design.observation_window queries replace its statistic: the window before
+    # this eviction, not every earlier chunk's (models.forward.forward_chunk).
     logits, caches, st, _ = decode.forward_chunk(
-        params, config, toks, valid, caches, design=design,
-        observation_window=observation_window, certificate=with_cert)
+        params, config, toks, valid, caches, design=design, certificate=with_cert)
     logp = jax.nn.log_softmax(logits, axis=-1)
     lp = jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
     lp = jnp.where(sc, lp, 0.0)
@@ -121,8 +119,7 @@ def _streaming_nll(params, tokens, mask, key, budget, *, config, capacity: int, 
 
 
 def streaming_nll(params, tokens, mask, key, *, config, capacity: int, chunk: int,
-                  design=None, budget=None, observation_window: int = 0,
-                  delta: float = DELTA) -> StreamingNLL:
+                  design=None, budget=None, delta: float = DELTA) -> StreamingNLL:
   """Streams ``tokens`` through the model ``chunk`` tokens at a time, evicting after each.
 
   One jitted ``lax.scan`` over chunks. Each chunk runs through
@@ -144,13 +141,12 @@ def streaming_nll(params, tokens, mask, key, *, config, capacity: int, chunk: in
       sequence. Tokens that find no slot are counted in ``n_dropped``.
     chunk: tokens per chunk (static, >= 1); the sequence is padded to a
       multiple of it (padding takes no slot and is not scored).
-    design: a ``certkv_jax`` eviction design (static), or None.
+    design: a ``certkv_jax`` eviction design (static), or None. Its
+      ``observation_window`` last queries of each chunk are its observation
+      window (SnapKV: the window before each eviction).
     budget: optional fraction in (0, 1] of the tokens seen (a float, ``[]``
       or ``[batch]``: one budget per row), traced, so one compile serves
       every budget; replaces the design's budget. Needs a design.
-    observation_window: with a design, the last this many queries of each
-      chunk are SnapKV's observation window (its statistic is reset before
-      each chunk, so it is the window before each eviction).
     delta: miss probability of the per-call radius (static).
 
   Returns:
@@ -169,14 +165,10 @@ def streaming_nll(params, tokens, mask, key, *, config, capacity: int, chunk: in
   if design is None and capacity < tokens.shape[1]:
     raise ValueError(f"capacity ({capacity}) must hold the whole sequence "
                      f"({tokens.shape[1]} tokens) without a design")
-  if not isinstance(observation_window, int) or observation_window < 0:
-    raise ValueError(f"observation_window must be an int >= 0, got {observation_window!r}")
   if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0.0 < delta < 1.0:
     raise ValueError(f"delta must be a float in (0, 1), got {delta!r}")
   return _streaming_nll(params, tokens, mask, key, budget, config=config, capacity=capacity,
-                        chunk=chunk, design=design,
-                        observation_window=observation_window if design is not None else 0,
-                        delta=float(delta))
+                        chunk=chunk, design=design, delta=float(delta))
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

@@ -128,8 +128,7 @@ def _run_unit(params, config, segs, design_name, row_budgets, key, *, chunk, n_s
     budget = None if design is None else jnp.asarray([row_budgets[i] for i in idx], jnp.float32)
     res = streaming_loss.streaming_nll(
         params, toks, jnp.ones(toks.shape, bool), jax.random.fold_in(key, g), config=config,
-        capacity=capacity, chunk=chunk, design=design, budget=budget,
-        observation_window=window if design is not None else 0)
+        capacity=capacity, chunk=chunk, design=design, budget=budget)
     res = jax.tree_util.tree_map(np.asarray, res)
     outs.append(jax.tree_util.tree_map(lambda a, m=min(size, len(segs) - start): a[:m], res))
   return jax.tree_util.tree_map(lambda *a: np.concatenate(a), *outs)

@@ -101,15 +101,13 @@ def run_batch(params, config, examples, design_name: str, row_budgets, regime: s
   shape = shape or pad_shape(examples)
   max_budget = max(row_budgets) if max_budget is None else max_budget
   design = make_design(design_name, max_budget, n_sink, window)
-  obs = window if design is not None else 0
   budget = None if design is None else jnp.asarray(row_budgets, jnp.float32)
   if regime == "question_aware":
     prompt, p_mask = pad_batch([e.context_ids + e.question_ids for e in examples],
                                shape["prompt"])
     capacity = prompt.shape[1] + (n_steps if design is None else 0)
     return decode.generate(params, prompt, p_mask, key, config=config, capacity=capacity,
-                           n_steps=n_steps, design=design, observation_window=obs,
-                           evaluate=True, budget=budget)
+                           n_steps=n_steps, design=design, evaluate=True, budget=budget)
   ctx, c_mask = pad_batch([e.context_ids for e in examples], shape["context"])
   qst, q_mask = pad_batch([e.question_ids for e in examples], shape["question"])
   n_ctx = ctx.shape[1]
@@ -120,7 +118,7 @@ def run_batch(params, config, examples, design_name: str, row_budgets, regime: s
     capacity = int(math.floor(max_budget * n_ctx)) + chunk + qst.shape[1] + n_steps
   return decode.generate_streaming(params, ctx, c_mask, qst, q_mask, key, config=config,
                                    capacity=capacity, n_steps=n_steps, chunk=chunk,
-                                   design=design, observation_window=obs, evaluate=True,
+                                   design=design, evaluate=True,
                                    budget=budget)
 
 

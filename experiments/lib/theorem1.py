@@ -88,7 +88,7 @@ def run_theorem1(params, config, examples, design_names, budget: float, out_dir:
       shadow = decode.init_caches(config, batch, plen + n_steps)
       logits, caches, _, shadow = decode.forward_chunk(
           p, config, prompt, mask, decode.init_caches(config, batch, plen), design=design,
-          observation_window=window, certificate=False, shadow=shadow)
+          certificate=False, shadow=shadow)
       return decode._last_logits(logits, mask), caches, shadow  # pylint: disable=protected-access
 
     @jax.jit
