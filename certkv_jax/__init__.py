@@ -7,6 +7,8 @@ Public API (the method: docs/method.md):
 * :func:`inclusion_probabilities` -- Eq. 2 Poisson inclusion probabilities.
 * :mod:`certkv_jax.designs` -- eviction designs (deterministic and randomized).
 * :mod:`certkv_jax.cache` -- the fixed-capacity KV-cache pytree.
+* :mod:`certkv_jax.checked` -- checkify-checked versions of the above for
+  bad input under ``jit`` (method, section 9, "Bad input").
 * :mod:`certkv_jax.diagnostics` -- evaluation-mode truths (error, Assumption 2).
 * :mod:`certkv_jax.calibration` -- split-conformal scaling of the radius.
 * :mod:`certkv_jax.calibration_store` -- the fitted calibration as an orbax
@@ -17,6 +19,7 @@ Public API (the method: docs/method.md):
 from certkv_jax import cache
 from certkv_jax import calibration
 from certkv_jax import certificate
+from certkv_jax import checked
 from certkv_jax import designs
 from certkv_jax import diagnostics
 from certkv_jax import sampling
@@ -47,6 +50,7 @@ __all__ = [
     "calibration_store",
     "certificate",
     "certificate_radius",
+    "checked",
     "designs",
     "diagnostics",
     "inclusion_probabilities",

@@ -41,6 +41,9 @@ class OffsetAttentionResult(NamedTuple):
 
 
 def _check_shapes(q, k, v, log_pi, mask):
+  """Static shape and dtype checks; ``v`` None (attention probabilities) skips v."""
+  if v is None:
+    v = jnp.zeros(k.shape[:-1] + (1,), k.dtype)  # shape-only stand-in
   for name, x, min_ndim in (("q", q, 1), ("k", k, 2), ("v", v, 2), ("log_pi", log_pi, 1),
                             ("mask", mask, 1)):
     if jnp.ndim(x) < min_ndim:
@@ -69,6 +72,28 @@ def _check_shapes(q, k, v, log_pi, mask):
         f"{q.shape[:-1]}, k[...] {k.shape[:-2]}, v[...] {v.shape[:-2]}, "
         f"log_pi[...] {log_pi.shape[:-1]}, mask[...] {mask.shape[:-1]}") from err
   return batch
+
+
+def _check_values(q, k, v, log_pi, mask) -> None:
+  """Eager value checks of method, section 9 ("Bad input"); skipped for tracers.
+
+  ``q`` must be finite everywhere; ``k``, ``v`` and ``log_pi`` must be finite on
+  the slots that some row reads (``mask`` True), and ``log_pi <= 0`` there.
+  The cost is one ``jnp.isfinite(x).all()`` per argument when all is well.
+  """
+  _checks.check_finite_where("q", q)
+  _checks.check_finite_where("k", k, mask, value_axes=1)
+  if v is not None:
+    _checks.check_finite_where("v", v, mask, value_axes=1)
+  _checks.check_finite_where("log_pi", log_pi, mask)
+  lp = _checks.concrete_array(log_pi)
+  mk = _checks.concrete_array(mask)
+  if lp is not None and mk is not None:
+    lpb, mkb = np.broadcast_arrays(lp.astype(np.float64), mk.astype(bool))
+    lp_valid = lpb[mkb]
+    if lp_valid.size and not (lp_valid <= 0).all():
+      raise ValueError("log_pi must be <= 0 (a log probability, pi in (0, 1]) on every "
+                       f"valid slot (mask True); found max {lp_valid.max()}")
 
 
 def offset_attention(
@@ -111,25 +136,33 @@ def offset_attention(
       (default: ``BlockSizes.get_default``). ``block_size`` is for "xla".
 
   Returns:
-    OffsetAttentionResult(out, lse, var_hat, range_hat).
+    OffsetAttentionResult(out, lse, var_hat, range_hat). A row with no valid
+    slot (``mask`` all False) is defined: out 0, lse -inf, var_hat and
+    range_hat 0.
 
   Raises:
-    ValueError/TypeError naming the argument for mismatched shapes or dtypes,
-    and (outside jit) for log_pi > 0 or NaN on a valid slot.
+    ValueError/TypeError naming the argument for mismatched shapes or dtypes.
+    When the arrays are concrete (not traced), also ValueError naming the
+    argument for NaN/inf in ``q``, NaN/inf in ``k``, ``v`` or ``log_pi`` on a
+    valid slot, and ``log_pi > 0`` on a valid slot.
+
+  Bad input under ``jit`` (method, section 9, "Bad input"): traced values are
+  not checked. On the default XLA path a NaN or +inf logit (NaN/inf in ``q``,
+  NaN or a same-sign inf in ``k``, NaN or -inf in ``log_pi``, on a valid slot)
+  empties its row: out 0, lse -inf, var_hat 0 and a NaN or inf range_hat (so
+  a NaN/inf radius), except that an inf in ``q`` can give range_hat 0 (a zero
+  radius). A -inf logit (``k`` inf of the opposite sign, ``log_pi`` +inf)
+  drops its slot silently. NaN/inf in ``v`` gives NaN/inf in that component
+  of out and a NaN var_hat and range_hat; ``0 < log_pi < inf`` gives finite,
+  wrong numbers. ``certkv_jax.checked.checked_offset_attention`` turns every
+  one of these into a checkify error.
   """
   q, k, v, log_pi, mask = (jnp.asarray(x) for x in (q, k, v, log_pi, mask))
   _check_shapes(q, k, v, log_pi, mask)
   if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
                                 and scale > 0):
     raise ValueError(f"scale must be a finite float > 0 or None, got {scale!r}")
-  lp = _checks.concrete_array(log_pi)
-  mk = _checks.concrete_array(mask)
-  if lp is not None and mk is not None:
-    lpb, mkb = np.broadcast_arrays(lp.astype(np.float64), mk)
-    lp_valid = lpb[mkb]
-    if lp_valid.size and not (lp_valid <= 0).all():
-      raise ValueError("log_pi must be <= 0 (a log probability) on every valid slot; "
-                       f"found max {lp_valid.max()} / NaN")
+  _check_values(q, k, v, log_pi, mask)
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "auto":
@@ -204,8 +237,16 @@ def attention_probs(q, k, log_pi, mask, *, scale: Optional[float] = None):
   """Offset-attention probabilities ``p_i`` [..., n] (0 on invalid slots).
 
   These are what the designs fold into their running importance statistics.
+  Concrete arguments are checked as in :func:`offset_attention` (ValueError
+  naming ``q``, ``k`` or ``log_pi`` for NaN/inf, ``log_pi > 0`` on a valid
+  slot). Under ``jit`` (method, section 9, "Bad input"), on a valid slot: a
+  NaN logit gives NaN there and unnormalised weights ``exp(l_i)`` on the other
+  slots; a +inf logit NaN there and 0 elsewhere; an inf in ``q`` can make the
+  whole row NaN; a -inf logit drops the slot. A row with no valid slot is all 0.
+  ``certkv_jax.checked.checked_attention_probs`` makes these errors.
   """
   q, k, log_pi, mask = (jnp.asarray(x) for x in (q, k, log_pi, mask))
+  _check_values(q, k, None, log_pi, mask)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
   l = reference.offset_logits(q, k, log_pi, mask, scale)

@@ -84,10 +84,19 @@ def append(cache: KVCache, k_new, v_new, new_valid=None) -> KVCache:
 
   Returns:
     The updated cache. Tokens are certain on arrival (``log_pi = 0``), with
-    zeroed statistics and positions ``n_seen, n_seen + 1, ...``. If there are
-    fewer free slots than new tokens the excess is not stored and is counted in
-    ``n_dropped``; outside ``jit`` that raises instead (size the capacity as
-    budget + chunk, and evict before appending).
+    zeroed statistics and positions ``n_seen, n_seen + 1, ...``.
+
+  Raises:
+    ValueError naming the capacity and the number of tokens that do not fit,
+    when the cache has fewer free slots than real new tokens and ``valid`` and
+    ``new_valid`` are concrete (size the capacity as budget + chunk, and evict
+    before appending).
+
+  Overflow under ``jit`` or ``vmap`` (method, section 9, "Bad input"): the
+  tokens beyond the free slots are not stored, still take positions, and are
+  counted in ``n_dropped``; attention then silently misses them. Nothing else
+  reports it: read ``n_dropped``, or use ``certkv_jax.checked.checked_append``
+  / ``check_no_overflow`` to make it a checkify error.
   """
   cap = cache.capacity
   k_new = jnp.asarray(k_new)
@@ -105,8 +114,10 @@ def append(cache: KVCache, k_new, v_new, new_valid=None) -> KVCache:
   slots = slot_assignment(cache.valid, new_valid)
   if (_checks.is_concrete(slots.n_new) and _checks.is_concrete(slots.n_free)
       and int(slots.n_new) > int(slots.n_free)):
-    raise ValueError(f"append of {int(slots.n_new)} tokens needs free slots, but the cache "
-                     f"(capacity {cap}) has {int(slots.n_free)}; evict first or raise capacity")
+    n_new, n_free = int(slots.n_new), int(slots.n_free)
+    raise ValueError(f"append of {n_new} tokens needs free slots, but the cache (capacity "
+                     f"{cap}) has {n_free}: {n_new - n_free} tokens would not fit (they would "
+                     "be dropped); evict first or raise capacity")
   return write_slots(cache, slots, slots.idx, k_new, v_new)
 
 

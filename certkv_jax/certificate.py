@@ -42,7 +42,17 @@ def _check_delta(delta):
 
 
 def radius_from_stats(var_hat, range_hat, delta, form: str = "bernstein") -> Array:
-  """Radius from the statistics; ``delta`` is a scalar or broadcasts against them."""
+  """Radius from the statistics; ``delta`` is a scalar or broadcasts against them.
+
+  ``delta`` outside (0, 1) raises ValueError when it is a Python number or a
+  concrete array. A traced ``delta`` is not checked (method, section 9, "Bad
+  input"): 0 gives an infinite radius (NaN where ``var_hat`` and
+  ``range_hat`` are 0), ``1 <= delta <= 2`` a finite radius that guarantees
+  nothing, ``delta > 2``, ``delta < 0`` or NaN a NaN (or -0) radius; use
+  ``certkv_jax.checked.checked_certificate_radius`` to make these errors. A NaN
+  statistic gives a NaN radius (``models.decode`` marks the calls left out of
+  a subsampled certificate that way).
+  """
   _check_delta(delta)
   if form not in FORMS:
     raise ValueError(f"form must be one of {FORMS}, got {form!r}")
@@ -67,6 +77,10 @@ def certificate_radius(result, delta, form: str = "bernstein") -> Array:
 
   Returns:
     float32 radius with the result's leading shape.
+
+  Raises:
+    ValueError naming ``delta`` when a concrete ``delta`` is outside (0, 1);
+    a traced one is not checked (see :func:`radius_from_stats`).
   """
   return radius_from_stats(result.var_hat, result.range_hat, delta, form)
 
@@ -77,6 +91,9 @@ def anytime_delta(delta: float, step) -> Array:
   Since ``sum_t 1/(t(t+1)) = 1``, radii built with ``delta_t`` hold for every
   step simultaneously with probability ``>= 1 - delta`` (a union bound: a
   confidence sequence over decode steps).
+
+  A concrete ``step < 1`` raises ValueError; a traced step 0 gives an infinite
+  ``delta_t`` (and a NaN radius from it), negative steps a meaningless one.
   """
   _check_delta(delta)
   step = jnp.asarray(step)

@@ -40,6 +40,9 @@ class LlamaConfig:
     rope_original_max_positions: parameters of ``rope_scaling``.
     sliding_window: if set, a query attends to at most this many most recent
       keys, itself included (Mistral).
+    max_positions: the model's context length (HF ``max_position_embeddings``,
+      GGUF ``{arch}.context_length``), if known: ``models.decode`` refuses a
+      prompt plus decoded tokens longer than this. None: unknown, unchecked.
     dtype: activation dtype name (``"float32"`` default; ``"bfloat16"``).
       Attention softmax, norms and the logits are computed in float32.
   """
@@ -64,6 +67,7 @@ class LlamaConfig:
   rope_original_max_positions: int = 8192
   sliding_window: Optional[int] = None
   dtype: str = "float32"
+  max_positions: Optional[int] = None
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -71,6 +75,9 @@ class LlamaConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    mp = self.max_positions
+    if mp is not None and (isinstance(mp, bool) or not isinstance(mp, int) or mp <= 0):
+      raise ValueError(f"max_positions must be a positive int or None, got {mp!r}")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
                        f"({self.n_kv_heads})")

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from certkv_jax.cache import KVCache
 from models import budgets as budgets_lib
+from models import inputs
 from models.budgets import check_budget
 from models.caches import init_caches
 from models.certified_attention import ChunkStats
@@ -82,6 +83,15 @@ class Generation(NamedTuple):
   var_hat: Array  # [n_steps, n_layers, batch, n_heads] float32
   range_hat: Array  # [n_steps, n_layers, batch, n_heads] float32
   caches: KVCache  # final caches (``n_dropped`` counts tokens that found no slot)
+  # [batch] int32: tokens of each row that found no cache slot (the max over its
+  # (layer, KV head) caches). Nonzero means the capacity was too small and the
+  # logits after it are wrong; the eager call raises (see generate), a call
+  # inside an outer jit returns it here (and certkv_jax.checked catches it).
+  n_dropped: Optional[Array] = None
+  # [] bool: whether var_hat / range_hat certify anything. False without a
+  # design or with a deterministic one: their V_hat is 0 by construction, and
+  # a radius of 0 then means "no certificate", not "no error" (Theorem 1).
+  certified: Optional[Array] = None
   # Evaluation mode only (None otherwise), same steps as var_hat:
   true_error: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] ||o_hat - o||
   rel_error: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] ||o_hat - o||/||o||
@@ -139,22 +149,29 @@ def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, des
 
   (caches, _, _, _), (toks, logps, step_logits, stats) = jax.lax.scan(
       step, (caches, shadow, first_logits, key), None, length=n_steps)
+  certified = design is not None and design.randomized
   return Generation(
       tokens=toks.T, logprobs=logps.T,
       logits=None if step_logits is None else step_logits.transpose(1, 0, 2),
       var_hat=stats.var_hat, range_hat=stats.range_hat, caches=caches,
       true_error=stats.true_error, rel_error=stats.rel_error, ratio=stats.ratio,
       tail_m=stats.tail_m, tail_n=stats.tail_n,
+      n_dropped=jnp.max(caches.n_dropped, axis=(0, 2)).astype(jnp.int32),
+      certified=jnp.asarray(certified),
       **{k: getattr(stats, k) for k in SIGNAL_FIELDS})
 
 
-def _check_prompt(tokens, mask, n_steps):
-  """Checks a right-padded ``[batch, len]`` prompt, its bool mask and ``n_steps``."""
-  if tokens.ndim != 2 or mask.shape != tokens.shape or mask.dtype != jnp.bool_:
-    raise ValueError(f"tokens must be [batch, len] with a bool mask of the same shape; got "
-                     f"tokens {tokens.shape}, mask {mask.dtype} {mask.shape}")
-  if n_steps < 1:
-    raise ValueError(f"n_steps must be >= 1, got {n_steps}")
+def _check_prompt(tokens, mask, n_steps, *, config=None, name="tokens",
+                  allow_empty_rows=False):
+  """Checks a right-padded ``[batch, len]`` prompt, its bool mask and ``n_steps``.
+
+  :func:`models.inputs.check_prompt`: shapes, an empty prompt and ``n_steps``
+  always; token ids (against ``config.vocab_size``, when ``config`` is given)
+  and mask rows only when the arrays are concrete, i.e. when called before the
+  jitted function (inside it they are traced and those checks are skipped).
+  """
+  inputs.check_prompt(tokens, mask, config=config, n_steps=n_steps, name=name,
+                      allow_empty_rows=allow_empty_rows)
 
 
 _STATIC = ("config", "capacity", "n_steps", "design", "evict_each_step",
@@ -162,8 +179,45 @@ _STATIC = ("config", "capacity", "n_steps", "design", "evict_each_step",
            "certificate_heads")
 
 
+def _check_inputs(given: dict) -> None:
+  """The prompt checks that need values (token ids, mask rows, the model's context
+  length; ``models.inputs``), run on the concrete arguments before the jitted call."""
+  config, n_steps = given["config"], given.get("n_steps")
+  if "tokens" in given:  # generate
+    _check_prompt(given["tokens"], given["mask"], n_steps, config=config)
+    return
+  ctx, qst = given["context"], given["question"]
+  _check_prompt(ctx, given["context_mask"], n_steps, config=config.replace(max_positions=None),
+                name="context", allow_empty_rows=True)
+  _check_prompt(qst, given["question_mask"], n_steps, config=config.replace(max_positions=None),
+                name="question")
+  if config.max_positions is not None:
+    need = jnp.shape(ctx)[1] + jnp.shape(qst)[1] + n_steps
+    if need > config.max_positions:
+      raise ValueError(f"context ({jnp.shape(ctx)[1]}) + question ({jnp.shape(qst)[1]}) + "
+                       f"n_steps ({n_steps}) = {need} positions exceed the model's context, "
+                       f"max_positions {config.max_positions}")
+
+
+def _raise_on_overflow(gen: "Generation", given: dict) -> None:
+  """Raises when an eager call dropped tokens (a concrete ``n_dropped`` > 0): the
+  logits after the first dropped token are wrong. Inside an outer ``jit`` the
+  count is traced and is returned in ``Generation.n_dropped`` instead."""
+  if isinstance(gen.n_dropped, jax.core.Tracer):
+    return
+  dropped = jax.device_get(gen.n_dropped)
+  if dropped.any():
+    rows = [int(i) for i in dropped.nonzero()[0]]
+    raise ValueError(f"capacity ({given['capacity']}) overflowed: rows {rows[:8]} dropped up "
+                     f"to {int(dropped.max())} tokens that found no cache slot, so their "
+                     "logits are wrong; raise capacity to hold the kept tokens plus every "
+                     "token appended between evictions (the prompt or a chunk, the question "
+                     "and the decoded tokens)")
+
+
 def _checking_budgets(jitted):
-  """Checks the design and budget arguments before the jitted call.
+  """Checks the prompts (:func:`_check_inputs`), the design and the budget
+  arguments before the jitted call.
 
   ``models.budgets.check_generation_budgets`` runs here, where a ``budget`` is
   still concrete (inside the jitted call it is traced, so only its shape
@@ -175,13 +229,16 @@ def _checking_budgets(jitted):
   @functools.wraps(jitted)
   def wrapper(*args, **kwargs):
     given = signature.bind(*args, **kwargs).arguments  # the arguments passed
+    _check_inputs(given)
     layer_budgets = budgets_lib.check_generation_budgets(
         given.get("design"), given.get("layer_budgets"), given.get("budget"),
         n_layers=given["config"].n_layers, capacity=given["capacity"],
         batch=jnp.shape(given[rows])[0])
     if "layer_budgets" in kwargs:
       kwargs["layer_budgets"] = layer_budgets
-    return jitted(*args, **kwargs)
+    out = jitted(*args, **kwargs)
+    _raise_on_overflow(out, given)
+    return out
 
   return wrapper
 
@@ -292,9 +349,9 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
   Returns:
     A :class:`Generation`.
   """
-  _check_prompt(context, context_mask, n_steps)
+  _check_prompt(context, context_mask, n_steps, name="context", allow_empty_rows=True)
   check_certificate_subsample(config, True, certificate_layers, certificate_heads)
-  _check_prompt(question, question_mask, n_steps)
+  _check_prompt(question, question_mask, n_steps, name="question")
   if context.shape[0] != question.shape[0]:
     raise ValueError(f"context and question batch sizes differ: {context.shape[0]} vs "
                      f"{question.shape[0]}")

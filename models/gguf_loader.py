@@ -119,6 +119,8 @@ def config_from_gguf(reader) -> LlamaConfig:
       rms_eps=float(need("attention.layer_norm_rms_epsilon")),
       tie_embeddings="output.weight" not in names,
       qkv_bias="blk.0.attn_q.bias" in names,
+      max_positions=(int(metadata(reader, f"{arch}.context_length"))
+                     if metadata(reader, f"{arch}.context_length", None) else None),
   )
 
 

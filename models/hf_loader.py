@@ -111,6 +111,8 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
       qkv_bias=family == "qwen2" or attention_bias,
       out_bias=attention_bias,
       sliding_window=None if sliding is None else int(sliding),
+      max_positions=(int(cfg["max_position_embeddings"])
+                     if cfg.get("max_position_embeddings") else None),
       **_rope_fields(cfg),
   )
 

@@ -30,6 +30,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from certkv_jax import _checks
+from models import inputs
 from models import rope
 from models.config import LlamaConfig
 
@@ -173,19 +175,25 @@ class LlamaModel(nn.Module):
     """Full forward pass.
 
     Args:
-      tokens: [batch, seq] int token ids.
+      tokens: [batch, seq] int token ids in ``[0, vocab_size)``, seq >= 1.
       mask: optional [batch, seq] bool, False on padding (right-padded ragged
-        batches); padded keys are never attended to.
+        batches); padded keys are never attended to. A row that is all False
+        is defined (finite logits that mean nothing).
       positions: optional [batch, seq] int positions; default ``0..seq-1``.
 
     Returns:
       [batch, seq, vocab] float32 logits (rows at padding are not meaningful).
+
+    Raises:
+      ValueError naming the argument: ``tokens`` not an int [batch, seq] array,
+      empty (batch or seq 0), or (when concrete) holding an id outside
+      ``[0, vocab_size)`` (``models.inputs.check_tokens``; under ``jit`` such
+      an id makes the row's logits NaN, or wraps around if negative); a
+      ``mask`` or ``positions`` of the wrong shape or dtype.
     """
     c = self.config
     tokens = jnp.asarray(tokens)
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f"tokens must be an int [batch, seq] array, got {tokens.dtype} "
-                       f"{tokens.shape}")
+    inputs.check_tokens(tokens, config=c)
     if mask is None:
       mask = jnp.ones(tokens.shape, bool)
     mask = jnp.asarray(mask)
@@ -202,7 +210,12 @@ class LlamaModel(nn.Module):
 
 
 def init_params(config: LlamaConfig, key, seq: int = 8):
-  """Randomly initialised parameters ``{"params": ...}`` (for tests and training)."""
+  """Randomly initialised parameters ``{"params": ...}`` (for tests and training).
+
+  ``seq`` (an int >= 1) is the length of the dummy prompt used to trace the
+  model; the parameters do not depend on it.
+  """
+  seq = _checks.check_positive_int("seq", seq)
   return LlamaModel(config).init(key, jnp.zeros((1, seq), jnp.int32))
 
 
