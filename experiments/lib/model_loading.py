@@ -13,7 +13,8 @@ DEFAULT_MODEL = "smollm2"
 
 class HFTokenizer:
   """``tokenizers.Tokenizer`` (``tokenizer.json``) behind the repo's tokenizer interface
-  (``encode(text, add_bos)``, ``decode(ids)``, ``apply_chat_template(messages)``)."""
+  (``encode(text, add_bos)``, ``decode(ids)``, ``apply_chat_template(messages)``,
+  ``bos_id``, ``eos_id``)."""
 
   def __init__(self, directory: str):
     import tokenizers  # pylint: disable=g-import-not-at-top
@@ -27,10 +28,10 @@ class HFTokenizer:
     if os.path.exists(cfg_path):
       with open(cfg_path, encoding="utf-8") as f:
         cfg = json.load(f)
-    bos = cfg.get("bos_token")
-    if isinstance(bos, dict):
-      bos = bos.get("content")
+    bos, eos = (cfg.get(k) for k in ("bos_token", "eos_token"))
+    bos, eos = (t.get("content") if isinstance(t, dict) else t for t in (bos, eos))
     self.bos_id = self.backend.token_to_id(bos) if bos else None
+    self.eos_id = self.backend.token_to_id(eos) if eos else None  # None: not in the vocabulary
     self.add_bos = bool(cfg.get("add_bos_token", self.bos_id is not None))
     self.chat_template = cfg.get("chat_template") if isinstance(cfg.get("chat_template"),
                                                                 str) else None

@@ -1,0 +1,684 @@
+r"""Text in, answer and per-step certificate out: the newcomer's entry point.
+
+:func:`generate_text` tokenizes a prompt (optionally inside the model's chat
+template), runs greedy generation with an eviction design in one of the two
+regimes of ``models.decode`` and returns the answer text with, for every
+decode step, the certificate radius of every (layer, query head) attention
+call (method, section 5)::
+
+    r = sqrt(2 V_hat L) + (2/3) b_hat L,   L = log(2 / delta)
+
+which bounds ``||o_hat - o||`` of that call (one head's attention output with
+the evicted cache vs the full cache) with probability about ``1 - delta``,
+approximately and only where Assumption 2 holds (method, sections 5-6). Where
+the shipped calibration (``experiments/results/validity/calibration``,
+:mod:`certkv_jax.robust_calibration`, method, section 10) was made for the
+model, design, regime, budget and delta, the calibrated radius is returned
+too; otherwise the reason it is not.
+
+Regimes (method, sections 3 and 8):
+
+* ``question_aware`` (``models.decode.generate``): the whole prompt is
+  prefilled, the design evicts once down to ``budget`` (designs that score
+  with an observation window, snapkv and poisson_envelope, take the prompt's
+  last ``window`` queries: ``certkv_jax.designs.by_name``), then the answer
+  is decoded.
+* ``streaming`` (``models.decode.generate_streaming``): the prompt is split
+  into a context and a question. The context is fed in ``chunk``-token chunks,
+  each evicted down to the budget before the question is known; then the
+  question is prefilled and the answer decoded. The question is the prompt's
+  last line (the text after its last line break) when the prompt has more
+  than one line, else its last ``min(16, n - 1)`` tokens; ``question_tokens=N``
+  makes it the last ``N`` tokens instead. With the chat template, the template's
+  opening goes with the context and the end of the user turn and the
+  assistant header with the question.
+
+Decode steps: step ``i`` is the attention call that reads answer token ``i``;
+its output chose token ``i + 1``. Token 0 is chosen from the prefill, which
+reports no certificate. Generation runs a fixed ``max_new_tokens`` steps under
+``jax.jit`` (a ``lax.scan``); the tokens are cut at the first end-of-turn / EOS
+id (:func:`stop_ids`) and only the steps before it are returned (the last of
+them chose the end-of-turn token).
+
+Deterministic designs (and ``uniform_random``, which has no Hajek offset) have
+``V_hat = b_hat = 0``: their radius is 0 by construction and is no certificate
+(Theorem 1, method, section 2); ``"full"`` evicts nothing and has no error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from certkv_jax import certificate
+from certkv_jax import designs
+from certkv_jax import robust_calibration
+from experiments.lib import prompts
+from models import decode
+
+FULL = "full"
+REGIMES = ("question_aware", "streaming")
+# The settings of the validity study (experiments.lib.validity_collect.Plan), which
+# the shipped calibration was fitted with; tests/generate_test.py checks they agree.
+N_SINK = 4
+WINDOW = 16
+CHUNK = 64
+# Streaming with a one-line prompt: the question is its last this many tokens.
+FALLBACK_QUESTION_TOKENS = 16
+# End-of-turn / end-of-text strings that stop generation when they are single
+# tokens of the vocabulary (next to the tokenizer's own eos_id).
+END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>",
+               "</s>")
+DEFAULT_CALIBRATION = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "validity",
+    "calibration")
+
+
+def design_names() -> tuple:
+  """Every design name :func:`generate_text` accepts: ``"full"`` and the
+  names of ``certkv_jax.designs.by_name``."""
+  return (FULL,) + designs.DETERMINISTIC + designs.RANDOMIZED
+
+
+class RadiusSummary(NamedTuple):
+  """Per-step summary over the (layer, query head) calls of a decode step."""
+
+  median: np.ndarray  # [steps] median over layers x heads
+  max: np.ndarray  # [steps] max over layers x heads
+
+
+@dataclasses.dataclass(frozen=True)
+class TextResult:
+  """What :func:`generate_text` returns (per-step arrays cover the kept steps).
+
+  Attributes:
+    text: the decoded answer, up to (not including) the end-of-turn token.
+    token_ids: [steps] int32 answer token ids before the end-of-turn token.
+    steps: answer tokens kept (= decode steps reported).
+    stopped_at_eos: whether an end-of-turn / EOS id ended the answer.
+    stop_id: that id, or None.
+    radius: [steps, n_layers, n_heads] raw Bernstein radius at ``delta``
+      (method, section 5) of every decode call; absolute, in the units of one
+      head's attention output.
+    radius_summary: its median and max over (layer, head) per step.
+    certified: whether the radius is a certificate (a Poisson tail with Hajek
+      offsets); False for ``"full"``, deterministic designs and ``uniform_random``.
+    certificate_note: why, in words.
+    sampled_tokens: mean over the (layer, KV head) caches of the kept tokens
+      that were sampled (inclusion probability < 1) at the end; 0 means the
+      design kept only its certainty set and the radius is 0 (then
+      ``certified`` is False).
+    calibrated_radius: [steps, n_layers, n_heads] calibrated radius (method,
+      section 10), or None.
+    calibrated_summary: its summary, or None.
+    calibration_note: where the calibration came from, or why there is none.
+    true_error: evaluation mode: [steps, n_layers, n_heads] ``||o_hat - o||``; else None.
+    rel_error: evaluation mode: [steps, n_layers, n_heads] ``||o_hat - o|| / ||o||``.
+    design, budget, regime, delta, seed: the settings (``budget`` 1.0 for "full").
+    prompt_tokens: tokens fed before decoding (context + question).
+    context_tokens, question_tokens: the streaming split (question-aware: the
+      whole prompt is the context, ``question_tokens`` 0).
+    question_text: the streaming question (decoded), or None.
+    question_rule: how the streaming question was split off, or None.
+    chat_applied: whether the chat template wrapped the prompt.
+    capacity: cache slots per (layer, KV head).
+    chunk: streaming context chunk, or None.
+    n_dropped: tokens that found no cache slot (0 when capacity is right).
+    generate_seconds: wall time of the generate call that produced the result.
+    warmed_up: whether a warm-up call ran first (with ``profile_dir``), so that
+      the time excludes compilation; otherwise it includes it unless this
+      process compiled the same call before.
+    profile_dir: where the trace was written, or None.
+  """
+
+  text: str
+  token_ids: np.ndarray
+  steps: int
+  stopped_at_eos: bool
+  stop_id: Optional[int]
+  radius: np.ndarray
+  radius_summary: RadiusSummary
+  certified: bool
+  certificate_note: str
+  sampled_tokens: float
+  calibrated_radius: Optional[np.ndarray]
+  calibrated_summary: Optional[RadiusSummary]
+  calibration_note: str
+  true_error: Optional[np.ndarray]
+  rel_error: Optional[np.ndarray]
+  design: str
+  budget: float
+  regime: str
+  delta: float
+  seed: int
+  prompt_tokens: int
+  context_tokens: int
+  question_tokens: int
+  question_text: Optional[str]
+  question_rule: Optional[str]
+  chat_applied: bool
+  capacity: int
+  chunk: Optional[int]
+  n_dropped: int
+  generate_seconds: float
+  warmed_up: bool
+  profile_dir: Optional[str]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def check_arguments(prompt, *, design, budget, max_new_tokens, regime, delta, seed,
+                    question_tokens=0, chunk=CHUNK, n_sink=N_SINK, window=WINDOW):
+  """Checks :func:`generate_text`'s arguments before any model work.
+
+  Returns:
+    The design object (None for ``"full"``).
+
+  Raises:
+    ValueError naming the argument and its allowed values.
+  """
+  if not isinstance(prompt, str) or not prompt.strip():
+    raise ValueError(f"prompt must be a non-empty str, got {prompt!r}")
+  if regime not in REGIMES:
+    raise ValueError(f"regime must be one of {list(REGIMES)}, got {regime!r}")
+  if not _is_number(budget) or not 0.0 < float(budget) <= 1.0:
+    raise ValueError(f"budget must be a fraction in (0, 1] of the tokens seen, got {budget!r}")
+  if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+  if not _is_number(delta) or not 0.0 < float(delta) < 1.0:
+    raise ValueError(f"delta (the certificate's miss probability) must be in (0, 1), got "
+                     f"{delta!r}")
+  if not _is_int(seed):
+    raise ValueError(f"seed must be an int, got {seed!r}")
+  for name, value, lo in (("question_tokens", question_tokens, 0), ("chunk", chunk, 1),
+                          ("n_sink", n_sink, 0), ("window", window, 0)):
+    if not _is_int(value) or value < lo:
+      raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+  if design == FULL:
+    return None
+  if not isinstance(design, str):
+    raise ValueError(f"design must be one of {list(design_names())}, got {design!r}")
+  try:
+    return designs.by_name(design, float(budget), int(n_sink), int(window))
+  except ValueError as err:
+    raise ValueError(f"design: {err}, or {FULL!r} (no eviction)") from err
+
+
+def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
+  """The prompt of the command: exactly one of ``--prompt`` and ``--prompt_file``.
+
+  Raises:
+    ValueError naming both flags when neither or both are given, or naming
+    ``--prompt_file`` when it cannot be read.
+  """
+  given = [name for name, v in (("--prompt", prompt), ("--prompt_file", prompt_file)) if v]
+  if len(given) != 1:
+    raise ValueError(f"give exactly one of --prompt and --prompt_file, got "
+                     f"{' and '.join(given) if given else 'neither'}")
+  if prompt:
+    return prompt
+  try:
+    with open(prompt_file, encoding="utf-8") as f:
+      return f.read()
+  except OSError as err:
+    raise ValueError(f"--prompt_file={prompt_file}: cannot read it ({err.strerror})") from err
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+def stop_ids(tokenizer) -> tuple:
+  """The ids that end an answer: the tokenizer's ``eos_id`` and every string of
+  :data:`END_OF_TURN` that is one token of its vocabulary (SmolLM2-Instruct:
+  ``<|im_end|>`` = 2 and ``<|endoftext|>`` = 0)."""
+  ids = set()
+  eos = getattr(tokenizer, "eos_id", None)
+  if eos is not None:
+    ids.add(int(eos))
+  backend = getattr(tokenizer, "backend", None)
+  if backend is not None and hasattr(backend, "token_to_id"):
+    for s in END_OF_TURN:
+      i = backend.token_to_id(s)
+      if i is not None:
+        ids.add(int(i))
+  return tuple(sorted(ids))
+
+
+def truncate_at_stop(tokens, stops: Sequence[int]) -> tuple[np.ndarray, bool, Optional[int]]:
+  """``(tokens before the first stop id, whether one occurred, that id)``.
+
+  Args:
+    tokens: [n] generated token ids.
+    stops: ids that end the answer (may be empty: nothing is cut).
+  """
+  tokens = np.asarray(tokens).reshape(-1)
+  hits = np.flatnonzero(np.isin(tokens, np.asarray(list(stops), tokens.dtype)))
+  if hits.size == 0:
+    return tokens, False, None
+  j = int(hits[0])
+  return tokens[:j], True, int(tokens[j])
+
+
+def _chat_parts(tokenizer, chat: bool) -> tuple[str, str, bool]:
+  """``(prefix, suffix, applied)`` of the chat template around the user's text;
+  plain text (``"", ""``) when ``chat`` is off or the tokenizer has no template."""
+  if not chat:
+    return "", "", False
+  prefix, suffix = prompts.chat_parts(tokenizer, True)
+  if (prefix, suffix) == ("", "\n"):  # prompts.chat_parts' answer for "no template"
+    return "", "", False
+  return prefix, suffix, True
+
+
+def split_prompt(tokenizer, prompt: str, *, chat: bool, question_tokens: int = 0):
+  """The streaming regime's ``(context_ids, question_ids, question_rule, chat_applied)``.
+
+  The question is the prompt's last line when it has several lines and
+  ``question_tokens`` is 0; else its last ``question_tokens`` tokens (0: at
+  most :data:`FALLBACK_QUESTION_TOKENS`, leaving one context token).
+
+  Raises:
+    ValueError naming ``question_tokens`` when it leaves no context, or
+    ``prompt`` when the prompt is a single token.
+  """
+  prefix, suffix, applied = _chat_parts(tokenizer, chat)
+  body = prompt.rstrip()
+  cut = body.rfind("\n")
+  if question_tokens == 0 and cut >= 0 and body[:cut].strip():
+    context = list(tokenizer.encode(prefix + body[:cut + 1]))
+    question = list(tokenizer.encode(body[cut + 1:] + suffix, add_bos=False))
+    return context, question, "the prompt's last line", applied
+  ids = list(tokenizer.encode(prefix + body))
+  if len(ids) < 2:
+    raise ValueError(f"prompt: the streaming regime splits the prompt into a context and a "
+                     f"question, which needs at least 2 tokens; got {len(ids)}")
+  if question_tokens == 0:
+    n_q = min(FALLBACK_QUESTION_TOKENS, len(ids) - 1)
+    rule = f"the prompt's last {n_q} tokens (it has one line)"
+  elif question_tokens <= len(ids) - 1:
+    n_q = question_tokens
+    rule = f"the prompt's last {n_q} tokens (question_tokens)"
+  else:
+    raise ValueError(f"question_tokens must be in [0, {len(ids) - 1}] for this prompt "
+                     f"({len(ids)} tokens; at least one must stay context), got "
+                     f"{question_tokens}")
+  question = ids[-n_q:] + (list(tokenizer.encode(suffix, add_bos=False)) if suffix else [])
+  return ids[:-n_q], question, rule, applied
+
+
+def _row(ids) -> tuple[jax.Array, jax.Array]:
+  tokens = jnp.asarray([ids], jnp.int32)
+  return tokens, jnp.ones(tokens.shape, bool)
+
+
+# --------------------------------------------------------------------------- radii
+
+
+def summarize(radius) -> RadiusSummary:
+  """Median and max over (layer, head) of ``radius [steps, layers, heads]``."""
+  r = np.asarray(radius, np.float64)
+  flat = r.reshape(r.shape[0], -1)
+  if flat.shape[0] == 0:
+    return RadiusSummary(median=np.zeros(0), max=np.zeros(0))
+  return RadiusSummary(median=np.median(flat, axis=1), max=np.max(flat, axis=1))
+
+
+def certificate_status(design_name: str, design) -> tuple[bool, str]:
+  """``(certified, note)``: only a Poisson tail with Hajek offsets yields a radius
+  that is a certificate (method, sections 3-5)."""
+  if design is None:
+    return False, ("design 'full' evicts nothing: o_hat = o exactly, so there is no error to "
+                   "certify (the radius is 0)")
+  if isinstance(design.tail, designs.PoissonTail):
+    return True, (f"design {design_name!r} samples its tail (Poisson, Hajek offsets): the "
+                  "radius bounds ||o_hat - o|| of each call with probability about 1 - delta "
+                  "(method, section 5)")
+  kind = ("a uniform random tail with no Hajek offset" if design.randomized
+          else "deterministic")
+  return False, (f"design {design_name!r} is {kind}: its radius is 0 by construction and is "
+                 "NOT a certificate -- it does not mean there is no error (Theorem 1, method, "
+                 "section 2); use poisson_tail for a certificate")
+
+
+def no_sample_note(design, budget: float, n_context: int, regime: str) -> str:
+  """Why a randomized design sampled no tail token (its radius is then 0)."""
+  target = int(math.floor(budget * n_context))
+  size = design.certain.size
+  where = "context" if regime == "streaming" else "prompt"
+  if target >= n_context:
+    return (f"design {design.name!r} evicted nothing (the budget keeps all {n_context} "
+            f"{where} tokens): o_hat = o exactly, so there is no error to certify")
+  if target <= size:
+    why = (f"the budget keeps floor({budget:g} x {n_context}) = {target} tokens, no more "
+           f"than the certainty set of {size} (n_sink + window), so only the certainty set "
+           "was kept: no slot was left for a sampled tail")
+  else:
+    why = "no sampled tail token remained in any cache"
+  return (f"design {design.name!r} sampled no tail token: {why}. The radius is 0 and is NOT "
+          f"a certificate here; use a longer {where}, a larger budget or smaller "
+          "n_sink / window")
+
+
+def calibrated(raw, *, calibration, model_name, design_name, regime, budget, delta,
+               n_sink, window, chunk) -> tuple[Optional[np.ndarray], str]:
+  """The calibrated radius of ``raw`` and a note, or ``(None, why not)``.
+
+  Args:
+    raw: [...] raw radii at ``delta``.
+    calibration: path of a :mod:`certkv_jax.robust_calibration` artifact
+      (method, section 10), or None.
+    model_name: the model's name as the calibration records it ('smollm2'),
+      or None (unknown: nothing is looked up).
+    design_name, regime, budget, delta: must be in the calibration.
+    n_sink, window, chunk: must be the validity study's (the calibration was
+      fitted with them; it does not record them).
+  """
+  if calibration is None:
+    return None, "not requested (no calibration path)"
+  if not os.path.isdir(calibration):
+    return None, (f"no calibration artifact at {calibration} (written by "
+                  "python -m experiments.validity --out=DIR, in DIR/calibration)")
+  if model_name is None:
+    return None, "the model's name was not given (model_name), so no calibration can match it"
+  used = dict(n_sink=n_sink, window=window, chunk=chunk)
+  fitted = dict(n_sink=N_SINK, window=WINDOW, chunk=CHUNK)
+  if regime == "question_aware":
+    del used["chunk"], fitted["chunk"]
+  if used != fitted:
+    return None, (f"the calibration was fitted with {fitted}, this run uses {used}")
+  cal = robust_calibration.load(calibration)
+  try:
+    out = cal.radius(raw, model=model_name, design=design_name, regime=regime,
+                     budget=float(budget), delta=float(delta))
+  except ValueError as err:
+    return None, str(err)
+  return np.asarray(out, np.float64), (
+      f"{calibration} (model {cal.model}, design {cal.design}, fitted on "
+      f"{', '.join(cal.data)}): valid marginally per radius bin for calls like its "
+      "calibration sources (method, section 10)")
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def _capacity(regime, design, budget, n_context, n_question, max_new_tokens, chunk) -> int:
+  """Cache slots that hold everything a run appends (nothing is dropped).
+
+  question-aware: the prompt, then the kept tokens (at most
+  ``max(floor(budget n), certainty set)``) plus the answer; streaming: the
+  kept tokens plus one chunk (appended before it is evicted), then the
+  question and the answer (as ``experiments.lib.suite.run_batch``).
+  """
+  if regime == "question_aware":
+    if design is None:
+      return n_context + max_new_tokens
+    kept = max(int(math.floor(budget * n_context)), design.certain.size)
+    return max(n_context, kept + max_new_tokens)
+  n_chunks = -(-n_context // chunk)
+  if design is None:
+    return n_chunks * chunk + n_question + max_new_tokens
+  kept = max(int(math.floor(budget * n_context)), design.certain.size)
+  return kept + chunk + n_question + max_new_tokens
+
+
+def generate_text(prompt: str, *, params, config, tokenizer, design: str = "poisson_tail",
+                  budget: float = 0.25, max_new_tokens: int = 64,
+                  regime: str = "question_aware", delta: float = 0.05, seed: int = 0,
+                  evaluate: bool = False, chat: bool = False, question_tokens: int = 0,
+                  chunk: int = CHUNK, n_sink: int = N_SINK, window: int = WINDOW,
+                  model_name: Optional[str] = None,
+                  calibration: Optional[str] = DEFAULT_CALIBRATION,
+                  stops: Optional[Sequence[int]] = None,
+                  profile_dir: Optional[str] = None) -> TextResult:
+  """Greedy generation from text with an eviction design and its certificate.
+
+  Args:
+    prompt: the user's text (non-empty).
+    params, config, tokenizer: the model (``experiments.lib.model_loading.load_model``).
+    design: ``"full"`` (no eviction) or a ``certkv_jax.designs.by_name`` name.
+    budget: fraction in (0, 1] of the tokens seen that eviction keeps.
+    max_new_tokens: decode steps (>= 1); the answer is cut at the first stop id.
+    regime: ``"question_aware"`` or ``"streaming"`` (module docstring).
+    delta: the certificate's miss probability, in (0, 1).
+    seed: PRNG seed of the randomized designs.
+    evaluate: evaluation mode: a shadow full cache gives every call's true
+      error ``||o_hat - o||`` (``models.decode``'s ``evaluate=True``).
+    chat: wrap the prompt in the tokenizer's chat template, if it has one
+      (``chat_applied`` says whether it did).
+    question_tokens: streaming only: the question is the prompt's last this
+      many tokens (0: its last line; module docstring).
+    chunk: streaming context chunk (capped at the context length).
+    n_sink, window: the designs' sink tokens and recent / observation window.
+    model_name: the model's name for the calibration lookup ('smollm2', see
+      ``experiments.lib.model_loading.model_name``); None looks nothing up.
+    calibration: path of the calibration artifact; None looks nothing up.
+    stops: ids that end the answer (None: :func:`stop_ids` of the tokenizer).
+    profile_dir: if given, a first generate call compiles (warm-up) and a
+      second one runs inside ``jax.profiler.trace(profile_dir)``.
+
+  Returns:
+    A :class:`TextResult`.
+
+  Raises:
+    ValueError naming the argument and its allowed values.
+  """
+  design_obj = check_arguments(prompt, design=design, budget=budget,
+                               max_new_tokens=max_new_tokens, regime=regime, delta=delta,
+                               seed=seed, question_tokens=question_tokens, chunk=chunk,
+                               n_sink=n_sink, window=window)
+  budget = 1.0 if design_obj is None else float(budget)
+  delta = float(delta)
+  key = jax.random.PRNGKey(int(seed))
+  question_text = question_rule = None
+  if regime == "question_aware":
+    prefix, suffix, applied = _chat_parts(tokenizer, chat)
+    ids = list(tokenizer.encode(prefix + prompt + suffix))
+    n_context, n_question, run_chunk = len(ids), 0, None
+    capacity = _capacity(regime, design_obj, budget, n_context, 0, max_new_tokens, None)
+    tokens, mask = _row(ids)
+    run = lambda: decode.generate(params, tokens, mask, key, config=config, capacity=capacity,
+                                  n_steps=max_new_tokens, design=design_obj,
+                                  evaluate=evaluate)
+  else:
+    ctx_ids, q_ids, question_rule, applied = split_prompt(
+        tokenizer, prompt, chat=chat, question_tokens=question_tokens)
+    question_text = tokenizer.decode(q_ids)
+    n_context, n_question = len(ctx_ids), len(q_ids)
+    run_chunk = min(chunk, n_context)
+    capacity = _capacity(regime, design_obj, budget, n_context, n_question, max_new_tokens,
+                         run_chunk)
+    ctx, ctx_mask = _row(ctx_ids)
+    qst, q_mask = _row(q_ids)
+    run = lambda: decode.generate_streaming(
+        params, ctx, ctx_mask, qst, q_mask, key, config=config, capacity=capacity,
+        n_steps=max_new_tokens, chunk=run_chunk, design=design_obj, evaluate=evaluate)
+
+  if profile_dir:
+    jax.block_until_ready(run())  # compile (and run) once outside the trace
+    os.makedirs(profile_dir, exist_ok=True)
+    with jax.profiler.trace(profile_dir):
+      t0 = time.perf_counter()
+      gen = jax.block_until_ready(run())
+      seconds = time.perf_counter() - t0
+  else:
+    t0 = time.perf_counter()
+    gen = jax.block_until_ready(run())
+    seconds = time.perf_counter() - t0
+
+  all_tokens = np.asarray(gen.tokens[0])
+  kept, stopped, stop_id = truncate_at_stop(
+      all_tokens, stop_ids(tokenizer) if stops is None else stops)
+  steps = int(kept.size)
+  take = lambda a: np.asarray(a, np.float64)[:steps, :, 0, :]  # [steps, layers, heads]
+  radius = take(certificate.radius_from_stats(gen.var_hat, gen.range_hat, delta))
+  certified, cert_note = certificate_status(design, design_obj)
+  sampled = float(np.mean(np.sum(np.asarray(gen.caches.valid)
+                                 & (np.asarray(gen.caches.log_pi) < 0), axis=-1)))
+  if certified and sampled == 0:
+    certified = False
+    cert_note = no_sample_note(design_obj, budget, n_context, regime)
+  cal_radius, cal_note = None, "the design's radius is not a certificate, so nothing to calibrate"
+  if certified:
+    cal_radius, cal_note = calibrated(
+        radius, calibration=calibration, model_name=model_name, design_name=design,
+        regime=regime, budget=budget, delta=delta, n_sink=n_sink, window=window, chunk=chunk)
+  return TextResult(
+      text=tokenizer.decode([int(t) for t in kept]), token_ids=kept.astype(np.int32),
+      steps=steps, stopped_at_eos=stopped, stop_id=stop_id, radius=radius,
+      radius_summary=summarize(radius), certified=certified, certificate_note=cert_note,
+      sampled_tokens=sampled,
+      calibrated_radius=cal_radius,
+      calibrated_summary=None if cal_radius is None else summarize(cal_radius),
+      calibration_note=cal_note,
+      true_error=take(gen.true_error) if evaluate else None,
+      rel_error=take(gen.rel_error) if evaluate else None,
+      design=design, budget=budget, regime=regime, delta=delta, seed=int(seed),
+      prompt_tokens=n_context + n_question, context_tokens=n_context,
+      question_tokens=n_question, question_text=question_text,
+      question_rule=question_rule, chat_applied=applied,
+      capacity=capacity, chunk=run_chunk,
+      n_dropped=int(np.sum(np.asarray(gen.caches.n_dropped))),
+      generate_seconds=seconds, warmed_up=bool(profile_dir), profile_dir=profile_dir or None)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _g(x) -> str:
+  return "nan" if not np.isfinite(x) else f"{x:.3g}"
+
+
+def format_result(result: TextResult, tokenizer, *, model_label: str = "") -> str:
+  """The command's printout: settings, the answer, then one line per decode step."""
+  r = result
+  lines = []
+  head = f"model {model_label}; " if model_label else ""
+  budget = "" if r.design == FULL else f" at budget {r.budget:g}"
+  lines.append(f"{head}design {r.design}{budget}; regime {r.regime}; delta {r.delta:g}; "
+               f"seed {r.seed}")
+  chat = "chat template applied" if r.chat_applied else "plain text (no chat template)"
+  if r.regime == "streaming":
+    lines.append(f"prompt: {r.context_tokens} context tokens in chunks of {r.chunk}, then "
+                 f"the question ({r.question_rule}; {r.question_tokens} tokens"
+                 f"{' with the end of the turn' if r.chat_applied else ''}): "
+                 f"{r.question_text!r}; {chat}; cache capacity {r.capacity} slots")
+  else:
+    lines.append(f"prompt: {r.prompt_tokens} tokens; {chat}; cache capacity {r.capacity} slots")
+  if r.stopped_at_eos:
+    end = (f"stopped at the end-of-turn token {tokenizer.decode([r.stop_id])!r} "
+           f"(id {r.stop_id})")
+  else:
+    end = "no end-of-turn token within max_new_tokens: the answer may be cut short"
+  what = ("after a warm-up call, traced" if r.warmed_up
+          else "first call: includes compilation unless compiled before")
+  lines.append(f"answer: {r.steps} tokens, {end}; generate call {r.generate_seconds:.2f} s "
+               f"({what})")
+  if r.n_dropped:
+    lines.append(f"WARNING: {r.n_dropped} tokens found no cache slot")
+  lines += ["", r.text, ""]
+  lines.append(f"certificate: {r.certificate_note}.")
+  if r.certified:
+    status = "" if r.calibrated_radius is not None else "not available: "
+    lines.append(f"calibrated radius: {status}{r.calibration_note}.")
+  n_layers, n_heads = r.radius.shape[1:] if r.radius.ndim == 3 else (0, 0)
+  if r.steps == 0:
+    lines.append("no decode steps to report (the first answer token ended the turn).")
+    return "\n".join(lines) + "\n"
+  if not r.certified and r.true_error is None:
+    return "\n".join(lines) + "\n"  # no numbers per step to show
+  cols = ["step", "token"]
+  if r.certified:
+    cols += ["median r", "max r"]
+    if r.calibrated_radius is not None:
+      cols += ["median r_cal", "max r_cal"]
+  if r.true_error is not None:
+    cols += ["median ||e||", "max ||e||"]
+    if r.certified:
+      cols += ["covered", "median r/||o||"]
+  lines += ["", f"per decode step, over {n_layers} layers x {n_heads} heads "
+            f"({n_layers * n_heads} attention calls); step i reads answer token i and chooses "
+            "token i + 1:", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+  for i in range(r.steps):
+    row = [str(i), repr(tokenizer.decode([int(r.token_ids[i])]))]
+    if r.certified:
+      row += [_g(r.radius_summary.median[i]), _g(r.radius_summary.max[i])]
+      if r.calibrated_radius is not None:
+        row += [_g(r.calibrated_summary.median[i]), _g(r.calibrated_summary.max[i])]
+    if r.true_error is not None:
+      err = r.true_error[i]
+      row += [_g(np.median(err)), _g(np.max(err))]
+      if r.certified:
+        out_norm = np.where(r.rel_error[i] > 0, err / np.maximum(r.rel_error[i], 1e-30), np.nan)
+        rel = r.radius[i] / out_norm
+        row += [f"{np.mean(err <= r.radius[i]):.2f}",
+                _g(np.nanmedian(rel)) if np.isfinite(rel).any() else "n/a"]
+    lines.append("| " + " | ".join(row) + " |")
+  if r.certified:
+    overall = (f"over all {r.steps} steps: median r {_g(np.median(r.radius))}, max r "
+               f"{_g(np.max(r.radius))}")
+    if r.calibrated_radius is not None:
+      overall += (f"; median r_cal {_g(np.median(r.calibrated_radius))}, max r_cal "
+                  f"{_g(np.max(r.calibrated_radius))}")
+    if r.true_error is not None:
+      overall += (f"; covered {np.mean(r.true_error <= r.radius):.3f} of the calls at delta "
+                  f"{r.delta:g}")
+    lines += ["", overall + "."]
+  elif r.true_error is not None:
+    lines += ["", f"over all {r.steps} steps: median ||e|| {_g(np.median(r.true_error))}, max "
+              f"||e|| {_g(np.max(r.true_error))}."]
+  if r.certified:
+    lines += ["", "r: the Bernstein radius sqrt(2 V_hat L) + (2/3) b_hat L, L = log(2/delta) "
+              "(method, section 5), of one head's attention output: with probability about "
+              "1 - delta, ||o_hat - o|| <= r for that call. It is absolute (units of the value "
+              "vectors); the decode loop does not return ||o_hat||, so compare r with the size "
+              "of the head's output (--evaluate prints r/||o||, from the shadow full cache)."]
+  if r.true_error is not None:
+    lines.append("||e||: the true error ||o_hat - o|| of each call (evaluation mode, from a "
+                 "shadow full cache)" + ("; covered: the fraction of the step's calls with "
+                                         "||e|| <= r; r/||o||: the radius relative to the "
+                                         "full-cache output" if r.certified else "") + ".")
+  return "\n".join(lines) + "\n"
+
+
+def run_and_print(*, prompt: str, model: str, design: str, budget: float,
+                  max_new_tokens: int, regime: str, delta: float, seed: int, chat: bool,
+                  evaluate: bool, question_tokens: int = 0, chunk: int = CHUNK,
+                  n_sink: int = N_SINK, window: int = WINDOW,
+                  profile_dir: Optional[str] = None) -> TextResult:
+  """The command: loads ``model`` (``experiments.lib.model_loading``), runs
+  :func:`generate_text` and prints :func:`format_result`."""
+  from experiments.lib import model_loading  # pylint: disable=g-import-not-at-top
+  t0 = time.perf_counter()
+  params, config, tok = model_loading.load_model(model)
+  load_s = time.perf_counter() - t0
+  result = generate_text(prompt, params=params, config=config, tokenizer=tok, design=design,
+                         budget=budget, max_new_tokens=max_new_tokens, regime=regime,
+                         delta=delta, seed=seed, evaluate=evaluate, chat=chat,
+                         question_tokens=question_tokens, chunk=chunk, n_sink=n_sink,
+                         window=window, model_name=model_loading.model_name(model),
+                         profile_dir=profile_dir)
+  label = (f"{model_loading.model_name(model)} ({config.n_layers} layers, {config.n_heads} "
+           f"heads, {config.n_kv_heads} KV heads; loaded in {load_s:.1f} s)")
+  print(format_result(result, tok, model_label=label), end="", flush=True)
+  if profile_dir:
+    print(f"\nprofile of one generate call (after a warm-up call) in {profile_dir}: "
+          f"tensorboard --logdir={profile_dir} (Profile tab; needs the xprof / "
+          "tensorboard-plugin-profile package), or open its plugins/profile/*/*.trace.json.gz "
+          "in https://ui.perfetto.dev", flush=True)
+  return result

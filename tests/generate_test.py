@@ -1,0 +1,303 @@
+"""experiments.lib.generate and the generate command, on the tiny Llama fixture."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest
+import numpy as np
+import pytest
+
+from experiments.lib import generate
+from experiments.lib import model_loading
+from tests import test_util
+
+# 118 characters of context (one token each) and a one-line question.
+CONTEXT = "the quick brown fox jumps over the lazy dog. " * 2 + "the fox sleeps under a tree."
+PROMPT = CONTEXT + "\nwhere does the fox sleep?"
+STEPS = 6
+
+
+def _tiny_dir(**tokenizer_config):
+  """A tiny HF directory; ``tokenizer_config`` entries are added to its tokenizer_config.json."""
+  directory = test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="generate_model_"))
+  if tokenizer_config:
+    path = os.path.join(directory, "tokenizer_config.json")
+    with open(path) as f:
+      cfg = json.load(f)
+    cfg.update(tokenizer_config)
+    with open(path, "w") as f:
+      json.dump(cfg, f)
+  return directory
+
+
+class GenerateTextTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.model_dir = _tiny_dir()
+    cls.params, cls.config, cls.tok = model_loading.load_model(cls.model_dir)
+    cls.model = dict(params=cls.params, config=cls.config, tokenizer=cls.tok)
+
+  def _run(self, prompt=PROMPT, **kw):
+    kw.setdefault("max_new_tokens", STEPS)
+    kw.setdefault("model_name", model_loading.model_name(self.model_dir))
+    return generate.generate_text(prompt, **self.model, **kw)
+
+  def _check_shapes(self, res, steps=STEPS):
+    shape = (steps, self.config.n_layers, self.config.n_heads)
+    self.assertEqual(res.steps, steps)
+    self.assertEqual(res.token_ids.shape, (steps,))
+    self.assertEqual(res.radius.shape, shape)
+    self.assertEqual(res.radius_summary.median.shape, (steps,))
+    self.assertEqual(res.radius_summary.max.shape, (steps,))
+    np.testing.assert_allclose(res.radius_summary.max, res.radius.reshape(steps, -1).max(1))
+    self.assertIsInstance(res.text, str)
+    self.assertEqual(res.text, self.tok.decode(res.token_ids))
+    self.assertEqual(res.n_dropped, 0)
+
+  def test_poisson_tail_question_aware(self):
+    res = self._run()
+    self._check_shapes(res)
+    self.assertFalse(res.stopped_at_eos)  # the tiny vocabulary has no end-of-turn token
+    self.assertTrue(res.certified, res.certificate_note)
+    self.assertGreater(res.sampled_tokens, 0)
+    self.assertTrue(np.all(np.isfinite(res.radius)) and np.all(res.radius >= 0))
+    self.assertGreater(res.radius.max(), 0)
+    self.assertEqual((res.context_tokens, res.question_tokens), (len(PROMPT) + 1, 0))  # + BOS
+    # The shipped calibration is SmolLM2's: it refuses this model and says why.
+    self.assertIsNone(res.calibrated_radius)
+    if os.path.isdir(generate.DEFAULT_CALIBRATION):
+      self.assertIn("model: this calibration was made for 'smollm2'", res.calibration_note)
+    self.assertIsNone(res.true_error)
+    out = generate.format_result(res, self.tok)
+    self.assertIn("median r", out)
+    self.assertIn("calibrated radius: not available", out)
+    self.assertIn("no end-of-turn token", out)
+
+  def test_poisson_tail_streaming_evaluate(self):
+    res = self._run(regime="streaming", evaluate=True, chunk=32)
+    self._check_shapes(res)
+    self.assertEqual(res.question_rule, "the prompt's last line")
+    self.assertEqual(res.question_text, "where does the fox sleep?")
+    self.assertEqual(res.context_tokens, len(CONTEXT) + 2)  # BOS and the line break
+    self.assertEqual(res.question_tokens, len("where does the fox sleep?"))
+    self.assertEqual(res.chunk, 32)
+    self.assertTrue(res.certified, res.certificate_note)
+    self.assertEqual(res.true_error.shape, res.radius.shape)
+    self.assertEqual(res.rel_error.shape, res.radius.shape)
+    self.assertGreater(res.true_error.max(), 0)
+    out = generate.format_result(res, self.tok)
+    for column in ("median ||e||", "covered", "median r/||o||", "covered"):
+      self.assertIn(column, out)
+
+  def test_streaming_question_by_tokens(self):
+    ctx, question, rule, applied = generate.split_prompt(self.tok, CONTEXT, chat=False,
+                                                         question_tokens=0)
+    self.assertLen(question, generate.FALLBACK_QUESTION_TOKENS)  # one line: its last tokens
+    self.assertIn("one line", rule)
+    self.assertFalse(applied)
+    ctx, question, rule, _ = generate.split_prompt(self.tok, PROMPT, chat=False,
+                                                   question_tokens=5)
+    self.assertEqual(self.tok.decode(question), "leep?")
+    self.assertLen(ctx + question, len(PROMPT) + 1)
+    self.assertIn("question_tokens", rule)
+
+  def test_full_and_deterministic_designs_are_flagged_uncertified(self):
+    budgets = {}
+    for design, note in (("full", "evicts nothing"), ("snapkv", "NOT a certificate"),
+                         ("uniform_random", "NOT a certificate")):
+      res = self._run(design=design, max_new_tokens=2)
+      budgets[design] = res.budget
+      self._check_shapes(res, 2)
+      self.assertFalse(res.certified, design)
+      self.assertIn(note, res.certificate_note)
+      np.testing.assert_array_equal(res.radius, 0.0)  # 0 by construction, not "no error"
+      self.assertIsNone(res.calibrated_radius)
+      out = generate.format_result(res, self.tok)
+      self.assertIn(note, out)
+      self.assertNotIn("median r", out)
+    self.assertEqual(budgets, {"full": 1.0, "snapkv": 0.25, "uniform_random": 0.25})
+
+  def test_no_sampled_tail_is_not_a_certificate(self):
+    # floor(0.1 x 145) = 14 tokens < the certainty set of 20: nothing is sampled.
+    res = self._run(budget=0.1, max_new_tokens=2)
+    self.assertFalse(res.certified)
+    self.assertEqual(res.sampled_tokens, 0)
+    self.assertIn("sampled no tail token", res.certificate_note)
+    self.assertIn("certainty set of 20", res.certificate_note)
+
+  def test_stops_at_the_end_of_turn_token(self):
+    free = self._run(stops=())
+    self.assertFalse(free.stopped_at_eos)
+    stop = int(free.token_ids[3])
+    first = int(np.flatnonzero(free.token_ids == stop)[0])
+    cut = self._run(stops=(stop,))
+    self.assertTrue(cut.stopped_at_eos)
+    self.assertEqual(cut.stop_id, stop)
+    self._check_shapes(cut, first)
+    np.testing.assert_array_equal(cut.token_ids, free.token_ids[:first])
+    np.testing.assert_allclose(cut.radius, free.radius[:first])  # same seed, same calls
+    self.assertIn("stopped at the end-of-turn token", generate.format_result(cut, self.tok))
+
+  def test_streaming_needs_two_tokens(self):
+    class NoBos(test_util.CharTokenizer):
+      def encode(self, text, add_bos=False):
+        return super().encode(text, add_bos=False)
+
+    with self.assertRaisesRegex(ValueError, "prompt: the streaming regime .* at least 2 tokens"):
+      generate.split_prompt(NoBos(), "a", chat=False)
+
+  def test_truncate_at_stop(self):
+    kept, stopped, stop = generate.truncate_at_stop(np.array([5, 7, 2, 9, 0]), (0, 2))
+    np.testing.assert_array_equal(kept, [5, 7])
+    self.assertEqual((stopped, stop), (True, 2))
+    kept, stopped, stop = generate.truncate_at_stop(np.array([5, 7]), (2,))
+    np.testing.assert_array_equal(kept, [5, 7])
+    self.assertEqual((stopped, stop), (False, None))
+    kept, stopped, _ = generate.truncate_at_stop(np.array([2, 7]), (2,))
+    self.assertEqual((kept.size, stopped), (0, True))
+    kept, stopped, _ = generate.truncate_at_stop(np.array([2, 7]), ())
+    self.assertEqual((kept.size, stopped), (2, False))
+
+  def test_bad_arguments_name_the_argument(self):
+    cases = (
+        (dict(prompt=""), "prompt must be a non-empty str"),
+        (dict(prompt="  \n"), "prompt must be a non-empty str"),
+        (dict(budget=0.0), r"budget must be a fraction in \(0, 1\]"),
+        (dict(budget=1.5), r"budget must be a fraction in \(0, 1\]"),
+        (dict(budget=True), "budget must be"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+        (dict(delta=0.0), r"delta .* must be in \(0, 1\)"),
+        (dict(delta=1.0), r"delta .* must be in \(0, 1\)"),
+        (dict(design="nope"), r"design: unknown design 'nope'; choose from \[.*'poisson_tail'.*"
+                              r"or 'full'"),
+        (dict(regime="offline"), r"regime must be one of \['question_aware', 'streaming'\]"),
+        (dict(seed=1.5), "seed must be an int"),
+        (dict(chunk=0), "chunk must be an int >= 1"),
+        (dict(regime="streaming", question_tokens=len(PROMPT) + 1),
+         rf"question_tokens must be in \[0, {len(PROMPT)}\]"),  # one token (BOS + chars) stays
+    )
+    for kw, pattern in cases:
+      kw = dict(kw)
+      prompt = kw.pop("prompt", PROMPT)
+      with self.subTest(kw=kw, prompt=prompt):
+        with self.assertRaisesRegex(ValueError, pattern):
+          generate.generate_text(prompt, **self.model, **kw)
+
+  def test_read_prompt_needs_exactly_one_source(self):
+    for args, got in (((None, None), "neither"), (("hi", "f.txt"), "--prompt and --prompt_file")):
+      with self.assertRaisesRegex(ValueError, "exactly one of --prompt and --prompt_file, got "
+                                  + got):
+        generate.read_prompt(*args)
+    path = os.path.join(tempfile.mkdtemp(), "p.txt")
+    with open(path, "w") as f:
+      f.write(PROMPT)
+    self.assertEqual(generate.read_prompt(None, path), PROMPT)
+    self.assertEqual(generate.read_prompt("hi", None), "hi")
+    with self.assertRaisesRegex(ValueError, "--prompt_file=.*cannot read"):
+      generate.read_prompt(None, path + ".missing")
+
+  def test_design_names_are_the_accepted_ones(self):
+    self.assertEqual(generate.design_names()[0], "full")
+    for name in generate.design_names()[1:]:
+      generate.check_arguments(PROMPT, design=name, budget=0.5, max_new_tokens=1,
+                               regime="question_aware", delta=0.1, seed=0)
+
+
+class TokenizerTest(absltest.TestCase):
+
+  def test_stop_ids_from_eos_token_and_end_of_turn_strings(self):
+    tok = model_loading.HFTokenizer(_tiny_dir(eos_token="?"))
+    self.assertEqual(generate.stop_ids(tok), (tok.backend.token_to_id("?"),))
+    self.assertEqual(generate.stop_ids(model_loading.HFTokenizer(_tiny_dir())), ())
+
+    class Backend:
+      def token_to_id(self, s):
+        return {"<|im_end|>": 2, "<|endoftext|>": 0}.get(s)
+
+    class GgufLike:
+      eos_id = 2
+      backend = Backend()
+
+    self.assertEqual(generate.stop_ids(GgufLike()), (0, 2))  # SmolLM2-Instruct's
+
+  def test_chat_template_wraps_context_and_question(self):
+    template = ("{% for m in messages %}q: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}a:{% endif %}")
+    tok = model_loading.HFTokenizer(_tiny_dir(chat_template=template))
+    ctx, question, _, applied = generate.split_prompt(tok, PROMPT, chat=True)
+    self.assertTrue(applied)
+    self.assertTrue(tok.decode(ctx[1:]).startswith("q: the quick"))  # after BOS
+    self.assertEqual(tok.decode(question), "where does the fox sleep?\na:")
+    _, _, _, applied = generate.split_prompt(tok, PROMPT, chat=False)
+    self.assertFalse(applied)
+    plain = model_loading.HFTokenizer(_tiny_dir())  # no template: plain text
+    _, question, _, applied = generate.split_prompt(plain, PROMPT, chat=True)
+    self.assertFalse(applied)
+    self.assertEqual(plain.decode(question), "where does the fox sleep?")
+
+
+class CalibrationTest(absltest.TestCase):
+
+  def test_settings_are_the_validity_studys(self):
+    from experiments.lib import validity_collect  # pylint: disable=g-import-not-at-top
+    plan = validity_collect.Plan()
+    self.assertEqual((generate.N_SINK, generate.WINDOW, generate.CHUNK),
+                     (plan.n_sink, plan.window, plan.chunk))
+
+  @absltest.skipUnless(os.path.isdir(generate.DEFAULT_CALIBRATION),
+                       "the committed calibration artifact is not in this checkout")
+  def test_shipped_calibration_applies_only_where_it_was_made(self):
+    raw = np.full((3, 2, 4), 0.5)
+    kw = dict(calibration=generate.DEFAULT_CALIBRATION, model_name="smollm2",
+              design_name="poisson_tail", regime="question_aware", budget=0.25, delta=0.05,
+              n_sink=4, window=16, chunk=64)
+    cal, note = generate.calibrated(raw, **kw)
+    self.assertEqual(cal.shape, raw.shape)
+    self.assertTrue(np.all(cal > 0))
+    self.assertIn("method, section 10", note)
+    for change, field in ((dict(budget=0.3), "budget"), (dict(delta=0.2), "delta"),
+                          (dict(design_name="poisson_flat"), "design"),
+                          (dict(model_name="other"), "model"), (dict(window=8), "window"),
+                          (dict(model_name=None), "model_name"),
+                          (dict(calibration="/nonexistent"), "no calibration artifact")):
+      cal, note = generate.calibrated(raw, **dict(kw, **change))
+      self.assertIsNone(cal, change)
+      self.assertIn(field, note)
+
+
+class CommandTest(absltest.TestCase):
+  """``python -m experiments.generate`` in a child process (jax import, one compile)."""
+
+  def _command(self, *args):
+    return subprocess.run([sys.executable, "-m", "experiments.generate", *args],
+                          cwd=test_util.ROOT, capture_output=True, text=True, timeout=600,
+                          check=False)
+
+  @pytest.mark.slow
+  def test_profile_dir_writes_a_trace(self):
+    model_dir = _tiny_dir()
+    trace = os.path.join(tempfile.mkdtemp(prefix="generate_trace_"), "trace")
+    done = self._command(f"--model={model_dir}", f"--prompt={PROMPT}", "--max_new_tokens=3",
+                         "--regime=streaming", "--evaluate", f"--profile_dir={trace}")
+    self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+    self.assertIn("design poisson_tail at budget 0.25; regime streaming", done.stdout)
+    self.assertIn("median r", done.stdout)
+    self.assertIn(f"profile of one generate call (after a warm-up call) in {trace}",
+                  done.stdout)
+    files = [f for _, _, names in os.walk(trace) for f in names]
+    self.assertTrue(any(f.endswith(".xplane.pb") for f in files), files)
+
+  @pytest.mark.slow
+  def test_prompt_flags_are_exclusive(self):
+    done = self._command("--prompt=hi", "--prompt_file=/dev/null")
+    self.assertNotEqual(done.returncode, 0)
+    self.assertIn("give exactly one of --prompt and --prompt_file", done.stderr)
+
+
+if __name__ == "__main__":
+  absltest.main()
