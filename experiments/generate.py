@@ -5,7 +5,8 @@ Face checkpoint directory, with an eviction design in either regime; prints
 the answer (cut at the end-of-turn token) and, per decode step, the median and
 max over (layer, head) of the certificate radius (method, section 5), the
 calibrated radius where the shipped calibration fits (method, section 10),
-and with ``--evaluate`` the true error (:mod:`experiments.lib.generate`).
+and with ``--evaluate`` the true error (:mod:`experiments.lib.generate`,
+:mod:`experiments.lib.generate_report`).
 
   python -m experiments.generate --prompt="What is the capital of France?"
   python -m experiments.generate --prompt_file=doc.txt --regime=streaming --budget=0.25
@@ -18,6 +19,7 @@ from absl import app
 from absl import flags
 
 from experiments.lib import generate
+from experiments.lib import generate_report
 from experiments.lib import model_loading
 
 FLAGS = flags.FLAGS
@@ -61,12 +63,12 @@ def main(argv):
             question_tokens=FLAGS.question_tokens, chunk=FLAGS.chunk, n_sink=FLAGS.n_sink,
             window=FLAGS.window)
   try:  # argument errors before the model is loaded
-    prompt = generate.read_prompt(FLAGS.prompt, FLAGS.prompt_file)
+    prompt = generate_report.read_prompt(FLAGS.prompt, FLAGS.prompt_file)
     generate.check_arguments(prompt, **kw)
   except ValueError as err:  # the message names the flag and its allowed values
     sys.exit(f"experiments.generate: {err}")
-  generate.run_and_print(prompt=prompt, model=FLAGS.model, chat=FLAGS.chat,
-                         evaluate=FLAGS.evaluate, profile_dir=FLAGS.profile_dir, **kw)
+  generate_report.run_and_print(prompt=prompt, model=FLAGS.model, chat=FLAGS.chat,
+                                evaluate=FLAGS.evaluate, profile_dir=FLAGS.profile_dir, **kw)
 
 
 if __name__ == "__main__":

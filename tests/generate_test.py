@@ -1,4 +1,5 @@
-"""experiments.lib.generate and the generate command, on the tiny Llama fixture."""
+"""experiments.lib.generate (with generate_certificate and generate_report) and the
+generate command, on the tiny Llama fixture."""
 
 import json
 import os
@@ -11,6 +12,8 @@ import numpy as np
 import pytest
 
 from experiments.lib import generate
+from experiments.lib import generate_certificate
+from experiments.lib import generate_report
 from experiments.lib import model_loading
 from tests import test_util
 
@@ -73,7 +76,7 @@ class GenerateTextTest(absltest.TestCase):
     if os.path.isdir(generate.DEFAULT_CALIBRATION):
       self.assertIn("model: this calibration was made for 'smollm2'", res.calibration_note)
     self.assertIsNone(res.true_error)
-    out = generate.format_result(res, self.tok)
+    out = generate_report.format_result(res, self.tok)
     self.assertIn("median r", out)
     self.assertIn("calibrated radius: not available", out)
     self.assertIn("no end-of-turn token", out)
@@ -90,7 +93,7 @@ class GenerateTextTest(absltest.TestCase):
     self.assertEqual(res.true_error.shape, res.radius.shape)
     self.assertEqual(res.rel_error.shape, res.radius.shape)
     self.assertGreater(res.true_error.max(), 0)
-    out = generate.format_result(res, self.tok)
+    out = generate_report.format_result(res, self.tok)
     for column in ("median ||e||", "covered", "median r/||o||", "covered"):
       self.assertIn(column, out)
 
@@ -117,7 +120,7 @@ class GenerateTextTest(absltest.TestCase):
       self.assertIn(note, res.certificate_note)
       np.testing.assert_array_equal(res.radius, 0.0)  # 0 by construction, not "no error"
       self.assertIsNone(res.calibrated_radius)
-      out = generate.format_result(res, self.tok)
+      out = generate_report.format_result(res, self.tok)
       self.assertIn(note, out)
       self.assertNotIn("median r", out)
     self.assertEqual(budgets, {"full": 1.0, "snapkv": 0.25, "uniform_random": 0.25})
@@ -141,7 +144,7 @@ class GenerateTextTest(absltest.TestCase):
     self._check_shapes(cut, first)
     np.testing.assert_array_equal(cut.token_ids, free.token_ids[:first])
     np.testing.assert_allclose(cut.radius, free.radius[:first])  # same seed, same calls
-    self.assertIn("stopped at the end-of-turn token", generate.format_result(cut, self.tok))
+    self.assertIn("stopped at the end-of-turn token", generate_report.format_result(cut, self.tok))
 
   def test_streaming_needs_two_tokens(self):
     class NoBos(test_util.CharTokenizer):
@@ -192,14 +195,14 @@ class GenerateTextTest(absltest.TestCase):
     for args, got in (((None, None), "neither"), (("hi", "f.txt"), "--prompt and --prompt_file")):
       with self.assertRaisesRegex(ValueError, "exactly one of --prompt and --prompt_file, got "
                                   + got):
-        generate.read_prompt(*args)
+        generate_report.read_prompt(*args)
     path = os.path.join(tempfile.mkdtemp(), "p.txt")
     with open(path, "w") as f:
       f.write(PROMPT)
-    self.assertEqual(generate.read_prompt(None, path), PROMPT)
-    self.assertEqual(generate.read_prompt("hi", None), "hi")
+    self.assertEqual(generate_report.read_prompt(None, path), PROMPT)
+    self.assertEqual(generate_report.read_prompt("hi", None), "hi")
     with self.assertRaisesRegex(ValueError, "--prompt_file=.*cannot read"):
-      generate.read_prompt(None, path + ".missing")
+      generate_report.read_prompt(None, path + ".missing")
 
   def test_design_names_are_the_accepted_ones(self):
     self.assertEqual(generate.design_names()[0], "full")
@@ -246,17 +249,18 @@ class CalibrationTest(absltest.TestCase):
   def test_settings_are_the_validity_studys(self):
     from experiments.lib import validity_collect  # pylint: disable=g-import-not-at-top
     plan = validity_collect.Plan()
-    self.assertEqual((generate.N_SINK, generate.WINDOW, generate.CHUNK),
-                     (plan.n_sink, plan.window, plan.chunk))
+    for module in (generate, generate_certificate):  # the defaults and the calibration check
+      self.assertEqual((module.N_SINK, module.WINDOW, module.CHUNK),
+                       (plan.n_sink, plan.window, plan.chunk))
 
-  @absltest.skipUnless(os.path.isdir(generate.DEFAULT_CALIBRATION),
+  @absltest.skipUnless(os.path.isdir(generate_certificate.DEFAULT_CALIBRATION),
                        "the committed calibration artifact is not in this checkout")
   def test_shipped_calibration_applies_only_where_it_was_made(self):
     raw = np.full((3, 2, 4), 0.5)
-    kw = dict(calibration=generate.DEFAULT_CALIBRATION, model_name="smollm2",
+    kw = dict(calibration=generate_certificate.DEFAULT_CALIBRATION, model_name="smollm2",
               design_name="poisson_tail", regime="question_aware", budget=0.25, delta=0.05,
               n_sink=4, window=16, chunk=64)
-    cal, note = generate.calibrated(raw, **kw)
+    cal, note = generate_certificate.calibrated(raw, **kw)
     self.assertEqual(cal.shape, raw.shape)
     self.assertTrue(np.all(cal > 0))
     self.assertIn("method, section 10", note)
@@ -265,7 +269,7 @@ class CalibrationTest(absltest.TestCase):
                           (dict(model_name="other"), "model"), (dict(window=8), "window"),
                           (dict(model_name=None), "model_name"),
                           (dict(calibration="/nonexistent"), "no calibration artifact")):
-      cal, note = generate.calibrated(raw, **dict(kw, **change))
+      cal, note = generate_certificate.calibrated(raw, **dict(kw, **change))
       self.assertIsNone(cal, change)
       self.assertIn(field, note)
 

@@ -43,6 +43,10 @@ them chose the end-of-turn token).
 Deterministic designs (and ``uniform_random``, which has no Hajek offset) have
 ``V_hat = b_hat = 0``: their radius is 0 by construction and is no certificate
 (Theorem 1, method, section 2); ``"full"`` evicts nothing and has no error.
+
+What the radii mean (summary, certificate status, calibration) is in
+:mod:`experiments.lib.generate_certificate`; the command's input and printout
+(``python -m experiments.generate``) in :mod:`experiments.lib.generate_report`.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ import dataclasses
 import math
 import os
 import time
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,39 +63,30 @@ import numpy as np
 
 from certkv_jax import certificate
 from certkv_jax import designs
-from certkv_jax import robust_calibration
+from experiments.lib import generate_certificate
 from experiments.lib import prompts
 from models import decode
 
 FULL = "full"
 REGIMES = ("question_aware", "streaming")
-# The settings of the validity study (experiments.lib.validity_collect.Plan), which
-# the shipped calibration was fitted with; tests/generate_test.py checks they agree.
-N_SINK = 4
-WINDOW = 16
-CHUNK = 64
+# The designs' settings by default: the validity study's, which the shipped
+# calibration was fitted with (experiments.lib.generate_certificate).
+N_SINK = generate_certificate.N_SINK
+WINDOW = generate_certificate.WINDOW
+CHUNK = generate_certificate.CHUNK
 # Streaming with a one-line prompt: the question is its last this many tokens.
 FALLBACK_QUESTION_TOKENS = 16
 # End-of-turn / end-of-text strings that stop generation when they are single
 # tokens of the vocabulary (next to the tokenizer's own eos_id).
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>",
                "</s>")
-DEFAULT_CALIBRATION = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "validity",
-    "calibration")
+DEFAULT_CALIBRATION = generate_certificate.DEFAULT_CALIBRATION
 
 
 def design_names() -> tuple:
   """Every design name :func:`generate_text` accepts: ``"full"`` and the
   names of ``certkv_jax.designs.by_name``."""
   return (FULL,) + designs.DETERMINISTIC + designs.RANDOMIZED
-
-
-class RadiusSummary(NamedTuple):
-  """Per-step summary over the (layer, query head) calls of a decode step."""
-
-  median: np.ndarray  # [steps] median over layers x heads
-  max: np.ndarray  # [steps] max over layers x heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,12 +139,12 @@ class TextResult:
   stopped_at_eos: bool
   stop_id: Optional[int]
   radius: np.ndarray
-  radius_summary: RadiusSummary
+  radius_summary: generate_certificate.RadiusSummary
   certified: bool
   certificate_note: str
   sampled_tokens: float
   calibrated_radius: Optional[np.ndarray]
-  calibrated_summary: Optional[RadiusSummary]
+  calibrated_summary: Optional[generate_certificate.RadiusSummary]
   calibration_note: str
   true_error: Optional[np.ndarray]
   rel_error: Optional[np.ndarray]
@@ -218,26 +213,6 @@ def check_arguments(prompt, *, design, budget, max_new_tokens, regime, delta, se
     return designs.by_name(design, float(budget), int(n_sink), int(window))
   except ValueError as err:
     raise ValueError(f"design: {err}, or {FULL!r} (no eviction)") from err
-
-
-def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
-  """The prompt of the command: exactly one of ``--prompt`` and ``--prompt_file``.
-
-  Raises:
-    ValueError naming both flags when neither or both are given, or naming
-    ``--prompt_file`` when it cannot be read.
-  """
-  given = [name for name, v in (("--prompt", prompt), ("--prompt_file", prompt_file)) if v]
-  if len(given) != 1:
-    raise ValueError(f"give exactly one of --prompt and --prompt_file, got "
-                     f"{' and '.join(given) if given else 'neither'}")
-  if prompt:
-    return prompt
-  try:
-    with open(prompt_file, encoding="utf-8") as f:
-      return f.read()
-  except OSError as err:
-    raise ValueError(f"--prompt_file={prompt_file}: cannot read it ({err.strerror})") from err
 
 
 # --------------------------------------------------------------------------- tokens
@@ -325,93 +300,6 @@ def split_prompt(tokenizer, prompt: str, *, chat: bool, question_tokens: int = 0
 def _row(ids) -> tuple[jax.Array, jax.Array]:
   tokens = jnp.asarray([ids], jnp.int32)
   return tokens, jnp.ones(tokens.shape, bool)
-
-
-# --------------------------------------------------------------------------- radii
-
-
-def summarize(radius) -> RadiusSummary:
-  """Median and max over (layer, head) of ``radius [steps, layers, heads]``."""
-  r = np.asarray(radius, np.float64)
-  flat = r.reshape(r.shape[0], -1)
-  if flat.shape[0] == 0:
-    return RadiusSummary(median=np.zeros(0), max=np.zeros(0))
-  return RadiusSummary(median=np.median(flat, axis=1), max=np.max(flat, axis=1))
-
-
-def certificate_status(design_name: str, design) -> tuple[bool, str]:
-  """``(certified, note)``: only a Poisson tail with Hajek offsets yields a radius
-  that is a certificate (method, sections 3-5)."""
-  if design is None:
-    return False, ("design 'full' evicts nothing: o_hat = o exactly, so there is no error to "
-                   "certify (the radius is 0)")
-  if isinstance(design.tail, designs.PoissonTail):
-    return True, (f"design {design_name!r} samples its tail (Poisson, Hajek offsets): the "
-                  "radius bounds ||o_hat - o|| of each call with probability about 1 - delta "
-                  "(method, section 5)")
-  kind = ("a uniform random tail with no Hajek offset" if design.randomized
-          else "deterministic")
-  return False, (f"design {design_name!r} is {kind}: its radius is 0 by construction and is "
-                 "NOT a certificate -- it does not mean there is no error (Theorem 1, method, "
-                 "section 2); use poisson_tail for a certificate")
-
-
-def no_sample_note(design, budget: float, n_context: int, regime: str) -> str:
-  """Why a randomized design sampled no tail token (its radius is then 0)."""
-  target = int(math.floor(budget * n_context))
-  size = design.certain.size
-  where = "context" if regime == "streaming" else "prompt"
-  if target >= n_context:
-    return (f"design {design.name!r} evicted nothing (the budget keeps all {n_context} "
-            f"{where} tokens): o_hat = o exactly, so there is no error to certify")
-  if target <= size:
-    why = (f"the budget keeps floor({budget:g} x {n_context}) = {target} tokens, no more "
-           f"than the certainty set of {size} (n_sink + window), so only the certainty set "
-           "was kept: no slot was left for a sampled tail")
-  else:
-    why = "no sampled tail token remained in any cache"
-  return (f"design {design.name!r} sampled no tail token: {why}. The radius is 0 and is NOT "
-          f"a certificate here; use a longer {where}, a larger budget or smaller "
-          "n_sink / window")
-
-
-def calibrated(raw, *, calibration, model_name, design_name, regime, budget, delta,
-               n_sink, window, chunk) -> tuple[Optional[np.ndarray], str]:
-  """The calibrated radius of ``raw`` and a note, or ``(None, why not)``.
-
-  Args:
-    raw: [...] raw radii at ``delta``.
-    calibration: path of a :mod:`certkv_jax.robust_calibration` artifact
-      (method, section 10), or None.
-    model_name: the model's name as the calibration records it ('smollm2'),
-      or None (unknown: nothing is looked up).
-    design_name, regime, budget, delta: must be in the calibration.
-    n_sink, window, chunk: must be the validity study's (the calibration was
-      fitted with them; it does not record them).
-  """
-  if calibration is None:
-    return None, "not requested (no calibration path)"
-  if not os.path.isdir(calibration):
-    return None, (f"no calibration artifact at {calibration} (written by "
-                  "python -m experiments.validity --out=DIR, in DIR/calibration)")
-  if model_name is None:
-    return None, "the model's name was not given (model_name), so no calibration can match it"
-  used = dict(n_sink=n_sink, window=window, chunk=chunk)
-  fitted = dict(n_sink=N_SINK, window=WINDOW, chunk=CHUNK)
-  if regime == "question_aware":
-    del used["chunk"], fitted["chunk"]
-  if used != fitted:
-    return None, (f"the calibration was fitted with {fitted}, this run uses {used}")
-  cal = robust_calibration.load(calibration)
-  try:
-    out = cal.radius(raw, model=model_name, design=design_name, regime=regime,
-                     budget=float(budget), delta=float(delta))
-  except ValueError as err:
-    return None, str(err)
-  return np.asarray(out, np.float64), (
-      f"{calibration} (model {cal.model}, design {cal.design}, fitted on "
-      f"{', '.join(cal.data)}): valid marginally per radius bin for calls like its "
-      "calibration sources (method, section 10)")
 
 
 # --------------------------------------------------------------------------- generation
@@ -527,24 +415,25 @@ def generate_text(prompt: str, *, params, config, tokenizer, design: str = "pois
   steps = int(kept.size)
   take = lambda a: np.asarray(a, np.float64)[:steps, :, 0, :]  # [steps, layers, heads]
   radius = take(certificate.radius_from_stats(gen.var_hat, gen.range_hat, delta))
-  certified, cert_note = certificate_status(design, design_obj)
+  certified, cert_note = generate_certificate.certificate_status(design, design_obj)
   sampled = float(np.mean(np.sum(np.asarray(gen.caches.valid)
                                  & (np.asarray(gen.caches.log_pi) < 0), axis=-1)))
   if certified and sampled == 0:
     certified = False
-    cert_note = no_sample_note(design_obj, budget, n_context, regime)
+    cert_note = generate_certificate.no_sample_note(design_obj, budget, n_context, regime)
   cal_radius, cal_note = None, "the design's radius is not a certificate, so nothing to calibrate"
   if certified:
-    cal_radius, cal_note = calibrated(
+    cal_radius, cal_note = generate_certificate.calibrated(
         radius, calibration=calibration, model_name=model_name, design_name=design,
         regime=regime, budget=budget, delta=delta, n_sink=n_sink, window=window, chunk=chunk)
   return TextResult(
       text=tokenizer.decode([int(t) for t in kept]), token_ids=kept.astype(np.int32),
       steps=steps, stopped_at_eos=stopped, stop_id=stop_id, radius=radius,
-      radius_summary=summarize(radius), certified=certified, certificate_note=cert_note,
-      sampled_tokens=sampled,
+      radius_summary=generate_certificate.summarize(radius), certified=certified,
+      certificate_note=cert_note, sampled_tokens=sampled,
       calibrated_radius=cal_radius,
-      calibrated_summary=None if cal_radius is None else summarize(cal_radius),
+      calibrated_summary=(None if cal_radius is None
+                          else generate_certificate.summarize(cal_radius)),
       calibration_note=cal_note,
       true_error=take(gen.true_error) if evaluate else None,
       rel_error=take(gen.rel_error) if evaluate else None,
@@ -555,130 +444,3 @@ def generate_text(prompt: str, *, params, config, tokenizer, design: str = "pois
       capacity=capacity, chunk=run_chunk,
       n_dropped=int(np.sum(np.asarray(gen.caches.n_dropped))),
       generate_seconds=seconds, warmed_up=bool(profile_dir), profile_dir=profile_dir or None)
-
-
-# --------------------------------------------------------------------------- report
-
-
-def _g(x) -> str:
-  return "nan" if not np.isfinite(x) else f"{x:.3g}"
-
-
-def format_result(result: TextResult, tokenizer, *, model_label: str = "") -> str:
-  """The command's printout: settings, the answer, then one line per decode step."""
-  r = result
-  lines = []
-  head = f"model {model_label}; " if model_label else ""
-  budget = "" if r.design == FULL else f" at budget {r.budget:g}"
-  lines.append(f"{head}design {r.design}{budget}; regime {r.regime}; delta {r.delta:g}; "
-               f"seed {r.seed}")
-  chat = "chat template applied" if r.chat_applied else "plain text (no chat template)"
-  if r.regime == "streaming":
-    lines.append(f"prompt: {r.context_tokens} context tokens in chunks of {r.chunk}, then "
-                 f"the question ({r.question_rule}; {r.question_tokens} tokens"
-                 f"{' with the end of the turn' if r.chat_applied else ''}): "
-                 f"{r.question_text!r}; {chat}; cache capacity {r.capacity} slots")
-  else:
-    lines.append(f"prompt: {r.prompt_tokens} tokens; {chat}; cache capacity {r.capacity} slots")
-  if r.stopped_at_eos:
-    end = (f"stopped at the end-of-turn token {tokenizer.decode([r.stop_id])!r} "
-           f"(id {r.stop_id})")
-  else:
-    end = "no end-of-turn token within max_new_tokens: the answer may be cut short"
-  what = ("after a warm-up call, traced" if r.warmed_up
-          else "first call: includes compilation unless compiled before")
-  lines.append(f"answer: {r.steps} tokens, {end}; generate call {r.generate_seconds:.2f} s "
-               f"({what})")
-  if r.n_dropped:
-    lines.append(f"WARNING: {r.n_dropped} tokens found no cache slot")
-  lines += ["", r.text, ""]
-  lines.append(f"certificate: {r.certificate_note}.")
-  if r.certified:
-    status = "" if r.calibrated_radius is not None else "not available: "
-    lines.append(f"calibrated radius: {status}{r.calibration_note}.")
-  n_layers, n_heads = r.radius.shape[1:] if r.radius.ndim == 3 else (0, 0)
-  if r.steps == 0:
-    lines.append("no decode steps to report (the first answer token ended the turn).")
-    return "\n".join(lines) + "\n"
-  if not r.certified and r.true_error is None:
-    return "\n".join(lines) + "\n"  # no numbers per step to show
-  cols = ["step", "token"]
-  if r.certified:
-    cols += ["median r", "max r"]
-    if r.calibrated_radius is not None:
-      cols += ["median r_cal", "max r_cal"]
-  if r.true_error is not None:
-    cols += ["median ||e||", "max ||e||"]
-    if r.certified:
-      cols += ["covered", "median r/||o||"]
-  lines += ["", f"per decode step, over {n_layers} layers x {n_heads} heads "
-            f"({n_layers * n_heads} attention calls); step i reads answer token i and chooses "
-            "token i + 1:", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-  for i in range(r.steps):
-    row = [str(i), repr(tokenizer.decode([int(r.token_ids[i])]))]
-    if r.certified:
-      row += [_g(r.radius_summary.median[i]), _g(r.radius_summary.max[i])]
-      if r.calibrated_radius is not None:
-        row += [_g(r.calibrated_summary.median[i]), _g(r.calibrated_summary.max[i])]
-    if r.true_error is not None:
-      err = r.true_error[i]
-      row += [_g(np.median(err)), _g(np.max(err))]
-      if r.certified:
-        out_norm = np.where(r.rel_error[i] > 0, err / np.maximum(r.rel_error[i], 1e-30), np.nan)
-        rel = r.radius[i] / out_norm
-        row += [f"{np.mean(err <= r.radius[i]):.2f}",
-                _g(np.nanmedian(rel)) if np.isfinite(rel).any() else "n/a"]
-    lines.append("| " + " | ".join(row) + " |")
-  if r.certified:
-    overall = (f"over all {r.steps} steps: median r {_g(np.median(r.radius))}, max r "
-               f"{_g(np.max(r.radius))}")
-    if r.calibrated_radius is not None:
-      overall += (f"; median r_cal {_g(np.median(r.calibrated_radius))}, max r_cal "
-                  f"{_g(np.max(r.calibrated_radius))}")
-    if r.true_error is not None:
-      overall += (f"; covered {np.mean(r.true_error <= r.radius):.3f} of the calls at delta "
-                  f"{r.delta:g}")
-    lines += ["", overall + "."]
-  elif r.true_error is not None:
-    lines += ["", f"over all {r.steps} steps: median ||e|| {_g(np.median(r.true_error))}, max "
-              f"||e|| {_g(np.max(r.true_error))}."]
-  if r.certified:
-    lines += ["", "r: the Bernstein radius sqrt(2 V_hat L) + (2/3) b_hat L, L = log(2/delta) "
-              "(method, section 5), of one head's attention output: with probability about "
-              "1 - delta, ||o_hat - o|| <= r for that call. It is absolute (units of the value "
-              "vectors); the decode loop does not return ||o_hat||, so compare r with the size "
-              "of the head's output (--evaluate prints r/||o||, from the shadow full cache)."]
-  if r.true_error is not None:
-    lines.append("||e||: the true error ||o_hat - o|| of each call (evaluation mode, from a "
-                 "shadow full cache)" + ("; covered: the fraction of the step's calls with "
-                                         "||e|| <= r; r/||o||: the radius relative to the "
-                                         "full-cache output" if r.certified else "") + ".")
-  return "\n".join(lines) + "\n"
-
-
-def run_and_print(*, prompt: str, model: str, design: str, budget: float,
-                  max_new_tokens: int, regime: str, delta: float, seed: int, chat: bool,
-                  evaluate: bool, question_tokens: int = 0, chunk: int = CHUNK,
-                  n_sink: int = N_SINK, window: int = WINDOW,
-                  profile_dir: Optional[str] = None) -> TextResult:
-  """The command: loads ``model`` (``experiments.lib.model_loading``), runs
-  :func:`generate_text` and prints :func:`format_result`."""
-  from experiments.lib import model_loading  # pylint: disable=g-import-not-at-top
-  t0 = time.perf_counter()
-  params, config, tok = model_loading.load_model(model)
-  load_s = time.perf_counter() - t0
-  result = generate_text(prompt, params=params, config=config, tokenizer=tok, design=design,
-                         budget=budget, max_new_tokens=max_new_tokens, regime=regime,
-                         delta=delta, seed=seed, evaluate=evaluate, chat=chat,
-                         question_tokens=question_tokens, chunk=chunk, n_sink=n_sink,
-                         window=window, model_name=model_loading.model_name(model),
-                         profile_dir=profile_dir)
-  label = (f"{model_loading.model_name(model)} ({config.n_layers} layers, {config.n_heads} "
-           f"heads, {config.n_kv_heads} KV heads; loaded in {load_s:.1f} s)")
-  print(format_result(result, tok, model_label=label), end="", flush=True)
-  if profile_dir:
-    print(f"\nprofile of one generate call (after a warm-up call) in {profile_dir}: "
-          f"tensorboard --logdir={profile_dir} (Profile tab; needs the xprof / "
-          "tensorboard-plugin-profile package), or open its plugins/profile/*/*.trace.json.gz "
-          "in https://ui.perfetto.dev", flush=True)
-  return result
