@@ -151,6 +151,7 @@ def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
                          infinite_share=float(np.mean(np.isinf(c.scales))))
                     for (d, sch, k), c in calibrations.items()],
       seconds=seconds,
+      sharpness_floor=sharpness_floor(calls, default_design, calib_context, plan.budgets),
       collection_seconds=round(sum(float(collect_lib.unit_meta(p).get("seconds", 0.0))
                                    for p in paths), 1))
   lines = _report_lines(summary, calls, cells, alt_cells, default_design, default_calib, plan,
@@ -184,6 +185,14 @@ def _signal_profile(calls, design, failing, min_context) -> list[str]:
                                                                  calls_lib.PRIMARY_DELTA))
     lines.append(f"| {label} | " + " | ".join(fmt(float(np.median(calls[n][m])), ".3g")
                                               for n in names) + f" | {fmt(float(miss))} |")
+  warn = [n for n in ("tail_mass", "r_hat") if n in names]
+  if warn:
+    below = [all(np.median(calls[n][m]) < np.median(calls[n][base]) for n in warn)
+             for _, m in rows[1:]]
+    lines += ["", f"In {sum(below)} of {len(below)} of these cells the median "
+              f"{' and '.join(warn)} are below those of all calls (the signals warn); in the "
+              f"other {len(below) - sum(below)} they are not, so those misses are not flagged "
+              "online by these signals."]
   return lines
 
 
@@ -219,6 +228,36 @@ def _why_lines(calls, design, failing, default_calib, calib_context, budgets) ->
                  f"{fmt(row['held_out_coverage'])} | {fmt(row['in_sample_coverage'])} | "
                  f"x{fmt(grow, '.2f')} | {fmt(row['raw_miss_rate'])} |")
   return lines, out
+
+
+def sharpness_floor(calls, design, calib_context, budgets) -> Optional[dict]:
+  """What the best scale on this radius can reach: per (regime, budget, data source)
+  at ``calib_context``, the default scheme fitted on that source's own calls and
+  scored on the same calls (in-sample, no shift). Its median sharpness is a floor
+  for any held-out calibration that rescales the raw radius by radius bin."""
+  delta = calls_lib.PRIMARY_DELTA
+  base = calls.where(design=design, context_len=calib_context) & np.isfinite(calls["true_error"])
+  cov, sharp = [], []
+  for source in np.unique(calls["data"][base]).tolist():
+    src = calls.select(base & (calls["data"] == source))
+    cal = calls_lib.fit_binned(src, design=design, data=(source,), context_len=calib_context,
+                               budgets=budgets)
+    rad = calls_lib.binned_radii(src, cal, delta, budgets)
+    for regime in np.unique(src["regime"]).tolist():
+      for b in budgets:
+        m = (src["regime"] == regime) & (np.abs(src["budget"] - b) < 1e-6)
+        if not m.any():
+          continue
+        e, r = src["true_error"][m], rad[m]
+        hit = e <= r
+        cov.append(float(np.mean(hit)))
+        with np.errstate(divide="ignore", invalid="ignore"):
+          sharp.append(float(np.median(r[hit] / e[hit])))
+  if not sharp:
+    return None
+  return dict(cells=len(sharp), coverage_mean=float(np.mean(cov)),
+              sharpness_median=float(np.median(sharp)), sharpness_min=float(np.min(sharp)),
+              sharpness_max=float(np.max(sharp)), context_len=calib_context)
 
 
 def headline_lines(summary: dict) -> list[str]:
@@ -275,6 +314,17 @@ def _report_lines(summary, calls, cells, alt_cells, default_design, default_cali
             "on text and scored on the tasks, and the reverse; binned, and one scale per "
             "(layer, KV head)) are in the headline and in `summary.json` "
             "(`alternative_cells`).", ""]
+  floor = summary.get("sharpness_floor")
+  if floor:
+    lines += [f"How sharp can a calibrated radius be? Fitted on each data source's own calls "
+              f"and scored on the same calls (no shift; context {floor['context_len']}; "
+              f"{floor['cells']} regime x budget x source cells), the default scheme covers "
+              f"{fmt(floor['coverage_mean'])} on average with median sharpness "
+              f"{fmt(floor['sharpness_median'], '.2f')} (from "
+              f"{fmt(floor['sharpness_min'], '.2f')} to {fmt(floor['sharpness_max'], '.2f')}). "
+              "That is the spread of ||e|| / r within one source: a rescaled radius that covers "
+              "95% of the calls cannot be much sharper than this, and one that must also cover "
+              "sources it has not seen (the max over sources) is looser.", ""]
   failing = [c for c in cells if c["design"] == default_design and c["radius"] == "calibrated"
              and c["context_len"] >= min_context and c["coverage"]["0.05"] < report_lib.TARGET]
   lines += ["## Cells where the default setting misses the target", ""]
