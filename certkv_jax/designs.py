@@ -74,7 +74,9 @@ class Budget:
     else:
       f = self.fraction
       if isinstance(f, bool) or not isinstance(f, float) or not (0.0 < f <= 1.0):
-        raise ValueError(f"budget as a fraction must be a float in (0, 1], got {f!r}")
+        hint = (f"; for {int(f)} tokens write the int {int(f)} or Budget(tokens={int(f)})"
+                if isinstance(f, float) and f > 1.0 and f == int(f) else "")
+        raise ValueError(f"budget as a fraction must be a float in (0, 1], got {f!r}{hint}")
 
   def target(self, cache: KVCache) -> Array:
     """int32 [] number of tokens to keep."""
@@ -85,13 +87,27 @@ class Budget:
     return jnp.floor(self.fraction * n * (1.0 + 1e-6)).astype(jnp.int32)
 
 
+AMBIGUOUS_ONE = ("budget=1 (an int) would mean one token kept, while budget=1.0 (a float) "
+                 "means everything: write budget=1.0 or Budget(fraction=1.0) to keep every "
+                 "token, or Budget(tokens=1) if one token is really meant")
+
+
 def as_budget(budget: Union[int, float, Budget]) -> Budget:
-  """Reads a budget: int = tokens (>= 1), float in (0, 1] = fraction."""
+  """Reads a budget: an int >= 2 = tokens, a float in (0, 1] = fraction, or a
+  :class:`Budget` (the explicit spelling: ``Budget(tokens=n)`` /
+  ``Budget(fraction=f)``).
+
+  Raises:
+    ValueError for the int 1, which reads as "everything" but would mean one
+    token (the message says how to write each), and for values out of range.
+  """
   if isinstance(budget, Budget):
     return budget
   if isinstance(budget, bool):
     raise TypeError(f"budget must be an int token count or a float fraction, got {budget!r}")
   if isinstance(budget, int):
+    if budget == 1:
+      raise ValueError(AMBIGUOUS_ONE)
     return Budget(tokens=budget)
   if isinstance(budget, float):
     return Budget(fraction=budget)

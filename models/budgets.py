@@ -79,6 +79,8 @@ def check_layer_budgets(layer_budgets: Sequence[Union[int, float]], n_layers: in
     raise ValueError(f"layer_budgets needs one entry per layer ({n_layers}), got {len(b)}")
   if all(isinstance(x, int) and not isinstance(x, bool) for x in b):
     for x in b:
+      if x == 1:
+        raise ValueError(f"layer_budgets {b}: {designs.AMBIGUOUS_ONE}")
       if x < 1:
         raise ValueError(f"layer_budgets token counts must be >= 1, got {b}")
       if capacity is not None and x > capacity:
@@ -106,10 +108,18 @@ def check_budget(budget, batch: Optional[int] = None):
     None, or the budget as a float32 array.
 
   Raises:
-    ValueError: a wrong shape, or a concrete value outside (0, 1].
+    ValueError: a wrong shape, an int (this argument is a fraction: ``budget=1``
+      would read as one token elsewhere; write 1.0), or a concrete value
+      outside (0, 1].
   """
   if budget is None:
     return None
+  if (isinstance(budget, int) and not isinstance(budget, bool)) or (
+      hasattr(budget, "dtype") and jnp.issubdtype(budget.dtype, jnp.integer)):
+    raise ValueError(f"budget here is a fraction of the tokens seen (a float in (0, 1]), got "
+                     f"an int ({budget!r}): write it as a float (1.0 keeps everything); a "
+                     "token count goes in the design (e.g. designs.poisson_tail("
+                     "budget=designs.Budget(tokens=n))) or in layer_budgets")
   b = jnp.asarray(budget, jnp.float32)
   if b.ndim > 1 or (b.ndim == 1 and batch is not None and b.shape[0] != batch):
     raise ValueError(f"budget must be a scalar fraction or one per batch row ([{batch}]), "
