@@ -2,10 +2,10 @@
 
 Attention is :func:`certkv_jax.offset_attention` over the kept slots (Hajek
 offsets; exactly softmax attention when nothing is evicted), so its
-certificate statistics (SPEC section 4's ``V_hat`` and ``b_hat``) come with
+certificate statistics (method, section 4's ``V_hat`` and ``b_hat``) come with
 every call. In evaluation mode the same queries also attend over a shadow
 full cache, which gives the truth (the realised error) and the Assumption-2
-audit (SPEC section 6).
+audit (method, section 6).
 
 The certificate can be subsampled: by layer (a ``lax.cond`` switches a layer
 to the plain Hajek softmax, skipping the per-slot second-order sums) and by KV
@@ -33,19 +33,25 @@ Array = jax.Array
 
 class ChunkStats(NamedTuple):
   """Certificate statistics of one chunk's attention calls (and, in evaluation
-  mode, the truth from the shadow full cache)."""
+  mode, the truth from the shadow full cache).
 
-  var_hat: Array  # [n_layers, batch, n_heads, t] float32 (SPEC section 4's V_hat)
-  range_hat: Array  # [n_layers, batch, n_heads, t] float32 (b_hat)
-  true_error: Optional[Array] = None  # [n_layers, batch, n_heads, t] ||o_hat - o||
-  rel_error: Optional[Array] = None  # [n_layers, batch, n_heads, t] ||o_hat - o|| / ||o||
-  # Assumption-2 audit (SPEC section 6), from the shadow cache's inclusion record:
-  ratio: Optional[Array] = None  # [n_layers, batch, n_heads, t] R = m max_T a_i/(pi_i sum a)
-  tail_m: Optional[Array] = None  # [n_layers, batch, n_heads, t] m = sum_T pi_i
-  tail_n: Optional[Array] = None  # [n_layers, batch, n_heads, t] |T| (tokens with 0<pi<1)
+  ``attend`` builds them per layer as ``[batch, n_heads, t]``;
+  ``models.forward.forward_chunk`` returns every field as
+  ``[t, n_layers, batch, n_heads]`` (the axis order of ``Generation``'s
+  ``[n_steps, n_layers, batch, n_heads]``). The shapes below are forward_chunk's.
+  """
+
+  var_hat: Array  # [t, n_layers, batch, n_heads] float32 (method, section 4's V_hat)
+  range_hat: Array  # [t, n_layers, batch, n_heads] float32 (b_hat)
+  true_error: Optional[Array] = None  # [t, n_layers, batch, n_heads] ||o_hat - o||
+  rel_error: Optional[Array] = None  # [t, n_layers, batch, n_heads] ||o_hat - o|| / ||o||
+  # Assumption-2 audit (method, section 6), from the shadow cache's inclusion record:
+  ratio: Optional[Array] = None  # [t, n_layers, batch, n_heads] R = m max_T a_i/(pi_i sum a)
+  tail_m: Optional[Array] = None  # [t, n_layers, batch, n_heads] m = sum_T pi_i
+  tail_n: Optional[Array] = None  # [t, n_layers, batch, n_heads] |T| (tokens with 0<pi<1)
   # Online warning signals (method, section 10; certkv_jax.signals): functions of the
   # kept set alone, reported with the truth in evaluation mode so that their value as
-  # predictors of a miss can be measured. Each [n_layers, batch, n_heads, t].
+  # predictors of a miss can be measured. Each [t, n_layers, batch, n_heads].
   ess: Optional[Array] = None  # 1 / sum_S p_i^2
   max_tail_weight: Optional[Array] = None  # max over kept tail of (1 - pi_i) p_i
   range_ratio: Optional[Array] = None  # b_hat / sqrt(V_hat)

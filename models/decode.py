@@ -143,7 +143,7 @@ def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, des
     key, sub = jax.random.split(key)
     if design is not None and evict_each_step:
       caches, shadow = evict_and_record(design, caches, shadow, sub, layer_budgets, budget)
-    stats = jax.tree_util.tree_map(lambda a: a[..., 0], stats)  # t = 1
+    stats = jax.tree_util.tree_map(lambda a: a[0], stats)  # t = 1
     out = (token, token_logp, step_logits if return_logits else None, stats)
     return (caches, shadow, new_logits[:, 0], key), out
 

@@ -26,7 +26,11 @@ from models.caches import over_heads
 
 
 def evict(design, caches: KVCache, key, layer_budgets=None, budget=None):
-  """Applies ``design.evict`` to every (layer, row, KV head) cache.
+  """Applies ``design.evict`` to every (layer, row, KV head) cache (jitted).
+
+  Called eagerly it checks ``budget`` where it is concrete and runs one jitted
+  program per (design, layer_budgets, shapes) (unjitted, a 4-layer toy model
+  took ~5 s per call, jitted ~2 ms); inside an enclosing ``jit`` it is inlined.
 
   Args:
     design: a ``certkv_jax.EvictionDesign``.
@@ -48,6 +52,17 @@ def evict(design, caches: KVCache, key, layer_budgets=None, budget=None):
     running ``DesignState`` counters are not carried between rounds; the
     per-round ``info`` and the caches' ``n_dropped`` report what happened.)
   """
+  if layer_budgets is not None:
+    layer_budgets = tuple(layer_budgets)
+  if budget is not None:
+    budget = budgets_lib.check_budget(budget, caches.n_seen.shape[1])
+  if distributed.cache_mesh() is not None:  # sequence-sharded, inside its own jit
+    return _evict(design, caches, key, layer_budgets, budget)
+  return _evict_jit(design, caches, key, layer_budgets, budget)
+
+
+def _evict(design, caches: KVCache, key, layer_budgets, budget):
+  """:func:`evict`'s body (traced once per design, schedule and shapes)."""
   lead = caches.n_seen.shape  # [n_layers, batch, n_kv_heads]
   keys = jax.random.split(key, lead[0] * lead[1] * lead[2])
   keys = keys.reshape(lead + keys.shape[1:])
@@ -65,6 +80,9 @@ def evict(design, caches: KVCache, key, layer_budgets=None, budget=None):
   # Sequence-sharded: each device gathers its heads' slot metadata, runs
   # evict_all on whole heads and keeps its own slots.
   return distributed_eviction.map_evict(design, evict_all, caches, *per_cache)
+
+
+_evict_jit = jax.jit(_evict, static_argnames=("design", "layer_budgets"))
 
 
 def record_inclusion(shadow: KVCache, before: KVCache, info) -> KVCache:
@@ -85,12 +103,18 @@ def record_inclusion(shadow: KVCache, before: KVCache, info) -> KVCache:
   Returns:
     The shadow caches with the round's ``log pi`` added.
   """
-  def one(sh, cache, pi):
-    log_pi = jnp.log(jnp.where(cache.valid, pi, 1.0))
-    idx = jnp.where(cache.valid, cache.pos, sh.log_pi.shape[0])  # invalid -> dropped
-    return sh._replace(log_pi=sh.log_pi.at[idx].add(log_pi, mode="drop"))
+  return _record_jit(shadow, before, info.pi)
 
-  return jax.vmap(over_heads(one))(shadow, before, info.pi)
+
+def _record_one(sh, cache, pi):  # one (layer, row, KV head)
+  log_pi = jnp.log(jnp.where(cache.valid, pi, 1.0))
+  idx = jnp.where(cache.valid, cache.pos, sh.log_pi.shape[0])  # invalid -> dropped
+  return sh._replace(log_pi=sh.log_pi.at[idx].add(log_pi, mode="drop"))
+
+
+@jax.jit
+def _record_jit(shadow, before, pi):
+  return jax.vmap(over_heads(_record_one))(shadow, before, pi)
 
 
 def evict_and_record(design, caches: KVCache, shadow: Optional[KVCache], key,

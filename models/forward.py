@@ -158,7 +158,11 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
       do not depend on either (the same Hajek estimate).
 
   Returns:
-    ``(logits [batch, t, vocab] float32, caches, ChunkStats or None, shadow)``.
+    ``(logits [batch, t, vocab] float32, caches, ChunkStats or None, shadow)``;
+    every ChunkStats field is ``[t, n_layers, batch, n_heads]``: the one axis
+    order of the package's per-call statistics (``Generation`` has
+    ``[n_steps, n_layers, batch, n_heads]``, a decode step being a chunk of
+    one query).
   """
   layer_flags = certified_attention.check_certificate_subsample(
       config, certificate, certificate_layers, certificate_heads)
@@ -174,4 +178,6 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
 
   x, (caches, stats, shadow) = jax.lax.scan(
       body, x, (params["params"]["layers"], caches, shadow, layer_flags))
+  if stats is not None:  # [n_layers, batch, n_heads, t] -> [t, n_layers, batch, n_heads]
+    stats = jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, -1, 0), stats)
   return model.apply(params, x, method=LlamaModel.head), caches, stats, shadow

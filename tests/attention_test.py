@@ -14,7 +14,7 @@ from certkv_jax import attention
 
 
 def _np_reference(q, k, v, log_pi, mask):
-  """Float64 NumPy of SPEC sections 3-4 for one row (direct, two-pass)."""
+  """Float64 NumPy of method, sections 3-4 for one row (direct, two-pass)."""
   q, k, v, log_pi = (np.asarray(x, np.float64) for x in (q, k, v, log_pi))
   mask = np.asarray(mask)
   l = k @ q / math.sqrt(q.shape[-1]) - log_pi

@@ -35,7 +35,7 @@ def _inputs(batch, groups, n, d, dtype=jnp.float32, seed=0, p_valid=0.8, max_off
 
 
 def _np_stats(q, k, v, off, lengths):
-  """Float64 NumPy of SPEC section 4 per (b, g): out, var_hat, range_hat, and
+  """Float64 NumPy of method, section 4 per (b, g): out, var_hat, range_hat, and
   ``scale = sum w p^2 (||v - c||^2 + ||o - c||^2)`` (c: mean of the valid values),
   the size of the terms whose difference the one-pass float32 formula takes:
   its rounding error is a few float32 epsilons of that, not of var_hat."""

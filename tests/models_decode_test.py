@@ -114,6 +114,20 @@ class DecodeTest(absltest.TestCase):
     self.assertTrue((kept(snap) != kept(flat)).any(), "SnapKV kept what a flat score keeps")
     self.assertGreater(float(jnp.max(snap.obs)), 0.0)
 
+  def test_eager_evict_is_one_jitted_program(self):
+    from models import eviction  # pylint: disable=g-import-not-at-top
+    design = certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=2)
+    _, caches, _, _ = decode.forward_chunk(self.params, self.config, self.tokens, self.mask,
+                                           decode.init_caches(self.config, 2, 12),
+                                           design=design, certificate=False)
+    before = eviction._evict_jit._cache_size()  # pylint: disable=protected-access
+    for seed in (0, 1):
+      new, info = decode.evict(design, caches, jax.random.PRNGKey(seed), budget=0.5)
+    self.assertEqual(eviction._evict_jit._cache_size(), before + 1)  # pylint: disable=protected-access
+    self.assertTrue((np.asarray(new.n_valid) <= np.asarray(info.target)).all())
+    with self.assertRaisesRegex(ValueError, r"budget must be a fraction in \(0, 1\]"):
+      decode.evict(design, caches, jax.random.PRNGKey(0), budget=1.5)
+
   def test_a_design_that_reads_the_window_needs_one(self):
     with self.assertRaisesRegex(ValueError, "observation_window >= 1"):
       certkv_jax.designs.snapkv(0.5, window=0)

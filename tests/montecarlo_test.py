@@ -1,4 +1,4 @@
-"""Statistical claims of SPEC sections 3-6, checked by seeded Monte Carlo.
+"""Statistical claims of method, sections 3-6, checked by seeded Monte Carlo.
 
 Every tolerance is a multiple of the Monte Carlo standard error measured in the
 same run (plus, where stated, an allowance for a known approximation), so the
@@ -72,7 +72,7 @@ class HajekTest(absltest.TestCase):
     # E[V_hat] / E||e||^2: 4 Monte Carlo SEs plus 5% for the terms the
     # linearisation drops (O(1/m) at m ~ 50). Measured: 0.977 (SE 0.006).
     self.assertLess(abs(ratio - 1.0), 4 * se + 0.05, (ratio, se))
-    # V_hat also estimates the oracle linearised variance V of SPEC section 4.
+    # V_hat also estimates the oracle linearised variance V of method, section 4.
     v_lin = float(moments.var)
     se_v = vhat.std(ddof=1) / math.sqrt(N_TRIALS)
     self.assertLess(abs(vhat.mean() - v_lin), 4 * se_v + 0.05 * v_lin, (vhat.mean(), v_lin))

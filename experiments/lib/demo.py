@@ -130,7 +130,7 @@ def _timed(fn, *args):
 
 
 def ratio_summary(err, radius, ratio) -> dict:
-  """The Assumption-2 audit of a run's calls (SPEC section 6).
+  """The Assumption-2 audit of a run's calls (method, section 6).
 
   ``R`` (``Generation.ratio``) is 0 for calls with no sampled token (every
   deterministic design); the quantiles and the split coverage are over the

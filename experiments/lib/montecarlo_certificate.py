@@ -114,6 +114,6 @@ def render_summary(rows, deltas) -> str:
         f"{cov} | {_fmt(r['sharpness'].get('0.05'), '.2f')} | {_fmt(r['median_R'], '.3g')} |")
   lines += ["", "kept: mean tokens kept of the budget; MSE: E||o_hat - o||^2; cov@delta: "
             "fraction of draws with ||e|| <= r(delta) (Bernstein radius); sharp: median "
-            "r/||e|| over covered draws; R: Assumption-2 ratio (SPEC section 6). "
+            "r/||e|| over covered draws; R: Assumption-2 ratio (method, section 6). "
             "Deterministic designs have V_hat = 0, hence radius 0."]
   return "\n".join(lines) + "\n"

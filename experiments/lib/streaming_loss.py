@@ -7,7 +7,7 @@ statistics on), each token's log-probability of the NEXT token of the stream
 is scored, and then the design evicts down to its budget
 (``models.decode.evict``) before the next chunk arrives. So the first chunk
 never sees eviction, and every later token is predicted from a cache that has
-been evicted after every earlier chunk: the streaming regime of SPEC section 8
+been evicted after every earlier chunk: the streaming regime of method, section 8
 on natural text instead of a task (the experiment:
 :mod:`experiments.lib.streaming_loss_experiment`).
 
@@ -18,7 +18,7 @@ equals the one-shot forward pass (:func:`one_shot_logprob`, tested), and it
 always runs first, so that every other row carries its NLL increase over
 the full cache on the same segment.
 
-Per-token certificate summary: the Bernstein radius of SPEC section 5 at
+Per-token certificate summary: the Bernstein radius of method, section 5 at
 ``delta = 0.05`` (``certkv_jax.certificate.radius_from_stats``) of each
 attention call of the token's query, SUMMED over layers and query heads (the
 per-step aggregate the suite uses: a bound on the summed attention-error
@@ -100,9 +100,9 @@ def _streaming_nll(params, tokens, mask, key, budget, *, config, capacity: int, 
     logp = jax.nn.log_softmax(logits, axis=-1)
     lp = jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
     lp = jnp.where(sc, lp, 0.0)
-    if with_cert:  # [layers, b, heads, t] -> [b, t]
+    if with_cert:  # [t, layers, b, heads] -> [b, t]
       r = certificate.radius_from_stats(st.var_hat, st.range_hat, delta)
-      r = jnp.where(sc, jnp.sum(r, axis=(0, 2)), 0.0)
+      r = jnp.where(sc, jnp.sum(r, axis=(1, 3)).T, 0.0)
     else:
       r = jnp.zeros(lp.shape, jnp.float32)
     if design is not None:

@@ -1,4 +1,4 @@
-"""What the experiment suite runs (SPEC section 8): :class:`Settings`, the names it
+"""What the experiment suite runs (method, section 8): :class:`Settings`, the names it
 accepts and the command-line flags that set them.
 
 :func:`define_common_flags` defines the flags the suite's scripts share
@@ -36,7 +36,7 @@ class Settings:
   n_runs: int = 2  # independent runs of the designs in ``multi_run_designs``
   multi_run_designs: tuple = ("poisson_tail",)
   # Designs run in the question-aware regime only: pi proportional to the
-  # current attention needs the question at eviction time (SPEC section 6).
+  # current attention needs the question at eviction time (method, section 6).
   question_aware_only: tuple = ("attention_proportional",)
   n_steps: int = 8
   n_sink: int = 4

@@ -1,4 +1,4 @@
-"""Analyses of the suite's rows (``experiments.lib.suite``) against SPEC section 7's claims.
+"""Analyses of the suite's rows (``experiments.lib.suite``) against method, section 7's claims.
 
 One module per analysis: :mod:`.coverage` (experiment 2), :mod:`.assumption2`
 (experiment 3), :mod:`.failures` (experiments 4-6: failure prediction,

@@ -1,4 +1,4 @@
-"""The Assumption-2 audit (SPEC 6; experiment 3): the distribution of R, the
+"""The Assumption-2 audit (method, section 6; experiment 3): the distribution of R, the
 regression of log R, coverage by R."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from experiments.lib.analyses import common
 
 
 def assumption2_analysis(rows, plot_dir: Optional[str] = None) -> dict:
-  """Distribution of R, regression of log R, coverage vs R; pi ~ a side by side (SPEC 6)."""
-  md = ["## Assumption-2 audit (SPEC 6; experiment 3)", "",
+  """Distribution of R, regression of log R, coverage vs R; pi ~ a side by side (method, section 6)."""
+  md = ["## Assumption-2 audit (method, section 6; experiment 3)", "",
         "R = m max_T a_i / (pi_i sum_j a_j) per decode call (full cache needed). From the "
         "per-row samples of raw calls with a non-empty tail.", ""]
   out = {"designs": {}, "claims": [], "plots": []}

@@ -16,7 +16,7 @@ from experiments.lib import stats
 
 N_BOOT = 500
 PRIMARY = "poisson_tail"
-# SPEC section 7, as ranges for stats.verdict (a point claim "about x" is given a
+# method, section 7, as ranges for stats.verdict (a point claim "about x" is given a
 # band, stated in the report).
 PAPER = {
     "coverage": (0.969, 0.977),

@@ -1,5 +1,5 @@
 """Certificate coverage by design, budget, regime, task, delta, layer and head
-(SPEC 5; experiment 2)."""
+(method, section 5; experiment 2)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from experiments.lib.analyses import common
 
 
 def coverage_analysis(rows, plot_dir: Optional[str] = None) -> dict:
-  """Coverage by design, budget, regime, task, delta, layer and head (SPEC 5, 8.2)."""
+  """Coverage by design, budget, regime, task, delta, layer and head (method, section 5, 8.2)."""
   rand = [r for r in rows if r["randomized"] and r["run"] == 0]
   designs = sorted({r["design"] for r in rand})
   deltas = sorted({float(d) for r in rand for d in r["coverage"]})
-  md = ["## Certificate coverage (SPEC 5; experiment 2)", "",
+  md = ["## Certificate coverage (method, section 5; experiment 2)", "",
         "Coverage = fraction of decode calls (step x layer x head) with true error <= "
         "radius; mean over rows, CI over examples. Sharpness = median radius/error over "
         "covered calls.", ""]

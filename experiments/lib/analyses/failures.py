@@ -1,4 +1,4 @@
-"""Failure prediction, attribution and certificate-gated recomputation (SPEC 7;
+"""Failure prediction, attribution and certificate-gated recomputation (method, section 7;
 experiments 4-6)."""
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def _task_confound(sel, a, g, out) -> list[str]:
 
 
 def failure_analysis(rows, plot_dir: Optional[str] = None) -> dict:
-  """Failure prediction, attribution and gated recomputation (SPEC 7; experiments 4-6)."""
+  """Failure prediction, attribution and gated recomputation (method, section 7; experiments 4-6)."""
   sel, a = _failure_table(rows)
   md = ["## Failure prediction, attribution, gated recomputation (experiments 4-6)", "",
         f"{common.PRIMARY} rows (run 0; run 1 for the disagreement), labels from the generated "

@@ -1,4 +1,4 @@
-"""Statistics for the experiment suite (numpy only; SPEC sections 6-8).
+"""Statistics for the experiment suite (numpy only; method, sections 6-8).
 
 One module per concern; the public names are re-exported here, so callers
 write ``from experiments.lib import stats`` and ``stats.roc_auc(...)``:

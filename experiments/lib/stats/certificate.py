@@ -86,7 +86,7 @@ class BinnedCoverage(NamedTuple):
 
 def coverage_by_bins(errors, radii, R, bins: Union[int, Sequence[float]] = 5, *,
                      alpha: float = 0.05) -> BinnedCoverage:
-  """Coverage as a function of the Assumption-2 ratio ``R`` (SPEC section 6).
+  """Coverage as a function of the Assumption-2 ratio ``R`` (method, section 6).
 
   Args:
     errors, radii, R: [n] per-call true errors, radii and ratios.
