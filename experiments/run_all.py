@@ -34,6 +34,8 @@ def define_flags():
                        "(tasks and streaming-loss segments).")
   flags.DEFINE_string("text", suite_runner.DEFAULT_TEXT, "UTF-8 text file of the streaming-loss "
                       "experiment (default: the built-in GPL-3 text).")
+  flags.DEFINE_bool("validity", True, "Also run the validity study (validity/); "
+                    "--novalidity skips it, e.g. to resume a run made before it existed.")
   flags.DEFINE_integer("max_units", -1, "Stop the collection after this many units (-1: "
                        "all); a rerun resumes.")
 
@@ -44,7 +46,7 @@ def main(argv):
       model=FLAGS.model, out=FLAGS.out, full=FLAGS.full,
       command="python -m experiments.run_all " + " ".join(sys.argv[1:]),
       num_examples=FLAGS.num_examples, context_len=FLAGS.context_len, text=FLAGS.text,
-      max_units=FLAGS.max_units)
+      max_units=FLAGS.max_units, validity=FLAGS.validity)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
-r"""The whole suite (``python -m experiments.run_all``): every experiment of SPEC
-section 8, then ``report.md`` for section 7.
+r"""The whole suite (``python -m experiments.run_all``): every experiment of
+method, section 8, then ``report.md`` for section 7.
 
 :func:`run_suite` collects the suite's rows once (``experiments.lib.suite.collect``:
 one batched evaluation-mode call per (regime, design, run); resumable, rows in
 ``DIR/rows.jsonl``), runs the Theorem-1 rotation experiment
 (``DIR/theorem1_rows.jsonl``) and the overhead timing
 (``DIR/overhead_rows.jsonl``), and writes ``DIR/report.md``: for each claim of
-SPEC section 7 the paper's number, ours with a 95% interval and a verdict
+method, section 7 the paper's number, ours with a 95% interval and a verdict
 (``experiments.lib.stats.verdict``), followed by every experiment's tables and
 PNG plots (coverage vs nominal, error vs radius, R audit, ROC, gating,
 overhead). A rerun resumes: finished rows are not recomputed.
@@ -196,14 +196,18 @@ def with_overrides(plan: dict, *, num_examples=None, context_len=None) -> dict:
 
 
 def run_command(*, model: str, out: str, full: bool, command: str, num_examples=None,
-                context_len=None, text: str = DEFAULT_TEXT, max_units: int = -1) -> dict:
+                context_len=None, text: str = DEFAULT_TEXT, max_units: int = -1,
+                validity: bool = True) -> dict:
   """``python -m experiments.run_all``: loads ``model``, runs the quick (or ``full``) plan
-  with its overrides into ``out`` and prints the report; returns :func:`run_suite`'s dict."""
+  with its overrides (``validity=False``: without the validity study) into ``out`` and
+  prints the report; returns :func:`run_suite`'s dict."""
   t0 = time.time()
   params, config, tok = model_loading.load_model(model)
   print(f"model loaded in {time.time() - t0:.0f}s", flush=True)
   plan = with_overrides(FULL if full else QUICK, num_examples=num_examples,
                         context_len=context_len)
+  if not validity:
+    plan = dict(plan, validity=None)
   res = run_suite(params, config, tok, out, plan, model=model_loading.model_name(model),
                   command=command, max_units=None if max_units < 0 else max_units,
                   text=text, log=lambda s: print(s, flush=True))
