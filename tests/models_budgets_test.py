@@ -5,6 +5,7 @@ import os
 
 from absl.testing import absltest
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import certkv_jax
@@ -124,6 +125,18 @@ class LayerBudgetsDecodeTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "needs a design"):
       decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
                       config=self.config, capacity=16, n_steps=N_STEPS, layer_budgets=(4, 4))
+
+
+class BudgetSpellingTest(absltest.TestCase):
+
+  def test_ints_are_not_fractions(self):
+    # budget=1 (int) would keep one token while 1.0 keeps everything (issue 13).
+    with self.assertRaisesRegex(ValueError, r"layer_budgets \(4, 1\): budget=1 \(an int\)"):
+      budgets.check_layer_budgets((4, 1), 2)
+    for bad in (1, jnp.asarray([1, 1], jnp.int32)):
+      with self.assertRaisesRegex(ValueError, r"budget here is a fraction .* got an int"):
+        budgets.check_budget(bad, 2)
+    np.testing.assert_allclose(budgets.check_budget(1.0), 1.0)
 
 
 class MemorySummaryTest(absltest.TestCase):
