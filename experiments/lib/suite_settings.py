@@ -16,7 +16,8 @@ from experiments.lib import model_loading
 from experiments.lib import tasks as tasks_lib
 
 DESIGNS = ("full", "sink_window", "h2o", "tova", "snapkv", "key_norm", "uniform_random",
-           "poisson_tail", "poisson_flat", "attention_proportional")
+           "poisson_tail", "poisson_flat", "attention_proportional", "poisson_defensive",
+           "poisson_envelope")
 REGIMES = ("question_aware", "streaming")
 DELTAS = (0.01, 0.05, 0.1, 0.2)
 PRIMARY_DELTA = 0.05
