@@ -1,4 +1,4 @@
-"""The parts a design composes: the certainty set and the tail rules.
+"""The parts a design composes: the budget, the certainty set and the tail rules.
 
 :class:`CertaintySet` says which tokens are kept with probability 1 (sinks,
 the recent window, heavy hitters); a tail rule (:class:`TopK`,
@@ -10,7 +10,7 @@ puts them together under a budget (method, section 3).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,65 @@ from certkv_jax import scores
 from certkv_jax.cache import KVCache
 
 Array = jax.Array
+
+
+# --------------------------------------------------------------------------- budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """Tokens kept after eviction: a count, or a fraction of the tokens seen."""
+
+  tokens: Optional[int] = None
+  fraction: Optional[float] = None
+
+  def __post_init__(self):
+    if (self.tokens is None) == (self.fraction is None):
+      raise ValueError("budget needs exactly one of tokens or fraction")
+    if self.tokens is not None:
+      _checks.check_positive_int("budget", self.tokens)
+    else:
+      f = self.fraction
+      if isinstance(f, bool) or not isinstance(f, float) or not (0.0 < f <= 1.0):
+        hint = (f"; for {int(f)} tokens write the int {int(f)} or Budget(tokens={int(f)})"
+                if isinstance(f, float) and f > 1.0 and f == int(f) else "")
+        raise ValueError(f"budget as a fraction must be a float in (0, 1], got {f!r}{hint}")
+
+  def target(self, cache: KVCache) -> Array:
+    """int32 [] number of tokens to keep."""
+    if self.tokens is not None:
+      return jnp.asarray(self.tokens, jnp.int32)
+    # floor(f * n) with a relative guard against float32 rounding (0.3 * 10).
+    n = cache.n_seen.astype(jnp.float32)
+    return jnp.floor(self.fraction * n * (1.0 + 1e-6)).astype(jnp.int32)
+
+
+AMBIGUOUS_ONE = ("budget=1 (an int) would mean one token kept, while budget=1.0 (a float) "
+                 "means everything: write budget=1.0 or Budget(fraction=1.0) to keep every "
+                 "token, or Budget(tokens=1) if one token is really meant")
+
+
+def as_budget(budget: Union[int, float, Budget]) -> Budget:
+  """Reads a budget: an int >= 2 = tokens, a float in (0, 1] = fraction, or a
+  :class:`Budget` (the explicit spelling: ``Budget(tokens=n)`` /
+  ``Budget(fraction=f)``).
+
+  Raises:
+    ValueError for the int 1, which reads as "everything" but would mean one
+    token (the message says how to write each), and for values out of range.
+  """
+  if isinstance(budget, Budget):
+    return budget
+  if isinstance(budget, bool):
+    raise TypeError(f"budget must be an int token count or a float fraction, got {budget!r}")
+  if isinstance(budget, int):
+    if budget == 1:
+      raise ValueError(AMBIGUOUS_ONE)
+    return Budget(tokens=budget)
+  if isinstance(budget, float):
+    return Budget(fraction=budget)
+  raise TypeError(f"budget must be an int token count or a float fraction in (0, 1], "
+                  f"got {budget!r}")
 
 
 # --------------------------------------------------------------------------- certainty set

@@ -37,16 +37,18 @@ tail slots for a random count (see ``sampling.expected_tail_count``).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-from certkv_jax import _checks
 from certkv_jax import cache as cache_lib
 from certkv_jax import scores
 from certkv_jax.cache import KVCache
 # The building blocks, part of this module's public API (designs.CertaintySet, ...).
+from certkv_jax.design_parts import AMBIGUOUS_ONE  # pylint: disable=unused-import  # noqa: F401
+from certkv_jax.design_parts import as_budget
+from certkv_jax.design_parts import Budget
 from certkv_jax.design_parts import CertaintySet  # pylint: disable=unused-import
 from certkv_jax.design_parts import PoissonTail  # pylint: disable=unused-import
 from certkv_jax.design_parts import TailChoice  # pylint: disable=unused-import
@@ -54,65 +56,6 @@ from certkv_jax.design_parts import TopK  # pylint: disable=unused-import
 from certkv_jax.design_parts import UniformTail  # pylint: disable=unused-import
 
 Array = jax.Array
-
-
-# --------------------------------------------------------------------------- budget
-
-
-@dataclasses.dataclass(frozen=True)
-class Budget:
-  """Tokens kept after eviction: a count, or a fraction of the tokens seen."""
-
-  tokens: Optional[int] = None
-  fraction: Optional[float] = None
-
-  def __post_init__(self):
-    if (self.tokens is None) == (self.fraction is None):
-      raise ValueError("budget needs exactly one of tokens or fraction")
-    if self.tokens is not None:
-      _checks.check_positive_int("budget", self.tokens)
-    else:
-      f = self.fraction
-      if isinstance(f, bool) or not isinstance(f, float) or not (0.0 < f <= 1.0):
-        hint = (f"; for {int(f)} tokens write the int {int(f)} or Budget(tokens={int(f)})"
-                if isinstance(f, float) and f > 1.0 and f == int(f) else "")
-        raise ValueError(f"budget as a fraction must be a float in (0, 1], got {f!r}{hint}")
-
-  def target(self, cache: KVCache) -> Array:
-    """int32 [] number of tokens to keep."""
-    if self.tokens is not None:
-      return jnp.asarray(self.tokens, jnp.int32)
-    # floor(f * n) with a relative guard against float32 rounding (0.3 * 10).
-    n = cache.n_seen.astype(jnp.float32)
-    return jnp.floor(self.fraction * n * (1.0 + 1e-6)).astype(jnp.int32)
-
-
-AMBIGUOUS_ONE = ("budget=1 (an int) would mean one token kept, while budget=1.0 (a float) "
-                 "means everything: write budget=1.0 or Budget(fraction=1.0) to keep every "
-                 "token, or Budget(tokens=1) if one token is really meant")
-
-
-def as_budget(budget: Union[int, float, Budget]) -> Budget:
-  """Reads a budget: an int >= 2 = tokens, a float in (0, 1] = fraction, or a
-  :class:`Budget` (the explicit spelling: ``Budget(tokens=n)`` /
-  ``Budget(fraction=f)``).
-
-  Raises:
-    ValueError for the int 1, which reads as "everything" but would mean one
-    token (the message says how to write each), and for values out of range.
-  """
-  if isinstance(budget, Budget):
-    return budget
-  if isinstance(budget, bool):
-    raise TypeError(f"budget must be an int token count or a float fraction, got {budget!r}")
-  if isinstance(budget, int):
-    if budget == 1:
-      raise ValueError(AMBIGUOUS_ONE)
-    return Budget(tokens=budget)
-  if isinstance(budget, float):
-    return Budget(fraction=budget)
-  raise TypeError(f"budget must be an int token count or a float fraction in (0, 1], "
-                  f"got {budget!r}")
 
 
 # --------------------------------------------------------------------------- the design
@@ -157,7 +100,12 @@ class EvictionDesign:
   (``models.forward.forward_chunk``), its last ``observation_window`` real
   queries are the observation window and ``obs`` is replaced by their
   attention (SnapKV: the window before each eviction; in streaming, each
-  chunk's). A design whose scores read ``obs`` (:func:`scores.reads_observation`)
+  chunk's). ``min_tail`` (default 0) raises the target to at least the
+  certainty set plus ``min_tail`` tokens, so that a budget smaller than the
+  certainty set (early streaming chunks) still leaves a sampled tail: with
+  none, every tail token is evicted with ``pi = eps``, a deterministic deletion
+  the certificate cannot see. The price: up to ``min_tail`` tokens above the
+  budget while it is that small. A design whose scores read ``obs`` (:func:`scores.reads_observation`)
   needs a window of at least 1 and refuses 0: with no window its score
   would be zero everywhere and its choice would silently fall back to slot
   order.
@@ -169,10 +117,13 @@ class EvictionDesign:
   budget: Budget
   fold: str = "sum"
   observation_window: int = 0
+  min_tail: int = 0
 
   def __post_init__(self):
     if self.fold not in FOLDS:
       raise ValueError(f"fold must be one of {sorted(FOLDS)}, got {self.fold!r}")
+    if isinstance(self.min_tail, bool) or not isinstance(self.min_tail, int) or self.min_tail < 0:
+      raise ValueError(f"min_tail must be an int >= 0, got {self.min_tail!r}")
     w = self.observation_window
     if isinstance(w, bool) or not isinstance(w, int) or w < 0:
       raise ValueError(f"observation_window must be an int >= 0, got {w!r}")
@@ -196,7 +147,7 @@ class EvictionDesign:
   def hparams(self) -> dict:
     return {"name": self.name, "budget": self.budget, "certain": self.certain,
             "tail": self.tail, "fold": self.fold,
-            "observation_window": self.observation_window}
+            "observation_window": self.observation_window, "min_tail": self.min_tail}
 
   def init(self, cache: KVCache) -> DesignState:
     """Checks the cache against the design and returns a fresh state."""
@@ -224,10 +175,12 @@ class EvictionDesign:
                                                                     EvictionInfo]:
     """Evicts down to the budget (a no-op when the cache is within budget)."""
     valid = cache.valid
-    target = self.budget.target(cache)
-    triggered = cache.n_valid > target
     certain = self.certain(cache) & valid
     n_certain = jnp.sum(certain).astype(jnp.int32)
+    target = self.budget.target(cache)
+    if self.min_tail:  # never fewer than min_tail tail slots beside the certainty set
+      target = jnp.maximum(target, n_certain + self.min_tail)
+    triggered = cache.n_valid > target
     slots = jnp.maximum(target - n_certain, 0)
     tail = valid & ~certain
     choice = self.tail.select(cache, tail, slots, key)
@@ -266,9 +219,10 @@ def _check_budget_vs_certain(budget: Budget, certain: CertaintySet, name: str):
 
 
 def compose(certain: CertaintySet, tail, budget, name: str = "custom",
-            fold: str = "sum", observation_window: int = 0) -> EvictionDesign:
-  """A design from a certainty set, a tail rule and a budget (``fold`` and
-  ``observation_window``: see :class:`EvictionDesign`)."""
+            fold: str = "sum", observation_window: int = 0,
+            min_tail: int = 0) -> EvictionDesign:
+  """A design from a certainty set, a tail rule and a budget (``fold``,
+  ``observation_window`` and ``min_tail``: see :class:`EvictionDesign`)."""
   budget = as_budget(budget)
   if not isinstance(certain, CertaintySet):
     raise TypeError(f"certain must be a CertaintySet, got {type(certain).__name__}")
@@ -276,7 +230,7 @@ def compose(certain: CertaintySet, tail, budget, name: str = "custom",
     raise TypeError(f"tail must be a tail rule (TopK, UniformTail, PoissonTail), got {tail!r}")
   _check_budget_vs_certain(budget, certain, name)
   return EvictionDesign(name=name, certain=certain, tail=tail, budget=budget, fold=fold,
-                        observation_window=observation_window)
+                        observation_window=observation_window, min_tail=min_tail)
 
 
 # --------------------------------------------------------------------------- factories
@@ -336,12 +290,19 @@ def uniform_random(budget, n_sink: int = 0, window: int = 0) -> EvictionDesign:
 def poisson_tail(budget, score=scores.AccumulatedAttention(), n_sink: int = 0,
                  window: int = 0, heavy: int = 0, heavy_score=scores.AccumulatedAttention(),
                  eps: float = 1e-6, overflow_prob: float = 1e-3, max_redraws: int = 3,
-                 name: str = "poisson_tail") -> EvictionDesign:
-  """method, section 3: certainty set + Poisson-sampled tail with Hajek offsets."""
+                 name: str = "poisson_tail", min_tail: int = 0) -> EvictionDesign:
+  """method, section 3: certainty set + Poisson-sampled tail with Hajek offsets.
+
+  ``min_tail`` (>= 0): keep at least this many tail slots beside the certainty
+  set, so that while the budget is smaller than the certainty set (early
+  streaming chunks) the tail is still sampled (expected size about
+  ``min_tail``) instead of evicted whole with ``pi = eps``, which the
+  certificate cannot see (see :class:`EvictionDesign`).
+  """
   return compose(
       CertaintySet(n_sink=n_sink, window=window, heavy=heavy, heavy_score=heavy_score),
       PoissonTail(score=score, eps=eps, overflow_prob=overflow_prob, max_redraws=max_redraws),
-      budget, name)
+      budget, name, min_tail=min_tail)
 
 
 def attention_proportional(budget, n_sink: int = 0, window: int = 0, heavy: int = 0,
@@ -411,7 +372,7 @@ def poisson_envelope(budget, n_sink: int = 0, window: int = 0, uniform_share: fl
 
 DETERMINISTIC = ("sink_window", "h2o", "tova", "snapkv", "key_norm")
 RANDOMIZED = ("uniform_random", "poisson_tail", "poisson_flat", "attention_proportional",
-              "poisson_defensive", "poisson_envelope")
+              "poisson_defensive", "poisson_envelope", "poisson_floor")
 
 
 def by_name(name: str, budget, n_sink: int = 4, window: int = 16) -> EvictionDesign:
@@ -420,7 +381,8 @@ def by_name(name: str, budget, n_sink: int = 4, window: int = 16) -> EvictionDes
   ``snapkv`` and ``poisson_envelope`` use ``window`` (at least 1) as their
   observation window (snapkv with pool size 5);
   ``poisson_flat`` is ``poisson_tail`` with uniform scores (flat pi);
-  ``poisson_defensive`` and ``poisson_envelope`` use ``uniform_share=0.2``.
+  ``poisson_defensive`` and ``poisson_envelope`` use ``uniform_share=0.2``;
+  ``poisson_floor`` is ``poisson_tail`` with ``min_tail=16``.
 
   Raises:
     ValueError naming the design and listing the known names.
@@ -434,6 +396,7 @@ def by_name(name: str, budget, n_sink: int = 4, window: int = 16) -> EvictionDes
       "key_norm": lambda: key_norm(budget, **kw),
       "uniform_random": lambda: uniform_random(budget, **kw),
       "poisson_tail": lambda: poisson_tail(budget, **kw),
+      "poisson_floor": lambda: poisson_tail(budget, name="poisson_floor", min_tail=16, **kw),
       "poisson_flat": lambda: poisson_tail(budget, score=scores.Uniform(), name="poisson_flat",
                                            **kw),
       "attention_proportional": lambda: attention_proportional(budget, **kw),

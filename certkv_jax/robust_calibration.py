@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import math
 from typing import Optional, Sequence
 
 import jax

@@ -65,6 +65,25 @@ class DesignTest(parameterized.TestCase):
     self.assertEqual(int(state.n_dropped), 0)
     np.testing.assert_array_equal(np.asarray(info.kept), np.asarray(c2.valid))
 
+  def test_min_tail_keeps_a_sampled_tail_below_the_certainty_set(self):
+    # A fraction whose target (0.05 * N) is below the certainty set (4 + 8): with
+    # min_tail 0 the whole tail goes with pi = eps (m = 0); with min_tail 6 the
+    # target is the certainty set + 6 and the tail is sampled (m > 0).
+    c = _cache()
+    plain = designs.poisson_tail(0.05, n_sink=4, window=8)
+    floor = designs.poisson_tail(0.05, n_sink=4, window=8, min_tail=6)
+    _, _, info0 = _evict(plain, c)
+    c1, _, info1 = _evict(floor, c)
+    self.assertEqual(float(info0.m), 0.0)
+    self.assertEqual(int(info1.target), 4 + 8 + 6)
+    self.assertGreater(float(info1.m), 0.0)
+    self.assertLessEqual(int(c1.n_valid), 4 + 8 + 6)
+    tail_pi = np.asarray(info1.pi)[np.asarray(c.valid) & ~np.asarray(info1.certain)]
+    self.assertGreater(tail_pi.max(), 1e-3)
+    self.assertEqual(designs.by_name("poisson_floor", 0.25).min_tail, 16)
+    with self.assertRaisesRegex(ValueError, "min_tail must be an int >= 0"):
+      designs.poisson_tail(0.25, min_tail=-1)
+
   def test_within_budget_is_a_noop(self):
     c = _cache(n=10)
     for name, make in ALL.items():
