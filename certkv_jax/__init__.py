@@ -14,12 +14,15 @@ Public API (the method: docs/method.md):
 * :mod:`certkv_jax.calibration_store` -- the fitted calibration as an orbax
   artifact (imported on first use: it loads orbax).
 * :mod:`certkv_jax.signals` -- online warning signals from the kept set.
+* :mod:`certkv_jax.damage` -- the per-head radius projected through the
+  output projection: a per-layer bound on residual-stream damage.
 """
 
 from certkv_jax import cache
 from certkv_jax import calibration
 from certkv_jax import certificate
 from certkv_jax import checked
+from certkv_jax import damage
 from certkv_jax import designs
 from certkv_jax import diagnostics
 from certkv_jax import sampling
@@ -51,6 +54,7 @@ __all__ = [
     "certificate",
     "certificate_radius",
     "checked",
+    "damage",
     "designs",
     "diagnostics",
     "inclusion_probabilities",
