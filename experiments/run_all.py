@@ -36,6 +36,8 @@ def define_flags():
                       "experiment (default: the built-in GPL-3 text).")
   flags.DEFINE_bool("validity", True, "Also run the validity study (validity/); "
                     "--novalidity skips it, e.g. to resume a run made before it existed.")
+  flags.DEFINE_bool("damage", True, "Also run the damage study (damage/); --nodamage skips "
+                    "it.")
   flags.DEFINE_integer("max_units", -1, "Stop the collection after this many units (-1: "
                        "all); a rerun resumes.")
 
@@ -46,7 +48,8 @@ def main(argv):
       model=FLAGS.model, out=FLAGS.out, full=FLAGS.full,
       command="python -m experiments.run_all " + " ".join(sys.argv[1:]),
       num_examples=FLAGS.num_examples, context_len=FLAGS.context_len, text=FLAGS.text,
-      max_units=FLAGS.max_units, validity=FLAGS.validity)
+      max_units=FLAGS.max_units, validity=FLAGS.validity,
+      damage=FLAGS.damage)
 
 
 if __name__ == "__main__":

@@ -90,9 +90,11 @@ def pad_shape(examples) -> dict:
 
 def run_batch(params, config, examples, design_name: str, row_budgets, regime: str, key, *,
               n_steps: int, n_sink: int, window: int, chunk: int,
-              shape: Optional[dict] = None, max_budget: Optional[float] = None):
+              shape: Optional[dict] = None, max_budget: Optional[float] = None,
+              return_logits: bool = False):
   """One evaluation-mode call over ``examples`` (one per batch row), row ``i`` at budget
-  ``row_budgets[i]`` (ignored for 'full'); returns the ``decode.Generation``.
+  ``row_budgets[i]`` (ignored for 'full'); returns the ``decode.Generation`` (with
+  each step's logits if ``return_logits``).
 
   ``shape`` (:func:`pad_shape` of a larger set) and ``max_budget`` (its largest
   budget) fix the padded shapes and the static design, so that every slice of
@@ -107,7 +109,8 @@ def run_batch(params, config, examples, design_name: str, row_budgets, regime: s
                                shape["prompt"])
     capacity = prompt.shape[1] + (n_steps if design is None else 0)
     return decode.generate(params, prompt, p_mask, key, config=config, capacity=capacity,
-                           n_steps=n_steps, design=design, evaluate=True, budget=budget)
+                           n_steps=n_steps, design=design, evaluate=True, budget=budget,
+                           return_logits=return_logits)
   ctx, c_mask = pad_batch([e.context_ids for e in examples], shape["context"])
   qst, q_mask = pad_batch([e.question_ids for e in examples], shape["question"])
   n_ctx = ctx.shape[1]
@@ -119,7 +122,7 @@ def run_batch(params, config, examples, design_name: str, row_budgets, regime: s
   return decode.generate_streaming(params, ctx, c_mask, qst, q_mask, key, config=config,
                                    capacity=capacity, n_steps=n_steps, chunk=chunk,
                                    design=design, evaluate=True,
-                                   budget=budget)
+                                   budget=budget, return_logits=return_logits)
 
 
 def _q(x, p):

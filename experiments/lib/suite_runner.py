@@ -42,6 +42,8 @@ import json
 import os
 import time
 
+from experiments.lib import damage_collect
+from experiments.lib import damage_report
 from experiments.lib import model_loading
 from experiments.lib import overhead
 from experiments.lib import results_io
@@ -72,6 +74,7 @@ QUICK = dict(
                     context_len=256, chunk=32, num_examples=6, n_runs=1),
     validity=dict(designs=("poisson_tail", "poisson_defensive"), data=("text", "passkey"),
                   context_lens=(256,), num_examples=3, n_steps=4),
+    damage=dict(damage_collect.QUICK),
 )
 FULL = dict(
     settings=dict(tasks=("passkey", "agent_memory", "multi_needle"), num_examples=24,
@@ -97,6 +100,8 @@ FULL = dict(
                   groups_at=((1024, ("multi_needle", "agent_memory"), ("poisson_tail",)),
                              (2048, ("kv_retrieval", "variable_tracking", "multi_needle",
                                      "agent_memory"), ("poisson_tail",)))),
+    # The committed experiments/results/damage run (method, section 11): the Plan defaults.
+    damage=dict(),
 )
 DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                             "gpl-3.0.txt")
@@ -162,6 +167,18 @@ def run_suite(params, config, tok, out: str, plan: dict, *, model: str, command:
     sections.append(dict(md="\n".join(
         ["## Validity of the certificate, raw and calibrated (`validity/report.md`)", ""]
         + validity.headline_lines(va_summary)), claims=[]))
+  dm = plan.get("damage")
+  if dm is not None:
+    with open(text, encoding="utf-8") as f:
+      dm_text = f.read()
+    dm_plan = damage_collect.Plan(model=model, seed=settings.seed, **{
+        k: tuple(v) if isinstance(v, list) else v for k, v in dm.items()}).check()
+    dm_out = os.path.join(out, "damage")
+    damage_collect.collect(params, config, tok, dm_plan, dm_out, text=dm_text, log=log)
+    dm_summary = damage_report.analyse(dm_out, dm_plan, train=True, log=log)
+    sections.append(dict(md="\n".join(
+        ["## From radius to output damage (`damage/report.md`)", ""]
+        + damage_report.headline_lines(dm_summary)), claims=[]))
   wall = time.time() - t0
   report = suite_report.render_report(
       sections=sections, theorem1=th_summary, overhead=ov_summary, command=command, wall_s=wall,
@@ -197,7 +214,7 @@ def with_overrides(plan: dict, *, num_examples=None, context_len=None) -> dict:
 
 def run_command(*, model: str, out: str, full: bool, command: str, num_examples=None,
                 context_len=None, text: str = DEFAULT_TEXT, max_units: int = -1,
-                validity: bool = True) -> dict:
+                validity: bool = True, damage: bool = True) -> dict:
   """``python -m experiments.run_all``: loads ``model``, runs the quick (or ``full``) plan
   with its overrides (``validity=False``: without the validity study) into ``out`` and
   prints the report; returns :func:`run_suite`'s dict."""
@@ -208,6 +225,8 @@ def run_command(*, model: str, out: str, full: bool, command: str, num_examples=
                         context_len=context_len)
   if not validity:
     plan = dict(plan, validity=None)
+  if not damage:
+    plan = dict(plan, damage=None)
   res = run_suite(params, config, tok, out, plan, model=model_loading.model_name(model),
                   command=command, max_units=None if max_units < 0 else max_units,
                   text=text, log=lambda s: print(s, flush=True))
