@@ -145,12 +145,29 @@ def slot_assignment(valid, new_valid) -> SlotAssignment:
   cap = valid.shape[-1]
   rank_new = (jnp.cumsum(new_valid) - 1).astype(jnp.int32)  # j-th real token -> j
   n_new = jnp.sum(new_valid).astype(jnp.int32)
-  free_slots = jnp.argsort(valid, stable=True)  # free slots first, in slot order
+  free_slots = _free_slots(valid)  # free slots first, in slot order
   n_free = (cap - jnp.sum(valid)).astype(jnp.int32)
   fits = new_valid & (rank_new < n_free)
   idx = jnp.where(fits, free_slots[jnp.clip(rank_new, 0, cap - 1)], cap).astype(jnp.int32)
   n_stored = jnp.sum(fits).astype(jnp.int32)
   return SlotAssignment(idx, rank_new, n_new, n_stored, n_free)
+
+
+def _free_slots(valid) -> Array:
+  """[cap] int32: the free slots in slot order, then ``cap`` (no sort on the decode path).
+
+  Entry ``j < n_free`` is the ``j``-th free slot, the same as
+  ``jnp.argsort(valid, stable=True)[j]``; the entries from ``n_free`` on
+  (where that argsort lists the occupied slots) are ``cap``, which
+  :func:`slot_assignment` never reads: a token whose rank reaches ``n_free``
+  does not fit. A cumulative count and one scatter replace the sort.
+  """
+  cap = valid.shape[-1]
+  free = ~valid
+  free_rank = (jnp.cumsum(free) - 1).astype(jnp.int32)  # j on the j-th free slot
+  dest = jnp.where(free, free_rank, cap)  # occupied slots are dropped
+  return jnp.full((cap,), cap, jnp.int32).at[dest].set(
+      jnp.arange(cap, dtype=jnp.int32), mode="drop")
 
 
 def write_slots(cache: KVCache, slots: SlotAssignment, idx, k_new, v_new) -> KVCache:

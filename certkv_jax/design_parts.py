@@ -118,15 +118,8 @@ class CertaintySet:
     if self.heavy == 0:
       return base
     s = jnp.where(valid & ~base, self.heavy_score(cache), -jnp.inf)
-    heavy = (_rank_desc(s) < self.heavy) & valid & ~base
+    heavy = sampling.top_k_mask(s, self.heavy) & valid & ~base
     return base | heavy
-
-
-def _rank_desc(score) -> Array:
-  """Rank of each entry in descending order (0 = largest; ties by slot index)."""
-  order = jnp.argsort(-score, stable=True)
-  return jnp.zeros(score.shape, jnp.int32).at[order].set(
-      jnp.arange(score.shape[-1], dtype=jnp.int32))
 
 
 # --------------------------------------------------------------------------- tail rules
@@ -156,7 +149,7 @@ class TopK:
   def select(self, cache, tail, slots, key) -> TailChoice:
     del key
     s = jnp.where(tail, self.score(cache).astype(jnp.float32), -jnp.inf)
-    keep = tail & (_rank_desc(s) < slots)
+    keep = tail & sampling.top_k_mask(s, slots)
     return _no_random(keep, keep.astype(jnp.float32), jnp.sum(keep).astype(jnp.float32))
 
 
@@ -169,7 +162,7 @@ class UniformTail:
   def select(self, cache, tail, slots, key) -> TailChoice:
     del cache
     prio = jnp.where(tail, jax.random.uniform(key, tail.shape), -jnp.inf)
-    keep = tail & (_rank_desc(prio) < slots)
+    keep = tail & sampling.top_k_mask(prio, slots)
     n_tail = jnp.sum(tail)
     frac = jnp.minimum(slots, n_tail) / jnp.maximum(n_tail, 1)
     return _no_random(keep, jnp.where(tail, frac, 0.0).astype(jnp.float32),

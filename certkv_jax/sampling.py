@@ -21,6 +21,9 @@
   priority (certain first, then random order) are kept and the number of
   dropped tokens is returned so the caller can account for it; nothing is
   dropped silently.
+* :func:`top_k_mask` is the ``k`` highest scores (ties to the lower index)
+  without a sort, for the top-k tail rules and that fallback: eviction runs
+  every decode step, and a sort there is the slowest op of the step.
 """
 
 from __future__ import annotations
@@ -223,9 +226,69 @@ def poisson_draw(key, pi, mask, slots, max_redraws: int = 3) -> Draw:
   # certain tokens first, then a uniformly random subset of draw 0.
   prio = jnp.where(pi >= 1.0, 2.0, 0.0) + jax.random.uniform(k_fallback, pi.shape)
   prio = jnp.where(draws[0], prio, -1.0)
-  rank = jnp.argsort(jnp.argsort(-prio))
-  fallback = draws[0] & (rank < slots)
+  fallback = draws[0] & top_k_mask(prio, slots)
   keep = jnp.where(any_fit, chosen, fallback)
   n_dropped = jnp.where(any_fit, 0, counts[0] - jnp.sum(fallback))
   n_redraws = jnp.where(any_fit, first, max_redraws)
   return Draw(keep, n_redraws.astype(jnp.int32), n_dropped.astype(jnp.int32))
+
+
+def _sort_key(x) -> Array:
+  """Unsigned integers in the order of ``jnp.sort(x)``.
+
+  Floats follow JAX's sort comparator: ``-0.0`` equals ``0.0`` and every NaN
+  is one value after ``+inf``; signed integers have their sign bit flipped.
+  """
+  x = jnp.asarray(x)
+  nbits = 8 * x.dtype.itemsize
+  udt = jnp.dtype(f"uint{nbits}")
+  top = jnp.array(1 << (nbits - 1), udt)
+  if jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+    return x
+  if jnp.issubdtype(x.dtype, jnp.integer):
+    return jax.lax.bitcast_convert_type(x, udt) ^ top
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"score must be real, got {x.dtype}")
+  bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, jnp.zeros_like(x), x), udt)
+  key = jnp.where((bits & top) != 0, ~bits, bits | top)
+  return jnp.where(jnp.isnan(x), jnp.array(jnp.iinfo(udt).max, udt), key)
+
+
+def top_k_mask(score, k) -> Array:
+  """The ``k`` largest entries of ``score``, ties to the lower index, without a sort.
+
+  Exactly ``rank < k`` for the rank of each entry in
+  ``jnp.argsort(-score, stable=True)`` (NaN ranks last, ``-0.0`` ties with
+  ``0.0``), but ``k`` may be traced and no sort is compiled: a bitwise
+  search over the sort key finds the ``k``-th value ``t`` (one count of the
+  keys ``<= candidate`` per key bit), then the entries before ``t`` and the
+  first entries equal to ``t``, by index, are kept.
+
+  Args:
+    score: [..., n] real scores.
+    k: int scalar or [...] (may be traced); ``k <= 0`` keeps nothing and
+      ``k >= n`` keeps everything.
+
+  Returns:
+    [..., n] bool.
+  """
+  score = jnp.asarray(score)
+  if score.ndim < 1:
+    raise ValueError(f"score must have at least 1 dim [..., n], got shape {score.shape}")
+  key = _sort_key(-score)  # ascending in -score = descending in score
+  k = jnp.broadcast_to(jnp.asarray(k, jnp.int32), score.shape[:-1])
+  nbits = 8 * key.dtype.itemsize
+  one = jnp.array(1, key.dtype)
+
+  def body(b, t):  # t: the bits of the k-th smallest key found so far
+    bit = jnp.left_shift(one, (nbits - 1 - b).astype(key.dtype))
+    low_half = t | (bit - one)  # t with this bit 0 and every lower bit 1
+    enough = jnp.sum(key <= low_half[..., None], axis=-1) >= k
+    return jnp.where(enough, t, t | bit)
+
+  t = jax.lax.fori_loop(0, nbits, body, jnp.zeros(score.shape[:-1], key.dtype))
+  before = key < t[..., None]
+  tie = key == t[..., None]
+  tie_rank = jnp.cumsum(tie, axis=-1, dtype=jnp.int32) - 1
+  room = k - jnp.sum(before, axis=-1, dtype=jnp.int32)
+  return before | (tie & (tie_rank < room[..., None]))
