@@ -173,3 +173,37 @@ def plot_overhead(bars: Mapping[str, float], path: str, *, ylabel: str = "ms per
   ax.set_ylabel(ylabel)
   ax.set_title(title)
   return _save(fig, path)
+
+
+def plot_panels(panels: Mapping[str, Mapping[str, tuple]], path: str, *, xlabel: str,
+                ylabel: str, title: str = "", logx: bool = False, logy: bool = False) -> str:
+  """Side-by-side panels of lines sharing the y axis (e.g. time vs context per budget).
+
+  Args:
+    panels: panel title -> {line name -> ``(xs, ys)`` or ``(xs, ys, (lo, hi))``}, the
+      optional ``lo``/``hi`` drawn as a band.
+    path: the PNG to write.
+    xlabel, ylabel, title: labels; ``title`` above the figure.
+    logx, logy: logarithmic axes (base 2 for x).
+  """
+  _nonempty(panels, "panels")
+  fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), sharey=True,
+                           squeeze=False)
+  for ax, (name, lines) in zip(axes[0], panels.items()):
+    _nonempty(lines, f"panels[{name!r}]")
+    for label, (xs, ys, *band) in lines.items():
+      style = "ks--" if label == "full" else "o-"
+      ax.plot(xs, ys, style, label=label, lw=1.2, ms=3)
+      if band:
+        ax.fill_between(xs, band[0][0], band[0][1], alpha=0.15)
+    if logx:
+      ax.set_xscale("log", base=2)
+    if logy:
+      ax.set_yscale("log")
+    ax.set_title(name)
+    ax.set_xlabel(xlabel)
+  axes[0][0].set_ylabel(ylabel)
+  axes[0][-1].legend(fontsize=7)
+  if title:
+    fig.suptitle(title, y=1.02, fontsize=9)
+  return _save(fig, path)
