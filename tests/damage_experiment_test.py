@@ -64,6 +64,23 @@ class TokenDamageTest(absltest.TestCase):
     rad = np.asarray(out.radius[0])[32:]
     self.assertGreater(np.mean(err <= rad), 0.5)
 
+  def test_projection_bound_on_the_tiny_model(self):
+    # The tiny model's own W_o: for random per-head errors of norm r, the brute-force
+    # ||e_h W_o^h|| never exceeds ||W_o^h||_2 r (to float32 rounding), and the RMS gain is
+    # never above the spectral one.
+    from certkv_jax import damage  # pylint: disable=g-import-not-at-top
+    c = self.config
+    norms = damage_collect.head_norms(self.params, c)
+    w_o = self.params["params"]["layers"]["o_proj"]["kernel"]
+    e = jax.random.normal(jax.random.PRNGKey(3), (64, c.n_layers, c.n_heads, c.head_dim))
+    r = jnp.linalg.norm(e, axis=-1)
+    brute = np.asarray(damage.projected_error(e, w_o, c.n_heads, c.head_dim))
+    bound = norms["spectral"] * np.asarray(r)
+    self.assertTrue(np.all(brute <= bound * (1 + 1e-5)))
+    self.assertTrue(np.all(norms["rms"] <= norms["spectral"] * (1 + 1e-6)))
+    total = np.asarray(damage.damage_score(r, norms["spectral"]))
+    np.testing.assert_allclose(total, bound.sum(axis=(1, 2)), rtol=1e-5)
+
   def test_bad_arguments(self):
     with self.assertRaisesRegex(ValueError, "design must be"):
       damage_tokens.token_damage(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),

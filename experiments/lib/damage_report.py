@@ -2,7 +2,8 @@
 
 Every score is reported beside its baselines, with a bootstrap interval:
 
-* per token: Spearman of each score with the per-token KL (and NLL increase)
+* per token: Spearman of each score with the per-token KL (and NLL increase),
+  and the AUC for a high-damage token (KL in the top 10% of the set's tokens)
   on the held-out text segments (95% interval resampling 64-token blocks: tokens
   of one stretch of text are dependent) and on the task decode steps
   (resampling examples);
@@ -35,6 +36,7 @@ GOALS = {"attribution_auc_within_task": 0.80, "gating_vs_random": 1.7,
 PAPER = {"gating_vs_random": "1.7-1.8x", "gating_oracle_share": "~0.36"}
 N_BOOT = 1000
 BLOCK = 64
+HIGH_DAMAGE = 0.1  # the share of tokens called high-damage in the per-token AUC
 
 
 def spearman(x, y) -> float:
@@ -62,6 +64,13 @@ def token_scores(table: dict, select, groups) -> dict:
     iv = intervals.cluster_bootstrap_ci(spearman, s[ok], kl[ok], groups=g[ok], n_boot=N_BOOT,
                                         seed=0)
     row = {"spearman_kl": round(iv.estimate, 4), "spearman_kl_ci": _ci(iv), "n": int(ok.sum())}
+    # AUC for a high-damage token: KL in the top decile of this set's tokens.
+    high = kl[ok] >= np.quantile(kl[ok], 1.0 - HIGH_DAMAGE)
+    if 0 < high.sum() < len(high):
+      auc = intervals.cluster_bootstrap_ci(roc.roc_auc, s[ok], high, groups=g[ok],
+                                           n_boot=N_BOOT, seed=0)
+      row["auc_high_damage"] = round(auc.estimate, 4)
+      row["auc_high_damage_ci"] = _ci(auc)
     d = table["dnll"][select]
     if np.all(np.isfinite(d[ok])):
       row["spearman_dnll"] = round(spearman(s[ok], d[ok]), 4)
@@ -239,14 +248,16 @@ def render(s: dict) -> str:
             f"certificate-based score on the held-out text (`{s['spearman_token_damage_score']}`"
             f"), interval {s['spearman_token_damage_ci']}.", "",
             "## Per-token damage (Spearman with the per-token KL, 95% interval)", "",
-            "| score | held-out text | interval | vs NLL increase | task decode steps | "
-            "interval |", "|---|---|---|---|---|---|"]
+            "| score | held-out text | interval | AUC top-10% KL | vs NLL increase | "
+            "task decode steps | interval | AUC top-10% KL |", "|---|---|---|---|---|---|---|---|"]
   for n in sorted(s["per_token"]["text_held_out"]):
     t = s["per_token"]["text_held_out"][n]
     k = s["per_token"]["tasks"].get(n, {})
     lines.append(f"| {n} | {_fmt(t['spearman_kl'])} | {t['spearman_kl_ci']} | "
+                 f"{_fmt(t.get('auc_high_damage'))} {t.get('auc_high_damage_ci', '')} | "
                  f"{_fmt(t.get('spearman_dnll'))} | {_fmt(k.get('spearman_kl'))} | "
-                 f"{k.get('spearman_kl_ci')} |")
+                 f"{k.get('spearman_kl_ci')} | {_fmt(k.get('auc_high_damage'))} "
+                 f"{k.get('auc_high_damage_ci', '')} |")
   lines += ["", "`confidence` is the baseline: the evicted model's own predictive entropy "
             "(text) or the answer token's negative log-probability (tasks).", "",
             "## Attribution and failure prediction (tasks, per example)", "",
