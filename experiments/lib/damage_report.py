@@ -66,11 +66,13 @@ def token_scores(table: dict, select, groups) -> dict:
     row = {"spearman_kl": round(iv.estimate, 4), "spearman_kl_ci": _ci(iv), "n": int(ok.sum())}
     # AUC for a high-damage token: KL in the top decile of this set's tokens.
     high = kl[ok] >= np.quantile(kl[ok], 1.0 - HIGH_DAMAGE)
-    if 0 < high.sum() < len(high):
+    try:  # too few high-damage tokens or clusters for an interval: left out, not faked
       auc = intervals.cluster_bootstrap_ci(roc.roc_auc, s[ok], high, groups=g[ok],
                                            n_boot=N_BOOT, seed=0)
       row["auc_high_damage"] = round(auc.estimate, 4)
       row["auc_high_damage_ci"] = _ci(auc)
+    except ValueError as err:
+      row["auc_high_damage_note"] = str(err)
     d = table["dnll"][select]
     if np.all(np.isfinite(d[ok])):
       row["spearman_dnll"] = round(spearman(s[ok], d[ok]), 4)
