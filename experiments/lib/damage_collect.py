@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import os
 import time
@@ -132,15 +131,9 @@ def fingerprint(plan: Plan, unit: str, text_sha: str) -> str:
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def save_npz(path: str, arrays: dict, meta: dict) -> None:
-  buf = io.BytesIO()
-  np.savez_compressed(buf, meta=np.asarray(json.dumps(meta, sort_keys=True)), **arrays)
-  results_io.atomic_write(path, lambda f: f.write(buf.getvalue()), binary=True)
-
-
-def load_npz(path: str) -> tuple[dict, dict]:
-  with np.load(path, allow_pickle=False) as z:
-    return {k: z[k] for k in z.files if k != "meta"}, json.loads(str(z["meta"]))
+# The unit file format is the validity study's (arrays + a JSON ``meta`` entry).
+save_npz = validity_collect._save_npz  # pylint: disable=protected-access
+load_npz = validity_collect.load_unit
 
 
 def head_norms(params, config) -> dict:
@@ -247,8 +240,8 @@ def collect(params, config, tok, plan: Plan, out: str, *, text: str, log=print,
 
   def stale(u):
     p = unit_path(out, u)
-    return not os.path.exists(p) or load_npz(p)[1].get("fingerprint") != fingerprint(
-        plan, u, text_sha)
+    return (not os.path.exists(p) or validity_collect.unit_meta(p).get("fingerprint")
+            != fingerprint(plan, u, text_sha))
 
   todo = [u for u in units if stale(u)]
   progress = results_io.Progress(len(units), len(units) - len(todo))
