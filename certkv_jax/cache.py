@@ -282,6 +282,50 @@ def keep_only(cache: KVCache, keep, log_pi_round) -> KVCache:
   )
 
 
+def compact(cache: KVCache, capacity: int) -> KVCache:
+  """The cache re-allocated at ``capacity`` slots, its kept tokens gathered to the front.
+
+  Eviction (:func:`keep_only`) zeroes evicted slots in place and never
+  changes a shape, so a cache evicted to a budget still has its old capacity.
+  This is the allocation a deployment makes after an eviction: the kept
+  tokens, in slot order, then empty slots (for the tokens appended before the
+  next eviction). Attention is invariant to slot order, so every output is
+  unchanged. It sorts and copies the whole cache: a host-side re-allocation,
+  not a per-step operation.
+
+  Works on one head's cache or on stacked caches (any leading axes, e.g.
+  ``models.caches``' ``[n_layers, batch, n_kv_heads, cap, ...]``): the slot
+  axis is the last axis of ``valid``.
+
+  Args:
+    cache: the cache(s).
+    capacity: int in [1, current capacity]; must hold every cache's kept tokens.
+
+  Raises:
+    ValueError naming ``capacity`` when it is out of range, or (``valid``
+    concrete) smaller than a cache's kept tokens.
+  """
+  cap = cache.valid.shape[-1]
+  if (not isinstance(capacity, int) or isinstance(capacity, bool)
+      or not 1 <= capacity <= cap):
+    raise ValueError(f"capacity must be an int in [1, {cap}] (the current capacity), "
+                     f"got {capacity!r}")
+  if _checks.is_concrete(cache.valid):
+    kept = int(jnp.max(jnp.sum(cache.valid, axis=-1)))
+    if kept > capacity:
+      raise ValueError(f"capacity ({capacity}): a cache keeps {kept} tokens, more than the "
+                       f"capacity {capacity}")
+  lead = cache.valid.ndim - 1
+  order = jnp.argsort(~cache.valid, axis=-1, stable=True)[..., :capacity]  # kept first
+
+  def take(x):
+    if x.ndim <= lead:  # per-cache scalars (n_seen, n_dropped)
+      return x
+    idx = order.reshape(order.shape + (1,) * (x.ndim - lead - 1))
+    return jnp.take_along_axis(x, idx, axis=lead)
+  return jax.tree_util.tree_map(take, cache)
+
+
 def cache_bytes(cache: KVCache) -> dict:
   """Bytes of the key/value payload and of the per-slot metadata."""
   kv = cache.k.nbytes + cache.v.nbytes

@@ -184,7 +184,7 @@ class CompactTest(absltest.TestCase):
     keep = jnp.array([True, False, False, True, False, True, False, False])
     c = cache_lib.keep_only(c, keep, jnp.full((8,), -0.5))
     caches = jax.tree_util.tree_map(lambda x: x[None, None, None], c)  # [layers, batch, kv]
-    small = bench_decode.compact(caches, 4)
+    small = cache_lib.compact(caches, 4)
     self.assertEqual(small.k.shape, (1, 1, 1, 4, 2))
     np.testing.assert_array_equal(small.pos[0, 0, 0], [0, 3, 5, -1])
     np.testing.assert_array_equal(small.valid[0, 0, 0], [True, True, True, False])
@@ -192,7 +192,13 @@ class CompactTest(absltest.TestCase):
     np.testing.assert_array_equal(small.log_pi[0, 0, 0], [-0.5, -0.5, -0.5, 0.0])
     self.assertEqual(int(small.n_seen[0, 0, 0]), 6)
     with self.assertRaisesRegex(ValueError, "keeps 3 tokens, more than the capacity 2"):
-      bench_decode.compact(caches, 2)
+      cache_lib.compact(caches, 2)
+    one = cache_lib.compact(c, 3)  # one head's cache: the same gather
+    np.testing.assert_array_equal(one.pos, [0, 3, 5])
+    np.testing.assert_array_equal(one.v, small.v[0, 0, 0, :3])
+    for bad in (0, 9, 2.0, True):
+      with self.assertRaisesRegex(ValueError, r"capacity must be an int in \[1, 8\]"):
+        cache_lib.compact(c, bad)
 
 
 class DeviceScriptTest(absltest.TestCase):

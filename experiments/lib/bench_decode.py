@@ -38,7 +38,8 @@ prompt, beyond the model's context at the largest one: it changes no cost).
 
 Cache layout (``--capacity``): ``compact`` (default) allocates what a deployment
 would: the kept tokens plus the slots the timed calls append (kept slots
-gathered to the front); budgets then have different shapes, so each budget is
+gathered to the front, ``certkv_jax.cache.compact``); budgets then have
+different shapes, so each budget is
 its own executable even though the budget is traced. ``full`` keeps the
 ``generate`` layout (capacity of the whole prompt, evicted slots masked): one
 executable per design then serves every budget (the budget is traced), and a
@@ -63,6 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from certkv_jax import cache as cache_lib
 from certkv_jax import designs as designs_lib
 from experiments.lib import bench_decode_report as report_lib
 from experiments.lib import model_loading
@@ -182,26 +184,6 @@ def median_interval(samples) -> dict:
     k += 1
   return dict(median=float(np.median(x)), lo=float(x[k - 1]), hi=float(x[n - k]),
               level=round(1.0 - 2.0 * cdf(k - 1), 4))
-
-
-def compact(caches, capacity: int):
-  """The caches with their kept slots gathered to the front and cut to ``capacity`` slots.
-
-  Eviction zeroes evicted slots in place (``certkv_jax.cache.keep_only``); this
-  is the allocation a deployment would make. Raises if a cache keeps more.
-  """
-  kept = int(jnp.max(caches.valid.sum(-1)))
-  if kept > capacity:
-    raise ValueError(f"a cache keeps {kept} tokens, more than the capacity {capacity}")
-  order = jnp.argsort(~caches.valid, axis=-1, stable=True)[..., :capacity]
-  cap = caches.valid.shape[-1]
-
-  def take(x):
-    if x.ndim < 4 or x.shape[3] != cap:  # per-cache scalars
-      return x
-    idx = order.reshape(order.shape + (1,) * (x.ndim - 4))
-    return jnp.take_along_axis(x, idx, axis=3)
-  return jax.tree_util.tree_map(take, caches)
 
 
 def _step_fn(config, design, certificate: bool):
@@ -330,7 +312,7 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
       evicted, _ = decode.evict(design, d_caches, jax.random.fold_in(key, 7), budget=b)
       kept = int(jnp.max(evicted.valid.sum(-1)))
       if plan.capacity == "compact":
-        evicted = compact(evicted, kept + plan.n_calls)
+        evicted = cache_lib.compact(evicted, kept + plan.n_calls)
       for cert in plan.certificate_modes:
         states.append(add(name, design, cert, b, evicted, d_logits, kept))
     del d_caches

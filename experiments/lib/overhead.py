@@ -12,7 +12,11 @@ steps each, compile excluded, median of ``--repeats`` timed calls):
   per-call variance and range statistics and the per-step radius sum.
 
 The evicted caches are compacted to the capacity a deployment would allocate
-(``floor(budget n) + n_steps`` slots). The caches come from one prefill
+(``floor(budget n) + n_steps`` slots, the kept tokens gathered to the front by
+``certkv_jax.cache.compact``; before 2026-12-01 this cut slots [0, capacity)
+as if eviction packed the kept tokens there, which it does not: the timings of
+``experiments/results/overhead_long`` were of caches of the right size holding
+the wrong tokens). The caches come from one prefill
 without design statistics, evicted by each design (its scores are then
 uninformative): what is kept does not change the cost of a step, only the
 capacity and the design's per-step work do.
@@ -51,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from certkv_jax import cache as cache_lib
 from certkv_jax import certificate
 from experiments.lib import model_loading
 from experiments.lib import plots
@@ -119,17 +124,6 @@ ALL_CONFIGS = tuple(c.name for c in TIMED_CONFIGS)  # the names rows and ``confi
 BY_NAME = {c.name: c for c in TIMED_CONFIGS}
 
 
-def _compact(caches, capacity: int):
-  """Slots [0, capacity) of every per-slot leaf (eviction compacts kept slots to the front)."""
-  cap = caches.k.shape[-2]
-
-  def cut(x):
-    if x.ndim >= 4 and x.shape[3] == cap:
-      return x[:, :, :, :capacity]
-    return x
-  return jax.tree_util.tree_map(cut, caches)
-
-
 def run_overhead(params, config, examples, out_dir: str, *, model: str, budget: float = 0.25,
                  deterministic: str = "snapkv", n_steps: int = 16, repeats: int = 5,
                  seed: int = 0, configs=ALL_CONFIGS, log=print) -> list[dict]:
@@ -166,7 +160,7 @@ def run_overhead(params, config, examples, out_dir: str, *, model: str, budget: 
     if design is not None:
       caches, _ = jax.jit(lambda c, k, d=design: decode.evict(d, c, k))(
           full_caches, jax.random.PRNGKey(seed))
-      caches = _compact(caches, small_cap)
+      caches = cache_lib.compact(caches, small_cap)
 
     def steps(p, first_logits, caches, design=design, with_cert=with_cert,
               sub=(cert_layers, cert_heads, cert_frac)):
