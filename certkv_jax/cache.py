@@ -289,9 +289,9 @@ def compact(cache: KVCache, capacity: int) -> KVCache:
   changes a shape, so a cache evicted to a budget still has its old capacity.
   This is the allocation a deployment makes after an eviction: the kept
   tokens, in slot order, then empty slots (for the tokens appended before the
-  next eviction). Attention is invariant to slot order, so every output is
-  unchanged. It sorts and copies the whole cache: a host-side re-allocation,
-  not a per-step operation.
+  next eviction; ``capacity`` may exceed the current one). Attention is
+  invariant to slot order, so every output is unchanged. It sorts and copies
+  the whole cache: a host-side re-allocation, not a per-step operation.
 
   Works on one head's cache or on stacked caches (any leading axes, e.g.
   ``models.caches``' ``[n_layers, batch, n_kv_heads, cap, ...]``): the slot
@@ -299,17 +299,15 @@ def compact(cache: KVCache, capacity: int) -> KVCache:
 
   Args:
     cache: the cache(s).
-    capacity: int in [1, current capacity]; must hold every cache's kept tokens.
+    capacity: int >= 1; must hold every cache's kept tokens.
 
   Raises:
-    ValueError naming ``capacity`` when it is out of range, or (``valid``
+    ValueError naming ``capacity`` when it is not an int >= 1, or (``valid``
     concrete) smaller than a cache's kept tokens.
   """
   cap = cache.valid.shape[-1]
-  if (not isinstance(capacity, int) or isinstance(capacity, bool)
-      or not 1 <= capacity <= cap):
-    raise ValueError(f"capacity must be an int in [1, {cap}] (the current capacity), "
-                     f"got {capacity!r}")
+  if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+    raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
   if _checks.is_concrete(cache.valid):
     kept = int(jnp.max(jnp.sum(cache.valid, axis=-1)))
     if kept > capacity:
@@ -317,13 +315,20 @@ def compact(cache: KVCache, capacity: int) -> KVCache:
                        f"capacity {capacity}")
   lead = cache.valid.ndim - 1
   order = jnp.argsort(~cache.valid, axis=-1, stable=True)[..., :capacity]  # kept first
+  grow = capacity - cap
 
-  def take(x):
+  def take(x, empty):
     if x.ndim <= lead:  # per-cache scalars (n_seen, n_dropped)
       return x
     idx = order.reshape(order.shape + (1,) * (x.ndim - lead - 1))
-    return jnp.take_along_axis(x, idx, axis=lead)
-  return jax.tree_util.tree_map(take, cache)
+    x = jnp.take_along_axis(x, idx, axis=lead)
+    if grow > 0:  # new empty slots, as init_cache makes them
+      pad = [(0, 0)] * x.ndim
+      pad[lead] = (0, grow)
+      x = jnp.pad(x, pad, constant_values=empty)
+    return x
+  empty = cache._replace(**{f: (-1 if f == "pos" else 0) for f in cache._fields})
+  return jax.tree_util.tree_map(take, cache, empty)
 
 
 def cache_bytes(cache: KVCache) -> dict:

@@ -3,7 +3,8 @@ r"""Decode benchmark: ms per decode step of the full cache and of each design.
 Times, side by side in one run (configurations interleaved round-robin), one
 jitted decode step (``forward_chunk`` of one token + ``evict`` with the traced
 budget) of the full cache and of each design at each budget, with and without
-the certificate, for each context and batch size; and the model's cached
+the certificate, evicting after every step or every ``--evict_every`` steps,
+for each context and batch size; and the model's cached
 prefill against its plain one-shot forward (:mod:`experiments.lib.bench_decode`).
 Writes ``--out/results.json`` (every measurement), ``summary.json``
 (``ratio_vs_full[budget][context]``), ``report.md`` and ``decode_ms.png``.
@@ -28,6 +29,9 @@ flags.DEFINE_list("designs", list(_P.designs), "Designs (the full cache is alway
 flags.DEFINE_list("budgets", [str(b) for b in _P.budgets], "Budgets (fractions in (0, 1)).")
 flags.DEFINE_list("contexts", [str(c) for c in _P.contexts], "Context lengths (prompt tokens).")
 flags.DEFINE_list("batches", [str(b) for b in _P.batches], "Batch sizes.")
+flags.DEFINE_list("evict_every", [str(k) for k in _P.evict_every], "Decode steps per eviction "
+                  "(1: after every step; k > 1: amortized eviction into k slack slots, timed "
+                  "as calls of k steps, reported per step).")
 flags.DEFINE_integer("repeats", _P.repeats, "Timed calls per configuration (>= 6 for a 95% "
                      "interval).")
 flags.DEFINE_enum("certificate", _P.certificate, list(bench_decode.CERTIFICATE),

@@ -121,17 +121,24 @@ def _last_logits(logits, mask):
 
 def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, design,
                  evict_each_step, return_logits, layer_budgets=None,
-                 budget=None, certificate_layers=None, certificate_heads=None) -> Generation:
+                 budget=None, certificate_layers=None, certificate_heads=None,
+                 evict_every: int = 1) -> Generation:
   """Greedy ``lax.scan`` decode from the logits of the last prompt token.
 
   Every step feeds the argmax token through :func:`forward_chunk` (with the
-  certificate statistics) and, with ``evict_each_step``, evicts again.
-  ``first_logits`` is [batch, vocab]; the other arguments are as in
-  :func:`generate`.
+  certificate statistics) and, with ``evict_each_step``, evicts again after
+  every ``evict_every``-th step (steps ``evict_every - 1``,
+  ``2 evict_every - 1``, ...; a ``lax.cond``, so the other steps do no
+  eviction work). The key is split at every step either way, so that
+  ``evict_every=1`` is today's loop, bit for bit. ``first_logits`` is
+  [batch, vocab]; the other arguments are as in :func:`generate`.
   """
   batch = first_logits.shape[0]
 
-  def step(carry, _):
+  def evict_now(caches, shadow, sub):
+    return evict_and_record(design, caches, shadow, sub, layer_budgets, budget)
+
+  def step(carry, i):
     caches, shadow, step_logits, key = carry
     logp = jax.nn.log_softmax(step_logits)
     token = jnp.argmax(step_logits, axis=-1).astype(jnp.int32)
@@ -142,13 +149,17 @@ def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, des
         certificate_heads=certificate_heads)
     key, sub = jax.random.split(key)
     if design is not None and evict_each_step:
-      caches, shadow = evict_and_record(design, caches, shadow, sub, layer_budgets, budget)
+      if evict_every == 1:
+        caches, shadow = evict_now(caches, shadow, sub)
+      else:  # amortized: one eviction every evict_every steps, into the slack slots
+        caches, shadow = jax.lax.cond(i % evict_every == evict_every - 1, evict_now,
+                                      lambda c, s, _: (c, s), caches, shadow, sub)
     stats = jax.tree_util.tree_map(lambda a: a[0], stats)  # t = 1
     out = (token, token_logp, step_logits if return_logits else None, stats)
     return (caches, shadow, new_logits[:, 0], key), out
 
   (caches, _, _, _), (toks, logps, step_logits, stats) = jax.lax.scan(
-      step, (caches, shadow, first_logits, key), None, length=n_steps)
+      step, (caches, shadow, first_logits, key), jnp.arange(n_steps, dtype=jnp.int32))
   certified = design is not None and design.randomized
   return Generation(
       tokens=toks.T, logprobs=logps.T,
@@ -174,7 +185,7 @@ def _check_prompt(tokens, mask, n_steps, *, config=None, name="tokens",
                       allow_empty_rows=allow_empty_rows)
 
 
-_STATIC = ("config", "capacity", "n_steps", "design", "evict_each_step",
+_STATIC = ("config", "capacity", "n_steps", "design", "evict_each_step", "evict_every",
            "return_logits", "evaluate", "layer_budgets", "certificate_layers",
            "certificate_heads")
 
@@ -183,6 +194,13 @@ def _check_inputs(given: dict) -> None:
   """The prompt checks that need values (token ids, mask rows, the model's context
   length; ``models.inputs``), run on the concrete arguments before the jitted call."""
   config, n_steps = given["config"], given.get("n_steps")
+  every = given.get("evict_every", 1)
+  if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+    raise ValueError(f"evict_every must be an int >= 1 (decode steps per eviction), got "
+                     f"{every!r}")
+  if every != 1 and (given.get("design") is None or not given.get("evict_each_step")):
+    raise ValueError(f"evict_every={every} needs a design and evict_each_step=True (it says "
+                     "how often decoding evicts)")
   if "tokens" in given:  # generate
     _check_prompt(given["tokens"], given["mask"], n_steps, config=config)
     return
@@ -246,7 +264,7 @@ def _checking_budgets(jitted):
 @_checking_budgets
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n_steps: int,
-             design=None, evict_each_step: bool = False,
+             design=None, evict_each_step: bool = False, evict_every: int = 1,
              return_logits: bool = False, evaluate: bool = False,
              layer_budgets: Optional[tuple] = None, budget=None,
              certificate_layers: Optional[tuple] = None,
@@ -270,7 +288,16 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n
     design: optional eviction design; None keeps everything. Its
       ``observation_window`` last prompt queries are the observation window
       (SnapKV's statistic; the window belongs to the design).
-    evict_each_step: evict after every decode step too.
+    evict_each_step: evict during decoding too: after every ``evict_every``-th
+      decode step.
+    evict_every: static int >= 1 (default 1: after every step): amortized
+      eviction. The tokens decoded between two evictions stay in the cache
+      (certain, ``pi = 1``) and are scored with the rest at the next one, so
+      ``capacity`` needs ``evict_every`` slots of slack above the kept
+      tokens, and eviction's per-step work is paid once per ``evict_every``
+      steps. The certificate stays exact for the rounds actually run
+      (method, section 3, "Amortized eviction"). 1 is the per-step loop bit
+      for bit; a value other than 1 needs ``evict_each_step``.
     return_logits: also return the full logits of every step.
     evaluate: evaluation mode: keep a shadow full cache (``prompt_len +
       n_steps`` slots, never evicted) and report every decode call's true
@@ -307,14 +334,14 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n
     caches, shadow = evict_and_record(design, caches, shadow, sub, layer_budgets, budget)
   return _decode_loop(params, config, caches, shadow, _last_logits(logits, mask), key, n_steps,
                       design, evict_each_step, return_logits, layer_budgets, budget,
-                      certificate_layers, certificate_heads)
+                      certificate_layers, certificate_heads, evict_every)
 
 
 @_checking_budgets
 @functools.partial(jax.jit, static_argnames=_STATIC + ("chunk",))
 def generate_streaming(params, context, context_mask, question, question_mask, key, *,
                        config: LlamaConfig, capacity: int, n_steps: int, chunk: int,
-                       design=None, evict_each_step: bool = False,
+                       design=None, evict_each_step: bool = False, evict_every: int = 1,
                        return_logits: bool = False,
                        evaluate: bool = False,
                        layer_budgets: Optional[tuple] = None, budget=None,
@@ -341,7 +368,7 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
       decoded tokens (overflow is counted in the caches' ``n_dropped``).
     chunk: context tokens per chunk (static); the context is padded to a
       multiple of it.
-    design, evict_each_step, return_logits, evaluate,
+    design, evict_each_step, evict_every, return_logits, evaluate,
       layer_budgets, budget, certificate_layers, certificate_heads: as in
       :func:`generate` (the shadow cache holds the whole padded context, the
       question and the decoded tokens).
@@ -385,4 +412,4 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
       shadow=shadow)
   return _decode_loop(params, config, caches, shadow, _last_logits(logits, question_mask), key,
                       n_steps, design, evict_each_step, return_logits, layer_budgets, budget,
-                      certificate_layers, certificate_heads)
+                      certificate_layers, certificate_heads, evict_every)

@@ -31,7 +31,7 @@ from tests import test_util
 
 SCRIPT = os.path.join(test_util.ROOT, "scripts", "device_check.sh")
 TINY_PLAN = ["--contexts=64,128", "--batches=1", "--repeats=3", "--designs=poisson_tail,h2o",
-             "--budgets=0.25,0.5", "--n_sink=2", "--window=4"]
+             "--budgets=0.25,0.5", "--n_sink=2", "--window=4", "--evict_every=1"]
 
 
 def _command(out, *extra):
@@ -91,20 +91,27 @@ class CommandTest(absltest.TestCase):
         test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="bench_decode_model_")))
     plan = bench_decode.Plan(designs=("poisson_tail",), budgets=(0.25, 0.5), contexts=(64,),
                              batches=(1,), repeats=2, certificate="without", n_sink=2,
-                             window=4).check()
+                             window=4, evict_every=(1, 4)).check()
     out = tempfile.mkdtemp(prefix="bench_decode_out_")
     results = bench_decode.run(params, config, plan, out, model="tiny", log=lambda _: None)
-    full, quarter, half = results["decode"]
+    full, quarter, quarter4, half, half4 = results["decode"]
     self.assertEqual(full["capacity"], 64 + plan.n_calls)
     for r, budget in ((quarter, 0.25), (half, 0.5)):
       self.assertLessEqual(r["kept_tokens"], int(budget * 64))
       self.assertEqual(r["capacity"], r["kept_tokens"] + plan.n_calls)
       self.assertTrue(r["new_executable"])  # each budget its own shape
+    for r, budget in ((quarter4, 0.25), (half4, 0.5)):  # amortized: 4 steps per timed call
+      self.assertEqual(r["evict_every"], 4)
+      self.assertEqual(r["capacity"], bench_decode.compact_capacity(
+          r["kept_tokens"], budget, 4, plan.n_calls, 64))
+      self.assertTrue(all(s > 0 for s in r["samples"]))  # per step; no token dropped (run)
     with open(os.path.join(out, "summary.json")) as f:
       summary = json.load(f)
     self.assertFalse(summary["certificate"])  # the headline says which setting it is
     self.assertEqual(summary["ratio_vs_full"], summary["ratio_vs_full_by_design"][
         "poisson_tail"]["without_certificate"])
+    self.assertEqual(set(summary["ratio_vs_full_amortized"]["every_4"]), {"0.25", "0.5"})
+    self.assertEqual(bench_decode_report.label(quarter4), "poisson_tail every 4")
     for r in results["decode"]:  # no batch 1 in a plan: the smallest batch, said in the note
       r["batch"] = 4
     head = bench_decode_report.headline(results)
@@ -135,7 +142,9 @@ class PlanTest(absltest.TestCase):
                     (dict(n_sink=-1), r"--n_sink must be an int in \[0, inf\]"),
                     (dict(certificate="maybe"), "--certificate must be one of"),
                     (dict(capacity="huge"), "--capacity must be one of"),
-                    (dict(max_seconds=-1), "--max_seconds must be >= 0")):
+                    (dict(max_seconds=-1), "--max_seconds must be >= 0"),
+                    (dict(evict_every=(0,)), r"--evict_every must be an int in \[1, 4096\]"),
+                    (dict(evict_every=(4, 4)), "--evict_every has duplicates")):
       with self.subTest(msg=msg):
         with self.assertRaisesRegex(ValueError, msg):
           bench_decode.Plan(**dict(dict(contexts=(64,)), **kw)).check(max_positions=100)
@@ -143,12 +152,14 @@ class PlanTest(absltest.TestCase):
                      (False, True))
 
   def test_flags_are_parsed_and_quick_keeps_the_flags_given(self):
-    fv = dict(designs=["h2o"], budgets=["0.5"], contexts=["64"], batches=["1"], repeats=3,
+    fv = dict(designs=["h2o"], budgets=["0.5"], contexts=["64"], batches=["1"],
+              evict_every=["1", "8"], repeats=3,
               certificate="with", capacity="compact", n_sink=4, window=16, seed=0,
               max_seconds=0.0, quick=True)
     getter = lambda name: types.SimpleNamespace(present=name == "designs")  # fv[name].present
     plan = bench_decode.plan_from_flags(_Flags(fv, getter))
     self.assertEqual(plan.designs, ("h2o",))  # given: kept
+    self.assertEqual(plan.evict_every, bench_decode.QUICK["evict_every"])
     self.assertEqual(plan.contexts, bench_decode.QUICK["contexts"])  # not given: quick's
     with self.assertRaisesRegex(ValueError, "--contexts must be ints"):
       bench_decode.plan_from_flags(_Flags(dict(fv, contexts=["1k"], quick=False), getter))
@@ -196,8 +207,13 @@ class CompactTest(absltest.TestCase):
     one = cache_lib.compact(c, 3)  # one head's cache: the same gather
     np.testing.assert_array_equal(one.pos, [0, 3, 5])
     np.testing.assert_array_equal(one.v, small.v[0, 0, 0, :3])
-    for bad in (0, 9, 2.0, True):
-      with self.assertRaisesRegex(ValueError, r"capacity must be an int in \[1, 8\]"):
+    big = cache_lib.compact(c, 10)  # grown: empty slots as init_cache makes them
+    self.assertEqual(big.k.shape, (10, 2))
+    np.testing.assert_array_equal(big.pos, [0, 3, 5] + [-1] * 7)
+    np.testing.assert_array_equal(big.valid, [True] * 3 + [False] * 7)
+    np.testing.assert_array_equal(big.k[3:], 0.0)
+    for bad in (0, -1, 2.0, True):
+      with self.assertRaisesRegex(ValueError, r"capacity must be an int >= 1"):
         cache_lib.compact(c, bad)
 
 

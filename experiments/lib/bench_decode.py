@@ -71,15 +71,17 @@ from experiments.lib import model_loading
 from experiments.lib import suite_settings
 from models import decode
 from models import llama
+from models import memory
 
 DESIGNS = ("poisson_tail", "snapkv", "h2o")
 BUDGETS = (0.125, 0.25, 0.5)
 CONTEXTS = (1024, 2048, 4096, 8192)
 BATCHES = (1, 8)
+EVICT_EVERY = (1, 16)
 CERTIFICATE = ("both", "with", "without")
 CAPACITY = ("compact", "full")
 QUICK = dict(contexts=(256, 512), batches=(1,), repeats=5, designs=("poisson_tail",),
-             budgets=(0.25,))
+             budgets=(0.25,), evict_every=(1, 4))
 WARMUP = 2  # the first call (compile) and one more before the timed calls
 LEVEL = 0.95
 # The design's own static budget is replaced by the traced one in every call.
@@ -94,6 +96,7 @@ class Plan:
   budgets: tuple = BUDGETS
   contexts: tuple = CONTEXTS
   batches: tuple = BATCHES
+  evict_every: tuple = EVICT_EVERY
   repeats: int = 11
   certificate: str = "both"
   capacity: str = "compact"
@@ -114,7 +117,8 @@ class Plan:
     """Raises ValueError naming the flag and its allowed values; returns the plan."""
     known = [n for n in suite_settings.DESIGNS if n != "full"]
     for flag, vals in (("designs", self.designs), ("budgets", self.budgets),
-                       ("contexts", self.contexts), ("batches", self.batches)):
+                       ("contexts", self.contexts), ("batches", self.batches),
+                       ("evict_every", self.evict_every)):
       if not vals:
         raise ValueError(f"--{flag} must not be empty")
       if len(set(vals)) != len(vals):
@@ -135,6 +139,8 @@ class Plan:
                          f"{list(self.contexts)}")
     for b in self.batches:
       _check_int("batches", b, 1, 4096)
+    for k in self.evict_every:
+      _check_int("evict_every", k, 1, 4096)
     _check_int("repeats", self.repeats, 1, 10000)
     _check_int("seed", self.seed, 0)
     if self.certificate not in CERTIFICATE:
@@ -166,7 +172,8 @@ def plan_from_flags(fv) -> Plan:
   not given)."""
   kw = dict(designs=tuple(fv.designs), budgets=_parse("budgets", fv.budgets, float),
             contexts=_parse("contexts", fv.contexts, int),
-            batches=_parse("batches", fv.batches, int), repeats=fv.repeats,
+            batches=_parse("batches", fv.batches, int),
+            evict_every=_parse("evict_every", fv.evict_every, int), repeats=fv.repeats,
             certificate=fv.certificate, capacity=fv.capacity, n_sink=fv.n_sink,
             window=fv.window, seed=fv.seed, max_seconds=fv.max_seconds)
   if fv.quick:
@@ -186,10 +193,13 @@ def median_interval(samples) -> dict:
               level=round(1.0 - 2.0 * cdf(k - 1), 4))
 
 
-def _step_fn(config, design, certificate: bool):
-  """One jitted decode step on a donated ``(caches, logits, key)`` carry."""
+def _step_fn(config, design, certificate: bool, every: int = 1):
+  """One jitted call on a donated ``(caches, logits, key)`` carry: ``every`` decode steps,
+  the design evicting after the last one (``every = 1``: one step and its eviction, as
+  ``models.decode.generate(evict_each_step=True)``; more: amortized eviction,
+  ``evict_every``)."""
 
-  def step(params, carry, budget):
+  def one(params, carry, budget, evicts: bool):
     caches, logits, key = carry
     batch = logits.shape[0]
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -197,12 +207,33 @@ def _step_fn(config, design, certificate: bool):
         params, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
         observe=False, certificate=certificate)
     key, sub = jax.random.split(key)
-    if design is not None:
+    if design is not None and evicts:
       caches, _ = decode.evict(design, caches, sub, budget=budget)
     out = () if stats is None else (stats.var_hat, stats.range_hat)  # kept: not dead code
     return (caches, new_logits[:, 0], key), out
 
-  return jax.jit(step, donate_argnums=1)
+  def call(params, carry, budget):
+    if every > 1:
+      carry, _ = jax.lax.scan(lambda c, _: one(params, c, budget, False), carry, None,
+                              length=every - 1)
+    return one(params, carry, budget, True)
+
+  return jax.jit(call, donate_argnums=1)
+
+
+def compact_capacity(kept: int, budget: float, every: int, n_calls: int, context: int) -> int:
+  """Slots of a compacted cache: what the timed calls need and a deployment would allocate.
+
+  One step per call (``every = 1``): the kept tokens plus one slot per call
+  (as before amortized eviction was timed). ``every`` > 1: each call appends
+  ``every`` tokens and then evicts to ``budget`` of the tokens seen (a design
+  keeps at most ``floor(budget n_seen)``, or its certainty set when that is
+  larger, which ``kept`` includes), so the cache peaks at that target after
+  the last call's tokens plus the ``every`` slack slots.
+  """
+  if every == 1:
+    return kept + n_calls
+  return max(kept, math.floor(budget * (context + every * n_calls))) + every
 
 
 def _prefill_fn(config, design, capacity: int):
@@ -234,7 +265,8 @@ class _Timed:
   """One timed configuration of a cell and its measurements."""
 
   row: dict
-  call: object  # () -> seconds of one call (a step updates its own carry)
+  call: object  # () -> seconds of one call (a call updates its own carry)
+  steps: int = 1  # decode steps per call (evict_every): times are per step
   first_s: Optional[float] = None  # the first call: compile + run
   samples: list = dataclasses.field(default_factory=list)
 
@@ -269,10 +301,13 @@ def _round_robin(timed: list, repeats: int, warm: int = WARMUP - 1):
 
 
 def _finish(t: _Timed, scale: float) -> dict:
-  ci = median_interval([s * scale for s in t.samples])
-  return dict(t.row, samples=[s * scale for s in t.samples], median=ci["median"],
+  """The row of ``t``: samples and median per step (a call's time / ``t.steps``) times
+  ``scale``, and the compile time (the first call minus a steady call) in seconds."""
+  per = scale / t.steps
+  ci = median_interval([s * per for s in t.samples])
+  return dict(t.row, samples=[s * per for s in t.samples], median=ci["median"],
               ci=[ci["lo"], ci["hi"]], ci_level=ci["level"], first_call=t.first_s * scale,
-              compile_s=max(t.first_s - ci["median"] / scale, 0.0))
+              compile_s=max(t.first_s - ci["median"] / per, 0.0))
 
 
 def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
@@ -282,23 +317,25 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
   tokens = jax.random.randint(jax.random.fold_in(key, context * 131 + batch), (batch, context),
                               0, config.vocab_size, jnp.int32)
   mask = jnp.ones((batch, context), bool)
-  cap_full = context + plan.n_calls
+  cap_full = context + plan.n_calls  # the full cache appends one token per call
+  param_bytes = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(params))
   base = dict(context=context, batch=batch)
   full_prefill = _memo(steps, ("prefill", None, cap_full),
                        lambda: _prefill_fn(config, None, cap_full))
   (logits, full_caches), prefill_first = _timed_call(full_prefill, params, tokens, mask)
   timed = []
 
-  def add(design_name, design, cert, budget, caches, first_logits, kept):
-    fn = _memo(steps, (design_name, cert), lambda: _step_fn(config, design, cert))
+  def add(design_name, design, cert, budget, caches, first_logits, kept, every=1):
+    fn = _memo(steps, (design_name, cert, every), lambda: _step_fn(config, design, cert, every))
     cap = int(caches.k.shape[-2])
-    shape_key = (design_name, cert, context, batch, cap)
-    row = dict(base, design=design_name, certificate=cert, budget=budget, capacity=cap,
-               kept_tokens=kept, new_executable=shape_key not in executables)
+    shape_key = (design_name, cert, every, context, batch, cap)
+    row = dict(base, design=design_name, certificate=cert, budget=budget, evict_every=every,
+               capacity=cap, kept_tokens=kept, new_executable=shape_key not in executables,
+               step_bytes=param_bytes + memory.caches_bytes(caches)["total"])
     executables.add(shape_key)
     carry = jax.tree_util.tree_map(jnp.copy, (caches, first_logits, key))  # donated: own copy
     call, state = _stepper(fn, params, carry, jnp.float32(1.0 if budget is None else budget))
-    timed.append(_Timed(row, call))
+    timed.append(_Timed(row, call, steps=every))
     return state
 
   states = [add("full", None, False, None, full_caches, logits, context)]
@@ -311,10 +348,13 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
     for b in plan.budgets:
       evicted, _ = decode.evict(design, d_caches, jax.random.fold_in(key, 7), budget=b)
       kept = int(jnp.max(evicted.valid.sum(-1)))
-      if plan.capacity == "compact":
-        evicted = cache_lib.compact(evicted, kept + plan.n_calls)
-      for cert in plan.certificate_modes:
-        states.append(add(name, design, cert, b, evicted, d_logits, kept))
+      for every in plan.evict_every:
+        caches = evicted
+        if plan.capacity == "compact":
+          caches = cache_lib.compact(
+              evicted, compact_capacity(kept, b, every, plan.n_calls, context))
+        for cert in plan.certificate_modes:
+          states.append(add(name, design, cert, b, caches, d_logits, kept, every))
     del d_caches
   _round_robin(timed, plan.repeats)
   dropped = [int(jnp.sum(s["carry"][0].n_dropped)) for s in states]
@@ -327,6 +367,8 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
     ratio = median_interval(np.asarray(r["samples"]) / np.asarray(full["samples"]))
     r["ratio_vs_full"] = ratio["median"]
     r["ratio_vs_full_ci"] = [ratio["lo"], ratio["hi"]]
+    # The memory-bound floor: a step reads every weight and its whole cache at least once.
+    r["bytes_ratio_vs_full"] = r["step_bytes"] / full["step_bytes"]
   plain = _memo(steps, ("plain",), lambda: _plain_fn(config))
   pre = [_Timed(dict(base, method="cached", tokens=batch * context),
                 lambda: _timed_call(full_prefill, params, tokens, mask)[1], prefill_first),
