@@ -80,6 +80,19 @@ def _layer(config: LlamaConfig, design, observe: bool, certificate: bool, x, val
   return x, cache, stats, shadow
 
 
+def _layer_slice(caches: KVCache, i) -> KVCache:
+  """Layer ``i`` (traced) of stacked caches: leaves ``[batch, n_kv_heads, ...]``."""
+  return jax.tree_util.tree_map(
+      lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), caches)
+
+
+def _put_layer(caches: KVCache, layer: KVCache, i) -> KVCache:
+  """Stacked caches with layer ``i`` (traced) replaced by ``layer`` (in place in a loop)."""
+  return jax.tree_util.tree_map(
+      lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, axis=0),
+      caches, layer)
+
+
 def _fold_statistics(design, cache: KVCache, probs, valid,
                      observation_window: int) -> KVCache:
   """Folds a chunk's attention probabilities [b, h_kv, g, t, cap] into the slot
@@ -169,15 +182,27 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
   model = LlamaModel(config)
   x = model.apply(params, tokens, method=LlamaModel.embed_tokens)
 
-  def body(x, layer):
-    layer_params, cache, shadow_cache, flag = layer
+  def body(carry, layer):
+    x, caches, shadow = carry
+    layer_params, flag, i = layer
+    cache = _layer_slice(caches, i)
+    shadow_cache = None if shadow is None else _layer_slice(shadow, i)
     x, cache, stats, shadow_cache = _layer(config, design, observe, certificate, x,
                                            valid, layer_params, cache, shadow_cache, flag,
                                            certificate_heads)
-    return x, (cache, stats, shadow_cache)
+    caches = _put_layer(caches, cache, i)
+    if shadow is not None:
+      shadow = _put_layer(shadow, shadow_cache, i)
+    return (x, caches, shadow), stats
 
-  x, (caches, stats, shadow) = jax.lax.scan(
-      body, x, (params["params"]["layers"], caches, shadow, layer_flags))
+  # The caches ride in the scan's carry and each layer's slice is written back in
+  # place (dynamic_update_slice on the loop buffer). As scanned inputs and outputs
+  # instead, XLA allocated and initialised a second set of stacked caches every call
+  # and copied the caches in: on SmolLM2 at 2k tokens (CPU) a decode step took
+  # 263 ms that way and 154 ms this way, with identical outputs.
+  (x, caches, shadow), stats = jax.lax.scan(
+      body, (x, caches, shadow),
+      (params["params"]["layers"], layer_flags, jnp.arange(config.n_layers, dtype=jnp.int32)))
   if stats is not None:  # [n_layers, batch, n_heads, t] -> [t, n_layers, batch, n_heads]
     stats = jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, -1, 0), stats)
   return model.apply(params, x, method=LlamaModel.head), caches, stats, shadow
