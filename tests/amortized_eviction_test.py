@@ -14,6 +14,7 @@ from absl.testing import absltest
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import certkv_jax
 from models import decode
@@ -74,6 +75,7 @@ class AmortizedEvictionTest(absltest.TestCase):
           evaluate=True)
     return self.runs[every]
 
+  @pytest.mark.slow  # compiles the tiny model's decode loop
   def test_matches_the_loop_written_out(self):
     for every in (1, 3):
       with self.subTest(every=every):
@@ -97,6 +99,7 @@ class AmortizedEvictionTest(absltest.TestCase):
           self.assertGreater(kept[1], 5)
         self.assertGreater(float(jnp.max(gen.var_hat)), 0.0)  # a certificate is computed
 
+  @pytest.mark.slow  # compiles the tiny model's decode loop
   def test_every_beyond_the_steps_is_no_decode_eviction(self):
     once = decode.generate(self.params, self.tokens, self.mask, self.key, config=self.config,
                            capacity=CAPACITY, n_steps=N_STEPS, design=self.design,
@@ -105,6 +108,7 @@ class AmortizedEvictionTest(absltest.TestCase):
     for a, b in zip(jax.tree_util.tree_leaves(once), jax.tree_util.tree_leaves(never)):
       np.testing.assert_array_equal(a, b)
 
+  @pytest.mark.slow  # compiles the tiny model's decode loop
   def test_tokens_since_the_last_eviction_are_certain(self):
     gen = self._generate(3)  # evictions after steps 2 and 5; step 6's token in the slack
     caches = gen.caches

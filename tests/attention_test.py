@@ -8,6 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import certkv_jax
 from certkv_jax import attention
@@ -95,6 +96,7 @@ class OffsetAttentionTest(parameterized.TestCase):
                                             block_size=bs).range_hat
         self.assertGreaterEqual(float(bound), float(exact) * (1 - 1e-6))
 
+  @pytest.mark.slow  # 38 s cold on the 2-core CI machine (2026-12-01)
   def test_gqa_broadcasting_matches_per_head_loop(self):
     b, h_kv, g, n, d, dv = 2, 3, 4, 33, 16, 8
     ks = jax.random.split(jax.random.PRNGKey(3), 5)
@@ -167,6 +169,7 @@ class VariantsTest(chex.TestCase):
     np.testing.assert_allclose(res.out, expected[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(res.var_hat, expected[1], rtol=1e-4, atol=1e-7)
 
+  @pytest.mark.slow  # 36 s cold on the 2-core CI machine (2026-12-01)
   def test_vmap_equals_broadcast(self):
     ks = jax.random.split(jax.random.PRNGKey(11), 5)
     h, n, d = 5, 24, 16

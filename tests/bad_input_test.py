@@ -13,6 +13,7 @@ from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import certkv_jax
 from certkv_jax import _checks
@@ -246,6 +247,7 @@ class OverflowTest(absltest.TestCase):
     self.assertRegex(err.get(), rf"^cache overflow: {config.n_kv_heads} appended tokens")
 
 
+  @pytest.mark.slow  # 31 s cold on the 2-core CI machine (2026-12-01)
   def test_generation_overflow_is_caught_under_jit(self):
     config = test_util.tiny_config()
     params = test_util.tiny_params(config)
@@ -349,6 +351,7 @@ class ModelInputsTest(absltest.TestCase):
       decode.generate(params, jnp.zeros((1, 0), jnp.int32), jnp.zeros((1, 0), bool),
                       jax.random.PRNGKey(0), config=self.config, capacity=8, n_steps=2)
 
+  @pytest.mark.slow  # 37 s cold on the 2-core CI machine (2026-12-01)
   def test_generate_checks_values_before_its_jitted_call(self):
     params = test_util.tiny_params(self.config)
     kw = dict(config=self.config, capacity=8, n_steps=2)

@@ -10,6 +10,7 @@ import os
 
 from absl.testing import absltest
 import jax
+import pytest
 
 from experiments.lib import bench_kernels
 from experiments.lib import bench_sharding
@@ -46,6 +47,7 @@ class BenchShardingTest(absltest.TestCase):
             batch=1, prompt_len=22, capacity=24, n_steps=2, design="poisson_tail", budget=0.5,
             repeats=1)  # capacity >= the default certainty set (4 sinks + 16 recent)
 
+  @pytest.mark.slow  # 42 s cold on the 2-core CI machine (2026-12-01)
   def test_one_device_mesh_matches_and_resumes(self):
     out = os.path.join(self.create_tempdir().full_path, "shard.md")
     (row,) = bench_sharding.run_and_report(meshes=["1x1x1"], out=out, **self.KW)

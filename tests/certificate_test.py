@@ -8,6 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import certkv_jax
 from certkv_jax import certificate
@@ -39,6 +40,7 @@ class RadiusTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "form"):
       certificate.radius_from_stats(0.1, 0.1, 0.1, form="hoeffding")
 
+  @pytest.mark.slow  # 34 s cold on the 2-core CI machine (2026-12-01)
   def test_vmap_over_layers_and_heads(self):
     layers, heads, n, d = 3, 4, 32, 8
     ks = jax.random.split(jax.random.PRNGKey(0), 5)

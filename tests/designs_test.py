@@ -8,6 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import certkv_jax
 from certkv_jax import cache as cache_lib
@@ -157,6 +158,7 @@ class DesignTest(parameterized.TestCase):
     expected = (np.log(np.asarray(info1.pi)[both]) + np.log(np.asarray(info2.pi)[both]))
     np.testing.assert_allclose(np.asarray(c2.log_pi)[both], expected, rtol=1e-5)
 
+  @pytest.mark.slow  # 30 s cold on the 2-core CI machine (2026-12-01)
   def test_design_passes_through_jit_as_an_argument(self):
     c = _cache()
     for name, make in ALL.items():

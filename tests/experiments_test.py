@@ -6,6 +6,7 @@ import os
 from absl import flags
 from absl.testing import absltest
 from absl.testing import flagsaver
+import pytest
 
 from experiments import montecarlo_certificate
 from experiments.lib import results_io
@@ -47,6 +48,7 @@ class MonteCarloScriptTest(absltest.TestCase):
                              regimes=["question_aware"], num_trials=64, window=4):
       montecarlo_certificate.main([])
 
+  @pytest.mark.slow  # 32 s cold on the 2-core CI machine (2026-12-01)
   def test_end_to_end_and_resume(self):
     out = self.create_tempdir().full_path
     self._run(out, ["h2o", "poisson_tail"])

@@ -15,6 +15,7 @@ from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import certkv_jax
 from pallas_kernels import offset_decode as od
@@ -110,6 +111,7 @@ class KernelTest(parameterized.TestCase):
   def test_gqa_groups_and_head_dims(self, groups, d):
     self._check(*_inputs(2, groups, 300, d))  # 300: not a multiple of any block
 
+  @pytest.mark.slow  # 30 s cold on the 2-core CI machine (2026-12-01)
   def test_ragged_lengths_and_empty_rows(self):
     q, k, v, off = _inputs(4, 4, 256, 64, seed=1)
     lengths = jnp.array([256, 130, 1, 0], jnp.int32)
@@ -125,6 +127,7 @@ class KernelTest(parameterized.TestCase):
     off = off.at[:, 128:256].set(-jnp.inf).at[1, :].set(-jnp.inf)
     self._check(q, k, v, off, block_sizes=od.BlockSizes(128, 1))
 
+  @pytest.mark.slow  # 38 s cold on the 2-core CI machine (2026-12-01)
   def test_bfloat16_inputs(self):
     q, k, v, off = _inputs(2, 4, 200, 64, dtype=jnp.bfloat16, seed=3)
     self._check(q, k, v, off)  # float32 accumulation: exact against bf16-valued f64

@@ -6,6 +6,7 @@ from absl.testing import absltest
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import certkv_jax
 from models import decode
@@ -29,6 +30,7 @@ class DecodeTest(absltest.TestCase):
     return decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
                            config=self.config, capacity=16, n_steps=N_STEPS, **kw)
 
+  @pytest.mark.slow  # 40 s cold on the 2-core CI machine (2026-12-01)
   def test_streaming_without_eviction_equals_full_forward(self):
     question = np.array([[5, 6, 7], [8, 9, 0]], np.int32)
     q_mask = np.array([[True, True, True], [True, True, False]])
@@ -99,6 +101,7 @@ class DecodeTest(absltest.TestCase):
     np.testing.assert_array_equal(gen.var_hat, 0.0)
     self.assertTrue(np.isfinite(np.asarray(gen.logprobs)).all())
 
+  @pytest.mark.slow  # 38 s cold on the 2-core CI machine (2026-12-01)
   def test_streaming_snapkv_scores_each_chunk_by_its_window(self):
     # Regression: the streaming regime fed its context chunks with no observation
     # window, so SnapKV's score was 0 everywhere and its kept set was the one a
@@ -114,6 +117,7 @@ class DecodeTest(absltest.TestCase):
     self.assertTrue((kept(snap) != kept(flat)).any(), "SnapKV kept what a flat score keeps")
     self.assertGreater(float(jnp.max(snap.obs)), 0.0)
 
+  @pytest.mark.slow  # 43 s cold on the 2-core CI machine (2026-12-01)
   def test_eager_evict_is_one_jitted_program(self):
     from models import eviction  # pylint: disable=g-import-not-at-top
     design = certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=2)
@@ -140,6 +144,7 @@ class DecodeTest(absltest.TestCase):
     self.assertEqual(certkv_jax.designs.h2o(0.5, window=8).observation_window, 0)
     self.assertEqual(certkv_jax.designs.by_name("poisson_envelope", 0.5).observation_window, 16)
 
+  @pytest.mark.slow  # 56 s cold on the 2-core CI machine (2026-12-01)
   def test_streaming_poisson_design_evicts_with_offsets_and_certificate(self):
     design = certkv_jax.designs.poisson_tail(6, n_sink=1, window=1, overflow_prob=0.05)
     question = np.array([[5, 6, 7], [8, 9, 10]], np.int32)
@@ -163,6 +168,7 @@ class DecodeTest(absltest.TestCase):
     self.assertTrue((np.asarray(gen.rel_error) >= 0).all())
     self.assertTrue(np.isfinite(np.asarray(gen.logprobs)).all())
 
+  @pytest.mark.slow  # 82 s cold on the 2-core CI machine (2026-12-01)
   def test_traced_budget_matches_static_budget_with_one_compile(self):
     kw = dict(config=self.config, capacity=16, n_steps=N_STEPS,
               evaluate=True)
@@ -195,6 +201,7 @@ class DecodeTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "either layer_budgets or budget"):
       call(design=design, budget=0.5, layer_budgets=(0.5, 0.5))
 
+  @pytest.mark.slow  # 51 s cold on the 2-core CI machine (2026-12-01)
   def test_shadow_records_cumulative_inclusion_probabilities(self):
     # Streaming rounds of a Poisson design: every kept token's record in the
     # shadow cache equals its Hajek offset (the product of its rounds' pi); an
@@ -226,6 +233,7 @@ class DecodeTest(absltest.TestCase):
     self.assertTrue((record[evicted] < 0).all())  # pi < 1 in the round that evicted them
     self.assertTrue((record[kept] <= 0).all())
 
+  @pytest.mark.slow  # 85 s cold on the 2-core CI machine (2026-12-01)
   def test_assumption2_ratio_in_evaluation_mode(self):
     kw = dict(config=self.config, capacity=16, n_steps=N_STEPS,
               evaluate=True)
@@ -258,6 +266,7 @@ class DecodeTest(absltest.TestCase):
                                       n_steps=2).ratio)
 
 
+  @pytest.mark.slow  # 177 s cold on the 2-core CI machine (2026-12-01)
   def test_certificate_subsample_by_layer_and_head(self):
     # The subsample changes no output, and on the chosen (layer, KV head) calls
     # every statistic equals the full certificate's; the rest are NaN.

@@ -17,6 +17,7 @@ from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from certkv_jax import cache as cache_lib
 from certkv_jax import designs
@@ -211,6 +212,7 @@ SORTS_AFTER = {"h2o": 0, "tova": 0, "snapkv": 1, "poisson_tail": 0}
 
 class DecodeStepSortsTest(absltest.TestCase):
 
+  @pytest.mark.slow  # 51 s cold on the 2-core CI machine (2026-12-01)
   def test_sorts_in_one_decode_step(self):
     params, config = hf_loader.load_hf_checkpoint(FIXTURE)
     caches = decode.init_caches(config, 2, 24)

@@ -150,6 +150,7 @@ class SuiteTest(absltest.TestCase):
     for png in ("coverage.png", "error_vs_radius.png", "r_audit_poisson_tail.png"):
       self.assertTrue(os.path.exists(os.path.join(out, png)), png)
 
+  @pytest.mark.slow  # 126 s cold on the 2-core CI machine (2026-12-01)
   def test_max_batch_slices_give_the_same_rows(self):
     # Deterministic designs: slicing a unit's 8 rows into calls of 3 (padded to
     # 3 rows and to the unit's lengths: one compile) changes no row.
@@ -190,6 +191,7 @@ class SuiteTest(absltest.TestCase):
     self.assertEqual(again, rows)  # resumed: nothing redone
     self.assertIn("snapkv", theorem1.summarize(rows)["md"])
 
+  @pytest.mark.slow  # 57 s cold on the 2-core CI machine (2026-12-01)
   def test_overhead_rows(self):
     out = self.create_tempdir().full_path
     exs = self._examples(1)["passkey"]

@@ -6,6 +6,7 @@ from absl import flags
 from absl.testing import absltest
 import jax
 import numpy as np
+import pytest
 
 from experiments.lib import results_io
 from experiments.lib import train_synthetic
@@ -41,6 +42,7 @@ class TrainSyntheticTest(absltest.TestCase):
     last = np.mean([r["loss"] for r in rows[-5:]])
     self.assertLess(last, first - 0.2, (first, last))
 
+  @pytest.mark.slow  # 35 s cold on the 2-core CI machine (2026-12-01)
   def test_kill_and_resume_equals_one_run(self):
     n = 6
     one = train_synthetic.train(self.create_tempdir().full_path, 2 * n, **SMALL)

@@ -100,6 +100,7 @@ class PlanTest(absltest.TestCase):
 
 class SignalsInGenerationTest(absltest.TestCase):
 
+  @pytest.mark.slow  # 78 s cold on the 2-core CI machine (2026-12-01)
   def test_evaluation_mode_reports_signals(self):
     config = test_util.tiny_config()
     params = test_util.tiny_params(config)
@@ -136,6 +137,7 @@ class ValidityEndToEndTest(absltest.TestCase):
     cls.model_dir = test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="validity_model_"))
     cls.model = model_loading.load_model(cls.model_dir)
 
+  @pytest.mark.slow  # 186 s cold on the 2-core CI machine (2026-12-01)
   def test_run_writes_summary_artifact_and_resumes(self):
     out = self.create_tempdir().full_path
     plan = _plan()
@@ -190,6 +192,7 @@ class ValidityEndToEndTest(absltest.TestCase):
     raw = lambda cells: [c for c in cells if c["radius"] == "raw" and c["data"] != "kv_retrieval"]
     self.assertEqual(raw(grown["cells"]), raw(summary["cells"]))  # old units untouched
 
+  @pytest.mark.slow  # 62 s cold on the 2-core CI machine (2026-12-01)
   def test_calibrated_radii_scale_the_raw_radius(self):
     out = self.create_tempdir().full_path
     plan = _plan(regimes=("question_aware",))

@@ -24,23 +24,29 @@ How a decode step is timed (as ``models.decode._decode_loop`` steps, and as
 ``experiments.lib.overhead`` times them): a random prompt of ``context`` tokens
 is prefilled with the design (its statistics folded, SnapKV's observation
 window observed), the design evicts once to the budget (``models.decode.evict``
-with the budget as a traced argument), and one jitted step -- the argmax token
-through ``forward_chunk`` plus ``evict`` with the traced budget -- is called
-again and again on its own output (the caches donated, so that they are
-updated in place as in the ``lax.scan`` loop), ``block_until_ready`` after each
-call. The first call (compile + run) minus the steady median is the compile
-time. ``--repeats`` timed calls follow two warm-up calls; the configurations
-of a cell are interleaved round-robin (one call of each per round, the starting
-configuration rotating), so machine noise hits all alike, and each ratio to
-``full`` is the median of the per-round ratios. The timed calls decode at
-positions ``context``, ``context + 1``, ... (at most ``2 + repeats`` past the
-prompt, beyond the model's context at the largest one: it changes no cost).
+with the budget as a traced argument), and one jitted call -- ``S`` decode
+steps, each the argmax token through ``forward_chunk``, the design evicting
+(``evict`` with the traced budget) after every ``k``-th step -- is called again
+and again on its own output (the caches donated, so that they are updated in
+place as in the ``lax.scan`` loop), ``block_until_ready`` after each call.
+``k`` is the configuration's ``--evict_every`` (1: after every step; more:
+amortized eviction into ``k`` slack slots) and ``S`` the largest
+``--evict_every`` for every configuration, the full cache's included, so that
+all decode the same tokens and the kept sets grow alike; a call's time divided
+by ``S`` is the time per step. The first call (compile + run) minus a steady
+call is the compile time. ``--repeats`` timed calls follow two warm-up calls;
+the configurations of a cell are interleaved round-robin (one call of each per
+round, the starting configuration rotating), so machine noise hits all alike,
+and each ratio to ``full`` is the median of the per-round ratios. The timed
+calls decode at positions ``context``, ``context + 1``, ... (at most
+``S (2 + repeats)`` past the prompt, beyond the model's context at the largest
+one: it changes no cost).
 
 Cache layout (``--capacity``): ``compact`` (default) allocates what a deployment
-would: the kept tokens plus the slots the timed calls append (kept slots
-gathered to the front, ``certkv_jax.cache.compact``); budgets then have
-different shapes, so each budget is
-its own executable even though the budget is traced. ``full`` keeps the
+would: the most tokens the design keeps during the timed calls plus ``k``
+slack slots (:func:`compact_capacity`; kept slots gathered to the front,
+``certkv_jax.cache.compact``); budgets then have different shapes, so each
+budget is its own executable even though the budget is traced. ``full`` keeps the
 ``generate`` layout (capacity of the whole prompt, evicted slots masked): one
 executable per design then serves every budget (the budget is traced), and a
 step costs about the same at every budget.
@@ -113,6 +119,12 @@ class Plan:
   def n_calls(self) -> int:
     return WARMUP + self.repeats
 
+  @property
+  def steps_per_call(self) -> int:
+    """Decode steps in one timed call of every configuration: the largest ``evict_every``
+    (the same horizon for all, so that the kept set grows alike)."""
+    return max(self.evict_every)
+
   def check(self, max_positions: Optional[int] = None) -> "Plan":
     """Raises ValueError naming the flag and its allowed values; returns the plan."""
     known = [n for n in suite_settings.DESIGNS if n != "full"]
@@ -141,6 +153,9 @@ class Plan:
       _check_int("batches", b, 1, 4096)
     for k in self.evict_every:
       _check_int("evict_every", k, 1, 4096)
+      if self.steps_per_call % k:
+        raise ValueError(f"--evict_every values must divide the largest "
+                         f"({self.steps_per_call}), got {list(self.evict_every)}")
     _check_int("repeats", self.repeats, 1, 10000)
     _check_int("seed", self.seed, 0)
     if self.certificate not in CERTIFICATE:
@@ -193,11 +208,11 @@ def median_interval(samples) -> dict:
               level=round(1.0 - 2.0 * cdf(k - 1), 4))
 
 
-def _step_fn(config, design, certificate: bool, every: int = 1):
-  """One jitted call on a donated ``(caches, logits, key)`` carry: ``every`` decode steps,
-  the design evicting after the last one (``every = 1``: one step and its eviction, as
+def _step_fn(config, design, certificate: bool, every: int = 1, steps: int = 1):
+  """One jitted call on a donated ``(caches, logits, key)`` carry: ``steps`` decode steps,
+  the design evicting after every ``every``-th (``every = 1``: after each step, as
   ``models.decode.generate(evict_each_step=True)``; more: amortized eviction,
-  ``evict_every``)."""
+  ``evict_every``). ``steps`` is a multiple of ``every``."""
 
   def one(params, carry, budget, evicts: bool):
     caches, logits, key = carry
@@ -212,28 +227,31 @@ def _step_fn(config, design, certificate: bool, every: int = 1):
     out = () if stats is None else (stats.var_hat, stats.range_hat)  # kept: not dead code
     return (caches, new_logits[:, 0], key), out
 
-  def call(params, carry, budget):
+  def period(params, carry, budget):
     if every > 1:
       carry, _ = jax.lax.scan(lambda c, _: one(params, c, budget, False), carry, None,
                               length=every - 1)
     return one(params, carry, budget, True)
 
+  def call(params, carry, budget):
+    if steps == every:
+      return period(params, carry, budget)
+    return jax.lax.scan(lambda c, _: period(params, c, budget), carry, None,
+                        length=steps // every)
+
   return jax.jit(call, donate_argnums=1)
 
 
-def compact_capacity(kept: int, budget: float, every: int, n_calls: int, context: int) -> int:
+def compact_capacity(kept: int, budget: float, every: int, appended: int, context: int) -> int:
   """Slots of a compacted cache: what the timed calls need and a deployment would allocate.
 
-  One step per call (``every = 1``): the kept tokens plus one slot per call
-  (as before amortized eviction was timed). ``every`` > 1: each call appends
-  ``every`` tokens and then evicts to ``budget`` of the tokens seen (a design
-  keeps at most ``floor(budget n_seen)``, or its certainty set when that is
-  larger, which ``kept`` includes), so the cache peaks at that target after
-  the last call's tokens plus the ``every`` slack slots.
+  The timed calls append ``appended`` tokens in all, and the design evicts to
+  ``budget`` of the tokens seen after every ``every``-th: a design keeps at
+  most ``floor(budget n_seen)`` (or its certainty set when that is larger,
+  which ``kept`` includes), so the cache peaks at that target after the last
+  call plus ``every`` slack slots.
   """
-  if every == 1:
-    return kept + n_calls
-  return max(kept, math.floor(budget * (context + every * n_calls))) + every
+  return max(kept, math.floor(budget * (context + appended))) + every
 
 
 def _prefill_fn(config, design, capacity: int):
@@ -317,7 +335,8 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
   tokens = jax.random.randint(jax.random.fold_in(key, context * 131 + batch), (batch, context),
                               0, config.vocab_size, jnp.int32)
   mask = jnp.ones((batch, context), bool)
-  cap_full = context + plan.n_calls  # the full cache appends one token per call
+  per_call = plan.steps_per_call
+  cap_full = context + plan.n_calls * per_call  # the full cache keeps every token
   param_bytes = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(params))
   base = dict(context=context, batch=batch)
   full_prefill = _memo(steps, ("prefill", None, cap_full),
@@ -326,7 +345,8 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
   timed = []
 
   def add(design_name, design, cert, budget, caches, first_logits, kept, every=1):
-    fn = _memo(steps, (design_name, cert, every), lambda: _step_fn(config, design, cert, every))
+    fn = _memo(steps, (design_name, cert, every, per_call),
+               lambda: _step_fn(config, design, cert, every, per_call))
     cap = int(caches.k.shape[-2])
     shape_key = (design_name, cert, every, context, batch, cap)
     row = dict(base, design=design_name, certificate=cert, budget=budget, evict_every=every,
@@ -335,7 +355,7 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
     executables.add(shape_key)
     carry = jax.tree_util.tree_map(jnp.copy, (caches, first_logits, key))  # donated: own copy
     call, state = _stepper(fn, params, carry, jnp.float32(1.0 if budget is None else budget))
-    timed.append(_Timed(row, call, steps=every))
+    timed.append(_Timed(row, call, steps=per_call))
     return state
 
   states = [add("full", None, False, None, full_caches, logits, context)]
@@ -352,7 +372,7 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
         caches = evicted
         if plan.capacity == "compact":
           caches = cache_lib.compact(
-              evicted, compact_capacity(kept, b, every, plan.n_calls, context))
+              evicted, compact_capacity(kept, b, every, plan.n_calls * per_call, context))
         for cert in plan.certificate_modes:
           states.append(add(name, design, cert, b, caches, d_logits, kept, every))
     del d_caches
@@ -367,7 +387,7 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
     ratio = median_interval(np.asarray(r["samples"]) / np.asarray(full["samples"]))
     r["ratio_vs_full"] = ratio["median"]
     r["ratio_vs_full_ci"] = [ratio["lo"], ratio["hi"]]
-    # The memory-bound floor: a step reads every weight and its whole cache at least once.
+    # The bytes ratio: a step that reads every weight and cache byte once at one bandwidth.
     r["bytes_ratio_vs_full"] = r["step_bytes"] / full["step_bytes"]
   plain = _memo(steps, ("plain",), lambda: _plain_fn(config))
   pre = [_Timed(dict(base, method="cached", tokens=batch * context),
