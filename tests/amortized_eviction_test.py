@@ -8,7 +8,6 @@ loop that never evicts while decoding, and the tokens decoded since the last
 eviction sit in the slack slots as certain tokens (log pi = 0).
 """
 
-import os
 
 from absl.testing import absltest
 import jax
@@ -18,9 +17,8 @@ import pytest
 
 import certkv_jax
 from models import decode
-from models import hf_loader
+from tests import test_util
 
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tiny_llama")
 N_STEPS = 7
 CAPACITY = 16
 
@@ -58,9 +56,7 @@ class AmortizedEvictionTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.params, cls.config = hf_loader.load_hf_checkpoint(FIXTURE)
-    ref = np.load(os.path.join(FIXTURE, "reference.npz"))
-    cls.tokens, cls.mask = ref["tokens"][:, :10], ref["mask"][:, :10]  # lengths 10 and 7
+    cls.params, cls.config, cls.tokens, cls.mask = test_util.tiny_llama_prompts()
     # Budget 5 of the tokens seen; 1 sink + 1 window certain, the rest a Poisson tail.
     cls.design = certkv_jax.designs.poisson_tail(5, n_sink=1, window=1, overflow_prob=0.05)
     cls.key = jax.random.PRNGKey(3)

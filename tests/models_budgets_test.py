@@ -14,6 +14,7 @@ from certkv_jax import cache as cache_lib
 from models import budgets
 from models import decode
 from models import hf_loader
+from tests import test_util
 from models import memory
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tiny_llama")
@@ -64,9 +65,7 @@ class LayerBudgetsDecodeTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.params, cls.config = hf_loader.load_hf_checkpoint(FIXTURE)
-    ref = np.load(os.path.join(FIXTURE, "reference.npz"))
-    cls.tokens, cls.mask = ref["tokens"][:, :10], ref["mask"][:, :10]  # lengths 10 and 7
+    cls.params, cls.config, cls.tokens, cls.mask = test_util.tiny_llama_prompts()
 
   def _prefilled(self, design):
     c = self.config

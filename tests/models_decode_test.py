@@ -1,6 +1,5 @@
 """Cached decoding with certkv caches on the tiny Hugging Face Llama fixture."""
 
-import os
 
 from absl.testing import absltest
 import jax
@@ -10,10 +9,9 @@ import pytest
 
 import certkv_jax
 from models import decode
-from models import hf_loader
+from tests import test_util
 from models import llama
 
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tiny_llama")
 N_STEPS = 5
 
 
@@ -22,9 +20,7 @@ class DecodeTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.params, cls.config = hf_loader.load_hf_checkpoint(FIXTURE)
-    ref = np.load(os.path.join(FIXTURE, "reference.npz"))
-    cls.tokens, cls.mask = ref["tokens"][:, :10], ref["mask"][:, :10]  # lengths 10 and 7
+    cls.params, cls.config, cls.tokens, cls.mask = test_util.tiny_llama_prompts()
 
   def _generate(self, **kw):
     return decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),

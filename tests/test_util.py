@@ -87,3 +87,13 @@ def tiny_params(config, seed=0):
   import jax  # pylint: disable=g-import-not-at-top
   from models import llama  # pylint: disable=g-import-not-at-top
   return llama.init_params(config, jax.random.PRNGKey(seed))
+
+
+def tiny_llama_prompts():
+  """``(params, config, tokens, mask)``: the tiny Llama fixture and its reference prompts'
+  first 10 positions (two right-padded rows of lengths 10 and 7)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from models import hf_loader  # pylint: disable=g-import-not-at-top
+  params, config = hf_loader.load_hf_checkpoint(TINY_LLAMA)
+  ref = np.load(os.path.join(TINY_LLAMA, "reference.npz"))
+  return params, config, ref["tokens"][:, :10], ref["mask"][:, :10]
