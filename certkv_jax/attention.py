@@ -108,6 +108,7 @@ def offset_attention(
     range_mode: str = "exact",
     implementation: str = "xla",
     block_sizes=None,
+    value_sqnorm=None,
 ) -> OffsetAttentionResult:
   """Attention over kept slots with Hajek offsets and certificate statistics.
 
@@ -134,6 +135,13 @@ def offset_attention(
       (Pallas on GPU/TPU, XLA on CPU).
     block_sizes: ``pallas_kernels.offset_decode.BlockSizes`` for "pallas"
       (default: ``BlockSizes.get_default``). ``block_size`` is for "xla".
+    value_sqnorm: optional [..., n] ``||v_i||^2`` of each slot (read where
+      ``mask`` is True), as a :class:`certkv_jax.KVCache` keeps them
+      (``v_sq``). Given, the "xla" path takes the certificate's second-order
+      sum and the exact range term from the stored norms instead of a pass
+      over the values (method, section 4, "Stored value norms"); the result
+      is the same up to float32 rounding. The Pallas kernel computes the norms
+      on its tiles and does not take them.
 
   Returns:
     OffsetAttentionResult(out, lse, var_hat, range_hat). A row with no valid
@@ -154,8 +162,10 @@ def offset_attention(
   radius). A -inf logit (``k`` inf of the opposite sign, ``log_pi`` +inf)
   drops its slot silently. NaN/inf in ``v`` gives NaN/inf in that component
   of out and a NaN var_hat and range_hat; ``0 < log_pi < inf`` gives finite,
-  wrong numbers. ``certkv_jax.checked.checked_offset_attention`` turns every
-  one of these into a checkify error.
+  wrong numbers. A NaN/inf ``value_sqnorm`` on a valid slot gives a NaN/inf
+  var_hat and range_hat; a negative or wrong one gives wrong numbers.
+  ``certkv_jax.checked.checked_offset_attention`` turns every one of these
+  into a checkify error.
   """
   q, k, v, log_pi, mask = (jnp.asarray(x) for x in (q, k, v, log_pi, mask))
   _check_shapes(q, k, v, log_pi, mask)
@@ -171,8 +181,13 @@ def offset_attention(
     raise ValueError("block_size is for implementation='xla'; use block_sizes for 'pallas'")
   if implementation == "xla" and block_sizes is not None:
     raise ValueError("block_sizes is for implementation='pallas'; use block_size for 'xla'")
-  grouped, back = _grouped_layout(q, k, v, log_pi, mask)
-  gq, gk, gv, glp, gmask = grouped
+  if value_sqnorm is not None and implementation == "pallas":
+    raise ValueError("value_sqnorm is for implementation='xla' (the Pallas kernel computes "
+                     "the norms on its tiles)")
+  if value_sqnorm is not None:
+    value_sqnorm = _check_sqnorm(value_sqnorm, v, mask)
+  grouped, back = _grouped_layout(q, k, v, log_pi, mask, value_sqnorm)
+  gq, gk, gv, glp, gmask = grouped[:5]
   if implementation == "pallas":
     from pallas_kernels import offset_decode  # pylint: disable=import-outside-toplevel
     offset = jnp.where(gmask, -glp.astype(jnp.float32), -jnp.inf)
@@ -181,13 +196,42 @@ def offset_attention(
         interpret=jax.default_backend() not in ("gpu", "tpu"), range_mode=range_mode)
   else:
     res = reference.grouped_reference(gq, gk, gv, glp, gmask, scale=scale,
-                                      block_size=block_size, range_mode=range_mode)
+                                      block_size=block_size, range_mode=range_mode,
+                                      value_sqnorm=grouped[5] if len(grouped) > 5 else None)
   ref = back(res)
   out_dtype = jnp.result_type(q.dtype, v.dtype)
   return OffsetAttentionResult(ref.out.astype(out_dtype), ref.lse, ref.var_hat, ref.range_hat)
 
 
-def _grouped_layout(q, k, v, log_pi, mask):
+def _check_sqnorm(value_sqnorm, v, mask):
+  """Shape, dtype and (when concrete) value checks of the stored value norms."""
+  value_sqnorm = jnp.asarray(value_sqnorm)
+  n = v.shape[-2]
+  if value_sqnorm.ndim < 1 or value_sqnorm.shape[-1] != n:
+    raise ValueError(f"value_sqnorm must have n={n} slots on its last axis, got "
+                     f"{value_sqnorm.shape}")
+  if not jnp.issubdtype(value_sqnorm.dtype, jnp.floating):
+    raise TypeError(f"value_sqnorm must be a floating dtype, got {value_sqnorm.dtype}")
+  kv_lead = jnp.broadcast_shapes(v.shape[:-2], mask.shape[:-1])
+  try:
+    ok = jnp.broadcast_shapes(value_sqnorm.shape[:-1], kv_lead) == tuple(kv_lead)
+  except ValueError:
+    ok = False
+  if not ok:
+    raise ValueError(f"value_sqnorm's leading dims {value_sqnorm.shape[:-1]} must broadcast "
+                     f"to those of v and mask {tuple(kv_lead)}")
+  _checks.check_finite_where("value_sqnorm", value_sqnorm, mask)
+  sq = _checks.concrete_array(value_sqnorm)
+  mk = _checks.concrete_array(mask)
+  if sq is not None and mk is not None:
+    sqb, mkb = np.broadcast_arrays(sq.astype(np.float64), mk.astype(bool))
+    if sqb[mkb].size and not (sqb[mkb] >= 0).all():
+      raise ValueError("value_sqnorm must be >= 0 (a squared norm) on every valid slot; "
+                       f"found min {sqb[mkb].min()}")
+  return value_sqnorm
+
+
+def _grouped_layout(q, k, v, log_pi, mask, value_sqnorm=None):
   """Maps numpy-broadcast inputs onto the grouped [B, G, d] / [B, n, d] layout.
 
   Leading axes where the keys, values, offsets and mask all have size 1 but
@@ -196,8 +240,8 @@ def _grouped_layout(q, k, v, log_pi, mask):
   axes flatten into B.
 
   Returns:
-    ((q [B, G, d], k [B, n, d], v [B, n, dv], log_pi [B, n], mask [B, n]),
-     back): ``back`` maps a grouped ``reference.Reference`` to the broadcast
+    ((q [B, G, d], k [B, n, d], v [B, n, dv], log_pi [B, n], mask [B, n]
+     [, value_sqnorm [B, n]]), back): ``back`` maps a grouped ``reference.Reference`` to the broadcast
     leading shape.
   """
   d, n, dv = q.shape[-1], k.shape[-2], v.shape[-1]
@@ -230,6 +274,8 @@ def _grouped_layout(q, k, v, log_pi, mask):
                                unflatten(res.var_hat, ()), unflatten(res.range_hat, ()))
 
   grouped = (gq, kv(k, (n, d)), kv(v, (n, dv)), kv(log_pi, (n,)), kv(mask, (n,)))
+  if value_sqnorm is not None:  # the stored value norms travel like log_pi
+    grouped += (kv(value_sqnorm, (n,)),)
   return grouped, back
 
 

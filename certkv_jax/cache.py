@@ -14,6 +14,12 @@ too, so that a slot's statistics move with its token:
 * ``obs``:  attention mass from observation-window queries only (SnapKV);
   :func:`observe_peak` folds the same field as a running max instead (the
   attention envelope of ``designs.poisson_envelope``).
+
+Each slot also keeps ``v_sq = ||v_i||^2``, its stored value's squared norm.
+The certificate's second-order sum and range term read it instead of a pass
+over the values at every step (method, section 4, "Stored value norms"), for
+4 bytes per slot. It depends on that slot's value alone, so eviction leaves no
+trace of an evicted token in it (Theorem 1's blind retained state).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class KVCache(NamedTuple):
   acc: Array  # [cap] float32 accumulated attention mass (H2O)
   last: Array  # [cap] float32 attention of the latest query (TOVA)
   obs: Array  # [cap] float32 attention mass of observation-window queries (SnapKV)
+  v_sq: Array  # [cap] float32 ||v_i||^2 of the stored value (0 in free slots)
   n_seen: Array  # [] int32 tokens appended so far (kept or not); next position
   n_dropped: Array  # [] int32 tokens that found no free slot on append (should stay 0)
 
@@ -68,6 +75,7 @@ def init_cache(capacity: int, head_dim: int, value_dim: int | None = None,
       acc=zeros,
       last=zeros,
       obs=zeros,
+      v_sq=zeros,
       n_seen=jnp.zeros((), jnp.int32),
       n_dropped=jnp.zeros((), jnp.int32),
   )
@@ -180,9 +188,12 @@ def write_slots(cache: KVCache, slots: SlotAssignment, idx, k_new, v_new) -> KVC
   t = k_new.shape[0]
   pos_new = cache.n_seen + slots.rank
   z = jnp.zeros((t,), jnp.float32)
+  v_stored = v_new.astype(cache.v.dtype)
+  v32 = v_stored.astype(jnp.float32)
   return cache._replace(
       k=cache.k.at[idx].set(k_new.astype(cache.k.dtype), mode="drop"),
-      v=cache.v.at[idx].set(v_new.astype(cache.v.dtype), mode="drop"),
+      v=cache.v.at[idx].set(v_stored, mode="drop"),
+      v_sq=cache.v_sq.at[idx].set(jnp.sum(v32 * v32, axis=-1), mode="drop"),
       log_pi=cache.log_pi.at[idx].set(z, mode="drop"),
       pos=cache.pos.at[idx].set(pos_new, mode="drop"),
       valid=cache.valid.at[idx].set(True, mode="drop"),
@@ -279,6 +290,7 @@ def keep_only(cache: KVCache, keep, log_pi_round) -> KVCache:
       acc=jnp.where(keep, cache.acc, f0),
       last=jnp.where(keep, cache.last, f0),
       obs=jnp.where(keep, cache.obs, f0),
+      v_sq=jnp.where(keep, cache.v_sq, f0),
   )
 
 
@@ -317,8 +329,8 @@ def compact(cache: KVCache, capacity: int) -> KVCache:
   order = jnp.argsort(~cache.valid, axis=-1, stable=True)[..., :capacity]  # kept first
   grow = capacity - cap
 
-  def take(x, empty):
-    if x.ndim <= lead:  # per-cache scalars (n_seen, n_dropped)
+  def take(name, x, empty):
+    if name in _PER_CACHE:  # per-cache scalars
       return x
     idx = order.reshape(order.shape + (1,) * (x.ndim - lead - 1))
     x = jnp.take_along_axis(x, idx, axis=lead)
@@ -327,13 +339,18 @@ def compact(cache: KVCache, capacity: int) -> KVCache:
       pad[lead] = (0, grow)
       x = jnp.pad(x, pad, constant_values=empty)
     return x
-  empty = cache._replace(**{f: (-1 if f == "pos" else 0) for f in cache._fields})
-  return jax.tree_util.tree_map(take, cache, empty)
+  return KVCache(**{f: take(f, getattr(cache, f), -1 if f == "pos" else 0)
+                    for f in cache._fields})
+
+
+# Fields that are not per slot (no slot axis).
+_PER_CACHE = ("n_seen", "n_dropped")
 
 
 def cache_bytes(cache: KVCache) -> dict:
   """Bytes of the key/value payload and of the per-slot metadata."""
   kv = cache.k.nbytes + cache.v.nbytes
   meta = sum(x.nbytes for x in (cache.log_pi, cache.pos, cache.valid, cache.acc,
-                                cache.last, cache.obs, cache.n_seen, cache.n_dropped))
+                                cache.last, cache.obs, cache.v_sq, cache.n_seen,
+                                cache.n_dropped))
   return {"kv": int(kv), "metadata": int(meta)}

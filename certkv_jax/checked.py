@@ -129,9 +129,19 @@ def checked_offset_attention(q, k, v, log_pi, mask, *, allow_empty_rows: bool = 
   """``certkv_jax.offset_attention`` with :func:`check_attention_inputs`.
 
   Keyword arguments other than ``allow_empty_rows`` go to ``offset_attention``;
-  the result is the same as the unchecked call's, bit for bit.
+  the result is the same as the unchecked call's, bit for bit. Stored value
+  norms (``value_sqnorm``), when given, are checked too: finite and >= 0 on
+  valid slots.
   """
   check_attention_inputs(q, k, v, log_pi, mask, allow_empty_rows=allow_empty_rows)
+  if kwargs.get("value_sqnorm") is not None:
+    sq = jnp.asarray(kwargs["value_sqnorm"])
+    n_bad = _checks.nonfinite_count(sq, mask)
+    checkify.check(n_bad == 0, "value_sqnorm has {n} NaN/inf entries on valid slots (mask "
+                   "True); it must be finite there", n=n_bad)
+    n_neg = jnp.sum(jnp.asarray(mask) & (sq < 0), dtype=jnp.int32)
+    checkify.check(n_neg == 0, "value_sqnorm must be >= 0 (a squared norm) on every valid "
+                   "slot; found {n} entries < 0", n=n_neg)
   return attention.offset_attention(q, k, v, log_pi, mask, **kwargs)
 
 

@@ -161,7 +161,7 @@ def cache_specs(lead: int = 1) -> KVCache:
   pre = (None,) * lead
   slot, head = P(*pre, DATA, MODEL, SEQ), P(*pre, DATA, MODEL)
   return KVCache(k=slot, v=slot, log_pi=slot, pos=slot, valid=slot, acc=slot, last=slot,
-                 obs=slot, n_seen=head, n_dropped=head)
+                 obs=slot, v_sq=slot, n_seen=head, n_dropped=head)
 
 
 def check_cache(mesh, caches: KVCache, lead: int = 1) -> None:

@@ -115,7 +115,7 @@ def map_evict(design, fn, caches: KVCache, *head_args):
       v_all = gather(_norm_column(c.v)) if "v_norm" in reads else jnp.zeros_like(k_all)
     meta = c._replace(k=k_all, v=v_all, log_pi=gather(c.log_pi), pos=gather(c.pos),
                       valid=gather(c.valid), acc=gather(c.acc), last=gather(c.last),
-                      obs=gather(c.obs))
+                      obs=gather(c.obs), v_sq=gather(c.v_sq))
     new, info = fn(meta, *args)
     lo = jax.lax.axis_index(SEQ) * n_local
     mine = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, n_local, axis=3)
@@ -124,7 +124,8 @@ def map_evict(design, fn, caches: KVCache, *head_args):
         k=jnp.where(keep[..., None], c.k, jnp.zeros_like(c.k)),
         v=jnp.where(keep[..., None], c.v, jnp.zeros_like(c.v)),
         log_pi=mine(new.log_pi), pos=mine(new.pos), valid=keep, acc=mine(new.acc),
-        last=mine(new.last), obs=mine(new.obs), n_seen=new.n_seen, n_dropped=new.n_dropped)
+        last=mine(new.last), obs=mine(new.obs), v_sq=mine(new.v_sq),
+        n_seen=new.n_seen, n_dropped=new.n_dropped)
     info = jax.tree_util.tree_map(lambda x: mine(x) if x.ndim > 3 else x, info)
     return out, info
 

@@ -166,8 +166,9 @@ def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, h
   qg, cache = take(qg), jax.tree_util.tree_map(take, cache)
   shadow = None if shadow is None else jax.tree_util.tree_map(take, shadow)
   mask = _mask(cache, positions)
-  res = certkv_jax.offset_attention(qg, _slots(cache.k), _slots(cache.v), _slots(cache.log_pi),
-                                    mask)  # out [b, h, g, t, d]
+  res = certkv_jax.offset_attention(
+      qg, _slots(cache.k), _slots(cache.v), _slots(cache.log_pi), mask,
+      value_sqnorm=_slots(cache.v_sq))  # out [b, h, g, t, d]
   stats = _truth_stats(qg, res.out, shadow, positions, ChunkStats(res.var_hat, res.range_hat))
   if shadow is not None:  # evaluation mode: the warning signals beside the truth
     probs = certkv_jax.attention_probs(qg, _slots(cache.k), _slots(cache.log_pi), mask)

@@ -92,7 +92,7 @@ def one_minus_pi(offset):
 
 def online_update(carry: Partials, l, v, w, valid, valid_col=None, precision=None,
                   second_order: bool = True, center=None,
-                  stacked_matmul: bool = True) -> Partials:
+                  stacked_matmul: bool = True, sqnorm=None) -> Partials:
   """Folds one block of slots into running statistics (online softmax).
 
   This is the arithmetic of the fused kernel: the reference and the Pallas
@@ -125,6 +125,14 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, precision=Non
     stacked_matmul: compute ``e @ v`` and ``w e^2 @ v`` as one matmul over
       stacked rows (one pass over the values for XLA); False uses two matmuls
       (Triton concatenates only along the last axis; the tile is in SRAM).
+    sqnorm: optional [..., 1, n] ``||v_i||^2`` of each slot, stored beside
+      the values (``certkv_jax.KVCache.v_sq``); read only on valid slots.
+      The second-order sum then comes from ``sum w e^2 ||v - c||^2 =
+      sum w e^2 ||v||^2 - 2 c . sum w e^2 v + ||c||^2 sum w e^2``, whose
+      middle sum the stacked matmul already gives: no pass over the values
+      for it. (The one-pass range bound still needs each ``||v_i - c||``:
+      one matrix-vector product.) Float32 rounding then scales with
+      ``||v||^2`` rather than ``||v - c||^2`` in this one sum.
 
   Returns:
     Updated statistics. The new running max ``m'`` rescales first-order sums
@@ -163,8 +171,17 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, precision=Non
     acc_blk, s1_raw = both[..., :rows, :], both[..., rows:, :]
   else:
     acc_blk, s1_raw = dot(e, vf), dot(we2, vf)
-  dvc = jnp.where(valid_col, vf - c1, 0.0)
-  vn2 = jnp.sum(dvc * dvc, axis=-1)[..., None, :]  # [..., 1, n]: ||v - c||^2 per slot
+  if sqnorm is None:
+    dvc = jnp.where(valid_col, vf - c1, 0.0)
+    vn2 = jnp.sum(dvc * dvc, axis=-1)[..., None, :]  # [..., 1, n]: ||v - c||^2 per slot
+    s2_blk = jnp.sum(we2 * vn2, axis=-1)
+  else:  # ||v||^2 stored at append time: the sum about c from S1's raw sum
+    sq = jnp.where(jnp.swapaxes(valid_col, -1, -2), sqnorm.astype(jnp.float32), 0.0)
+    c1_sq = jnp.sum(c1 * c1, axis=-1)  # [..., 1]
+    s2_blk = (jnp.sum(we2 * sq, axis=-1) - 2.0 * jnp.sum(c1 * s1_raw, axis=-1)
+              + c1_sq * s0)
+    v_c = dot(c1, jnp.swapaxes(vf, -1, -2))  # [..., 1, n]: the range bound's v . c only
+    vn2 = jnp.maximum(sq - 2.0 * v_c + c1_sq[..., None], 0.0)
   return Partials(
       m=m_new,
       z=r * carry.z + jnp.sum(e, axis=-1),
@@ -172,7 +189,7 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, precision=Non
       c=jnp.broadcast_to(c1, carry.c.shape),
       s0=r2 * carry.s0 + s0,
       s1=r2[..., None] * carry.s1 + (s1_raw - s0[..., None] * c1),
-      s2=r2 * carry.s2 + jnp.sum(we2 * vn2, axis=-1),
+      s2=r2 * carry.s2 + s2_blk,
       r1=jnp.maximum(r * carry.r1, jnp.max(we, axis=-1)),
       rv=jnp.maximum(r * carry.rv, jnp.max(we * jnp.sqrt(vn2), axis=-1)),
   )
@@ -258,17 +275,33 @@ def offset_logits(q, k, log_pi, mask, scale):
   return l[..., 0, :]
 
 
-def exact_range(l, v, w, valid, out, lse):
+def exact_range(l, v, w, valid, out, lse, sqnorm=None):
   """``max_i w_i p_i ||v_i - out||`` over valid slots (rows [..., g]).
 
   Args:
     l: [..., g, n] offset logits; v: [..., n, dv]; w, valid: [..., 1|g, n];
     out: [..., g, dv] final output; lse: [..., g] final log-normaliser.
+    sqnorm: optional [..., 1, n] stored ``||v_i||^2`` (as :func:`online_update`
+      takes them). Given, the distances come from ``||v_i||^2 - 2 v_i . out +
+      ||out||^2``, one matmul over the values, instead of a ``[g, n, dv]``
+      elementwise pass. Its float32 rounding is about
+      ``eps (||v_i||^2 + ||out||^2)`` in the squared distance: it matters
+      for slots whose value is nearly ``out``, which do not attain the maximum
+      unless every slot's does.
   """
   lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
   p = jnp.where(valid, jnp.exp(l - lse_safe[..., None]), 0.0)
   w = jnp.where(valid, w, 0.0)
-  dev = jnp.linalg.norm(v.astype(jnp.float32)[..., None, :, :] - out[..., :, None, :], axis=-1)
+  if sqnorm is None:
+    dev = jnp.linalg.norm(v.astype(jnp.float32)[..., None, :, :] - out[..., :, None, :],
+                          axis=-1)
+  else:
+    valid_any = jnp.any(valid, axis=-2, keepdims=True)  # [..., 1, n]
+    vf = jnp.where(jnp.swapaxes(valid_any, -1, -2), v.astype(jnp.float32), 0.0)
+    v_o = jnp.matmul(out, jnp.swapaxes(vf, -1, -2), precision=jax.lax.Precision.HIGHEST)
+    d2 = (jnp.where(valid_any, sqnorm, 0.0) - 2.0 * v_o
+          + jnp.sum(out * out, axis=-1, keepdims=True))
+    dev = jnp.sqrt(jnp.maximum(d2, 0.0))
   dev = jnp.where(valid, dev, 0.0)  # values of invalid slots are never read
   return jnp.max(w * p * dev, axis=-1, initial=0.0)
 
@@ -313,6 +346,7 @@ def grouped_reference(
     block_size: Optional[int] = None,
     range_mode: str = "exact",
     with_stats: bool = True,
+    value_sqnorm=None,
 ) -> Reference:
   """Reference offset attention with certificate statistics (float32 math).
 
@@ -329,6 +363,11 @@ def grouped_reference(
       bound, see module docstring).
     with_stats: False computes the offset attention alone (statistics zero),
       the baseline that their cost is measured against.
+    value_sqnorm: optional [..., n] ``||v_i||^2`` of each slot, as a
+      ``certkv_jax.KVCache`` stores them (``v_sq``). The second-order sum
+      and the exact range then read them instead of a pass over the values
+      (see :func:`online_update` and :func:`exact_range`); the result is the
+      same up to float32 rounding, which then scales with ``||v||^2``.
 
   Returns:
     Reference(out [..., g, dv], lse, var_hat, range_hat [..., g]).
@@ -343,6 +382,11 @@ def grouped_reference(
   lead = jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], log_pi.shape[:-1],
                               mask.shape[:-1])
   rows = lead + (g,)
+  given_sq = None
+  if value_sqnorm is not None:
+    if value_sqnorm.shape[-1:] != (n,):
+      raise ValueError(f"value_sqnorm must be [..., {n}]; got {value_sqnorm.shape}")
+    given_sq = value_sqnorm.astype(jnp.float32)[..., None, :]  # [..., 1, n]
   offset = -log_pi.astype(jnp.float32)[..., None, :]  # [..., 1, n]
   valid = mask[..., None, :]
   w = one_minus_pi(offset)
@@ -356,11 +400,11 @@ def grouped_reference(
     center = jnp.take_along_axis(vb, jnp.broadcast_to(top, lead + (1, 1)), axis=-2)
     center = jnp.where(jnp.any(valid, axis=-1, keepdims=True), center.astype(jnp.float32), 0.0)
     fin = finalize(online_update(empty_partials(rows, dv), l, v, w, valid, precision=hp,
-                                 center=center, second_order=with_stats))
+                                 center=center, second_order=with_stats, sqnorm=given_sq))
     if range_mode == "bound" or not with_stats:
       rng = fin.range_bound
     else:
-      rng = exact_range(l, v, w, valid, fin.out, fin.lse)
+      rng = exact_range(l, v, w, valid, fin.out, fin.lse, given_sq)
     return Reference(fin.out, fin.lse, fin.var_hat, rng)
   bs = block_size
   carry = empty_partials(rows, dv)
@@ -368,7 +412,8 @@ def grouped_reference(
   for sl in blocks:  # static Python loop: the blocked path is for testing the algorithm
     l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale, hp)
     carry = online_update(carry, l_b, v[..., sl, :], w[..., sl], valid[..., sl], precision=hp,
-                          second_order=with_stats)
+                          second_order=with_stats,
+                          sqnorm=None if given_sq is None else given_sq[..., sl])
   fin = finalize(carry)
   if range_mode == "bound" or not with_stats:
     rng = fin.range_bound
@@ -376,6 +421,7 @@ def grouped_reference(
     rng = jnp.zeros(rows, jnp.float32)
     for sl in blocks:  # the exact range needs the final output: a second sweep
       l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale, hp)
-      rng = jnp.maximum(rng, exact_range(l_b, v[..., sl, :], w[..., sl], valid[..., sl],
-                                         fin.out, fin.lse))
+      rng = jnp.maximum(rng, exact_range(
+          l_b, v[..., sl, :], w[..., sl], valid[..., sl], fin.out, fin.lse,
+          None if given_sq is None else given_sq[..., sl]))
   return Reference(fin.out, fin.lse, fin.var_hat, rng)

@@ -158,6 +158,82 @@ class OffsetAttentionTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.asarray(p)[~np.asarray(mask)], 0.0)
 
 
+def _sqnorm(v, mask):
+  """``||v_i||^2`` per slot where some row reads it, garbage (-1) elsewhere."""
+  return jnp.where(mask, jnp.sum(v.astype(jnp.float32) ** 2, axis=-1), -1.0)
+
+
+class StoredValueNormsTest(parameterized.TestCase):
+  """``value_sqnorm``: the cache's stored ``||v||^2`` replaces a pass over the values."""
+
+  @parameterized.product(seed=(0, 1, 2), block_size=(None, 8))
+  def test_same_statistics_as_float64(self, seed, block_size):
+    q, k, v, log_pi, mask = _problem(jax.random.PRNGKey(seed))
+    sq = _sqnorm(v, mask)
+    got = certkv_jax.offset_attention(q, k, v, log_pi, mask, block_size=block_size,
+                                      value_sqnorm=sq)
+    out, var, rng = _np_reference(q, k, v, log_pi, mask)
+    np.testing.assert_allclose(got.out, out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.var_hat, var, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(got.range_hat, rng, rtol=1e-5, atol=1e-7)  # exact range
+    bound = certkv_jax.offset_attention(q, k, v, log_pi, mask, block_size=block_size,
+                                        range_mode="bound", value_sqnorm=sq)
+    self.assertGreaterEqual(float(bound.range_hat), rng * (1 - 1e-6))
+    np.testing.assert_allclose(bound.var_hat, var, rtol=1e-4, atol=1e-7)
+
+  def test_common_offset_values_keep_1e_4_relative_accuracy(self):
+    # Values offset by 20 in every channel (400x their variance): the stored
+    # norms are ||v||^2, so rounding scales with it (method, section 4,
+    # "Stored value norms"); the statistics stay within 1e-4 of float64.
+    q, k, v, log_pi, mask = _problem(jax.random.PRNGKey(4), n=300)
+    v = v + 20.0
+    got = certkv_jax.offset_attention(q, k, v, log_pi, mask, value_sqnorm=_sqnorm(v, mask))
+    _, var, rng = _np_reference(q, k, v, log_pi, mask)
+    np.testing.assert_allclose(got.var_hat, var, rtol=1e-4)
+    np.testing.assert_allclose(got.range_hat, rng, rtol=1e-4)
+
+  def test_gqa_layout(self):
+    ks = jax.random.split(jax.random.PRNGKey(11), 5)
+    b, h, g, n, d = 2, 3, 4, 24, 8
+    q = jax.random.normal(ks[0], (b, h, g, d))
+    k = jax.random.normal(ks[1], (b, h, 1, n, d))
+    v = jax.random.normal(ks[2], (b, h, 1, n, d)) + 5.0
+    log_pi = jnp.log(jax.random.uniform(ks[3], (b, h, 1, n), minval=0.05))
+    mask = jax.random.bernoulli(ks[4], 0.8, (b, h, 1, n))
+    a = certkv_jax.offset_attention(q, k, v, log_pi, mask)
+    got = certkv_jax.offset_attention(q, k, v, log_pi, mask, value_sqnorm=_sqnorm(v, mask))
+    np.testing.assert_array_equal(got.out, a.out)
+    # Offset 5 (25x the variance): rounding of order 1e-5 relative, from ||v||^2.
+    np.testing.assert_allclose(got.var_hat, a.var_hat, rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(got.range_hat, a.range_hat, rtol=1e-4, atol=1e-9)
+
+  def test_unread_slots_may_hold_anything_under_jit(self):
+    q, k, v, log_pi, mask = _problem(jax.random.PRNGKey(6))
+    sq = _sqnorm(v, mask)
+    clean = certkv_jax.offset_attention(q, k, v, log_pi, mask, value_sqnorm=sq)
+    dirty = jax.jit(lambda s: certkv_jax.offset_attention(
+        q, k, v, log_pi, mask, value_sqnorm=s))(jnp.where(mask, sq, jnp.nan))
+    chex.assert_tree_all_finite(dirty)
+    chex.assert_trees_all_close(clean, dirty, rtol=1e-5, atol=1e-7)  # jit vs eager rounding
+
+  def test_bad_input_names_the_argument(self):
+    q, k, v, log_pi, mask = _problem(jax.random.PRNGKey(0))
+    sq = jnp.where(mask, _sqnorm(v, mask), 0.0)
+    call = lambda **kw: certkv_jax.offset_attention(q, k, v, log_pi, mask, **kw)
+    with self.assertRaisesRegex(ValueError, "value_sqnorm must have n=40 slots"):
+      call(value_sqnorm=sq[:-1])
+    with self.assertRaisesRegex(ValueError, "value_sqnorm's leading dims"):
+      call(value_sqnorm=jnp.stack([sq, sq]))
+    with self.assertRaisesRegex(TypeError, "value_sqnorm must be a floating dtype"):
+      call(value_sqnorm=sq.astype(jnp.int32))
+    with self.assertRaisesRegex(ValueError, "value_sqnorm must be >= 0"):
+      call(value_sqnorm=sq.at[jnp.argmax(mask)].set(-1.0))
+    with self.assertRaisesRegex(ValueError, "value_sqnorm has 1 NaN/inf"):
+      call(value_sqnorm=sq.at[jnp.argmax(mask)].set(jnp.inf))
+    with self.assertRaisesRegex(ValueError, "for implementation='xla'"):
+      call(value_sqnorm=sq, implementation="pallas")
+
+
 class VariantsTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)

@@ -137,6 +137,16 @@ class CheckedAttentionTest(parameterized.TestCase):
     err, _ = checked.checked(jax.vmap(checked.checked_offset_attention))(**batch)
     self.assertRegex(err.get(), r"^v has 1 NaN/inf entries")
 
+  def test_checked_mode_catches_bad_stored_value_norms(self):
+    args = _problem()
+    sq = jnp.sum(args["v"] ** 2, axis=-1)
+    err, _ = self.attend(**args, value_sqnorm=sq.at[4].set(np.nan))
+    self.assertIsNone(err.get())  # slot 4 is masked out: never read
+    err, _ = self.attend(**args, value_sqnorm=sq.at[1].set(np.inf))
+    self.assertRegex(err.get(), r"^value_sqnorm has 1 NaN/inf entries on valid slots")
+    err, _ = self.attend(**args, value_sqnorm=sq.at[2].set(-1.0))
+    self.assertRegex(err.get(), r"^value_sqnorm must be >= 0 .*found 1 entries < 0")
+
   def test_raising_helper(self):
     f = checked.raising(checked.checked_offset_attention)
     f(**_problem())

@@ -30,7 +30,10 @@ class BenchKernelsTest(absltest.TestCase):
     (row,) = rows
     self.assertEqual((row["n"], row["d"], row["dtype"]), (32, 8, "float32"))
     self.assertEqual(set(row["seconds"]),
-                     {"plain", "offset", "xla_offset", "stats_bound", "stats_exact"})
+                     {"plain", "offset", "xla_offset", "stats_stored", "stats_stored_exact",
+                      "stats_bound", "stats_exact"})
+    lo, hi, _ = row["stats_over_offset_interval"]
+    self.assertTrue(lo <= row["stats_over_offset"] <= hi)
     self.assertEqual(row["ratio_to_plain"]["plain"], 1.0)
     self.assertTrue(all(t > 0 for t in row["seconds"].values()))
     self.assertIn("| 32 | 8 |", open(out).read())

@@ -95,7 +95,47 @@ class CacheTest(absltest.TestCase):
     c = cache_lib.init_cache(100, 64, dtype=jnp.bfloat16)
     b = cache_lib.cache_bytes(c)
     self.assertEqual(b["kv"], 2 * 100 * 64 * 2)
-    self.assertEqual(b["metadata"], 100 * (4 + 4 + 1 + 4 * 3) + 8)
+    # per slot: log_pi, pos, valid, acc/last/obs, v_sq; per cache: 2 counters
+    self.assertEqual(b["metadata"], 100 * (4 + 4 + 1 + 4 * 3 + 4) + 8)
+
+
+def _stored_norms_hold(test, c):
+  """v_sq is ||v||^2 (of the stored, cast values) on kept slots, 0 elsewhere."""
+  del test
+  expect = np.sum(np.asarray(c.v, np.float64) ** 2, axis=-1)
+  expect = np.where(np.asarray(c.valid), expect, 0.0)
+  np.testing.assert_allclose(c.v_sq, expect, rtol=1e-6, atol=1e-6)
+
+
+class StoredValueNormsTest(absltest.TestCase):
+  """``v_sq``: written on append (padding skipped), zeroed on eviction, moved by compact."""
+
+  def test_append_writes_the_norms_of_real_tokens(self):
+    c = cache_lib.init_cache(16, 4)
+    v1 = jax.random.normal(jax.random.PRNGKey(1), (5, 4)) + 3.0
+    real = jnp.array([True, False, True, True, False])
+    c = cache_lib.append(c, jnp.zeros((5, 4)), v1, real)
+    self.assertEqual(int(c.n_valid), 3)
+    _stored_norms_hold(self, c)
+    c = cache_lib.append(c, jnp.zeros((4, 4)), 10.0 + jnp.ones((4, 4)))
+    _stored_norms_hold(self, c)
+
+  def test_eviction_zeroes_and_compact_moves_them(self):
+    c, _ = _filled(n=12)
+    keep = jnp.arange(16) % 3 == 0
+    c = cache_lib.keep_only(c, keep, jnp.where(keep, -0.5, 0.0))
+    _stored_norms_hold(self, c)
+    small = cache_lib.compact(c, 6)
+    _stored_norms_hold(self, small)
+    np.testing.assert_allclose(np.sort(np.asarray(small.v_sq)[np.asarray(small.valid)]),
+                               np.sort(np.asarray(c.v_sq)[np.asarray(c.valid)]))
+
+  def test_low_precision_cache_stores_the_norm_of_the_stored_value(self):
+    c = cache_lib.init_cache(8, 4, dtype=jnp.bfloat16)
+    v = jax.random.normal(jax.random.PRNGKey(3), (6, 4)) * 7.0
+    c = cache_lib.append(c, jnp.zeros((6, 4)), v)
+    self.assertEqual(c.v_sq.dtype, jnp.float32)
+    _stored_norms_hold(self, c)  # of the bfloat16 values, not of v
 
 
 if __name__ == "__main__":

@@ -152,10 +152,10 @@ class MemorySummaryTest(absltest.TestCase):
       self.assertEqual(s["kv_bytes"] * full_tokens, s["full_kv_bytes"] * cap)
       self.assertAlmostEqual(s["kv_fraction"], b)
       n_caches = config.n_layers * batch * config.n_kv_heads
-      # Per slot: log_pi, acc, last, obs (float32), pos (int32), valid (bool);
+      # Per slot: log_pi, acc, last, obs, v_sq (float32), pos (int32), valid (bool);
       # per cache: n_seen and n_dropped (int32).
-      self.assertEqual(s["metadata_bytes"], n_caches * (21 * cap + 8))
-      self.assertEqual(s["full_metadata_bytes"], n_caches * (21 * full_tokens + 8))
+      self.assertEqual(s["metadata_bytes"], n_caches * (25 * cap + 8))
+      self.assertEqual(s["full_metadata_bytes"], n_caches * (25 * full_tokens + 8))
       self.assertEqual(s["total_bytes"], s["kv_bytes"] + s["metadata_bytes"])
       # The same as certkv_jax.cache.cache_bytes per cache, summed.
       one = cache_lib.cache_bytes(jax.tree_util.tree_map(lambda x: x[0, 0, 0], caches))

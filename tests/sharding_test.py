@@ -109,10 +109,12 @@ def _random_caches(seed, lead=(2, 2, 4), cap=16, d=8):
   f = lambda x: jnp.asarray(np.where(valid, x, 0.0), jnp.float32)
   fv = lambda x: jnp.asarray(np.where(valid[..., None], x, 0.0), jnp.float32)
   log_pi = np.where(rng.random(shape) < 0.5, 0.0, np.log(rng.uniform(0.2, 1.0, shape)))
+  v = fv(rng.normal(size=shape + (d,)))
   return certkv_jax.KVCache(
-      k=fv(rng.normal(size=shape + (d,))), v=fv(rng.normal(size=shape + (d,))),
+      k=fv(rng.normal(size=shape + (d,))), v=v,
       log_pi=f(log_pi), pos=jnp.asarray(pos, jnp.int32), valid=jnp.asarray(valid),
       acc=f(rng.gamma(1.0, size=shape)), last=f(rng.random(shape)), obs=f(rng.random(shape)),
+      v_sq=f(jnp.sum(v * v, axis=-1)),
       n_seen=jnp.full(lead, cap, jnp.int32), n_dropped=jnp.zeros(lead, jnp.int32))
 
 

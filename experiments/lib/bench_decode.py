@@ -75,6 +75,7 @@ from certkv_jax import designs as designs_lib
 from experiments.lib import bench_decode_report as report_lib
 from experiments.lib import model_loading
 from experiments.lib import suite_settings
+from experiments.lib.stats import intervals
 from models import decode
 from models import llama
 from models import memory
@@ -197,15 +198,9 @@ def plan_from_flags(fv) -> Plan:
 
 
 def median_interval(samples) -> dict:
-  """Median of ``samples`` and its order-statistic interval: ``{median, lo, hi, level}``."""
-  x = np.sort(np.asarray(samples, np.float64))
-  n = len(x)
-  cdf = lambda j: sum(math.comb(n, i) for i in range(j + 1)) / 2.0 ** n  # P(Bin(n, 1/2) <= j)
-  k = 1  # 1-indexed order statistic: [x_(k), x_(n + 1 - k)] covers with 1 - 2 cdf(k - 1)
-  while k + 1 <= (n + 1) // 2 and 1.0 - 2.0 * cdf(k) >= LEVEL:
-    k += 1
-  return dict(median=float(np.median(x)), lo=float(x[k - 1]), hi=float(x[n - k]),
-              level=round(1.0 - 2.0 * cdf(k - 1), 4))
+  """Median of ``samples`` and its order-statistic interval at ``LEVEL``:
+  ``{median, lo, hi, level}`` (``experiments.lib.stats.intervals.median_interval``)."""
+  return intervals.median_interval(samples, LEVEL)
 
 
 def _step_fn(config, design, certificate: bool, every: int = 1, steps: int = 1):

@@ -1,6 +1,7 @@
 """Uncertainty: :func:`bootstrap_ci` (percentile bootstrap, paired over examples,
 optionally stratified), :func:`cluster_bootstrap_ci` (resamples whole groups, e.g.
-all decode calls of one example) and :func:`wilson_interval`."""
+all decode calls of one example), :func:`wilson_interval` and
+:func:`median_interval` (distribution-free, for benchmark timings)."""
 
 from __future__ import annotations
 
@@ -136,3 +137,24 @@ def wilson_interval(k, n, alpha: float = 0.05) -> tuple[float, float]:
   lo = 0.0 if k == 0 else max(0.0, centre - half)
   hi = 1.0 if k == n else min(1.0, centre + half)
   return lo, hi
+
+
+def median_interval(samples, level: float = 0.95) -> dict:
+  """Median of ``samples`` and its order-statistic interval: ``{median, lo, hi, level}``.
+
+  ``[x_(k), x_(n + 1 - k)]`` with the largest ``k`` whose coverage of the
+  median, ``1 - 2 P(Bin(n, 1/2) <= k - 1)``, is still >= ``level``: no
+  assumption on the distribution of the samples beyond independence. With
+  too few samples for ``level`` it is the range, and ``level`` reports the
+  coverage it has.
+  """
+  x = np.sort(np.asarray(samples, np.float64))
+  n = len(x)
+  if n < 1:
+    raise ValueError("samples must not be empty")
+  cdf = lambda j: sum(math.comb(n, i) for i in range(j + 1)) / 2.0 ** n  # P(Bin(n, 1/2) <= j)
+  k = 1  # 1-indexed order statistic
+  while k + 1 <= (n + 1) // 2 and 1.0 - 2.0 * cdf(k) >= level:
+    k += 1
+  return dict(median=float(np.median(x)), lo=float(x[k - 1]), hi=float(x[n - k]),
+              level=round(1.0 - 2.0 * cdf(k - 1), 4))
