@@ -55,6 +55,8 @@ def _prune(directory, max_bytes):
 
 
 def pytest_configure(config):
+  if hasattr(config.option, "loadscopereorder"):  # xdist: keep the file order set below
+    config.option.loadscopereorder = False
   directory = _cache_dir()
   if directory is None:
     return
@@ -73,3 +75,49 @@ def pytest_configure(config):
                        ("jax_persistent_cache_min_compile_time_secs", float),
                        ("jax_persistent_cache_min_entry_size_bytes", int)):
       sys.modules["jax"].config.update(name, kind(os.environ[name.upper()]))
+
+
+# ------------------------------------------------------------------ file order for -n 2
+# Seconds of each file's tests that took >= 17 s each in a clean-clone CI run
+# (22ecdf1, 2026-12-01, `--durations`); files not listed had none. Only the
+# order of the files depends on it: the heaviest first, so that xdist's
+# `--dist loadfile` (which hands a worker its next file when it runs dry)
+# approximates longest-processing-time-first scheduling and two workers end
+# close together. A stale table costs balance, never correctness.
+FILE_SECONDS = {
+    "tests/models_smollm2_designs_test.py": 649,
+    "tests/models_decode_test.py": 572,
+    "tests/sharding_test.py": 477,
+    "tests/validity_test.py": 379,
+    "tests/suite_test.py": 358,
+    "tests/damage_experiment_test.py": 201,
+    "tests/bench_decode_test.py": 185,
+    "tests/experiment_scripts_test.py": 163,
+    "tests/readme_test.py": 160,
+    "tests/generate_test.py": 143,
+    "tests/kernels_test.py": 127,
+    "tests/models_demo_test.py": 106,
+    "tests/models_budgets_test.py": 106,
+    "tests/multiprocess_test.py": 78,
+    "tests/attention_test.py": 74,
+    "tests/bad_input_test.py": 68,
+    "tests/sampling_test.py": 64,
+    "tests/sort_free_test.py": 51,
+    "tests/designs_test.py": 50,
+    "tests/theorem1_test.py": 48,
+    "tests/bench_test.py": 41,
+    "tests/montecarlo_test.py": 37,
+    "tests/train_synthetic_test.py": 35,
+    "tests/certificate_test.py": 34,
+    "tests/experiments_test.py": 32,
+    "tests/exp_perplexity_test.py": 29,
+    "tests/models_kvpress_parity_test.py": 27,
+    "tests/signals_test.py": 22,
+    "tests/models_llama_test.py": 18,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+  """Orders the test files heaviest first (stable within a file and among the rest)."""
+  del config
+  items.sort(key=lambda item: -FILE_SECONDS.get(item.nodeid.split("::")[0], 0))
