@@ -181,13 +181,13 @@ def offset_attention(
     raise ValueError("block_size is for implementation='xla'; use block_sizes for 'pallas'")
   if implementation == "xla" and block_sizes is not None:
     raise ValueError("block_sizes is for implementation='pallas'; use block_size for 'xla'")
-  if value_sqnorm is not None and implementation == "pallas":
-    raise ValueError("value_sqnorm is for implementation='xla' (the Pallas kernel computes "
-                     "the norms on its tiles)")
   if value_sqnorm is not None:
+    if implementation == "pallas":
+      raise ValueError("value_sqnorm is for implementation='xla' (the Pallas kernel computes "
+                       "the norms on its tiles)")
     value_sqnorm = _check_sqnorm(value_sqnorm, v, mask)
   grouped, back = _grouped_layout(q, k, v, log_pi, mask, value_sqnorm)
-  gq, gk, gv, glp, gmask = grouped[:5]
+  gq, gk, gv, glp, gmask, gsq = grouped
   if implementation == "pallas":
     from pallas_kernels import offset_decode  # pylint: disable=import-outside-toplevel
     offset = jnp.where(gmask, -glp.astype(jnp.float32), -jnp.inf)
@@ -197,7 +197,7 @@ def offset_attention(
   else:
     res = reference.grouped_reference(gq, gk, gv, glp, gmask, scale=scale,
                                       block_size=block_size, range_mode=range_mode,
-                                      value_sqnorm=grouped[5] if len(grouped) > 5 else None)
+                                      value_sqnorm=gsq)
   ref = back(res)
   out_dtype = jnp.result_type(q.dtype, v.dtype)
   return OffsetAttentionResult(ref.out.astype(out_dtype), ref.lse, ref.var_hat, ref.range_hat)
@@ -240,8 +240,8 @@ def _grouped_layout(q, k, v, log_pi, mask, value_sqnorm=None):
   axes flatten into B.
 
   Returns:
-    ((q [B, G, d], k [B, n, d], v [B, n, dv], log_pi [B, n], mask [B, n]
-     [, value_sqnorm [B, n]]), back): ``back`` maps a grouped ``reference.Reference`` to the broadcast
+    ((q [B, G, d], k [B, n, d], v [B, n, dv], log_pi [B, n], mask [B, n],
+     value_sqnorm [B, n] or None), back): ``back`` maps a grouped ``reference.Reference`` to the broadcast
     leading shape.
   """
   d, n, dv = q.shape[-1], k.shape[-2], v.shape[-1]
@@ -273,9 +273,8 @@ def _grouped_layout(q, k, v, log_pi, mask, value_sqnorm=None):
     return reference.Reference(unflatten(res.out, (dv,)), unflatten(res.lse, ()),
                                unflatten(res.var_hat, ()), unflatten(res.range_hat, ()))
 
-  grouped = (gq, kv(k, (n, d)), kv(v, (n, dv)), kv(log_pi, (n,)), kv(mask, (n,)))
-  if value_sqnorm is not None:  # the stored value norms travel like log_pi
-    grouped += (kv(value_sqnorm, (n,)),)
+  gsq = None if value_sqnorm is None else kv(value_sqnorm, (n,))  # travels like log_pi
+  grouped = (gq, kv(k, (n, d)), kv(v, (n, dv)), kv(log_pi, (n,)), kv(mask, (n,)), gsq)
   return grouped, back
 
 

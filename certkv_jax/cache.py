@@ -329,8 +329,8 @@ def compact(cache: KVCache, capacity: int) -> KVCache:
   order = jnp.argsort(~cache.valid, axis=-1, stable=True)[..., :capacity]  # kept first
   grow = capacity - cap
 
-  def take(name, x, empty):
-    if name in _PER_CACHE:  # per-cache scalars
+  def take(x, empty):
+    if x.ndim <= lead:  # per-cache scalars (n_seen, n_dropped)
       return x
     idx = order.reshape(order.shape + (1,) * (x.ndim - lead - 1))
     x = jnp.take_along_axis(x, idx, axis=lead)
@@ -339,12 +339,8 @@ def compact(cache: KVCache, capacity: int) -> KVCache:
       pad[lead] = (0, grow)
       x = jnp.pad(x, pad, constant_values=empty)
     return x
-  return KVCache(**{f: take(f, getattr(cache, f), -1 if f == "pos" else 0)
-                    for f in cache._fields})
-
-
-# Fields that are not per slot (no slot axis).
-_PER_CACHE = ("n_seen", "n_dropped")
+  empty = cache._replace(**{f: (-1 if f == "pos" else 0) for f in cache._fields})
+  return jax.tree_util.tree_map(take, cache, empty)
 
 
 def cache_bytes(cache: KVCache) -> dict:
