@@ -20,6 +20,13 @@ tasks. This module fits what held up better there:
   unlike all of them is not covered by this argument: that shift is measured
   (leave-one-source-out), not assumed.
 * **Per regime, budget and delta**: one set of edges and scales each.
+* **The context lengths it was fitted on.** The artifact records the range
+  ``context_range`` (fewest and most prompt tokens, context + question, of the
+  calibration calls) next to its sources (``data``). Context length is a shift
+  like any other (scales fitted at 1,024 tokens under-cover at 256 on SmolLM2), so
+  :meth:`BinnedCalibration.radius` given a ``context_len`` outside that range
+  refuses, or, with ``outside_range="warn"``, returns the radius and leaves the
+  warning to the caller.
 
 Caveat: the bin edges are computed from the same calibration calls as the
 quantiles; with ``n_bins`` small against the number of calls this perturbs
@@ -27,6 +34,8 @@ the exchangeability argument by O(n_bins / n) and is ignored here.
 
 :class:`BinnedCalibration` is the artifact (orbax, with the metadata of what it
 was fitted on; :meth:`BinnedCalibration.radius` refuses anything else).
+Format version 2 added ``context_range``; version-1 artifacts are refused on
+load (re-fit them: ``python -m experiments.calibrate --from_units``).
 """
 
 from __future__ import annotations
@@ -45,7 +54,8 @@ from certkv_jax import calibration_store as store
 
 Array = jax.Array
 KIND = "certkv_jax.robust_calibration"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+OUTSIDE_RANGE = ("raise", "warn")
 DEFAULT_BINS = 8
 
 
@@ -105,6 +115,8 @@ class BinnedCalibration:
     edges: [n_regimes, n_budgets, n_deltas, n_bins - 1] interior radius edges.
     n_calls: [n_regimes, n_budgets, n_deltas, n_sources, n_bins] int64.
     regimes, budgets, deltas, data: the axes (``data`` = calibration sources).
+    context_range: ``(lo, hi)`` ints, the fewest and most prompt tokens
+      (context + question) of the calls it was fitted on.
     model, design, created, format_version: as in
       :class:`certkv_jax.calibration_store.Calibration`.
   """
@@ -116,6 +128,7 @@ class BinnedCalibration:
   budgets: tuple
   deltas: tuple
   data: tuple
+  context_range: tuple
   model: str
   design: str
   created: str
@@ -142,6 +155,7 @@ class BinnedCalibration:
       if not isinstance(getattr(self, name), str) or not getattr(self, name):
         raise ValueError(f"{name} must be a non-empty str")
     datetime.datetime.fromisoformat(self.created)
+    object.__setattr__(self, "context_range", _check_range(self.context_range))
     for name, arr in (("scales", scales), ("edges", edges),
                       ("n_calls", np.asarray(self.n_calls, np.int64))):
       arr = np.array(arr)
@@ -151,6 +165,17 @@ class BinnedCalibration:
   @property
   def n_bins(self) -> int:
     return self.scales.shape[-1]
+
+  def covers_context(self, context_len: int) -> bool:
+    """Whether ``context_len`` prompt tokens lie in the fitted ``context_range``."""
+    lo, hi = self.context_range
+    return lo <= context_len <= hi
+
+  def fitted_on(self) -> str:
+    """'contexts of LO-HI tokens from sources A, B, ...' (for messages)."""
+    lo, hi = self.context_range
+    span = f"{lo}" if lo == hi else f"{lo}-{hi}"
+    return f"contexts of {span} tokens from sources {', '.join(self.data)}"
 
   def _entry(self, model, design, regime, budget, delta):
     for name, want, got in (("model", self.model, model), ("design", self.design, design)):
@@ -165,14 +190,39 @@ class BinnedCalibration:
     return i, b, d
 
   def radius(self, raw, *, model: str, design: str, regime: str, budget: float,
-             delta: float) -> Array:
+             delta: float, context_len: Optional[int] = None,
+             outside_range: str = "raise") -> Array:
     """Calibrated radii of raw radii ``raw [...]`` (jnp; ``raw`` may be traced).
+
+    Args:
+      raw: [...] raw radii at ``delta``.
+      model, design, regime, budget, delta: must be ones this calibration was
+        made for.
+      context_len: prompt tokens (context + question) of the calls of ``raw``;
+        None: not checked (the caller vouches for it, e.g. a study that
+        measures the shift across context lengths).
+      outside_range: what a ``context_len`` outside :attr:`context_range`
+        does: "raise" (ValueError) or "warn" (the radius is returned and the
+        caller must tell the user that its coverage is not established there).
 
     Raises:
       ValueError naming the field (model, design, regime, budget, delta) when
-      this calibration was not made for it.
+      this calibration was not made for it; naming ``context_len``, the fitted
+      range and the sources when ``context_len`` is outside the range and
+      ``outside_range`` is "raise".
     """
+    if outside_range not in OUTSIDE_RANGE:
+      raise ValueError(f"outside_range must be one of {OUTSIDE_RANGE}, got {outside_range!r}")
     i, b, d = self._entry(model, design, regime, budget, delta)
+    if context_len is not None:
+      if isinstance(context_len, (bool, np.bool_)) or not isinstance(context_len,
+                                                                     (int, np.integer)):
+        raise ValueError(f"context_len must be an int (prompt tokens), got {context_len!r}")
+      if not self.covers_context(int(context_len)) and outside_range == "raise":
+        raise ValueError(f"context_len: this calibration was fitted on {self.fitted_on()}, "
+                         f"got context_len={int(context_len)}; its coverage is not "
+                         "established there (pass outside_range='warn' to use it anyway and "
+                         "warn)")
     raw = jnp.asarray(raw)
     bins = jnp.searchsorted(jnp.asarray(self.edges[i, b, d]), raw, side="right")
     return calibration.apply_scales(raw, bins.astype(jnp.int32), self.scales[i, b, d])
@@ -181,13 +231,27 @@ class BinnedCalibration:
     return {"kind": KIND, "format_version": self.format_version, "model": self.model,
             "design": self.design, "regimes": list(self.regimes), "data": list(self.data),
             "budgets": list(self.budgets), "deltas": list(self.deltas),
+            "context_range": list(self.context_range),
             "created": self.created, "shapes": {k: list(getattr(self, k).shape)
                                                 for k in ("scales", "edges", "n_calls")}}
 
 
+def _check_range(value) -> tuple:
+  try:
+    lo, hi = value
+  except (TypeError, ValueError) as err:
+    raise ValueError(f"context_range must be (lo, hi) ints, got {value!r}") from err
+  for v in (lo, hi):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+      raise ValueError(f"context_range must be (lo, hi) ints, got {value!r}")
+  if not 1 <= lo <= hi:
+    raise ValueError(f"context_range must have 1 <= lo <= hi, got {value!r}")
+  return int(lo), int(hi)
+
+
 def fit(errors, radii, *, regimes_per_call, budgets_per_call, sources_per_call,
-        regimes: Sequence[str], budgets: Sequence[float], deltas: Sequence[float], model: str,
-        design: str, n_bins: int = DEFAULT_BINS,
+        context_tokens_per_call, regimes: Sequence[str], budgets: Sequence[float],
+        deltas: Sequence[float], model: str, design: str, n_bins: int = DEFAULT_BINS,
         created: Optional[str] = None) -> BinnedCalibration:
   """Fits a :class:`BinnedCalibration` from flat per-call arrays.
 
@@ -195,6 +259,9 @@ def fit(errors, radii, *, regimes_per_call, budgets_per_call, sources_per_call,
     errors: [n_calls] true errors.
     radii: [n_deltas, n_calls] raw radii, row j at ``deltas[j]``.
     regimes_per_call, budgets_per_call, sources_per_call: [n_calls] labels.
+    context_tokens_per_call: [n_calls] ints, the prompt tokens (context +
+      question) of each call's sequence; the artifact records their range over
+      the calls it is fitted on (those of ``regimes`` x ``budgets``).
     regimes, budgets, deltas: the stored axes; every (regime, budget) needs calls.
     model, design: metadata checked when applied.
     n_bins: radius bins per (regime, budget, delta).
@@ -206,6 +273,15 @@ def fit(errors, radii, *, regimes_per_call, budgets_per_call, sources_per_call,
   reg = np.asarray(regimes_per_call)
   bud = np.asarray(budgets_per_call, np.float64)
   src = np.asarray(sources_per_call)
+  ctx = np.asarray(context_tokens_per_call)
+  for name, arr in (("regimes_per_call", reg), ("budgets_per_call", bud),
+                    ("sources_per_call", src), ("context_tokens_per_call", ctx)):
+    if arr.shape != e.shape:
+      raise ValueError(f"{name} must be [n_calls={e.size}] like errors, got shape {arr.shape}")
+  if not np.issubdtype(ctx.dtype, np.integer):
+    raise ValueError(f"context_tokens_per_call must be ints (prompt tokens), got dtype "
+                     f"{ctx.dtype}")
+  used = np.zeros(e.shape, bool)
   names = tuple(sorted(np.unique(src).tolist()))
   shape = (len(regimes), len(budgets), len(deltas))
   scales = np.empty(shape + (n_bins,))
@@ -216,6 +292,7 @@ def fit(errors, radii, *, regimes_per_call, budgets_per_call, sources_per_call,
       sel = (reg == regime) & (np.abs(bud - budget) <= store.MATCH_TOL + 1e-6 * budget)
       if not sel.any():
         raise ValueError(f"no calibration calls for regime {regime!r}, budget {budget}")
+      used |= sel
       for d, delta in enumerate(deltas):
         edges[i, b, d] = bin_edges(r[d, sel], n_bins)
         s, c = robust_scales(e[sel], r[d, sel], src[sel], edges[i, b, d], delta)
@@ -225,8 +302,9 @@ def fit(errors, radii, *, regimes_per_call, budgets_per_call, sources_per_call,
   created = created or datetime.datetime.now(datetime.timezone.utc).isoformat()
   return BinnedCalibration(scales=scales, edges=edges, n_calls=n_calls, regimes=tuple(regimes),
                            budgets=tuple(float(x) for x in budgets),
-                           deltas=tuple(float(x) for x in deltas), data=names, model=model,
-                           design=design, created=created)
+                           deltas=tuple(float(x) for x in deltas), data=names,
+                           context_range=(int(ctx[used].min()), int(ctx[used].max())),
+                           model=model, design=design, created=created)
 
 
 def save(path, cal: BinnedCalibration, *, overwrite: bool = False) -> str:
@@ -239,8 +317,19 @@ def save(path, cal: BinnedCalibration, *, overwrite: bool = False) -> str:
 
 
 def load(path) -> BinnedCalibration:
-  """Reads a calibration written by :func:`save` (errors as calibration_store.load)."""
-  meta, read = store.read_checkpoint(path, KIND, FORMAT_VERSION)
+  """Reads a calibration written by :func:`save` (errors as calibration_store.load; an
+  artifact of another format version, e.g. version 1 without ``context_range``, is a
+  ValueError saying how to re-fit it)."""
+  try:
+    meta, read = store.read_checkpoint(path, KIND, FORMAT_VERSION)
+  except ValueError as err:
+    if not str(err).startswith("format_version"):
+      raise
+    raise ValueError(f"{err}. Artifacts before version 2 do not record the context lengths "
+                     "they were fitted on, so where they apply cannot be checked; re-fit it "
+                     "from its unit files: python -m experiments.calibrate --from_units "
+                     "--out=DIR --design=... --data=... --context_len=... --overwrite (fits "
+                     "DIR/units into DIR/calibration)") from err
   shapes = meta["shapes"]
   arrays = read({"scales": np.zeros(shapes["scales"], np.float64),
                  "edges": np.zeros(shapes["edges"], np.float64),
@@ -249,5 +338,5 @@ def load(path) -> BinnedCalibration:
       scales=np.asarray(arrays["scales"]), edges=np.asarray(arrays["edges"]),
       n_calls=np.asarray(arrays["n_calls"]), regimes=tuple(meta["regimes"]),
       budgets=tuple(meta["budgets"]), deltas=tuple(meta["deltas"]), data=tuple(meta["data"]),
-      model=meta["model"], design=meta["design"], created=meta["created"],
-      format_version=meta["format_version"])
+      context_range=tuple(meta["context_range"]), model=meta["model"], design=meta["design"],
+      created=meta["created"], format_version=meta["format_version"])

@@ -15,8 +15,22 @@ per-source conformal scales -- give it several sources (``--data``).
 
   python -m experiments.calibrate --out=/tmp/calib --design=poisson_tail \
       --data=text,passkey,kv_retrieval,variable_tracking
+
+The artifact records the range of prompt tokens (context + question) of the
+calls it was fitted on and its sources; applying it outside that range is
+refused or warned about (:meth:`certkv_jax.robust_calibration.BinnedCalibration.radius`).
+
+``--from_units`` fits from the unit files already in ``--out/units`` (e.g. a
+validity study's) without loading the model or running anything: the units of
+``--design``, ``--regimes``, ``--data`` at ``--context_len``. The shipped
+calibration is re-made that way from the committed units::
+
+  python -m experiments.calibrate --from_units --out=experiments/results/validity \
+      --design=poisson_tail --context_len=1024 --overwrite \
+      --data=agent_memory,kv_retrieval,multi_needle,passkey,text,variable_tracking
 """
 
+import glob
 import os
 
 from absl import app
@@ -51,6 +65,25 @@ flags.DEFINE_integer("seed", 1, "Seed (use another than the evaluation's).")
 flags.DEFINE_integer("max_batch", 0, "Rows per call (0: a unit's whole batch).")
 flags.DEFINE_string("text", collect_lib.DEFAULT_TEXT, "Natural text file for 'text'.")
 flags.DEFINE_bool("overwrite", False, "Replace an existing --out/calibration.")
+flags.DEFINE_bool("from_units", False, "Fit from the unit files in --out/units (no model, "
+                  "no collection): those of --design, --regimes, --data at --context_len.")
+
+
+def _existing_units(out: str, design: str, regimes, data, context_len: int) -> list:
+  """The unit files under ``out/units`` of ``design`` x ``regimes`` x ``data`` at
+  ``context_len`` (sorted); every requested (regime, data source) must be there."""
+  paths, found = [], set()
+  for p in sorted(glob.glob(os.path.join(out, "units", "*.npz"))):
+    meta = collect_lib.unit_meta(p)
+    if (meta["design"] == design and meta["regime"] in regimes and meta["data"] in data
+        and meta["context_len"] == context_len):
+      paths.append(p)
+      found.add((meta["regime"], meta["data"]))
+  missing = sorted({(r, s) for r in regimes for s in data} - found)
+  if missing:
+    raise ValueError(f"--from_units: no unit file in {out}/units for design {design!r} at "
+                     f"context {context_len} and (regime, data) {missing}")
+  return paths
 
 
 def main(argv):
@@ -70,11 +103,15 @@ def main(argv):
   target = os.path.join(os.path.abspath(FLAGS.out), "calibration")
   if os.path.exists(target) and not FLAGS.overwrite:
     raise ValueError(f"--out: {target} exists; pass --overwrite to replace it")
-  params, config, tok = model_loading.load_model(FLAGS.model)
-  with open(FLAGS.text, encoding="utf-8") as f:
-    text = f.read()
-  paths = collect_lib.collect(params, config, tok, plan, FLAGS.out, text=text,
-                              text_source=FLAGS.text)
+  if FLAGS.from_units:
+    paths = _existing_units(FLAGS.out, FLAGS.design, plan.regimes, plan.data,
+                            FLAGS.context_len)
+  else:
+    params, config, tok = model_loading.load_model(FLAGS.model)
+    with open(FLAGS.text, encoding="utf-8") as f:
+      text = f.read()
+    paths = collect_lib.collect(params, config, tok, plan, FLAGS.out, text=text,
+                                text_source=FLAGS.text)
   calls = calls_lib.load_calls(paths)
   kw = dict(design=FLAGS.design, data=plan.data, context_len=FLAGS.context_len,
             budgets=budgets, deltas=deltas)
@@ -85,7 +122,9 @@ def main(argv):
     calib = calls_lib.fit_fold(calls, **kw)
     calibration_store.save(target, calib, overwrite=FLAGS.overwrite)
   finite = calib.scales[np.isfinite(calib.scales)]
-  print(f"{FLAGS.scheme} calibration of {FLAGS.design} on {', '.join(plan.data)} "
+  where = (f"{calib.fitted_on()}" if FLAGS.scheme == "binned"
+           else f"sources {', '.join(plan.data)}")
+  print(f"{FLAGS.scheme} calibration of {FLAGS.design} on {where} "
         f"({len(calls)} calls) saved to {target}: scales median "
         f"{float(np.median(finite)) if finite.size else float('nan'):.3f}, max "
         f"{float(calib.scales.max()):.3f}, {100 * float(np.mean(np.isinf(calib.scales))):.1f}% "

@@ -97,10 +97,15 @@ class BinnedCalibrationTest(absltest.TestCase):
     regimes = np.where(np.arange(n) % 2 == 0, "streaming", "question_aware")
     budgets = np.where(np.arange(n) % 3 == 0, 0.25, 0.5)
     radii = np.stack([r, 1.3 * r])
+    # Prompt lengths 1040-1156 (as the shipped artifact's); the chat calls (a regime
+    # the calibration is not made for) are longer and shorter and must not count.
+    context = 1040 + (np.arange(n) * 7) % 117
+    regimes = np.where(np.arange(n) % 50 == 7, "chat", regimes)
+    context = np.where(regimes == "chat", np.where(np.arange(n) % 100 == 7, 300, 4000), context)
     return rc.fit(e, radii, regimes_per_call=regimes, budgets_per_call=budgets,
-                  sources_per_call=s, regimes=("question_aware", "streaming"),
-                  budgets=(0.25, 0.5), deltas=(0.05, 0.1), model="m", design="poisson_tail",
-                  n_bins=4)
+                  sources_per_call=s, context_tokens_per_call=context,
+                  regimes=("question_aware", "streaming"), budgets=(0.25, 0.5),
+                  deltas=(0.05, 0.1), model="m", design="poisson_tail", n_bins=4)
 
   def test_round_trip_and_radius(self):
     cal = self._fit()
@@ -115,14 +120,69 @@ class BinnedCalibrationTest(absltest.TestCase):
       back = rc.load(path)
     for k in ("scales", "edges", "n_calls"):
       np.testing.assert_array_equal(getattr(back, k), getattr(cal, k))
-    for k in ("regimes", "budgets", "deltas", "data", "model", "design", "created"):
+    for k in ("regimes", "budgets", "deltas", "data", "context_range", "model", "design",
+              "created"):
       self.assertEqual(getattr(back, k), getattr(cal, k))
+    self.assertEqual(back.context_range, (1040, 1156))  # the chat calls' 300 / 4000 left out
+    self.assertEqual(back.metadata()["context_range"], [1040, 1156])
+    self.assertEqual(back.format_version, 2)
     raw = np.array([0.05, 0.5, 5.0, 50.0])
     got = np.asarray(back.radius(raw, model="m", design="poisson_tail", regime="streaming",
                                  budget=0.25, delta=0.05))
     edges, scales = cal.edges[1, 0, 0], cal.scales[1, 0, 0]
     want = scales[np.searchsorted(edges, raw, side="right")] * raw
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+  def test_context_len_outside_the_fitted_range_is_refused_or_warned(self):
+    cal = self._fit()
+    kw = dict(model="m", design="poisson_tail", regime="streaming", budget=0.25, delta=0.05)
+    raw = np.array([0.05, 0.5, 5.0, 50.0])
+    unchecked = np.asarray(cal.radius(raw, **kw))
+    for inside in (1040, 1100, 1156):
+      np.testing.assert_array_equal(np.asarray(cal.radius(raw, context_len=inside, **kw)),
+                                    unchecked)
+      self.assertTrue(cal.covers_context(inside))
+    for outside in (272, 1039, 1157, 2064):
+      with self.subTest(context_len=outside):
+        self.assertFalse(cal.covers_context(outside))
+        with self.assertRaisesRegex(
+            ValueError, rf"context_len: this calibration was fitted on contexts of 1040-1156 "
+                        rf"tokens from sources passkey, text, got context_len={outside}"):
+          cal.radius(raw, context_len=outside, **kw)
+        # The explicit opt-in returns the same radius; warning is the caller's job.
+        np.testing.assert_array_equal(
+            np.asarray(cal.radius(raw, context_len=outside, outside_range="warn", **kw)),
+            unchecked)
+    with self.assertRaisesRegex(ValueError, "outside_range"):
+      cal.radius(raw, context_len=1100, outside_range="ignore", **kw)
+    with self.assertRaisesRegex(ValueError, "context_len must be an int"):
+      cal.radius(raw, context_len=1100.0, **kw)
+    # fit needs the prompt lengths, one int per call.
+    one = dict(regimes_per_call=np.array(["streaming"] * 40), budgets_per_call=np.full(40, 0.25),
+               sources_per_call=np.array(["a"] * 40), regimes=("streaming",), budgets=(0.25,),
+               deltas=(0.05,), model="m", design="d")
+    with self.assertRaisesRegex(ValueError, "context_tokens_per_call must be"):
+      rc.fit(np.ones(40), np.ones((1, 40)), context_tokens_per_call=np.full(39, 100), **one)
+    with self.assertRaisesRegex(ValueError, "context_tokens_per_call must be ints"):
+      rc.fit(np.ones(40), np.ones((1, 40)), context_tokens_per_call=np.full(40, 100.0), **one)
+    self.assertEqual(rc.fit(np.ones(40), np.ones((1, 40)), context_tokens_per_call=np.full(40, 64),
+                            **one).fitted_on(), "contexts of 64 tokens from sources a")
+    with self.assertRaisesRegex(ValueError, "context_range"):
+      rc.BinnedCalibration(**{**cal.__dict__, "context_range": (1200, 1100)})
+
+  def test_old_format_is_refused_with_how_to_refit(self):
+    from certkv_jax import calibration_store  # pylint: disable=g-import-not-at-top
+    cal = self._fit()
+    meta = cal.metadata()
+    del meta["context_range"]
+    meta["format_version"] = 1
+    with tempfile.TemporaryDirectory() as d:
+      path = os.path.join(d, "v1")
+      calibration_store.write_checkpoint(
+          path, {"scales": cal.scales, "edges": cal.edges, "n_calls": cal.n_calls}, meta)
+      with self.assertRaisesRegex(ValueError, r"format_version: .* has version 1; this code "
+                                  r"reads version 2\. .*context lengths.*--from_units"):
+        rc.load(path)
 
   def test_misuse_names_the_field(self):
     cal = self._fit()
@@ -135,7 +195,8 @@ class BinnedCalibrationTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "regime 'streaming', budget 0.125"):
       rc.fit(np.ones(40), np.ones((1, 40)), regimes_per_call=np.array(["streaming"] * 40),
              budgets_per_call=np.full(40, 0.25), sources_per_call=np.array(["a"] * 40),
-             regimes=("streaming",), budgets=(0.125,), deltas=(0.05,), model="m", design="d")
+             context_tokens_per_call=np.full(40, 100), regimes=("streaming",),
+             budgets=(0.125,), deltas=(0.05,), model="m", design="d")
 
   def test_load_rejects_other_artifacts(self):
     from certkv_jax import calibration_store  # pylint: disable=g-import-not-at-top

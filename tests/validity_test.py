@@ -240,6 +240,22 @@ class CalibrateCommandTest(absltest.TestCase):
                            timeout=600, check=False)
     self.assertNotEqual(again.returncode, 0)  # refuses to overwrite
     self.assertIn("--overwrite", again.stderr)
+    # It records the prompt lengths (context + question) of its calls, and --from_units
+    # re-fits the same artifact from the unit files alone (no model).
+    units = [validity_collect.load_unit(os.path.join(out, "units", n))[0]
+             for n in sorted(os.listdir(os.path.join(out, "units")))]
+    n_prompt = np.concatenate([u["n_prompt"] for u in units])
+    self.assertEqual(cal.context_range, (int(n_prompt.min()), int(n_prompt.max())))
+    self.assertIn(f"contexts of {cal.fitted_on().split('contexts of ')[1]}", done.stdout)
+    refit = subprocess.run(
+        [sys.executable, "-m", "experiments.calibrate", f"--out={out}", "--from_units",
+         "--model=/nonexistent", "--data=text,passkey", "--regimes=question_aware",
+         "--budgets=0.5", "--deltas=0.05", "--context_len=48", "--n_bins=2", "--overwrite"],
+        cwd=test_util.ROOT, capture_output=True, text=True, timeout=600, check=False)
+    self.assertEqual(refit.returncode, 0, refit.stderr[-3000:])
+    back = robust_calibration.load(os.path.join(out, "calibration"))
+    np.testing.assert_array_equal(back.scales, cal.scales)
+    self.assertEqual(back.context_range, cal.context_range)
 
 
 class ClusterIntervalTest(absltest.TestCase):

@@ -129,7 +129,8 @@ def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
       default=dict(design=default_design, radius="calibrated",
                    scheme="source-robust radius-binned split conformal "
                           "(certkv_jax.robust_calibration)",
-                   calibrated_on=list(default_calib.data), artifact=ARTIFACT,
+                   calibrated_on=list(default_calib.data),
+                   context_range=list(default_calib.context_range), artifact=ARTIFACT,
                    held_out_estimate="leave-one-source-out"),
       target=dict(coverage=report_lib.TARGET, delta=calls_lib.PRIMARY_DELTA,
                   min_context=min_context, max_sharpness=4.0),
@@ -307,7 +308,9 @@ def _report_lines(summary, calls, cells, alt_cells, default_design, default_cali
             f"`{ARTIFACT}/` (`certkv_jax.robust_calibration.load`): per regime, budget and "
             f"delta, {default_calib.n_bins} bins of the raw radius, and in each bin the "
             "largest of the per-source split-conformal scales, fitted at context "
-            f"{calib_context} on every data source ({', '.join(default_calib.data)}). Its "
+            f"{calib_context} on every data source ({', '.join(default_calib.data)}; prompts of "
+            f"{default_calib.context_range[0]}-{default_calib.context_range[1]} tokens, the "
+            "range the artifact records: outside it, it refuses or warns). Its "
             "held-out coverage is estimated by refitting it without each source in turn and "
             "scoring that source (leave-one-source-out): every calibrated cell below is on a "
             "source its calibration never saw. Alternatives (the issue's literal folds: fitted "

@@ -69,7 +69,8 @@ def load_calls(paths: Sequence[str]) -> Calls:
   ``kv_head``, ``budget``, ``example`` (index within its data source),
   ``cluster`` (one id per (context, regime, design, data, example): the calls
   that are not independent of each other), ``correct`` / ``mean_logprob`` of
-  its row, and the unit's ``context_len``, ``regime``, ``design``, ``data``.
+  its row, ``n_prompt`` (its row's prompt tokens: context + question), and the
+  unit's ``context_len``, ``regime``, ``design``, ``data``.
   """
   if not paths:
     raise ValueError("paths: no unit files to load (run the collection first)")
@@ -83,6 +84,8 @@ def load_calls(paths: Sequence[str]) -> Calls:
       shape_meta = dims
     elif dims != shape_meta:
       raise ValueError(f"{p}: model shape {dims} differs from the other units' {shape_meta}")
+    if "n_prompt" not in arrays:
+      raise ValueError(f"{p}: no n_prompt (prompt tokens per row); rerun its collection")
     err = arrays["true_error"]  # [S, L, B, H]
     n_s, n_l, n_b, n_h = err.shape
     grid = np.meshgrid(np.arange(n_s), np.arange(n_l), np.arange(n_b), np.arange(n_h),
@@ -96,6 +99,7 @@ def load_calls(paths: Sequence[str]) -> Calls:
         "example": arrays["example"][row],
         "cluster": cluster_base + arrays["example"][row],
         "correct": arrays["correct"][row], "mean_logprob": lp[row],
+        "n_prompt": arrays["n_prompt"][row].astype(np.int64),
         "context_len": np.full(step.shape, meta["context_len"]),
         "regime": np.full(step.shape, meta["regime"]),
         "design": np.full(step.shape, meta["design"]),
@@ -164,7 +168,8 @@ def fit_binned(calls: Calls, *, design: str, data: Sequence[str], context_len: i
                ) -> robust_calibration.BinnedCalibration:
   """The source-robust, radius-binned calibration of ``design`` fitted on ``data``
   (:mod:`certkv_jax.robust_calibration`): per regime, budget and delta, the max over
-  the data sources of each source's conformal quantile in each radius bin."""
+  the data sources of each source's conformal quantile in each radius bin. It records
+  the range of its calls' prompt tokens (``n_prompt``: context + question)."""
   sel = calls.where(design=design, data=tuple(data), context_len=context_len)
   c = calls.select(sel & np.isfinite(calls["true_error"]))
   if len(c) == 0:
@@ -174,14 +179,16 @@ def fit_binned(calls: Calls, *, design: str, data: Sequence[str], context_len: i
   radii = np.stack([raw_radii(c, d) for d in deltas])
   return robust_calibration.fit(
       c["true_error"], radii, regimes_per_call=c["regime"], budgets_per_call=c["budget"],
-      sources_per_call=c["data"], regimes=regimes, budgets=budgets, deltas=deltas,
+      sources_per_call=c["data"], context_tokens_per_call=c["n_prompt"], regimes=regimes,
+      budgets=budgets, deltas=deltas,
       model=calls.model, design=design, n_bins=n_bins)
 
 
 def binned_radii(calls: Calls, cal: robust_calibration.BinnedCalibration, delta: float,
                  budgets: Sequence[float]) -> np.ndarray:
   """The binned calibration's radius of every call (all of ``cal.design``); NaN for
-  calls of a regime the calibration was not made for."""
+  calls of a regime the calibration was not made for. The context length is not
+  checked: the study scores calls of every context on purpose, to measure that shift."""
   out = np.full(len(calls), np.nan)
   raw = raw_radii(calls, delta)
   for regime in np.unique(calls["regime"]).tolist():
