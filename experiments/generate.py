@@ -8,15 +8,23 @@ calibrated radius where the shipped calibration fits (method, section 10),
 and with ``--evaluate`` the true error (:mod:`experiments.lib.generate`,
 :mod:`experiments.lib.generate_report`).
 
-  python -m experiments.generate --prompt="What is the capital of France?"
-  python -m experiments.generate --prompt_file=doc.txt --regime=streaming --budget=0.25
-  python -m experiments.generate --prompt="..." --profile_dir=/tmp/trace   # jax.profiler
+  python -m experiments.generate --prompt_file=experiments/data/example_prompt.txt
+  python -m experiments.generate --prompt="What is the capital of France?" --budget=0.75
+  python -m experiments.generate --prompt_file=doc.txt --regime=streaming --evaluate
+  python -m experiments.generate --prompt_file=doc.txt --profile_dir=/tmp/trace
+
+A sampled tail needs room beyond the certainty set (4 sinks + 16 recent
+tokens): a one-line question at budget 0.25 keeps only that set and gets no
+certificate, and the command says which budget would give one. Library
+logging is quiet unless ``--verbosity`` (``-v``) is given.
 """
 
+import logging
 import sys
 
 from absl import app
 from absl import flags
+from absl import logging as absl_logging
 
 from experiments.lib import generate
 from experiments.lib import generate_report
@@ -55,9 +63,21 @@ def define_flags():
                     "error of every call next to its radius.")
 
 
+def quiet_logging() -> None:
+  """JAX's backend probing and orbax's checkpoint lines are INFO noise for a user
+  of this command; ``--verbosity`` (absl's flag) given on the command line
+  keeps them."""
+  if FLAGS["verbosity"].present:
+    return
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  for name in ("jax", "orbax", "absl"):
+    logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; pass the text with --prompt")
+  quiet_logging()
   kw = dict(design=FLAGS.design, budget=FLAGS.budget, max_new_tokens=FLAGS.max_new_tokens,
             regime=FLAGS.regime, delta=FLAGS.delta, seed=FLAGS.seed,
             question_tokens=FLAGS.question_tokens, chunk=FLAGS.chunk, n_sink=FLAGS.n_sink,
@@ -67,8 +87,11 @@ def main(argv):
     generate.check_arguments(prompt, **kw)
   except ValueError as err:  # the message names the flag and its allowed values
     sys.exit(f"experiments.generate: {err}")
-  generate_report.run_and_print(prompt=prompt, model=FLAGS.model, chat=FLAGS.chat,
-                                evaluate=FLAGS.evaluate, profile_dir=FLAGS.profile_dir, **kw)
+  try:  # prompt too long for the model: found from the tokenizer, before the weights load
+    generate_report.run_and_print(prompt=prompt, model=FLAGS.model, chat=FLAGS.chat,
+                                  evaluate=FLAGS.evaluate, profile_dir=FLAGS.profile_dir, **kw)
+  except ValueError as err:
+    sys.exit(f"experiments.generate: {err}")
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def _last_logits(logits, mask):
 def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, design,
                  evict_each_step, return_logits, layer_budgets=None,
                  budget=None, certificate_layers=None, certificate_heads=None,
-                 evict_every: int = 1) -> Generation:
+                 evict_every: int = 1, on_token=None) -> Generation:
   """Greedy ``lax.scan`` decode from the logits of the last prompt token.
 
   Every step feeds the argmax token through :func:`forward_chunk` (with the
@@ -132,6 +132,9 @@ def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, des
   eviction work). The key is split at every step either way, so that
   ``evict_every=1`` is today's loop, bit for bit. ``first_logits`` is
   [batch, vocab]; the other arguments are as in :func:`generate`.
+  ``on_token(step, tokens)`` is called on the host as each step's tokens are
+  chosen (an ordered ``jax.debug.callback``), so a caller can show them while
+  the loop runs.
   """
   batch = first_logits.shape[0]
 
@@ -143,6 +146,8 @@ def _decode_loop(params, config, caches, shadow, first_logits, key, n_steps, des
     logp = jax.nn.log_softmax(step_logits)
     token = jnp.argmax(step_logits, axis=-1).astype(jnp.int32)
     token_logp = jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0]
+    if on_token is not None:
+      jax.debug.callback(on_token, i, token, ordered=True)
     new_logits, caches, stats, shadow = forward_chunk(
         params, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
         observe=False, shadow=shadow, certificate_layers=certificate_layers,
@@ -187,7 +192,7 @@ def _check_prompt(tokens, mask, n_steps, *, config=None, name="tokens",
 
 _STATIC = ("config", "capacity", "n_steps", "design", "evict_each_step", "evict_every",
            "return_logits", "evaluate", "layer_budgets", "certificate_layers",
-           "certificate_heads")
+           "certificate_heads", "on_token")
 
 
 def _check_inputs(given: dict) -> None:
@@ -268,7 +273,7 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n
              return_logits: bool = False, evaluate: bool = False,
              layer_budgets: Optional[tuple] = None, budget=None,
              certificate_layers: Optional[tuple] = None,
-             certificate_heads: Optional[tuple] = None) -> Generation:
+             certificate_heads: Optional[tuple] = None, on_token=None) -> Generation:
   """Question-aware greedy generation: prefill, evict once, ``lax.scan`` decode.
 
   The whole prompt (context and question) is prefilled, the design (if any)
@@ -314,6 +319,9 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n
       KV-head indices: compute the decode steps' certificate statistics (and
       in evaluation mode the truth) only there, NaN elsewhere (see
       :func:`forward_chunk`); the generated tokens do not change.
+    on_token: optional static host function ``on_token(step, tokens)``, called
+      with each decode step's index and its ``[batch]`` tokens as they are
+      chosen (for streaming them to a user); the outputs do not change.
 
   Returns:
     A :class:`Generation`.
@@ -334,7 +342,7 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, capacity: int, n
     caches, shadow = evict_and_record(design, caches, shadow, sub, layer_budgets, budget)
   return _decode_loop(params, config, caches, shadow, _last_logits(logits, mask), key, n_steps,
                       design, evict_each_step, return_logits, layer_budgets, budget,
-                      certificate_layers, certificate_heads, evict_every)
+                      certificate_layers, certificate_heads, evict_every, on_token)
 
 
 @_checking_budgets
@@ -346,7 +354,8 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
                        evaluate: bool = False,
                        layer_budgets: Optional[tuple] = None, budget=None,
                        certificate_layers: Optional[tuple] = None,
-                       certificate_heads: Optional[tuple] = None) -> Generation:
+                       certificate_heads: Optional[tuple] = None,
+                       on_token=None) -> Generation:
   """Streaming greedy generation: the context arrives in chunks, then the question.
 
   The context is fed ``chunk`` tokens at a time (a ``lax.scan`` over chunks);
@@ -369,7 +378,7 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
     chunk: context tokens per chunk (static); the context is padded to a
       multiple of it.
     design, evict_each_step, evict_every, return_logits, evaluate,
-      layer_budgets, budget, certificate_layers, certificate_heads: as in
+      layer_budgets, budget, certificate_layers, certificate_heads, on_token: as in
       :func:`generate` (the shadow cache holds the whole padded context, the
       question and the decoded tokens).
 
@@ -412,4 +421,4 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
       shadow=shadow)
   return _decode_loop(params, config, caches, shadow, _last_logits(logits, question_mask), key,
                       n_steps, design, evict_each_step, return_logits, layer_budgets, budget,
-                      certificate_layers, certificate_heads, evict_every)
+                      certificate_layers, certificate_heads, evict_every, on_token)

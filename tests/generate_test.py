@@ -260,19 +260,94 @@ class CalibrationTest(absltest.TestCase):
     raw = np.full((3, 2, 4), 0.5)
     kw = dict(calibration=generate_certificate.DEFAULT_CALIBRATION, model_name="smollm2",
               design_name="poisson_tail", regime="question_aware", budget=0.25, delta=0.05,
-              n_sink=4, window=16, chunk=64)
-    cal, note = generate_certificate.calibrated(raw, **kw)
+              n_sink=4, window=16, chunk=64, context_tokens=1100)
+    cal, note, in_range = generate_certificate.calibrated(raw, **kw)
     self.assertEqual(cal.shape, raw.shape)
     self.assertTrue(np.all(cal > 0))
+    self.assertIs(in_range, True)
     self.assertIn("method, section 10", note)
+    self.assertIn("fitted on contexts of 1040-1156 tokens", note)
+    self.assertFalse(note.startswith("WARNING"))
     for change, field in ((dict(budget=0.3), "budget"), (dict(delta=0.2), "delta"),
                           (dict(design_name="poisson_flat"), "design"),
                           (dict(model_name="other"), "model"), (dict(window=8), "window"),
                           (dict(model_name=None), "model_name"),
                           (dict(calibration="/nonexistent"), "no calibration artifact")):
-      cal, note = generate_certificate.calibrated(raw, **dict(kw, **change))
+      cal, note, in_range = generate_certificate.calibrated(raw, **dict(kw, **change))
       self.assertIsNone(cal, change)
+      self.assertIsNone(in_range, change)
       self.assertIn(field, note)
+    with self.assertRaisesRegex(ValueError, "context_tokens"):
+      generate_certificate.calibrated(raw, **dict(kw, context_tokens=0))
+
+  @absltest.skipUnless(os.path.isdir(generate_certificate.DEFAULT_CALIBRATION),
+                       "the committed calibration artifact is not in this checkout")
+  def test_shipped_calibration_outside_its_context_range_warns(self):
+    raw = np.full((3, 2, 4), 0.5)
+    kw = dict(calibration=generate_certificate.DEFAULT_CALIBRATION, model_name="smollm2",
+              design_name="poisson_tail", regime="streaming", budget=0.125, delta=0.05,
+              n_sink=4, window=16, chunk=64)
+    inside, _, in_range = generate_certificate.calibrated(raw, **kw, context_tokens=1040)
+    self.assertIs(in_range, True)
+    for n in (272, 1039, 1157, 2064):  # a 256-token unit's prompt; just outside; 2,048
+      with self.subTest(context_tokens=n):
+        cal, note, in_range = generate_certificate.calibrated(raw, **kw, context_tokens=n)
+        self.assertIs(in_range, False)
+        np.testing.assert_array_equal(cal, inside)  # still the calibrated radius
+        self.assertTrue(note.startswith("WARNING: "), note)
+        self.assertIn("fitted on contexts of 1040-1156 tokens from sources agent_memory, "
+                      "kv_retrieval, multi_needle, passkey, text, variable_tracking", note)
+        self.assertIn(f"this prompt has {n} tokens, so its coverage is not established here",
+                      note)
+
+  @absltest.skipUnless(os.path.isdir(generate_certificate.DEFAULT_CALIBRATION),
+                       "the committed calibration artifact is not in this checkout")
+  def test_shipped_calibration_records_its_range_and_sources(self):
+    from certkv_jax import robust_calibration  # pylint: disable=g-import-not-at-top
+    from experiments.lib import validity_collect  # pylint: disable=g-import-not-at-top
+    cal = robust_calibration.load(generate_certificate.DEFAULT_CALIBRATION)
+    self.assertEqual(cal.format_version, 2)
+    self.assertEqual(cal.data, ("agent_memory", "kv_retrieval", "multi_needle", "passkey",
+                                "text", "variable_tracking"))
+    self.assertEqual(cal.context_range, (1040, 1156))
+    # The range is that of the prompts (context + question) of the units it was fitted
+    # on (poisson_tail at 1,024 tokens, both regimes), and excludes the other contexts'.
+    units = os.path.join(os.path.dirname(generate_certificate.DEFAULT_CALIBRATION), "units")
+    if not os.path.isdir(units):
+      self.skipTest("the committed validity units are not in this checkout")
+    by_context = {}
+    for name in sorted(os.listdir(units)):
+      path = os.path.join(units, name)
+      meta = validity_collect.unit_meta(path)
+      if meta["design"] != "poisson_tail":
+        continue
+      arrays, _ = validity_collect.load_unit(path)
+      lo, hi = by_context.get(meta["context_len"], (np.inf, -np.inf))
+      by_context[meta["context_len"]] = (min(lo, arrays["n_prompt"].min()),
+                                         max(hi, arrays["n_prompt"].max()))
+    self.assertEqual(by_context[1024], cal.context_range)
+    for context in (256, 2048):
+      lo, hi = by_context[context]
+      self.assertFalse(cal.covers_context(int(lo)) or cal.covers_context(int(hi)), context)
+
+  @absltest.skipUnless(os.path.isdir(os.path.join(os.path.dirname(
+      generate_certificate.DEFAULT_CALIBRATION), "units")), "no committed validity units")
+  def test_shipped_calibration_refits_bit_for_bit_from_its_units(self):
+    from certkv_jax import robust_calibration  # pylint: disable=g-import-not-at-top
+    from experiments.lib import validity_calls  # pylint: disable=g-import-not-at-top
+    shipped = robust_calibration.load(generate_certificate.DEFAULT_CALIBRATION)
+    units = os.path.join(os.path.dirname(generate_certificate.DEFAULT_CALIBRATION), "units")
+    paths = [os.path.join(units, n) for n in sorted(os.listdir(units))
+             if n.startswith("c1024_") and "_poisson_tail_" in n]
+    self.assertLen(paths, 12)  # 2 regimes x 6 sources
+    calls = validity_calls.load_calls(paths)
+    refit = validity_calls.fit_binned(calls, design="poisson_tail", data=shipped.data,
+                                      context_len=1024, budgets=shipped.budgets,
+                                      deltas=shipped.deltas)
+    for k in ("scales", "edges", "n_calls"):
+      self.assertEqual(getattr(refit, k).tobytes(), getattr(shipped, k).tobytes(), k)
+    for k in ("regimes", "budgets", "deltas", "data", "context_range", "model", "design"):
+      self.assertEqual(getattr(refit, k), getattr(shipped, k), k)
 
 
 class CommandTest(absltest.TestCase):

@@ -94,8 +94,10 @@ class TextResult:
   """What :func:`generate_text` returns (per-step arrays cover the kept steps).
 
   Attributes:
-    text: the decoded answer, up to (not including) the end-of-turn token.
+    text: the decoded answer, up to (not including) the end-of-turn token, in
+      whole characters (:func:`whole_text`).
     token_ids: [steps] int32 answer token ids before the end-of-turn token.
+    pieces: per step, the text its token completes (:func:`text_pieces`).
     steps: answer tokens kept (= decode steps reported).
     stopped_at_eos: whether an end-of-turn / EOS id ended the answer.
     stop_id: that id, or None.
@@ -114,6 +116,9 @@ class TextResult:
       section 10), or None.
     calibrated_summary: its summary, or None.
     calibration_note: where the calibration came from, or why there is none.
+    calibration_in_range: whether the prompt's length lies in the context range
+      the calibration was fitted on (False: ``calibration_note`` is a warning);
+      None without a calibrated radius.
     true_error: evaluation mode: [steps, n_layers, n_heads] ``||o_hat - o||``; else None.
     rel_error: evaluation mode: [steps, n_layers, n_heads] ``||o_hat - o|| / ||o||``.
     design, budget, regime, delta, seed: the settings (``budget`` 1.0 for "full").
@@ -135,6 +140,7 @@ class TextResult:
 
   text: str
   token_ids: np.ndarray
+  pieces: tuple
   steps: int
   stopped_at_eos: bool
   stop_id: Optional[int]
@@ -146,6 +152,7 @@ class TextResult:
   calibrated_radius: Optional[np.ndarray]
   calibrated_summary: Optional[generate_certificate.RadiusSummary]
   calibration_note: str
+  calibration_in_range: Optional[bool]
   true_error: Optional[np.ndarray]
   rel_error: Optional[np.ndarray]
   design: str
@@ -250,6 +257,63 @@ def truncate_at_stop(tokens, stops: Sequence[int]) -> tuple[np.ndarray, bool, Op
   return tokens[:j], True, int(tokens[j])
 
 
+def text_pieces(tokenizer, ids) -> tuple:
+  """Per token, the whole characters it completes.
+
+  Byte-level tokens can split a character (an emoji is often 2-3 tokens):
+  a token that ends inside one gets ``""`` and the token that completes it
+  gets the character, so the pieces join to :func:`whole_text`.
+  """
+  pieces, done = [], ""
+  for i in range(len(ids)):
+    text = tokenizer.decode([int(t) for t in ids[:i + 1]])
+    if text.endswith("\ufffd") or not text.startswith(done):
+      pieces.append("")  # inside a character: shown with the token that completes it
+      continue
+    pieces.append(text[len(done):])
+    done = text
+  return tuple(pieces)
+
+
+def whole_text(tokenizer, ids) -> str:
+  """``tokenizer.decode(ids)`` without a character cut off at the end (an
+  answer stopped by ``max_new_tokens`` may end inside one)."""
+  return "".join(text_pieces(tokenizer, ids))
+
+
+class TokenStream:
+  """Prints an answer as it is decoded: pass as ``generate_text(on_token=...)``.
+
+  Whole characters only (:func:`text_pieces`); stops printing at the first
+  stop id. ``enabled`` off makes it silent (a warm-up call).
+  """
+
+  def __init__(self, tokenizer, stops: Sequence[int], write=None):
+    import sys  # pylint: disable=g-import-not-at-top
+    self._tok, self._stops = tokenizer, set(int(s) for s in stops)
+    self._write = write or (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    self.enabled = True
+    self.reset()
+
+  def reset(self):
+    self._ids, self._done, self._stopped = [], "", False
+
+  def __call__(self, step, tokens):
+    del step
+    if not self.enabled or self._stopped:
+      return
+    token = int(np.asarray(tokens).reshape(-1)[0])
+    if token in self._stops:
+      self._stopped = True
+      return
+    self._ids.append(token)
+    text = self._tok.decode(self._ids)
+    if text.endswith("\ufffd") or not text.startswith(self._done):
+      return
+    self._write(text[len(self._done):])
+    self._done = text
+
+
 def _chat_parts(tokenizer, chat: bool) -> tuple[str, str, bool]:
   """``(prefix, suffix, applied)`` of the chat template around the user's text;
   plain text (``"", ""``) when ``chat`` is off or the tokenizer has no template."""
@@ -297,6 +361,50 @@ def split_prompt(tokenizer, prompt: str, *, chat: bool, question_tokens: int = 0
   return ids[:-n_q], question, rule, applied
 
 
+@dataclasses.dataclass(frozen=True)
+class EncodedPrompt:
+  """A prompt as the regime feeds it: ``context`` (question-aware: the whole
+  prompt) then ``question`` (streaming only; empty otherwise)."""
+
+  context: list
+  question: list
+  question_text: Optional[str]
+  question_rule: Optional[str]
+  chat_applied: bool
+
+  @property
+  def n_tokens(self) -> int:
+    return len(self.context) + len(self.question)
+
+
+def encode_prompt(tokenizer, prompt: str, *, regime: str, chat: bool,
+                  question_tokens: int = 0) -> EncodedPrompt:
+  """Tokenizes ``prompt`` for ``regime`` (the chat template around it when
+  ``chat``; streaming: split into context and question, :func:`split_prompt`)."""
+  if regime == "question_aware":
+    prefix, suffix, applied = _chat_parts(tokenizer, chat)
+    return EncodedPrompt(list(tokenizer.encode(prefix + prompt + suffix)), [], None, None,
+                         applied)
+  ctx, qst, rule, applied = split_prompt(tokenizer, prompt, chat=chat,
+                                         question_tokens=question_tokens)
+  return EncodedPrompt(ctx, qst, tokenizer.decode(qst), rule, applied)
+
+
+def check_fits(encoded: EncodedPrompt, *, max_new_tokens: int, max_positions) -> None:
+  """Raises a one-line ValueError when the prompt and the answer exceed the
+  model's context (``max_positions``; None: no limit)."""
+  if max_positions is None:
+    return
+  need = encoded.n_tokens + max_new_tokens
+  if need > max_positions:
+    raise ValueError(
+        f"prompt: {encoded.n_tokens:,} tokens"
+        f"{' with the chat template' if encoded.chat_applied else ''} plus max_new_tokens "
+        f"{max_new_tokens} = {need:,} positions, more than the model's context of "
+        f"{max_positions:,} tokens; shorten the prompt to at most "
+        f"{max(max_positions - max_new_tokens, 0):,} tokens or lower max_new_tokens")
+
+
 def _row(ids) -> tuple[jax.Array, jax.Array]:
   tokens = jnp.asarray([ids], jnp.int32)
   return tokens, jnp.ones(tokens.shape, bool)
@@ -333,7 +441,7 @@ def generate_text(prompt: str, *, params, config, tokenizer, design: str = "pois
                   model_name: Optional[str] = None,
                   calibration: Optional[str] = DEFAULT_CALIBRATION,
                   stops: Optional[Sequence[int]] = None,
-                  profile_dir: Optional[str] = None) -> TextResult:
+                  profile_dir: Optional[str] = None, on_token=None) -> TextResult:
   """Greedy generation from text with an eviction design and its certificate.
 
   Args:
@@ -359,6 +467,9 @@ def generate_text(prompt: str, *, params, config, tokenizer, design: str = "pois
     stops: ids that end the answer (None: :func:`stop_ids` of the tokenizer).
     profile_dir: if given, a first generate call compiles (warm-up) and a
       second one runs inside ``jax.profiler.trace(profile_dir)``.
+    on_token: optional host function ``on_token(step, tokens)`` called as each
+      decode step's token is chosen (``models.decode.generate``), e.g. a
+      :class:`TokenStream`.
 
   Returns:
     A :class:`TextResult`.
@@ -373,32 +484,38 @@ def generate_text(prompt: str, *, params, config, tokenizer, design: str = "pois
   budget = 1.0 if design_obj is None else float(budget)
   delta = float(delta)
   key = jax.random.PRNGKey(int(seed))
-  question_text = question_rule = None
+  encoded = encode_prompt(tokenizer, prompt, regime=regime, chat=chat,
+                         question_tokens=question_tokens)
+  check_fits(encoded, max_new_tokens=max_new_tokens,
+             max_positions=getattr(config, "max_positions", None))
+  question_text, question_rule = encoded.question_text, encoded.question_rule
+  applied = encoded.chat_applied
+  n_context, n_question = len(encoded.context), len(encoded.question)
   if regime == "question_aware":
-    prefix, suffix, applied = _chat_parts(tokenizer, chat)
-    ids = list(tokenizer.encode(prefix + prompt + suffix))
-    n_context, n_question, run_chunk = len(ids), 0, None
+    run_chunk = None
     capacity = _capacity(regime, design_obj, budget, n_context, 0, max_new_tokens, None)
-    tokens, mask = _row(ids)
+    tokens, mask = _row(encoded.context)
     run = lambda: decode.generate(params, tokens, mask, key, config=config, capacity=capacity,
                                   n_steps=max_new_tokens, design=design_obj,
-                                  evaluate=evaluate)
+                                  evaluate=evaluate, on_token=on_token)
   else:
-    ctx_ids, q_ids, question_rule, applied = split_prompt(
-        tokenizer, prompt, chat=chat, question_tokens=question_tokens)
-    question_text = tokenizer.decode(q_ids)
-    n_context, n_question = len(ctx_ids), len(q_ids)
     run_chunk = min(chunk, n_context)
     capacity = _capacity(regime, design_obj, budget, n_context, n_question, max_new_tokens,
                          run_chunk)
-    ctx, ctx_mask = _row(ctx_ids)
-    qst, q_mask = _row(q_ids)
+    ctx, ctx_mask = _row(encoded.context)
+    qst, q_mask = _row(encoded.question)
     run = lambda: decode.generate_streaming(
         params, ctx, ctx_mask, qst, q_mask, key, config=config, capacity=capacity,
-        n_steps=max_new_tokens, chunk=run_chunk, design=design_obj, evaluate=evaluate)
+        n_steps=max_new_tokens, chunk=run_chunk, design=design_obj, evaluate=evaluate,
+        on_token=on_token)
 
   if profile_dir:
+    muted = getattr(on_token, "enabled", False)
+    if muted:
+      on_token.enabled = False  # the warm-up call shows nothing
     jax.block_until_ready(run())  # compile (and run) once outside the trace
+    if muted:
+      on_token.enabled = True
     os.makedirs(profile_dir, exist_ok=True)
     with jax.profiler.trace(profile_dir):
       t0 = time.perf_counter()
@@ -421,20 +538,27 @@ def generate_text(prompt: str, *, params, config, tokenizer, design: str = "pois
   if certified and sampled == 0:
     certified = False
     cert_note = generate_certificate.no_sample_note(design_obj, budget, n_context, regime)
+  elif certified and steps and not np.nanmax(radius) > 0:
+    certified = False
+    cert_note = (f"design {design!r} kept sampled tokens, but every radius is 0 (no sampled "
+                 "token carried attention weight in any call): this is NOT a certificate")
   cal_radius, cal_note = None, "the design's radius is not a certificate, so nothing to calibrate"
+  cal_in_range = None
   if certified:
-    cal_radius, cal_note = generate_certificate.calibrated(
+    cal_radius, cal_note, cal_in_range = generate_certificate.calibrated(
         radius, calibration=calibration, model_name=model_name, design_name=design,
-        regime=regime, budget=budget, delta=delta, n_sink=n_sink, window=window, chunk=chunk)
+        regime=regime, budget=budget, delta=delta, n_sink=n_sink, window=window, chunk=chunk,
+        context_tokens=encoded.n_tokens)
   return TextResult(
-      text=tokenizer.decode([int(t) for t in kept]), token_ids=kept.astype(np.int32),
+      text=whole_text(tokenizer, kept), token_ids=kept.astype(np.int32),
+      pieces=text_pieces(tokenizer, kept),
       steps=steps, stopped_at_eos=stopped, stop_id=stop_id, radius=radius,
       radius_summary=generate_certificate.summarize(radius), certified=certified,
       certificate_note=cert_note, sampled_tokens=sampled,
       calibrated_radius=cal_radius,
       calibrated_summary=(None if cal_radius is None
                           else generate_certificate.summarize(cal_radius)),
-      calibration_note=cal_note,
+      calibration_note=cal_note, calibration_in_range=cal_in_range,
       true_error=take(gen.true_error) if evaluate else None,
       rel_error=take(gen.rel_error) if evaluate else None,
       design=design, budget=budget, regime=regime, delta=delta, seed=int(seed),

