@@ -283,21 +283,83 @@ class GatingTest(absltest.TestCase):
 class VerdictTest(parameterized.TestCase):
 
   @parameterized.parameters(
-      ((0.969, 0.977), (0.95, 0.97), "higher", "reproduced"),
+      # "higher": the claim holds on [p_lo, +inf).
+      ((0.969, 0.977), (0.97, 0.99), "higher", "reproduced"),
+      ((0.969, 0.977), (0.98, 0.99), "higher", "reproduced"),  # better than claimed
       ((0.969, 0.977), (0.84, 0.90, 0.93), "higher", "refuted"),
-      ((0.969, 0.977), (0.98, 0.99), "higher", "not reproduced"),
+      ((0.969, 0.977), (0.95, 0.97), "higher", "inconclusive"),
+      # "lower": the claim holds on (-inf, p_hi].
+      ((1.8, 2.2), (1.0, 1.2), "lower", "reproduced"),  # cheaper than claimed
       ((1.8, 2.2), (3.0, 3.5), "lower", "refuted"),
-      ((1.8, 2.2), (1.0, 1.2), "lower", "not reproduced"),
+      ((1.8, 2.2), (2.0, 2.5), "lower", "inconclusive"),
+      # "two_sided": the claim holds on [p_lo, p_hi].
+      ((0.73, 0.75), (0.735, 0.745), "two_sided", "reproduced"),
       ((0.73, 0.75), (0.80, 0.9), "two_sided", "refuted"),
+      ((0.73, 0.75), (0.60, 0.70), "two_sided", "refuted"),
+      ((0.73, 0.75), (0.70, 0.74), "two_sided", "inconclusive"),
+      ((0.73, 0.75), (0.70, 0.80), "two_sided", "inconclusive"),  # covers the whole band
+      # The overhead of the issue: "about 2x" (band 1.5-2.5) against two runs.
+      ((1.5, 2.5), (1.129, 0.983, 2.236), "two_sided", "inconclusive"),
+      ((1.5, 2.5), (1.07, 0.97, 1.27), "two_sided", "refuted"),
   )
   def test_rule(self, paper, ours, direction, want):
-    self.assertEqual(stats.verdict(paper, ours, direction), want)
+    got = stats.verdict(paper, ours, direction)
+    self.assertIn(got, stats.VERDICTS)
+    self.assertEqual(got, want)
+
+  def test_verdicts(self):
+    self.assertEqual(stats.VERDICTS, ("reproduced", "refuted", "inconclusive"))
+
+  @parameterized.parameters("higher", "lower", "two_sided")
+  def test_spanning_a_boundary_is_inconclusive(self, direction):
+    # Intervals across each finite end of the region (part in, part out): never
+    # reproduced, never refuted.
+    lo, hi = 1.5, 2.5
+    ends = {"higher": (lo,), "lower": (hi,), "two_sided": (lo, hi)}[direction]
+    for end in ends:
+      for ci in ((end - 0.1, end + 0.1), (end - 1.0, end + 0.01), (end - 0.01, end + 1.0),
+                 (1.0, end - 0.2, end + 0.05)):
+        self.assertEqual(stats.verdict((lo, hi), ci, direction), "inconclusive",
+                         f"{direction} {end} {ci}")
+    # Touching the region from outside: one point in, the rest out.
+    outside = {"higher": (lo - 0.3, lo), "lower": (hi, hi + 0.3)}
+    for d, ci in outside.items():
+      self.assertEqual(stats.verdict((lo, hi), ci, d), "inconclusive", f"{d} {ci}")
+      self.assertEqual(stats.verdict((lo, hi), ci, "two_sided"), "inconclusive", f"{d} {ci}")
+    if direction == "two_sided":  # across both ends at once
+      self.assertEqual(stats.verdict((lo, hi), (1.0, 3.0), direction), "inconclusive")
+
+  def test_two_sided_disjoint_on_either_side_is_refuted(self):
+    for ci in ((0.5, 1.49), (2.51, 3.0), (1.07, 0.97, 1.27), (3.0, 2.6, 3.4)):
+      self.assertEqual(stats.verdict((1.5, 2.5), ci, "two_sided"), "refuted", ci)
+    # The same intervals against one-sided claims: the side the claim allows reproduces.
+    self.assertEqual(stats.verdict((1.5, 2.5), (0.5, 1.49), "lower"), "reproduced")
+    self.assertEqual(stats.verdict((1.5, 2.5), (2.51, 3.0), "higher"), "reproduced")
+    self.assertEqual(stats.verdict((1.5, 2.5), (0.5, 1.49), "higher"), "refuted")
+    self.assertEqual(stats.verdict((1.5, 2.5), (2.51, 3.0), "lower"), "refuted")
+
+  def test_point_claim(self):
+    self.assertEqual(stats.verdict((2.0, 2.0), (2.0, 2.0)), "reproduced")
+    self.assertEqual(stats.verdict((2.0, 2.0), (1.9, 2.1)), "inconclusive")
+    self.assertEqual(stats.verdict((2.0, 2.0), (2.1, 2.2)), "refuted")
 
   def test_errors(self):
     with self.assertRaisesRegex(ValueError, "direction"):
       stats.verdict((0, 1), (0, 1), "up")
     with self.assertRaisesRegex(ValueError, "paper_range"):
       stats.verdict((1, 0), (0, 1))
+    with self.assertRaisesRegex(ValueError, "paper_range"):
+      stats.verdict((0, float("inf")), (0, 1))
+    with self.assertRaisesRegex(ValueError, "paper_range"):
+      stats.verdict((0, 1, 2), (0, 1))
+    with self.assertRaisesRegex(ValueError, "ours_ci"):
+      stats.verdict((0, 1), (1, 0))
+    with self.assertRaisesRegex(ValueError, "ours_ci"):
+      stats.verdict((0, 1), (0.5, float("nan"), 1.0))
+    with self.assertRaisesRegex(ValueError, "ours_ci"):
+      stats.verdict((0, 1), (0.5,))
+    with self.assertRaisesRegex(ValueError, "ours_ci"):
+      stats.verdict((0, 1), None)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import pytest
 from experiments.lib import model_loading
 from experiments.lib import overhead
 from experiments.lib import results_io
+from experiments.lib import stats
 from experiments.lib import suite
 from experiments.lib import suite_report
 from experiments.lib import suite_runner
@@ -23,6 +24,7 @@ from experiments.lib import suite_settings
 from experiments.lib import tasks
 from experiments.lib import theorem1
 from experiments.lib.analyses import assumption2
+from experiments.lib.analyses import common
 from experiments.lib.analyses import coverage
 from experiments.lib.analyses import failures
 from experiments.lib.analyses import regimes
@@ -146,7 +148,7 @@ class SuiteTest(absltest.TestCase):
     table = [line for line in report.splitlines() if line.startswith("| coverage of")]
     self.assertNotEmpty(table)
     for line in table:
-      self.assertTrue(any(v in line for v in ("reproduced", "refuted")), line)
+      self.assertTrue(any(f"| {v}" in line for v in stats.VERDICTS), line)
     for png in ("coverage.png", "error_vs_radius.png", "r_audit_poisson_tail.png"):
       self.assertTrue(os.path.exists(os.path.join(out, png)), png)
 
@@ -209,9 +211,15 @@ class SuiteTest(absltest.TestCase):
     self.assertLess(cert["capacity"], full["capacity"])
     self.assertLess(cert["cache_bytes"]["kv"], full["cache_bytes"]["kv"])
     self.assertLen(cert["per_step_ms"], 2)
+    # Timed in the same interleaved rounds: element r of every per_step_ms is round r.
+    self.assertEqual({r["timing"] for r in rows}, {"interleaved"})
+    self.assertLen({r["timing_session"] for r in rows}, 1)
+    self.assertTrue(overhead.interleaved(cert, full))
     with self.assertRaisesRegex(ValueError, "configs"):
       overhead.run_overhead(self.params, self.config, exs, out, model="tiny",
                             configs=("nope",))
+    with self.assertRaisesRegex(ValueError, "repeats"):
+      overhead.run_overhead(self.params, self.config, exs, out, model="tiny", repeats=0)
 
   def test_script_flags_and_errors(self):
     with self.assertRaisesRegex(ValueError, "--designs"):
@@ -274,6 +282,13 @@ class SuiteTest(absltest.TestCase):
     self.assertAlmostEqual(out["attribution_auc"]["certificate"][0],
                            stats.attribution_auc(np.arange(6.0), full, ev))
     self.assertIn("gating_streaming", out)
+    verdicts = {c["claim"]: c["verdict"] for c in out["claims"]}
+    for claim, v in verdicts.items():
+      self.assertIn(v, stats.VERDICTS + (common.NOT_ESTIMABLE,), claim)
+    # confidence / random < 1 goes through stats.verdict (region (-inf, 1)).
+    below = [c for c in out["claims"] if "below random" in c["claim"]][0]
+    self.assertEqual(below["verdict"], common.verdict_of(failures.BELOW_RANDOM, below["ci"],
+                                                         "lower"))
 
   def test_coverage_assumption2_and_regimes_on_known_rows(self):
     # The three analyses the (slow) run_all test reaches through real rows, on
@@ -320,6 +335,14 @@ class SuiteTest(absltest.TestCase):
     self.assertEqual([c["ci"][0] for c in reg["claims"]], [0.25, 0.25])  # qa; streaming - qa
 
 
+def _timed_rows(ms_by_config, session="s1"):
+  """Overhead rows timed in the interleaved rounds of one session (ms/step per round)."""
+  return [dict(config=c, design=c, capacity=8, per_step_ms=[float(x) for x in ms],
+               median_ms=float(np.median(ms)), batch=1, prompt_len=10, n_steps=2, budget=0.5,
+               cache_bytes={"kv": 1, "metadata": 1}, timing="interleaved",
+               timing_session=session) for c, ms in ms_by_config.items()]
+
+
 class TheoremAndOverheadTest(absltest.TestCase):
 
   def test_summaries(self):
@@ -339,6 +362,147 @@ class TheoremAndOverheadTest(absltest.TestCase):
     del ov[-1]  # a missing subsampled configuration is left out, not an error
     self.assertNotIn("randomized+certificate/layers+heads", overhead.summarize(ov)["md"])
     self.assertEqual(suite_report.overhead_claims(s)[0]["verdict"], "reproduced")
+    # These rows carry no timing session: timed one after another, bootstrap interval.
+    self.assertEqual(s["timing"]["ratio_cert_vs_deterministic"]["method"], "sequential")
+    self.assertIn("one configuration after another", s["md"])
+
+  def test_overhead_ratio_is_the_median_of_per_round_ratios(self):
+    # The machine drifts 7x over the rounds; within a round the certificate costs 2.2x
+    # the deterministic design. Per-round ratios see 2.2 exactly; medians of the two
+    # configurations' own timings, resampled apart, see the drift.
+    drift = np.arange(1.0, 8.0) * 10.0
+    ms = {c: drift * f for c, f in zip(overhead.ALL_CONFIGS,
+                                        (1.0, 1.0, 1.5, 2.2, 1.8, 1.9, 1.6))}
+    s = overhead.summarize(_timed_rows(ms))
+    np.testing.assert_allclose(s["ratio_cert_vs_deterministic"], [2.2, 2.2, 2.2])
+    np.testing.assert_allclose(s["ratio_cert_vs_randomized"], [2.2 / 1.5] * 3)
+    info = s["timing"]["ratio_cert_vs_deterministic"]
+    self.assertEqual((info["method"], info["rounds"]), ("interleaved", 7))
+    self.assertGreaterEqual(info["level"], 0.95)
+    self.assertIn("median of 7 per-round ratios (interleaved rounds in one run)", s["md"])
+    self.assertIn("- ratio_cert_vs_deterministic: 2.20 [2.20, 2.20] (+-0%)", s["md"])
+    claim = suite_report.overhead_claims(s)[0]
+    self.assertEqual(claim["verdict"], "reproduced")
+    self.assertIn("noise: +-0%", claim["note"])
+    self.assertIn("7 per-round ratios", claim["note"])
+    # The same timings from two timing sessions do not pair: the bootstrap of the
+    # medians spans the drift and the verdict is inconclusive.
+    rows = _timed_rows({c: m for c, m in ms.items() if c != "deterministic"}, "s1")
+    rows += _timed_rows({"deterministic": ms["deterministic"]}, "s2")
+    s = overhead.summarize(rows)
+    self.assertEqual(s["timing"]["ratio_cert_vs_deterministic"]["method"], "sequential")
+    self.assertEqual(s["timing"]["ratio_cert_vs_randomized"]["method"], "interleaved")
+    lo, hi = s["ratio_cert_vs_deterministic"][1:]
+    self.assertTrue(lo < 1.5 and hi > 2.5, (lo, hi))
+    self.assertEqual(suite_report.overhead_claims(s)[0]["verdict"], "inconclusive")
+    self.assertIn("one configuration after another", s["md"])  # said per ratio
+
+  def test_overhead_claim_is_two_sided(self):
+    base = np.asarray([10.0, 11.0, 9.0, 10.5, 10.2, 9.8, 10.1])
+    for factor, verdict, side in ((1.05, "refuted", "cheaper than claimed"),
+                                  (2.0, "reproduced", None),
+                                  (3.0, "refuted", "dearer than claimed")):
+      ms = {c: base * (factor if c == "randomized+certificate" else 1.0)
+            for c in overhead.ALL_CONFIGS}
+      claim = suite_report.overhead_claims(overhead.summarize(_timed_rows(ms)))[0]
+      self.assertEqual(claim["verdict"], verdict, factor)
+      self.assertEqual(claim["paper"], "about 2x (band 1.5-2.5)")
+      if side:
+        self.assertIn(side, claim["note"])
+      else:
+        self.assertNotIn("than claimed", claim["note"])
+    # No interval: not estimable.
+    claim = suite_report.overhead_claims({"ratio_cert_vs_deterministic": None})[0]
+    self.assertEqual(claim["verdict"], "inconclusive (not estimable)")
+
+  def test_report_states_the_rule(self):
+    settings = suite_settings.Settings(model="tiny").check()
+    report = suite_report.render_report(sections=[], theorem1=None, overhead=None,
+                                        command="c", wall_s=1.0, settings=settings,
+                                        machine="m")
+    self.assertIn(suite_report.VERDICT_RULE, report)
+    self.assertIn("Machine: m", report)
+    for phrase in ("reproduced if our whole 95% interval lies in the region",
+                   "refuted if it lies wholly outside it", "inconclusive if it spans a "
+                   "boundary"):
+      self.assertIn(phrase.lower(), report.lower())
+    self.assertNotIn("not reproduced", report)
+
+
+def _suite_rows(settings):
+  """Hand-made rows of every (unit, budget, task, example) of ``settings``."""
+  rng = np.random.default_rng(0)
+  rows = []
+  for regime, design, run in suite._units(settings):  # pylint: disable=protected-access
+    for budget in suite.unit_budgets(settings, design):
+      for task in settings.tasks:
+        for ex in range(settings.num_examples):
+          err = rng.uniform(0.0, 1.0, 5)
+          row = suite.row_fields(settings, task, regime, design, budget, run, ex)
+          row.update(
+              randomized=suite.is_randomized(design), correct=bool((ex + run) % 2),
+              tokens=[1, 2 + (ex + run) % 2], cert_score=float(ex), cert_sub_mean=float(ex),
+              mean_logprob=-float(ex), err_step_sum_mean=float(ex),
+              coverage={str(d): float(ex % 2) for d in settings.deltas}, sharpness=1.5,
+              mean_err=0.1, mean_radius=0.2, cov_layer=[1.0, 0.5], cov_head=[0.5, 1.0],
+              sample=dict(err=err.tolist(), radius=[0.5] * 5,
+                          R=rng.uniform(0.5, 4.0, 5).tolist(), m=[2.0] * 5,
+                          n_tail=[6.0] * 5))
+          rows.append(row)
+  return rows
+
+
+class RerenderTest(absltest.TestCase):
+
+  def test_rerender_from_rows_without_a_model(self):
+    out = self.create_tempdir().full_path
+    plan = dict(settings=dict(tasks=("passkey",), num_examples=4, budgets=(0.25, 0.5),
+                              designs=("full", "poisson_tail"), n_runs=2, seed=0),
+                theorem1=None, overhead=dict(budget=0.5, n_steps=2), perplexity=None,
+                validity=None, damage=None)
+    settings = suite_settings.Settings(model="tiny", **plan["settings"]).check()
+    rows = _suite_rows(settings)
+    self.assertLen(rows, suite.expected_row_count(settings))
+    with self.assertRaisesRegex(ValueError, r"rows.jsonl has 0 of \d+ suite rows.*overhead"):
+      suite_runner.rerender_report(out, plan, model="tiny", log=lambda s: None)
+    for r in rows:
+      results_io.JsonlResults(os.path.join(out, "rows.jsonl"), suite.KEY_FIELDS).add(r)
+    ms = {c: np.arange(1.0, 8.0) * f for c, f in zip(overhead.ALL_CONFIGS,
+                                                     (1.0, 1.0, 1.5, 1.2, 1.1, 1.1, 1.1))}
+    for r in _timed_rows(ms):
+      r.update(model="tiny", seed=0)
+      results_io.JsonlResults(os.path.join(out, "overhead_rows.jsonl"),
+                              overhead.KEY_FIELDS).add(r)
+    with open(os.path.join(out, "report.md"), "w") as f:
+      f.write("# old\n\nCommand: `python -m experiments.run_all --out=x`  \nWall time: 12 s  \n"
+              "Machine: the old machine  \n\nVerdict rule: old\n")
+    report = suite_runner.rerender_report(out, plan, model="tiny", log=lambda s: None)
+    self.assertEqual(report, open(os.path.join(out, "report.md")).read())
+    self.assertIn("Command: `python -m experiments.run_all --out=x`", report)
+    self.assertIn("Wall time: 12 s", report)
+    self.assertIn("Machine: the old machine", report)
+    self.assertIn(suite_report.VERDICT_RULE, report)
+    self.assertIn("Re-rendered from these rows", report)
+    overhead_line = [line for line in report.splitlines()
+                     if line.startswith("| measured overhead")][0]
+    self.assertIn("| 1.200 [1.200, 1.200] | refuted | cheaper than claimed", overhead_line)
+    blob = json.load(open(os.path.join(out, "report.json")))
+    self.assertEqual(blob["wall_s"], 12.0)
+    self.assertEqual(blob["overhead"]["timing"]["ratio_cert_vs_deterministic"]["method"],
+                     "interleaved")
+    for s in blob["sections"]:
+      for c in s.get("claims", []):
+        self.assertIn(c["verdict"], stats.VERDICTS + (common.NOT_ESTIMABLE,), c["claim"])
+    # A plan asking for what the folder lacks: an error, not a model run.
+    with self.assertRaisesRegex(ValueError, "theorem1_rows.jsonl has 0 of 2 rows"):
+      suite_runner.rerender_report(
+          out, dict(plan, theorem1=dict(task="passkey", num_examples=2, designs=("snapkv",),
+                                        budget=0.25, n_draws=3)), model="tiny")
+    with self.assertRaisesRegex(ValueError, "validity"):
+      suite_runner.rerender_report(out, dict(plan, validity=dict(num_examples=1)),
+                                   model="tiny")
+    with self.assertRaisesRegex(ValueError, "damage"):
+      suite_runner.rerender_report(out, dict(plan, damage={}), model="tiny")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 r"""Experiment 7: time and memory per decode step.
 
 Configurations (one jitted ``lax.scan`` of ``--n_steps`` single-token decode
-steps each, compile excluded, median of ``--repeats`` timed calls):
+steps each, compile and one warm-up call excluded, timed in ``--repeats``
+interleaved rounds: round r calls every configuration once, in an order
+rotated by r; ms/step is the median over rounds):
 
 * ``full``: no eviction, the whole prompt in the cache;
 * ``deterministic``: SnapKV-style design (``--deterministic``) at ``--budget``,
@@ -37,6 +39,15 @@ sum divided by the fraction of calls computed). What such a subsample is
 worth as a failure score is measured on the collection side
 (``cert_sub_mean`` of ``experiments.lib.suite``).
 
+Ratios (``summarize``): the median over rounds of the per-round ratio of two
+configurations' times, with its order-statistic interval
+(``stats.intervals.median_interval``, as ``experiments.lib.bench_kernels``):
+a drift of the shared machine hits both sides of a round alike and cancels.
+Rows written before the rounds were interleaved (no ``timing_session``) timed
+one configuration after another; their ratios are ratios of medians with a
+bootstrap interval over the calls, which misses drift between configurations
+(the report says which).
+
 Memory: the bytes of the caches as allocated (keys/values and per-slot
 metadata, ``models.memory.caches_bytes``).
 
@@ -50,6 +61,7 @@ import math
 import os
 import time
 from typing import Optional
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +75,7 @@ from experiments.lib import results_io
 from experiments.lib import suite
 from experiments.lib import suite_settings
 from experiments.lib import tasks
+from experiments.lib.stats import intervals
 from models import decode
 from models import memory
 
@@ -131,6 +144,8 @@ def run_overhead(params, config, examples, out_dir: str, *, model: str, budget: 
   bad = sorted(set(configs) - set(ALL_CONFIGS))
   if bad:
     raise ValueError(f"configs: unknown {bad}; choose from {list(ALL_CONFIGS)}")
+  if not isinstance(repeats, int) or repeats < 1:
+    raise ValueError(f"repeats (timed rounds) must be an int >= 1, got {repeats!r}")
   results = results_io.JsonlResults(os.path.join(out_dir, "overhead_rows.jsonl"), KEY_FIELDS)
   prompt, mask = suite.pad_batch([e.context_ids + e.question_ids for e in examples])
   batch, plen = prompt.shape
@@ -150,6 +165,7 @@ def run_overhead(params, config, examples, out_dir: str, *, model: str, budget: 
   first, full_caches = prefill(params)
   small_cap = int(math.floor(budget * plen)) + n_steps
   progress = results_io.Progress(len(configs), len(configs) - len(todo))
+  prepared = {}  # name -> (compiled, caches, row fields)
   for name in todo:
     timed = BY_NAME[name]
     design_name = timed.design_name(deterministic)
@@ -180,21 +196,33 @@ def run_overhead(params, config, examples, out_dir: str, *, model: str, budget: 
     t0 = time.perf_counter()
     compiled = jax.jit(steps).lower(params, first, caches).compile()
     compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats):
+    jax.block_until_ready(compiled(params, first, caches))  # warm-up, untimed
+    mem = memory.caches_bytes(caches)
+    prepared[name] = (compiled, caches, dict(
+        common, config=name, design=design_name, certificate=with_cert,
+        certificate_fraction=cert_frac if with_cert else 0.0,
+        capacity=int(caches.k.shape[-2]), compile_s=round(compile_s, 2),
+        cache_bytes={k: int(v) for k, v in mem.items()}))
+    log(f"overhead/{name}: compiled in {compile_s:.1f}s, capacity {int(caches.k.shape[-2])}")
+  # Interleaved rounds: round r times every configuration once (the order rotated by r), so
+  # a drift of the machine hits every configuration of a round alike and the per-round
+  # ratios (summarize) cancel it.
+  times = {name: [] for name in todo}
+  for r in range(repeats):
+    for name in todo[r % len(todo):] + todo[:r % len(todo)]:
+      compiled, caches, _ = prepared[name]
       t0 = time.perf_counter()
       jax.block_until_ready(compiled(params, first, caches))
-      times.append(time.perf_counter() - t0)
-    per_step_ms = [1000.0 * t / n_steps for t in times]
-    mem = memory.caches_bytes(caches)
-    row = dict(common, config=name, design=design_name, certificate=with_cert,
-               certificate_fraction=cert_frac if with_cert else 0.0,
-               capacity=int(caches.k.shape[-2]), per_step_ms=per_step_ms,
-               median_ms=float(np.median(per_step_ms)), compile_s=round(compile_s, 2),
-               cache_bytes={k: int(v) for k, v in mem.items()})
+      times[name].append(time.perf_counter() - t0)
+  session = uuid.uuid4().hex[:12]
+  for name in todo:
+    per_step_ms = [1000.0 * t / n_steps for t in times[name]]
+    row = dict(prepared[name][2], per_step_ms=per_step_ms,
+               median_ms=float(np.median(per_step_ms)), timing="interleaved",
+               timing_session=session)
     results.add(row)
-    log(f"{progress.step()} overhead/{name}: {row['median_ms']:.1f} ms/step, capacity "
-        f"{row['capacity']}")
+    log(f"{progress.step()} overhead/{name}: {row['median_ms']:.1f} ms/step (median of "
+        f"{repeats} interleaved rounds), capacity {row['capacity']}")
   return [r for r in results.rows if all(r.get(k) == v for k, v in common.items())]
 
 
@@ -206,6 +234,50 @@ def _fraction(config_name: str, row: dict) -> float:
   return 1.0 if BY_NAME[config_name].certificate else 0.0
 
 
+def interleaved(a: dict, b: dict) -> bool:
+  """Whether rows ``a`` and ``b`` were timed in the same interleaved rounds (element r of
+  their ``per_step_ms`` is round r of one run), so their per-round ratios pair up."""
+  return (a.get("timing") == "interleaved" and a.get("timing_session") is not None
+          and a.get("timing_session") == b.get("timing_session")
+          and len(a["per_step_ms"]) == len(b["per_step_ms"]))
+
+
+def describe_ratio(info: dict) -> str:
+  """How a ratio's interval was made (``summarize``'s ``timing`` entry), in words."""
+  if info["method"] == "interleaved":
+    return (f"median of {info['rounds']} per-round ratios (interleaved rounds in one run), "
+            f"order-statistic interval (coverage {info['level']:.2f})")
+  return (f"ratio of medians of {info['calls'][0]} and {info['calls'][1]} calls timed one "
+          "configuration after another (not in interleaved rounds: drift of the machine "
+          "between configurations is not in the interval), 95% bootstrap")
+
+
+def half_width(ci) -> float:
+  """The interval's half-width relative to its estimate (``(hi - lo) / 2 / estimate``)."""
+  e, lo, hi = ci
+  return (hi - lo) / 2.0 / abs(e) if e else float("inf")
+
+
+def ratio_lines(summary: dict) -> list[str]:
+  """The markdown lines of ``summarize``'s ratios: how they were timed, then each ratio
+  with its interval and relative half-width."""
+  keys = [k for k in summary if k.startswith("ratio_")]
+  how = {describe_ratio(summary["timing"][k]) for k in keys}
+  if len(how) == 1:
+    lines = [f"Ratios of ms/step: {how.pop()}; +-: the interval's half-width relative to "
+             "the estimate:", ""]
+    tail = {k: "" for k in keys}
+  else:
+    lines = ["Ratios of ms/step (how each was timed beside it); +-: the interval's "
+             "half-width relative to the estimate:", ""]
+    tail = {k: f"; {describe_ratio(summary['timing'][k])}" for k in keys}
+  for k in keys:
+    e, lo, hi = summary[k]
+    lines.append(f"- {k}: {e:.2f} [{lo:.2f}, {hi:.2f}] (+-{100 * half_width(summary[k]):.0f}%"
+                 f"{tail[k]})")
+  return lines
+
+
 def summarize(rows, plot_dir=None, seed: int = 0) -> dict:
   by = {r["config"]: r for r in rows}
   out = {"rows": len(rows), "plots": []}
@@ -214,21 +286,29 @@ def summarize(rows, plot_dir=None, seed: int = 0) -> dict:
     out["md"] = "\n".join(md + ["(incomplete)"])
     return out
   rng = np.random.default_rng(seed)
+  out["timing"] = {}
 
-  def ratio_ci(a, b):
+  def ratio_ci(key, a, b):
+    """``out[key] = [estimate, lo, hi]`` of time(a) / time(b); how, in ``timing``."""
     x, y = np.asarray(by[a]["per_step_ms"]), np.asarray(by[b]["per_step_ms"])
+    if interleaved(by[a], by[b]):
+      mi = intervals.median_interval(x / y)
+      out[key] = [mi["median"], mi["lo"], mi["hi"]]
+      out["timing"][key] = dict(method="interleaved", rounds=len(x), level=mi["level"])
+      return
     est = float(np.median(x) / np.median(y))
     boots = [np.median(rng.choice(x, len(x))) / np.median(rng.choice(y, len(y)))
              for _ in range(1000)]
-    return [est, float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))]
-  out["ratio_cert_vs_deterministic"] = ratio_ci("randomized+certificate", "deterministic")
-  out["ratio_cert_vs_randomized"] = ratio_ci("randomized+certificate", "randomized")
-  out["ratio_cert_vs_full"] = ratio_ci("randomized+certificate", "full")
+    out[key] = [est, float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))]
+    out["timing"][key] = dict(method="sequential", calls=[len(x), len(y)], level=0.95)
+  ratio_ci("ratio_cert_vs_deterministic", "randomized+certificate", "deterministic")
+  ratio_ci("ratio_cert_vs_randomized", "randomized+certificate", "randomized")
+  ratio_ci("ratio_cert_vs_full", "randomized+certificate", "full")
   present = [c for c in ALL_CONFIGS if c in by]
   for c in present:
     if BY_NAME[c].subsampled:  # what the subsample saves of the certificate's extra time
-      out[f"ratio_{c}_vs_deterministic"] = ratio_ci(c, "deterministic")
-      out[f"ratio_{c}_vs_randomized"] = ratio_ci(c, "randomized")
+      ratio_ci(f"ratio_{c}_vs_deterministic", c, "deterministic")
+      ratio_ci(f"ratio_{c}_vs_randomized", c, "randomized")
   body = []
   for c in present:
     r = by[c]
@@ -242,10 +322,7 @@ def summarize(rows, plot_dir=None, seed: int = 0) -> dict:
          "| config | design | certified calls | capacity | ms/step (median) | range | K/V | "
          "metadata |", "|---|---|---|---|---|---|---|---|"]
   md += ["| " + " | ".join(str(x) for x in row) + " |" for row in body]
-  md += ["", "Ratios of median ms/step, 95% bootstrap interval over the timed calls:", ""]
-  for k in [k for k in out if k.startswith("ratio_")]:
-    e, lo, hi = out[k]
-    md.append(f"- {k}: {e:.2f} [{lo:.2f}, {hi:.2f}]")
+  md += [""] + ratio_lines(out)
   if plot_dir:
     out["plots"].append(plots.plot_overhead(
         {c: by[c]["median_ms"] for c in present}, os.path.join(plot_dir, "overhead.png"),

@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 from experiments.lib import damage_collect
 from experiments.lib import damage_report
+from experiments.lib import loaders
 from experiments.lib import model_loading
 from experiments.lib import overhead
 from experiments.lib import results_io
@@ -69,7 +71,8 @@ QUICK = dict(
                   question_aware_only=("attention_proportional", "snapkv")),
     theorem1=dict(task="passkey", num_examples=2, designs=("snapkv", "poisson_tail"),
                   budget=0.25, n_draws=3),
-    overhead=dict(task="passkey", num_examples=1, budget=0.25, n_steps=16, repeats=5),
+    # 7 interleaved rounds: the order-statistic interval of a ratio covers >= 95% from 6.
+    overhead=dict(task="passkey", num_examples=1, budget=0.25, n_steps=16, repeats=7),
     perplexity=dict(designs=("full", "snapkv", "poisson_tail"), budgets=(0.125, 0.25, 0.5),
                     context_len=256, chunk=32, num_examples=6, n_runs=1),
     validity=dict(designs=("poisson_tail", "poisson_defensive"), data=("text", "passkey"),
@@ -146,10 +149,7 @@ def run_suite(params, config, tok, out: str, plan: dict, *, model: str, command:
         seed=settings.seed, log=log)
     ov_summary = overhead.summarize(ov_rows, out, settings.seed)
   pp, ppl_rows = plan.get("perplexity"), []
-  sections = [coverage.coverage_analysis(rows, out),
-              assumption2.assumption2_analysis(rows, out),
-              failures.failure_analysis(rows, out),
-              regimes.regimes_analysis(rows, out)]
+  sections = _analyses(rows, out)
   if pp:
     ppl_rows = streaming_loss_experiment.run_perplexity(
         params, config, tok, text, out, model=model, seed=settings.seed,
@@ -164,9 +164,7 @@ def run_suite(params, config, tok, out: str, plan: dict, *, model: str, command:
         k: tuple(v) if isinstance(v, list) else v for k, v in va.items()})
     va_summary = validity.run(params, config, tok, va_plan, os.path.join(out, "validity"),
                               text=va_text, text_source=text, log=log)
-    sections.append(dict(md="\n".join(
-        ["## Validity of the certificate, raw and calibrated (`validity/report.md`)", ""]
-        + validity.headline_lines(va_summary)), claims=[]))
+    sections.append(_study_section("validity", va_summary))
   dm = plan.get("damage")
   if dm is not None:
     with open(text, encoding="utf-8") as f:
@@ -176,25 +174,175 @@ def run_suite(params, config, tok, out: str, plan: dict, *, model: str, command:
     dm_out = os.path.join(out, "damage")
     damage_collect.collect(params, config, tok, dm_plan, dm_out, text=dm_text, log=log)
     dm_summary = damage_report.analyse(dm_out, dm_plan, train=True, log=log)
-    sections.append(dict(md="\n".join(
-        ["## From radius to output damage (`damage/report.md`)", ""]
-        + damage_report.headline_lines(dm_summary)), claims=[]))
-  wall = time.time() - t0
+    sections.append(_study_section("damage", dm_summary))
+  report = _write_report(out, settings, sections=sections, theorem1=th_summary,
+                         overhead=ov_summary, counts=(rows, th_rows, ov_rows, ppl_rows),
+                         command=command, wall_s=time.time() - t0)
+  return {"report": report, "complete": True, "rows": len(rows)}
+
+
+def _study_section(name: str, summary: dict) -> dict:
+  """The report's section of the validity or damage study (its headline table)."""
+  if name == "validity":
+    return dict(md="\n".join(
+        ["## Validity of the certificate, raw and calibrated (`validity/report.md`)", ""]
+        + validity.headline_lines(summary)), claims=[])
+  return dict(md="\n".join(["## From radius to output damage (`damage/report.md`)", ""]
+                           + damage_report.headline_lines(summary)), claims=[])
+
+
+def _analyses(rows, plot_dir: str) -> list[dict]:
+  """The sections of the suite's rows (plots into ``plot_dir``)."""
+  return [coverage.coverage_analysis(rows, plot_dir),
+          assumption2.assumption2_analysis(rows, plot_dir),
+          failures.failure_analysis(rows, plot_dir),
+          regimes.regimes_analysis(rows, plot_dir)]
+
+
+def _write_report(out: str, settings, *, sections, theorem1, overhead, counts, command: str,
+                  wall_s: float, machine=None, extra=()) -> str:
+  """Writes ``out/report.md`` and ``out/report.json``; returns the report."""
+  rows, th_rows, ov_rows, ppl_rows = (len(x) for x in counts)
   report = suite_report.render_report(
-      sections=sections, theorem1=th_summary, overhead=ov_summary, command=command, wall_s=wall,
-      settings=settings,
-      extra=[f"Rows: {len(rows)} suite rows (`rows.jsonl`), {len(th_rows)} Theorem-1 rows, "
-             f"{len(ov_rows)} overhead rows, {len(ppl_rows)} streaming-loss rows "
+      sections=sections, theorem1=theorem1, overhead=overhead, command=command, wall_s=wall_s,
+      settings=settings, machine=machine,
+      extra=[f"Rows: {rows} suite rows (`rows.jsonl`), {th_rows} Theorem-1 rows, "
+             f"{ov_rows} overhead rows, {ppl_rows} streaming-loss rows "
              "(`perplexity_rows.jsonl`). Wall time counts this invocation only (a "
-             "resumed run does not redo finished rows)."])
+             "resumed run does not redo finished rows)."] + list(extra))
   results_io.atomic_write_text(os.path.join(out, "report.md"), report)
   blob = {"sections": [{k: v for k, v in s.items() if k != "md"} for s in sections],
-          "theorem1": {k: v for k, v in (th_summary or {}).items() if k != "md"},
-          "overhead": {k: v for k, v in (ov_summary or {}).items() if k != "md"},
-          "wall_s": wall}
+          "theorem1": {k: v for k, v in (theorem1 or {}).items() if k != "md"},
+          "overhead": {k: v for k, v in (overhead or {}).items() if k != "md"},
+          "wall_s": wall_s}
   results_io.atomic_write_text(os.path.join(out, "report.json"),
                                json.dumps(results_io.json_safe(blob), indent=1, default=float))
-  return {"report": report, "complete": True, "rows": len(rows)}
+  return report
+
+
+def _previous_header(out: str) -> dict:
+  """Command, wall time and machine of an existing ``out/report.md`` (those it has; the
+  wall time from ``report.json`` when there)."""
+  path = os.path.join(out, "report.md")
+  if not os.path.exists(path):
+    return {}
+  got = {}
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      line = line.rstrip()
+      m = re.fullmatch(r"Command: `(.*)`", line)
+      if m:
+        got["command"] = m.group(1)
+      m = re.fullmatch(r"Wall time: ([0-9.]+) s", line)
+      if m:
+        got["wall_s"] = float(m.group(1))
+      m = re.fullmatch(r"Machine: (.*)", line)
+      if m:
+        got["machine"] = m.group(1)
+      if line.startswith("Verdict rule") or line.startswith("|"):
+        break
+  path = os.path.join(out, "report.json")
+  if os.path.exists(path):  # the unrounded wall time
+    with open(path, encoding="utf-8") as f:
+      wall_s = json.load(f).get("wall_s")
+    if isinstance(wall_s, (int, float)):
+      got["wall_s"] = float(wall_s)
+  return got
+
+
+def rerender_report(out: str, plan: dict, *, model: str, text: str = DEFAULT_TEXT,
+                    plot_dir=None, log=print) -> str:
+  """Rewrites ``out/report.md`` and ``report.json`` from the rows already in ``out``,
+  without a model (e.g. after a change to the verdict rule or an analysis).
+
+  ``plan`` and ``model`` are those of the run that made the rows (e.g.
+  ``experiments/results/suite_full_n8_c256``, made by ``--full --num_examples=8
+  --context_len=256 --novalidity`` before the damage study existed:
+  ``dict(with_overrides(FULL, num_examples=8, context_len=256), validity=None,
+  damage=None)``).
+  Every row the plan asks for must be there (suite, Theorem 1, overhead,
+  streaming loss), and the validity / damage studies' ``summary.json`` when the
+  plan has them: otherwise ``ValueError`` says what is missing (``run_all``
+  resumes it, with the model). The command, wall time and machine lines are
+  kept from the existing ``report.md`` (they describe the run that made the
+  rows). Plots and ``perplexity.md`` go to ``plot_dir`` (default ``out``).
+
+  ``python -c "from experiments.lib import suite_runner as s;
+  s.rerender_report('experiments/results/suite_quick', dict(s.QUICK, validity=None,
+  damage=None), model='smollm2')"`` (that run predates both studies).
+  """
+  plot_dir = plot_dir or out
+  settings = suite_settings.Settings(model=model, **plan["settings"]).check()
+  missing = []
+  rows = suite.select(results_io.read_rows(os.path.join(out, "rows.jsonl")), settings)
+  if len(rows) != suite.expected_row_count(settings):
+    missing.append(f"rows.jsonl has {len(rows)} of {suite.expected_row_count(settings)} "
+                   "suite rows")
+  th, th_rows = plan.get("theorem1"), []
+  if th:  # the rows run_theorem1 returns
+    th_rows = [r for r in results_io.read_rows(os.path.join(out, "theorem1_rows.jsonl"))
+               if r["design"] in th["designs"] and r["model"] == model
+               and r["task"] == th["task"] and r["budget"] == float(th["budget"])
+               and r["seed"] == settings.seed and r["context_len"] == settings.context_len]
+    want = sum(th["num_examples"] * (th["n_draws"] if suite.is_randomized(d) else 1)
+               for d in th["designs"])
+    if len(th_rows) < want:
+      missing.append(f"theorem1_rows.jsonl has {len(th_rows)} of {want} rows")
+  ov, ov_rows = plan.get("overhead"), []
+  if ov:
+    ov_rows = [r for r in results_io.read_rows(os.path.join(out, "overhead_rows.jsonl"))
+               if r["model"] == model and r["budget"] == float(ov["budget"])
+               and r["n_steps"] == ov["n_steps"] and r["seed"] == settings.seed]
+    if sorted(r["config"] for r in ov_rows) != sorted(overhead.ALL_CONFIGS):
+      missing.append(f"overhead_rows.jsonl has configs {sorted(r['config'] for r in ov_rows)}"
+                     f", not each of {sorted(overhead.ALL_CONFIGS)} once")
+  pp, ppl_rows = plan.get("perplexity"), []
+  if pp:
+    units = streaming_loss_experiment._units(  # pylint: disable=protected-access
+        tuple(pp["designs"]), pp["n_runs"])
+    ppl_rows = streaming_loss_experiment.select(
+        results_io.read_rows(os.path.join(out, streaming_loss_experiment.ROWS_FILE)),
+        model=model, text_sha256=streaming_loss_experiment.text_sha256(
+            loaders.load_text(text)), context_len=pp["context_len"], chunk=pp["chunk"],
+        seed=settings.seed, n_sink=settings.n_sink, window=settings.window, units=units,
+        budgets=tuple(float(b) for b in pp["budgets"]), num_examples=pp["num_examples"])
+    want = streaming_loss_experiment.expected_row_count(
+        tuple(pp["designs"]), tuple(pp["budgets"]), pp["num_examples"], pp["n_runs"])
+    if len(ppl_rows) != want:
+      missing.append(f"{streaming_loss_experiment.ROWS_FILE} has {len(ppl_rows)} of {want} "
+                     "rows")
+  studies = {}
+  for name in ("validity", "damage"):
+    path = os.path.join(out, name, "summary.json")
+    # as run_suite: validity runs when its plan is truthy, damage when it is not None
+    if (plan.get(name) if name == "validity" else plan.get(name) is not None):
+      if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+          studies[name] = json.load(f)
+      else:
+        missing.append(f"{path} (the {name} study; drop it from the plan if the run had none)")
+  head = _previous_header(out)
+  if "command" not in head:
+    missing.append("report.md with the Command line of the run that made the rows")
+  if missing:
+    raise ValueError(f"{out}: cannot re-render without running the model: "
+                     + "; ".join(missing))
+  th_summary = theorem1.summarize(th_rows) if th else None
+  ov_summary = overhead.summarize(ov_rows, plot_dir, settings.seed) if ov else None
+  sections = _analyses(rows, plot_dir)
+  if pp:
+    sections.append(dict(streaming_loss_report.summarize(ppl_rows, plot_dir, settings.seed),
+                         claims=[]))
+  sections += [_study_section(name, summary) for name, summary in studies.items()]
+  report = _write_report(
+      out, settings, sections=sections, theorem1=th_summary, overhead=ov_summary,
+      counts=(rows, th_rows, ov_rows, ppl_rows), command=head["command"],
+      wall_s=head.get("wall_s", float("nan")), machine=head.get("machine"),
+      extra=["", "Re-rendered from these rows by `experiments.lib.suite_runner."
+             "rerender_report` (no model run); Command, Wall time and Machine are those of "
+             "the run that made them."])
+  log(f"re-rendered {os.path.join(out, 'report.md')} from {len(rows)} suite rows")
+  return report
 
 
 def with_overrides(plan: dict, *, num_examples=None, context_len=None) -> dict:

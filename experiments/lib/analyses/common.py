@@ -58,9 +58,13 @@ def fmt_ci(ci) -> str:
   return f"{e:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
+NOT_ESTIMABLE = "inconclusive (not estimable)"
+
+
 def verdict_of(paper, ci, direction) -> str:
+  """:func:`stats.verdict`, or :data:`NOT_ESTIMABLE` when there is no finite interval."""
   if ci is None or not all(math.isfinite(x) for x in ci):
-    return "not reproduced (not estimable)"
+    return NOT_ESTIMABLE
   return stats.verdict(paper, ci, direction)
 
 
