@@ -19,16 +19,15 @@ certificate, and the command says which budget would give one. Library
 logging is quiet unless ``--verbosity`` (``-v``) is given.
 """
 
-import logging
 import sys
 
 from absl import app
 from absl import flags
-from absl import logging as absl_logging
 
 from experiments.lib import generate
 from experiments.lib import generate_report
 from experiments.lib import model_loading
+from experiments.lib import results_io
 
 FLAGS = flags.FLAGS
 
@@ -63,21 +62,10 @@ def define_flags():
                     "error of every call next to its radius.")
 
 
-def quiet_logging() -> None:
-  """JAX's backend probing and orbax's checkpoint lines are INFO noise for a user
-  of this command; ``--verbosity`` (absl's flag) given on the command line
-  keeps them."""
-  if FLAGS["verbosity"].present:
-    return
-  absl_logging.set_verbosity(absl_logging.WARNING)
-  for name in ("jax", "orbax", "absl"):
-    logging.getLogger(name).setLevel(logging.WARNING)
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; pass the text with --prompt")
-  quiet_logging()
+  results_io.quiet_library_logs(FLAGS)
   kw = dict(design=FLAGS.design, budget=FLAGS.budget, max_new_tokens=FLAGS.max_new_tokens,
             regime=FLAGS.regime, delta=FLAGS.delta, seed=FLAGS.seed,
             question_tokens=FLAGS.question_tokens, chunk=FLAGS.chunk, n_sink=FLAGS.n_sink,

@@ -18,6 +18,7 @@ from absl import app
 from absl import flags
 
 from experiments.lib import model_loading
+from experiments.lib import results_io
 from experiments.lib import suite_runner
 
 FLAGS = flags.FLAGS
@@ -44,6 +45,7 @@ def define_flags():
 
 def main(argv):
   del argv
+  results_io.quiet_library_logs(FLAGS)
   suite_runner.run_command(
       model=FLAGS.model, out=FLAGS.out, full=FLAGS.full,
       command="python -m experiments.run_all " + " ".join(sys.argv[1:]),

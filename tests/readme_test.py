@@ -1,4 +1,5 @@
-"""Every ```python block of README.md runs as written; every command it names exists.
+"""Every ```python block of README.md and docs/guide.md runs as written; every
+command they name exists; the README's first screen holds the two commands.
 
 Each python block runs on its own, in a fresh interpreter in the repository
 root (the blocks do not build on each other: each has its own imports and
@@ -19,6 +20,8 @@ import pytest
 from tests import test_util
 
 README = os.path.join(test_util.ROOT, "README.md")
+DOCS = (README, os.path.join(test_util.ROOT, "docs", "guide.md"))
+FIRST_SCREEN = 60  # lines
 SMOLLM2 = re.compile(r"load_smollm2|load_model\(\"smollm2\"\)")
 XLA_FLAGS = re.compile(r"XLA_FLAGS=(\S+)")
 
@@ -42,19 +45,26 @@ def code_blocks(text: str):
   return blocks
 
 
-def _readme():
-  with open(README, encoding="utf-8") as f:
+def _read(path=README):
+  with open(path, encoding="utf-8") as f:
     return f.read()
+
+
+def _readme():
+  return _read(README)
 
 
 def _python_blocks():
   params = []
-  for lang, heading, line, code in code_blocks(_readme()):
-    if lang != "python":
-      continue
-    slow = bool(SMOLLM2.search(code))
-    params.append(pytest.param(code, id=f"line{line}-{re.sub(r'[^a-z0-9]+', '_', heading.lower())}",
-                               marks=[pytest.mark.slow] if slow else []))
+  for path in DOCS:
+    name = os.path.splitext(os.path.basename(path))[0].lower()
+    for lang, heading, line, code in code_blocks(_read(path)):
+      if lang != "python":
+        continue
+      slow = bool(SMOLLM2.search(code))
+      tag = re.sub(r"[^a-z0-9]+", "_", heading.lower())
+      params.append(pytest.param(code, id=f"{name}-line{line}-{tag}",
+                                 marks=[pytest.mark.slow] if slow else []))
   return params
 
 
@@ -86,12 +96,43 @@ def test_readme_has_python_blocks_and_fast_ones():
 
 
 def test_commands_in_readme_exist():
-  """Every ``python -m pkg.module`` in README.md names a module of this repository."""
-  modules = set(re.findall(r"python -m ((?:experiments|tests)(?:\.\w+)+)", _readme()))
+  """Every ``python -m pkg.module`` in README.md and the guide names a module of this
+  repository."""
+  text = "".join(_read(p) for p in DOCS)
+  modules = set(re.findall(r"python -m ((?:experiments|tests)(?:\.\w+)+)", text))
   assert "experiments.generate" in modules and "experiments.run_all" in modules
   for module in sorted(modules):
     path = os.path.join(test_util.ROOT, *module.split(".")) + ".py"
-    assert os.path.exists(path), f"README.md runs python -m {module}, but {path} does not exist"
+    assert os.path.exists(path), f"the docs run python -m {module}, but {path} does not exist"
+
+
+def test_first_screen_has_the_two_commands_and_the_quickstart():
+  """Within the first screen: the title first, one bash block with exactly two
+  commands (the main job, the tests, each from a fresh virtual environment),
+  the measured times, and the two quickstarts."""
+  lines = _readme().splitlines()
+  assert lines[0].startswith("# "), "the README opens with its title"
+  screen = "\n".join(lines[:FIRST_SCREEN + 15])
+  first_bash = next(code for lang, _, _, code in code_blocks(_readme()) if lang == "bash")
+  commands = first_bash.strip().splitlines()
+  assert len(commands) == 2, commands
+  for command, runs in zip(commands, ("experiments.run_all", "pytest")):
+    assert command.startswith("python3 -m venv .venv && . .venv/bin/activate"), command
+    assert runs in command, command
+  assert "Python >= 3.10" in screen
+  assert re.search(r"main job\s+\d+ min", screen), "the main job's measured time"
+  assert "experiments.generate" in screen and "```python" in screen
+  for target in re.findall(r"\]\(([^)#]+)\)", _readme()):
+    assert os.path.exists(os.path.join(test_util.ROOT, target)), f"broken link {target}"
+
+
+def test_links_in_the_guide_exist():
+  guide = DOCS[1]
+  for target in re.findall(r"\]\(([^)#]+)\)", _read(guide)):
+    if "://" in target:
+      continue
+    path = os.path.normpath(os.path.join(os.path.dirname(guide), target))
+    assert os.path.exists(path), f"docs/guide.md links {target}, which does not exist"
 
 
 def test_code_blocks_parser():

@@ -95,3 +95,16 @@ class Progress:
     elapsed = time.time() - self.start
     eta = elapsed / ran * (self.total - self.done) if ran else float("nan")
     return f"[{self.done}/{self.total}] elapsed {elapsed:.0f}s, ETA {eta:.0f}s"
+
+
+def quiet_library_logs(flag_values) -> None:
+  """Silences INFO lines of JAX (backend probing) and orbax (every checkpoint
+  step) on a command's console, unless ``--verbosity`` (absl's ``-v``) was
+  given on the command line: a user sees the command's own progress."""
+  import logging  # pylint: disable=g-import-not-at-top
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  if flag_values["verbosity"].present:
+    return
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  for name in ("jax", "orbax", "absl"):
+    logging.getLogger(name).setLevel(logging.WARNING)
