@@ -12,8 +12,9 @@ from absl.testing import absltest
 import numpy as np
 import pytest
 
-from experiments.lib import generate
+from experiments.lib import answer_text
 from experiments.lib import generate_report
+from experiments.lib import prompt_encoding
 from models import gguf_loader
 from tests import test_util
 
@@ -36,18 +37,18 @@ class WholeCharactersTest(absltest.TestCase):
 
   def test_pieces_give_each_character_to_the_token_that_completes_it(self):
     ids = _bytes("a" + EMOJI + "b")
-    pieces = generate.text_pieces(ByteTokenizer(), ids)
+    pieces = answer_text.text_pieces(ByteTokenizer(), ids)
     self.assertEqual(pieces, ("a", "", "", "", EMOJI, "b"))
     self.assertEqual("".join(pieces), "a" + EMOJI + "b")
 
   def test_an_answer_cut_inside_a_character_drops_the_fragment(self):
     ids = _bytes(EMOJI * 2)[:6]  # the second emoji cut after 2 of its 4 bytes
     self.assertEqual(ByteTokenizer().decode(ids), EMOJI + "\ufffd")  # what decode() gives
-    self.assertEqual(generate.whole_text(ByteTokenizer(), ids), EMOJI)
+    self.assertEqual(answer_text.whole_text(ByteTokenizer(), ids), EMOJI)
 
   def test_stream_writes_whole_characters_and_stops_at_a_stop_id(self):
     out = []
-    stream = generate.TokenStream(ByteTokenizer(), stops=(0,), write=out.append)
+    stream = answer_text.TokenStream(ByteTokenizer(), stops=(0,), write=out.append)
     for i, t in enumerate(_bytes("x" + EMOJI) + [0] + _bytes("after")):
       stream(i, np.asarray([t], np.int32))
     self.assertEqual(out, ["x", EMOJI])  # nothing of the emoji before its last byte
@@ -74,13 +75,13 @@ class PromptChecksTest(absltest.TestCase):
       generate_report.read_prompt(None, f.name)
 
   def test_too_long_names_the_context(self):
-    enc = generate.EncodedPrompt(list(range(8150)), [], None, None, True)
+    enc = prompt_encoding.EncodedPrompt(list(range(8150)), [], None, None, True)
     with self.assertRaisesRegex(ValueError, r"8,150 tokens with the chat template plus "
                                 r"max_new_tokens 64 = 8,214 positions, more than the model's "
                                 r"context of 8,192 tokens; shorten the prompt to at most 8,128"):
-      generate.check_fits(enc, max_new_tokens=64, max_positions=8192)
-    generate.check_fits(enc, max_new_tokens=42, max_positions=8192)  # 8,192 fits exactly
-    generate.check_fits(enc, max_new_tokens=10**6, max_positions=None)
+      prompt_encoding.check_fits(enc, max_new_tokens=64, max_positions=8192)
+    prompt_encoding.check_fits(enc, max_new_tokens=42, max_positions=8192)  # 8,192 fits exactly
+    prompt_encoding.check_fits(enc, max_new_tokens=10**6, max_positions=None)
 
 
 def _run_cli(*args):

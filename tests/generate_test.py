@@ -11,10 +11,12 @@ from absl.testing import absltest
 import numpy as np
 import pytest
 
+from experiments.lib import answer_text
 from experiments.lib import generate
 from experiments.lib import generate_certificate
 from experiments.lib import generate_report
 from experiments.lib import model_loading
+from experiments.lib import prompt_encoding
 from tests import test_util
 
 # 118 characters of context (one token each) and a one-line question.
@@ -34,6 +36,14 @@ def _tiny_dir(**tokenizer_config):
     with open(path, "w") as f:
       json.dump(cfg, f)
   return directory
+
+
+def _shipped_calibration(**settings):
+  """``generate_certificate.calibrated``'s arguments for the shipped artifact
+  (poisson_tail, delta 0.05, the validity study's n_sink / window / chunk)."""
+  return dict(calibration=generate_certificate.DEFAULT_CALIBRATION, model_name="smollm2",
+              design_name="poisson_tail", delta=0.05, n_sink=4, window=16, chunk=64,
+              **settings)
 
 
 class GenerateTextTest(absltest.TestCase):
@@ -99,12 +109,12 @@ class GenerateTextTest(absltest.TestCase):
       self.assertIn(column, out)
 
   def test_streaming_question_by_tokens(self):
-    ctx, question, rule, applied = generate.split_prompt(self.tok, CONTEXT, chat=False,
+    ctx, question, rule, applied = prompt_encoding.split_prompt(self.tok, CONTEXT, chat=False,
                                                          question_tokens=0)
-    self.assertLen(question, generate.FALLBACK_QUESTION_TOKENS)  # one line: its last tokens
+    self.assertLen(question, prompt_encoding.FALLBACK_QUESTION_TOKENS)  # one line: its last tokens
     self.assertIn("one line", rule)
     self.assertFalse(applied)
-    ctx, question, rule, _ = generate.split_prompt(self.tok, PROMPT, chat=False,
+    ctx, question, rule, _ = prompt_encoding.split_prompt(self.tok, PROMPT, chat=False,
                                                    question_tokens=5)
     self.assertEqual(self.tok.decode(question), "leep?")
     self.assertLen(ctx + question, len(PROMPT) + 1)
@@ -153,18 +163,18 @@ class GenerateTextTest(absltest.TestCase):
         return super().encode(text, add_bos=False)
 
     with self.assertRaisesRegex(ValueError, "prompt: the streaming regime .* at least 2 tokens"):
-      generate.split_prompt(NoBos(), "a", chat=False)
+      prompt_encoding.split_prompt(NoBos(), "a", chat=False)
 
   def test_truncate_at_stop(self):
-    kept, stopped, stop = generate.truncate_at_stop(np.array([5, 7, 2, 9, 0]), (0, 2))
+    kept, stopped, stop = answer_text.truncate_at_stop(np.array([5, 7, 2, 9, 0]), (0, 2))
     np.testing.assert_array_equal(kept, [5, 7])
     self.assertEqual((stopped, stop), (True, 2))
-    kept, stopped, stop = generate.truncate_at_stop(np.array([5, 7]), (2,))
+    kept, stopped, stop = answer_text.truncate_at_stop(np.array([5, 7]), (2,))
     np.testing.assert_array_equal(kept, [5, 7])
     self.assertEqual((stopped, stop), (False, None))
-    kept, stopped, _ = generate.truncate_at_stop(np.array([2, 7]), (2,))
+    kept, stopped, _ = answer_text.truncate_at_stop(np.array([2, 7]), (2,))
     self.assertEqual((kept.size, stopped), (0, True))
-    kept, stopped, _ = generate.truncate_at_stop(np.array([2, 7]), ())
+    kept, stopped, _ = answer_text.truncate_at_stop(np.array([2, 7]), ())
     self.assertEqual((kept.size, stopped), (2, False))
 
   def test_bad_arguments_name_the_argument(self):
@@ -216,8 +226,8 @@ class TokenizerTest(absltest.TestCase):
 
   def test_stop_ids_from_eos_token_and_end_of_turn_strings(self):
     tok = model_loading.HFTokenizer(_tiny_dir(eos_token="?"))
-    self.assertEqual(generate.stop_ids(tok), (tok.backend.token_to_id("?"),))
-    self.assertEqual(generate.stop_ids(model_loading.HFTokenizer(_tiny_dir())), ())
+    self.assertEqual(answer_text.stop_ids(tok), (tok.backend.token_to_id("?"),))
+    self.assertEqual(answer_text.stop_ids(model_loading.HFTokenizer(_tiny_dir())), ())
 
     class Backend:
       def token_to_id(self, s):
@@ -227,20 +237,20 @@ class TokenizerTest(absltest.TestCase):
       eos_id = 2
       backend = Backend()
 
-    self.assertEqual(generate.stop_ids(GgufLike()), (0, 2))  # SmolLM2-Instruct's
+    self.assertEqual(answer_text.stop_ids(GgufLike()), (0, 2))  # SmolLM2-Instruct's
 
   def test_chat_template_wraps_context_and_question(self):
     template = ("{% for m in messages %}q: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}a:{% endif %}")
     tok = model_loading.HFTokenizer(_tiny_dir(chat_template=template))
-    ctx, question, _, applied = generate.split_prompt(tok, PROMPT, chat=True)
+    ctx, question, _, applied = prompt_encoding.split_prompt(tok, PROMPT, chat=True)
     self.assertTrue(applied)
     self.assertTrue(tok.decode(ctx[1:]).startswith("q: the quick"))  # after BOS
     self.assertEqual(tok.decode(question), "where does the fox sleep?\na:")
-    _, _, _, applied = generate.split_prompt(tok, PROMPT, chat=False)
+    _, _, _, applied = prompt_encoding.split_prompt(tok, PROMPT, chat=False)
     self.assertFalse(applied)
     plain = model_loading.HFTokenizer(_tiny_dir())  # no template: plain text
-    _, question, _, applied = generate.split_prompt(plain, PROMPT, chat=True)
+    _, question, _, applied = prompt_encoding.split_prompt(plain, PROMPT, chat=True)
     self.assertFalse(applied)
     self.assertEqual(plain.decode(question), "where does the fox sleep?")
 
@@ -258,9 +268,7 @@ class CalibrationTest(absltest.TestCase):
                        "the committed calibration artifact is not in this checkout")
   def test_shipped_calibration_applies_only_where_it_was_made(self):
     raw = np.full((3, 2, 4), 0.5)
-    kw = dict(calibration=generate_certificate.DEFAULT_CALIBRATION, model_name="smollm2",
-              design_name="poisson_tail", regime="question_aware", budget=0.25, delta=0.05,
-              n_sink=4, window=16, chunk=64, context_tokens=1100)
+    kw = _shipped_calibration(regime="question_aware", budget=0.25, context_tokens=1100)
     cal, note, in_range = generate_certificate.calibrated(raw, **kw)
     self.assertEqual(cal.shape, raw.shape)
     self.assertTrue(np.all(cal > 0))
@@ -284,9 +292,7 @@ class CalibrationTest(absltest.TestCase):
                        "the committed calibration artifact is not in this checkout")
   def test_shipped_calibration_outside_its_context_range_warns(self):
     raw = np.full((3, 2, 4), 0.5)
-    kw = dict(calibration=generate_certificate.DEFAULT_CALIBRATION, model_name="smollm2",
-              design_name="poisson_tail", regime="streaming", budget=0.125, delta=0.05,
-              n_sink=4, window=16, chunk=64)
+    kw = _shipped_calibration(regime="streaming", budget=0.125)
     inside, _, in_range = generate_certificate.calibrated(raw, **kw, context_tokens=1040)
     self.assertIs(in_range, True)
     for n in (272, 1039, 1157, 2064):  # a 256-token unit's prompt; just outside; 2,048

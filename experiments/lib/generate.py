@@ -37,7 +37,7 @@ Decode steps: step ``i`` is the attention call that reads answer token ``i``;
 its output chose token ``i + 1``. Token 0 is chosen from the prefill, which
 reports no certificate. Generation runs a fixed ``max_new_tokens`` steps under
 ``jax.jit`` (a ``lax.scan``); the tokens are cut at the first end-of-turn / EOS
-id (:func:`stop_ids`) and only the steps before it are returned (the last of
+id (``answer_text.stop_ids``) and only the steps before it are returned (the last of
 them chose the end-of-turn token).
 
 Deterministic designs (and ``uniform_random``, which has no Hajek offset) have
@@ -63,8 +63,9 @@ import numpy as np
 
 from certkv_jax import certificate
 from certkv_jax import designs
+from experiments.lib import answer_text
 from experiments.lib import generate_certificate
-from experiments.lib import prompts
+from experiments.lib import prompt_encoding
 from models import decode
 
 FULL = "full"
@@ -74,12 +75,6 @@ REGIMES = ("question_aware", "streaming")
 N_SINK = generate_certificate.N_SINK
 WINDOW = generate_certificate.WINDOW
 CHUNK = generate_certificate.CHUNK
-# Streaming with a one-line prompt: the question is its last this many tokens.
-FALLBACK_QUESTION_TOKENS = 16
-# End-of-turn / end-of-text strings that stop generation when they are single
-# tokens of the vocabulary (next to the tokenizer's own eos_id).
-END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>",
-               "</s>")
 DEFAULT_CALIBRATION = generate_certificate.DEFAULT_CALIBRATION
 
 
@@ -95,9 +90,9 @@ class TextResult:
 
   Attributes:
     text: the decoded answer, up to (not including) the end-of-turn token, in
-      whole characters (:func:`whole_text`).
+      whole characters (``answer_text.whole_text``).
     token_ids: [steps] int32 answer token ids before the end-of-turn token.
-    pieces: per step, the text its token completes (:func:`text_pieces`).
+    pieces: per step, the text its token completes (``answer_text.text_pieces``).
     steps: answer tokens kept (= decode steps reported).
     stopped_at_eos: whether an end-of-turn / EOS id ended the answer.
     stop_id: that id, or None.
@@ -222,189 +217,6 @@ def check_arguments(prompt, *, design, budget, max_new_tokens, regime, delta, se
     raise ValueError(f"design: {err}, or {FULL!r} (no eviction)") from err
 
 
-# --------------------------------------------------------------------------- tokens
-
-
-def stop_ids(tokenizer) -> tuple:
-  """The ids that end an answer: the tokenizer's ``eos_id`` and every string of
-  :data:`END_OF_TURN` that is one token of its vocabulary (SmolLM2-Instruct:
-  ``<|im_end|>`` = 2 and ``<|endoftext|>`` = 0)."""
-  ids = set()
-  eos = getattr(tokenizer, "eos_id", None)
-  if eos is not None:
-    ids.add(int(eos))
-  backend = getattr(tokenizer, "backend", None)
-  if backend is not None and hasattr(backend, "token_to_id"):
-    for s in END_OF_TURN:
-      i = backend.token_to_id(s)
-      if i is not None:
-        ids.add(int(i))
-  return tuple(sorted(ids))
-
-
-def truncate_at_stop(tokens, stops: Sequence[int]) -> tuple[np.ndarray, bool, Optional[int]]:
-  """``(tokens before the first stop id, whether one occurred, that id)``.
-
-  Args:
-    tokens: [n] generated token ids.
-    stops: ids that end the answer (may be empty: nothing is cut).
-  """
-  tokens = np.asarray(tokens).reshape(-1)
-  hits = np.flatnonzero(np.isin(tokens, np.asarray(list(stops), tokens.dtype)))
-  if hits.size == 0:
-    return tokens, False, None
-  j = int(hits[0])
-  return tokens[:j], True, int(tokens[j])
-
-
-def text_pieces(tokenizer, ids) -> tuple:
-  """Per token, the whole characters it completes.
-
-  Byte-level tokens can split a character (an emoji is often 2-3 tokens):
-  a token that ends inside one gets ``""`` and the token that completes it
-  gets the character, so the pieces join to :func:`whole_text`.
-  """
-  pieces, done = [], ""
-  for i in range(len(ids)):
-    text = tokenizer.decode([int(t) for t in ids[:i + 1]])
-    if text.endswith("\ufffd") or not text.startswith(done):
-      pieces.append("")  # inside a character: shown with the token that completes it
-      continue
-    pieces.append(text[len(done):])
-    done = text
-  return tuple(pieces)
-
-
-def whole_text(tokenizer, ids) -> str:
-  """``tokenizer.decode(ids)`` without a character cut off at the end (an
-  answer stopped by ``max_new_tokens`` may end inside one)."""
-  return "".join(text_pieces(tokenizer, ids))
-
-
-class TokenStream:
-  """Prints an answer as it is decoded: pass as ``generate_text(on_token=...)``.
-
-  Whole characters only (:func:`text_pieces`); stops printing at the first
-  stop id. ``enabled`` off makes it silent (a warm-up call).
-  """
-
-  def __init__(self, tokenizer, stops: Sequence[int], write=None):
-    import sys  # pylint: disable=g-import-not-at-top
-    self._tok, self._stops = tokenizer, set(int(s) for s in stops)
-    self._write = write or (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-    self.enabled = True
-    self.reset()
-
-  def reset(self):
-    self._ids, self._done, self._stopped = [], "", False
-
-  def __call__(self, step, tokens):
-    del step
-    if not self.enabled or self._stopped:
-      return
-    token = int(np.asarray(tokens).reshape(-1)[0])
-    if token in self._stops:
-      self._stopped = True
-      return
-    self._ids.append(token)
-    text = self._tok.decode(self._ids)
-    if text.endswith("\ufffd") or not text.startswith(self._done):
-      return
-    self._write(text[len(self._done):])
-    self._done = text
-
-
-def _chat_parts(tokenizer, chat: bool) -> tuple[str, str, bool]:
-  """``(prefix, suffix, applied)`` of the chat template around the user's text;
-  plain text (``"", ""``) when ``chat`` is off or the tokenizer has no template."""
-  if not chat:
-    return "", "", False
-  prefix, suffix = prompts.chat_parts(tokenizer, True)
-  if (prefix, suffix) == ("", "\n"):  # prompts.chat_parts' answer for "no template"
-    return "", "", False
-  return prefix, suffix, True
-
-
-def split_prompt(tokenizer, prompt: str, *, chat: bool, question_tokens: int = 0):
-  """The streaming regime's ``(context_ids, question_ids, question_rule, chat_applied)``.
-
-  The question is the prompt's last line when it has several lines and
-  ``question_tokens`` is 0; else its last ``question_tokens`` tokens (0: at
-  most :data:`FALLBACK_QUESTION_TOKENS`, leaving one context token).
-
-  Raises:
-    ValueError naming ``question_tokens`` when it leaves no context, or
-    ``prompt`` when the prompt is a single token.
-  """
-  prefix, suffix, applied = _chat_parts(tokenizer, chat)
-  body = prompt.rstrip()
-  cut = body.rfind("\n")
-  if question_tokens == 0 and cut >= 0 and body[:cut].strip():
-    context = list(tokenizer.encode(prefix + body[:cut + 1]))
-    question = list(tokenizer.encode(body[cut + 1:] + suffix, add_bos=False))
-    return context, question, "the prompt's last line", applied
-  ids = list(tokenizer.encode(prefix + body))
-  if len(ids) < 2:
-    raise ValueError(f"prompt: the streaming regime splits the prompt into a context and a "
-                     f"question, which needs at least 2 tokens; got {len(ids)}")
-  if question_tokens == 0:
-    n_q = min(FALLBACK_QUESTION_TOKENS, len(ids) - 1)
-    rule = f"the prompt's last {n_q} tokens (it has one line)"
-  elif question_tokens <= len(ids) - 1:
-    n_q = question_tokens
-    rule = f"the prompt's last {n_q} tokens (question_tokens)"
-  else:
-    raise ValueError(f"question_tokens must be in [0, {len(ids) - 1}] for this prompt "
-                     f"({len(ids)} tokens; at least one must stay context), got "
-                     f"{question_tokens}")
-  question = ids[-n_q:] + (list(tokenizer.encode(suffix, add_bos=False)) if suffix else [])
-  return ids[:-n_q], question, rule, applied
-
-
-@dataclasses.dataclass(frozen=True)
-class EncodedPrompt:
-  """A prompt as the regime feeds it: ``context`` (question-aware: the whole
-  prompt) then ``question`` (streaming only; empty otherwise)."""
-
-  context: list
-  question: list
-  question_text: Optional[str]
-  question_rule: Optional[str]
-  chat_applied: bool
-
-  @property
-  def n_tokens(self) -> int:
-    return len(self.context) + len(self.question)
-
-
-def encode_prompt(tokenizer, prompt: str, *, regime: str, chat: bool,
-                  question_tokens: int = 0) -> EncodedPrompt:
-  """Tokenizes ``prompt`` for ``regime`` (the chat template around it when
-  ``chat``; streaming: split into context and question, :func:`split_prompt`)."""
-  if regime == "question_aware":
-    prefix, suffix, applied = _chat_parts(tokenizer, chat)
-    return EncodedPrompt(list(tokenizer.encode(prefix + prompt + suffix)), [], None, None,
-                         applied)
-  ctx, qst, rule, applied = split_prompt(tokenizer, prompt, chat=chat,
-                                         question_tokens=question_tokens)
-  return EncodedPrompt(ctx, qst, tokenizer.decode(qst), rule, applied)
-
-
-def check_fits(encoded: EncodedPrompt, *, max_new_tokens: int, max_positions) -> None:
-  """Raises a one-line ValueError when the prompt and the answer exceed the
-  model's context (``max_positions``; None: no limit)."""
-  if max_positions is None:
-    return
-  need = encoded.n_tokens + max_new_tokens
-  if need > max_positions:
-    raise ValueError(
-        f"prompt: {encoded.n_tokens:,} tokens"
-        f"{' with the chat template' if encoded.chat_applied else ''} plus max_new_tokens "
-        f"{max_new_tokens} = {need:,} positions, more than the model's context of "
-        f"{max_positions:,} tokens; shorten the prompt to at most "
-        f"{max(max_positions - max_new_tokens, 0):,} tokens or lower max_new_tokens")
-
-
 def _row(ids) -> tuple[jax.Array, jax.Array]:
   tokens = jnp.asarray([ids], jnp.int32)
   return tokens, jnp.ones(tokens.shape, bool)
@@ -464,7 +276,7 @@ def generate_text(prompt: str, *, params, config, tokenizer, design: str = "pois
     model_name: the model's name for the calibration lookup ('smollm2', see
       ``experiments.lib.model_loading.model_name``); None looks nothing up.
     calibration: path of the calibration artifact; None looks nothing up.
-    stops: ids that end the answer (None: :func:`stop_ids` of the tokenizer).
+    stops: ids that end the answer (None: ``answer_text.stop_ids`` of the tokenizer).
     profile_dir: if given, a first generate call compiles (warm-up) and a
       second one runs inside ``jax.profiler.trace(profile_dir)``.
     on_token: optional host function ``on_token(step, tokens)`` called as each
@@ -484,9 +296,9 @@ def generate_text(prompt: str, *, params, config, tokenizer, design: str = "pois
   budget = 1.0 if design_obj is None else float(budget)
   delta = float(delta)
   key = jax.random.PRNGKey(int(seed))
-  encoded = encode_prompt(tokenizer, prompt, regime=regime, chat=chat,
+  encoded = prompt_encoding.encode_prompt(tokenizer, prompt, regime=regime, chat=chat,
                          question_tokens=question_tokens)
-  check_fits(encoded, max_new_tokens=max_new_tokens,
+  prompt_encoding.check_fits(encoded, max_new_tokens=max_new_tokens,
              max_positions=getattr(config, "max_positions", None))
   question_text, question_rule = encoded.question_text, encoded.question_rule
   applied = encoded.chat_applied
@@ -527,8 +339,8 @@ def generate_text(prompt: str, *, params, config, tokenizer, design: str = "pois
     seconds = time.perf_counter() - t0
 
   all_tokens = np.asarray(gen.tokens[0])
-  kept, stopped, stop_id = truncate_at_stop(
-      all_tokens, stop_ids(tokenizer) if stops is None else stops)
+  kept, stopped, stop_id = answer_text.truncate_at_stop(
+      all_tokens, answer_text.stop_ids(tokenizer) if stops is None else stops)
   steps = int(kept.size)
   take = lambda a: np.asarray(a, np.float64)[:steps, :, 0, :]  # [steps, layers, heads]
   radius = take(certificate.radius_from_stats(gen.var_hat, gen.range_hat, delta))
@@ -550,8 +362,8 @@ def generate_text(prompt: str, *, params, config, tokenizer, design: str = "pois
         regime=regime, budget=budget, delta=delta, n_sink=n_sink, window=window, chunk=chunk,
         context_tokens=encoded.n_tokens)
   return TextResult(
-      text=whole_text(tokenizer, kept), token_ids=kept.astype(np.int32),
-      pieces=text_pieces(tokenizer, kept),
+      text=answer_text.whole_text(tokenizer, kept), token_ids=kept.astype(np.int32),
+      pieces=answer_text.text_pieces(tokenizer, kept),
       steps=steps, stopped_at_eos=stopped, stop_id=stop_id, radius=radius,
       radius_summary=generate_certificate.summarize(radius), certified=certified,
       certificate_note=cert_note, sampled_tokens=sampled,

@@ -15,7 +15,9 @@ from typing import Optional
 
 import numpy as np
 
+from experiments.lib import answer_text
 from experiments.lib import generate
+from experiments.lib import prompt_encoding
 
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
@@ -77,7 +79,7 @@ def format_result(result: generate.TextResult, tokenizer, *, model_label: str = 
   """The command's printout: settings, the answer, then one line per decode step.
 
   ``streamed``: the model line and the answer were already printed as they
-  came (:class:`experiments.lib.generate.TokenStream`), so they are left out.
+  came (:class:`experiments.lib.answer_text.TokenStream`), so they are left out.
   """
   r = result
   lines = []
@@ -178,7 +180,7 @@ def run_and_print(*, prompt: str, model: str, design: str, budget: float,
                   profile_dir: Optional[str] = None) -> generate.TextResult:
   """The command: opens ``model`` (tokenizer and config), checks the prompt
   against them, reads the weights, streams the answer as it is decoded
-  (:class:`experiments.lib.generate.TokenStream`), then prints the rest of
+  (:class:`experiments.lib.answer_text.TokenStream`), then prints the rest of
   :func:`format_result`.
 
   Raises:
@@ -190,9 +192,9 @@ def run_and_print(*, prompt: str, model: str, design: str, budget: float,
   t0 = time.perf_counter()
   say(f"loading {model_loading.model_name(model)} ...")
   source = model_loading.ModelSource(model)
-  encoded = generate.encode_prompt(source.tokenizer, prompt, regime=regime, chat=chat,
+  encoded = prompt_encoding.encode_prompt(source.tokenizer, prompt, regime=regime, chat=chat,
                                    question_tokens=question_tokens)
-  generate.check_fits(encoded, max_new_tokens=max_new_tokens,
+  prompt_encoding.check_fits(encoded, max_new_tokens=max_new_tokens,
                       max_positions=source.config.max_positions)
   params = source.load_params()
   config, tok = source.config, source.tokenizer
@@ -203,7 +205,7 @@ def run_and_print(*, prompt: str, model: str, design: str, budget: float,
   say(f"answer ({encoded.n_tokens} prompt tokens; printed as it is decoded; the first call "
       "compiles the model first):")
   say()
-  stream = generate.TokenStream(tok, generate.stop_ids(tok))
+  stream = answer_text.TokenStream(tok, answer_text.stop_ids(tok))
   result = generate.generate_text(
       prompt, params=params, config=config, tokenizer=tok, design=design, budget=budget,
       max_new_tokens=max_new_tokens, regime=regime, delta=delta, seed=seed,
