@@ -1,4 +1,4 @@
-"""docs/results.md is generated from the committed summaries (experiments/lib/results_doc.py).
+"""docs/results.md is generated from the committed summaries (experiments/lib/results_doc/).
 
 The committed document must equal the rendering of the committed summaries, so its numbers
 cannot drift from them; a number edited in a summary must show up in the rendering (so that
