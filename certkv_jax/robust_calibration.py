@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -249,23 +249,40 @@ def _check_range(value) -> tuple:
   return int(lo), int(hi)
 
 
-def fit(errors, radii, *, regimes_per_call, budgets_per_call, sources_per_call,
-        context_tokens_per_call, regimes: Sequence[str], budgets: Sequence[float],
-        deltas: Sequence[float], model: str, design: str, n_bins: int = DEFAULT_BINS,
-        created: Optional[str] = None) -> BinnedCalibration:
-  """Fits a :class:`BinnedCalibration` from flat per-call arrays.
+class FitCalls(NamedTuple):
+  """The calls a calibration is fitted on, as flat arrays (one entry per call).
 
-  Args:
+  Attributes:
     errors: [n_calls] true errors.
-    radii: [n_deltas, n_calls] raw radii, row j at ``deltas[j]``.
+    radii: [n_deltas, n_calls] raw radii, row j at the fit's ``deltas[j]``.
     regimes_per_call, budgets_per_call, sources_per_call: [n_calls] labels.
     context_tokens_per_call: [n_calls] ints, the prompt tokens (context +
       question) of each call's sequence; the artifact records their range over
-      the calls it is fitted on (those of ``regimes`` x ``budgets``).
+      the calls it is fitted on.
+  """
+
+  errors: object
+  radii: object
+  regimes_per_call: object
+  budgets_per_call: object
+  sources_per_call: object
+  context_tokens_per_call: object
+
+
+def fit(calls: FitCalls, *, regimes: Sequence[str], budgets: Sequence[float],
+        deltas: Sequence[float], model: str, design: str, n_bins: int = DEFAULT_BINS,
+        created: Optional[str] = None) -> BinnedCalibration:
+  """Fits a :class:`BinnedCalibration` from the calls' flat arrays (:class:`FitCalls`).
+
+  Args:
+    calls: the calibration calls; those of ``regimes`` x ``budgets`` are used
+      (and set the recorded context range).
     regimes, budgets, deltas: the stored axes; every (regime, budget) needs calls.
     model, design: metadata checked when applied.
     n_bins: radius bins per (regime, budget, delta).
   """
+  (errors, radii, regimes_per_call, budgets_per_call, sources_per_call,
+   context_tokens_per_call) = calls
   e = np.asarray(errors, np.float64)
   r = np.asarray(radii, np.float64)
   if r.shape != (len(deltas), e.size):

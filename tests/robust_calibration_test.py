@@ -102,9 +102,9 @@ class BinnedCalibrationTest(absltest.TestCase):
     context = 1040 + (np.arange(n) * 7) % 117
     regimes = np.where(np.arange(n) % 50 == 7, "chat", regimes)
     context = np.where(regimes == "chat", np.where(np.arange(n) % 100 == 7, 300, 4000), context)
-    return rc.fit(e, radii, regimes_per_call=regimes, budgets_per_call=budgets,
-                  sources_per_call=s, context_tokens_per_call=context,
-                  regimes=("question_aware", "streaming"), budgets=(0.25, 0.5),
+    calls = rc.FitCalls(e, radii, regimes_per_call=regimes, budgets_per_call=budgets,
+                        sources_per_call=s, context_tokens_per_call=context)
+    return rc.fit(calls, regimes=("question_aware", "streaming"), budgets=(0.25, 0.5),
                   deltas=(0.05, 0.1), model="m", design="poisson_tail", n_bins=4)
 
   def test_round_trip_and_radius(self):
@@ -158,15 +158,18 @@ class BinnedCalibrationTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "context_len must be an int"):
       cal.radius(raw, context_len=1100.0, **kw)
     # fit needs the prompt lengths, one int per call.
-    one = dict(regimes_per_call=np.array(["streaming"] * 40), budgets_per_call=np.full(40, 0.25),
-               sources_per_call=np.array(["a"] * 40), regimes=("streaming",), budgets=(0.25,),
-               deltas=(0.05,), model="m", design="d")
+    axes = dict(regimes=("streaming",), budgets=(0.25,), deltas=(0.05,), model="m", design="d")
+
+    def calls(context):
+      return rc.FitCalls(np.ones(40), np.ones((1, 40)), np.array(["streaming"] * 40),
+                         np.full(40, 0.25), np.array(["a"] * 40), context)
+
     with self.assertRaisesRegex(ValueError, "context_tokens_per_call must be"):
-      rc.fit(np.ones(40), np.ones((1, 40)), context_tokens_per_call=np.full(39, 100), **one)
+      rc.fit(calls(np.full(39, 100)), **axes)
     with self.assertRaisesRegex(ValueError, "context_tokens_per_call must be ints"):
-      rc.fit(np.ones(40), np.ones((1, 40)), context_tokens_per_call=np.full(40, 100.0), **one)
-    self.assertEqual(rc.fit(np.ones(40), np.ones((1, 40)), context_tokens_per_call=np.full(40, 64),
-                            **one).fitted_on(), "contexts of 64 tokens from sources a")
+      rc.fit(calls(np.full(40, 100.0)), **axes)
+    self.assertEqual(rc.fit(calls(np.full(40, 64)), **axes).fitted_on(),
+                     "contexts of 64 tokens from sources a")
     with self.assertRaisesRegex(ValueError, "context_range"):
       rc.BinnedCalibration(**{**cal.__dict__, "context_range": (1200, 1100)})
 
@@ -193,10 +196,9 @@ class BinnedCalibrationTest(absltest.TestCase):
         with self.assertRaisesRegex(ValueError, field):
           cal.radius(np.ones(2), **dict(ok, **{field: bad}))
     with self.assertRaisesRegex(ValueError, "regime 'streaming', budget 0.125"):
-      rc.fit(np.ones(40), np.ones((1, 40)), regimes_per_call=np.array(["streaming"] * 40),
-             budgets_per_call=np.full(40, 0.25), sources_per_call=np.array(["a"] * 40),
-             context_tokens_per_call=np.full(40, 100), regimes=("streaming",),
-             budgets=(0.125,), deltas=(0.05,), model="m", design="d")
+      rc.fit(rc.FitCalls(np.ones(40), np.ones((1, 40)), np.array(["streaming"] * 40),
+                         np.full(40, 0.25), np.array(["a"] * 40), np.full(40, 100)),
+             regimes=("streaming",), budgets=(0.125,), deltas=(0.05,), model="m", design="d")
 
   def test_load_rejects_other_artifacts(self):
     from certkv_jax import calibration_store  # pylint: disable=g-import-not-at-top

@@ -177,11 +177,11 @@ def fit_binned(calls: Calls, *, design: str, data: Sequence[str], context_len: i
                      f"{context_len} to calibrate on")
   regimes = tuple(sorted(np.unique(c["regime"]).tolist()))
   radii = np.stack([raw_radii(c, d) for d in deltas])
-  return robust_calibration.fit(
+  fit_calls = robust_calibration.FitCalls(
       c["true_error"], radii, regimes_per_call=c["regime"], budgets_per_call=c["budget"],
-      sources_per_call=c["data"], context_tokens_per_call=c["n_prompt"], regimes=regimes,
-      budgets=budgets, deltas=deltas,
-      model=calls.model, design=design, n_bins=n_bins)
+      sources_per_call=c["data"], context_tokens_per_call=c["n_prompt"])
+  return robust_calibration.fit(fit_calls, regimes=regimes, budgets=budgets, deltas=deltas,
+                                model=calls.model, design=design, n_bins=n_bins)
 
 
 def binned_radii(calls: Calls, cal: robust_calibration.BinnedCalibration, delta: float,
