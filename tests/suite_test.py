@@ -454,6 +454,11 @@ def _suite_rows(settings):
 
 class RerenderTest(absltest.TestCase):
 
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    test_util.ensure_flags_parsed()  # create_tempdir reads --test_tmpdir
+
   def test_rerender_from_rows_without_a_model(self):
     out = self.create_tempdir().full_path
     plan = dict(settings=dict(tasks=("passkey",), num_examples=4, budgets=(0.25, 0.5),

@@ -77,7 +77,7 @@ def make_segments(tok, text: str, num_examples: int, context_len: int,
   return [prefix + body[i * per:(i + 1) * per] for i in range(num_examples)]
 
 
-def _units(designs: Sequence[str], n_runs: int) -> list[tuple[str, int]]:
+def units_of(designs: Sequence[str], n_runs: int) -> list[tuple[str, int]]:
   """(design, run) units: 'full' first (the reference), one run per deterministic design."""
   units = [("full", 0)]
   for d in designs:
@@ -179,7 +179,7 @@ def run_perplexity(params, config, tok, text_path: str, out_dir: str, *, model: 
                 context_len=context_len, chunk=chunk, seed=seed, n_sink=n_sink, window=window)
   key_of = lambda d, b, run, s: {k: v for k, v in dict(common, design=d, budget=b, run=run,
                                                        segment=s).items() if k in KEY_FIELDS}
-  units = _units(designs, n_runs)
+  units = units_of(designs, n_runs)
   unit_budgets = lambda d: (1.0,) if d == "full" else budgets
 
   def batch_of(unit):
@@ -246,7 +246,7 @@ def select(rows, *, model, text_sha256, context_len, chunk, seed, n_sink, window
 
 def expected_row_count(designs, budgets, num_examples: int, n_runs: int) -> int:
   return sum((1 if d == "full" else len(budgets)) * num_examples
-             for d, _ in _units(designs, n_runs))
+             for d, _ in units_of(designs, n_runs))
 
 
 def run_from_flags(fv, log: Callable[[str], None] = print) -> Optional[dict]:

@@ -298,8 +298,7 @@ def rerender_report(out: str, plan: dict, *, model: str, text: str = DEFAULT_TEX
                      f", not each of {sorted(overhead.ALL_CONFIGS)} once")
   pp, ppl_rows = plan.get("perplexity"), []
   if pp:
-    units = streaming_loss_experiment._units(  # pylint: disable=protected-access
-        tuple(pp["designs"]), pp["n_runs"])
+    units = streaming_loss_experiment.units_of(tuple(pp["designs"]), pp["n_runs"])
     ppl_rows = streaming_loss_experiment.select(
         results_io.read_rows(os.path.join(out, streaming_loss_experiment.ROWS_FILE)),
         model=model, text_sha256=streaming_loss_experiment.text_sha256(
