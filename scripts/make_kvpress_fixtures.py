@@ -43,6 +43,7 @@ Presses and their settings (kvpress defaults unless stated):
 * ``TOVAPress()``
 * ``KnormPress()``
 * ``ObservedAttentionPress()``
+* ``KeyDiffPress()`` (cosine distance of each key to the mean unit key)
 
 Output: ``tests/fixtures/kvpress/reference.npz`` (``tokens`` [1, n] int32 and,
 per case ``{press}_{ratio}``, ``{case}/kept`` [n_layers, n_kv_heads, n_kept]
@@ -89,6 +90,7 @@ def presses(ratio):
       "tova": kvpress.TOVAPress(compression_ratio=ratio),
       "knorm": kvpress.KnormPress(compression_ratio=ratio),
       "observed_attention": kvpress.ObservedAttentionPress(compression_ratio=ratio),
+      "keydiff": kvpress.KeyDiffPress(compression_ratio=ratio),
   }
 
 
