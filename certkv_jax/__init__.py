@@ -6,7 +6,12 @@ Public API (the method: docs/method.md):
 * :func:`certificate_radius` -- the per-call error radius.
 * :func:`inclusion_probabilities` -- Eq. 2 Poisson inclusion probabilities.
 * :mod:`certkv_jax.designs` -- eviction designs (deterministic and randomized).
-* :mod:`certkv_jax.cache` -- the fixed-capacity KV-cache pytree.
+* :mod:`certkv_jax.registry` -- the one table of designs by name.
+* :mod:`certkv_jax.cache` -- the fixed-capacity KV-cache pytree of one head.
+* :mod:`certkv_jax.caches` -- a model's stacked caches ([layers, batch, KV heads]).
+* :mod:`certkv_jax.layer` -- the drop-in attention a model's layer calls.
+* :mod:`certkv_jax.eviction` -- a design applied to every cache, state carried.
+* :mod:`certkv_jax.budgets` -- budgets resolved into targets; the capacity rule.
 * :mod:`certkv_jax.checked` -- checkify-checked versions of the above for
   bad input under ``jit`` (method, section 9, "Bad input").
 * :mod:`certkv_jax.diagnostics` -- evaluation-mode truths (error, Assumption 2).
@@ -18,16 +23,23 @@ Public API (the method: docs/method.md):
   output projection: a per-layer bound on residual-stream damage.
 """
 
+from certkv_jax import budgets
 from certkv_jax import cache
+from certkv_jax import caches
 from certkv_jax import calibration
 from certkv_jax import certificate
 from certkv_jax import checked
 from certkv_jax import damage
 from certkv_jax import designs
 from certkv_jax import diagnostics
+from certkv_jax import eviction
+from certkv_jax import keydiff
+from certkv_jax import layer
+from certkv_jax import registry
 from certkv_jax import sampling
 from certkv_jax import scores
 from certkv_jax import signals
+from certkv_jax.attention import AttentionConfig
 from certkv_jax.attention import OffsetAttentionResult
 from certkv_jax.attention import attention_probs
 from certkv_jax.attention import offset_attention
@@ -43,12 +55,15 @@ from certkv_jax.signals import Signals
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionConfig",
     "KVCache",
     "EvictionDesign",
     "OffsetAttentionResult",
     "anytime_delta",
     "attention_probs",
+    "budgets",
     "cache",
+    "caches",
     "calibration",
     "calibration_store",
     "certificate",
@@ -57,6 +72,10 @@ __all__ = [
     "damage",
     "designs",
     "diagnostics",
+    "eviction",
+    "keydiff",
+    "layer",
+    "registry",
     "inclusion_probabilities",
     "init_cache",
     "offset_attention",

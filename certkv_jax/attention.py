@@ -8,8 +8,9 @@ broadcasting of leading dimensions, and the result type.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,28 @@ from pallas_kernels import reference
 Array = jax.Array
 
 IMPLEMENTATIONS = ("xla", "pallas", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """How :func:`offset_attention` computes (static, hashable), in one value.
+
+  Attributes:
+    implementation: "xla" (the jnp reference), "pallas" (the fused kernel of
+      ``pallas_kernels.offset_decode``; in interpret mode on CPU) or "auto"
+      (Pallas on GPU/TPU, XLA on CPU).
+    block_size: for "xla": None computes all logits at once; an int sweeps the
+      keys in blocks with online-softmax rescaling (the kernel's algorithm).
+    block_sizes: for "pallas": ``pallas_kernels.offset_decode.BlockSizes``
+      (default: ``BlockSizes.get_default``).
+    range_mode: "exact" gives the method's ``b_hat``; "bound" a one-pass upper
+      bound.
+  """
+
+  implementation: str = "xla"
+  block_size: Optional[int] = None
+  block_sizes: Optional[Any] = None
+  range_mode: str = "exact"
 
 
 class OffsetAttentionResult(NamedTuple):
@@ -104,10 +127,7 @@ def offset_attention(
     mask,
     *,
     scale: Optional[float] = None,
-    block_size: Optional[int] = None,
-    range_mode: str = "exact",
-    implementation: str = "xla",
-    block_sizes=None,
+    config: AttentionConfig = AttentionConfig(),
     value_sqnorm=None,
 ) -> OffsetAttentionResult:
   """Attention over kept slots with Hajek offsets and certificate statistics.
@@ -127,14 +147,9 @@ def offset_attention(
       0 for certain tokens). Read only where ``mask`` is True.
     mask: [..., n] bool, True for slots that hold a kept token.
     scale: logit scale; default ``1/sqrt(d)``.
-    block_size: None computes all logits at once; an int sweeps the keys in
-      blocks with online-softmax rescaling (the kernel's algorithm).
-    range_mode: "exact" gives the method's ``b_hat``; "bound" a one-pass upper bound.
-    implementation: "xla" (the jnp reference), "pallas" (the fused kernel of
-      ``pallas_kernels.offset_decode``; in interpret mode on CPU) or "auto"
-      (Pallas on GPU/TPU, XLA on CPU).
-    block_sizes: ``pallas_kernels.offset_decode.BlockSizes`` for "pallas"
-      (default: ``BlockSizes.get_default``). ``block_size`` is for "xla".
+    config: :class:`AttentionConfig`: implementation ("xla", "pallas" or
+      "auto"), its tiling (``block_size`` for "xla", ``block_sizes`` for
+      "pallas") and ``range_mode`` ("exact" or "bound").
     value_sqnorm: optional [..., n] ``||v_i||^2`` of each slot (read where
       ``mask`` is True), as a :class:`certkv_jax.KVCache` keeps them
       (``v_sq``). Given, the "xla" path takes the certificate's second-order
@@ -173,6 +188,8 @@ def offset_attention(
                                 and scale > 0):
     raise ValueError(f"scale must be a finite float > 0 or None, got {scale!r}")
   _check_values(q, k, v, log_pi, mask)
+  implementation, block_size = config.implementation, config.block_size
+  block_sizes, range_mode = config.block_sizes, config.range_mode
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "auto":
@@ -192,12 +209,14 @@ def offset_attention(
     from pallas_kernels import offset_decode  # pylint: disable=import-outside-toplevel
     offset = jnp.where(gmask, -glp.astype(jnp.float32), -jnp.inf)
     res = offset_decode.offset_decode_attention(
-        gq, gk, gv, offset, scale=scale, block_sizes=block_sizes,
-        interpret=jax.default_backend() not in ("gpu", "tpu"), range_mode=range_mode)
+        gq, gk, gv, offset, scale=scale, config=offset_decode.KernelConfig(
+            block_sizes=block_sizes, interpret=jax.default_backend() not in ("gpu", "tpu"),
+            range_mode=range_mode))
   else:
-    res = reference.grouped_reference(gq, gk, gv, glp, gmask, scale=scale,
-                                      block_size=block_size, range_mode=range_mode,
-                                      value_sqnorm=gsq)
+    res = reference.grouped_reference(
+        gq, gk, gv, glp, gmask, scale=scale,
+        config=reference.ReferenceConfig(block_size=block_size, range_mode=range_mode),
+        value_sqnorm=gsq)
   ref = back(res)
   out_dtype = jnp.result_type(q.dtype, v.dtype)
   return OffsetAttentionResult(ref.out.astype(out_dtype), ref.lse, ref.var_hat, ref.range_hat)

@@ -306,7 +306,7 @@ def compact(cache: KVCache, capacity: int) -> KVCache:
   the whole cache: a host-side re-allocation, not a per-step operation.
 
   Works on one head's cache or on stacked caches (any leading axes, e.g.
-  ``models.caches``' ``[n_layers, batch, n_kv_heads, cap, ...]``): the slot
+  ``certkv_jax.caches``' ``[n_layers, batch, n_kv_heads, cap, ...]``): the slot
   axis is the last axis of ``valid``.
 
   Args:

@@ -15,8 +15,9 @@ and ``metadata`` (JSON: every other field, plus ``kind`` and ``shape``).
 
 Usage::
 
-    cal = calibration_store.fit(errors, radii, layers, heads, budget_of_call,
-                                deltas=(0.05, 0.1), budgets=(0.25, 0.5), ...)
+    calls = calibration_store.GroupCalls(errors, radii, layers, heads, budget_of_call)
+    cal = calibration_store.fit(calls, deltas=(0.05, 0.1), budgets=(0.25, 0.5),
+                                shape=(n_layers, n_kv_heads), provenance=...)
     calibration_store.save("/tmp/cal", cal)
     cal = calibration_store.load("/tmp/cal")
     r_cal = cal.apply(r_raw, model=..., design=..., budget=0.25, delta=0.05)
@@ -31,7 +32,7 @@ import numbers
 import os
 import shutil
 import tempfile
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -329,34 +330,53 @@ def bernstein_radii(var_hat, range_hat, deltas: Sequence[float]) -> np.ndarray:
                    for d in deltas])
 
 
-def fit(errors, radii, layers, heads, budgets_per_call, *, deltas: Sequence[float],
-        budgets: Sequence[float], n_layers: int, n_kv_heads: int, model: str, design: str,
-        regimes: Sequence[str], data: Sequence[str], fallback: str = "layer",
+class GroupCalls(NamedTuple):
+  """The calls a calibration is fitted on, as flat arrays (one entry per call).
+
+  Attributes:
+    errors: [n_calls] true errors ``||o_hat - o||``.
+    radii: [n_deltas, n_calls] raw Bernstein radii; row j at the fit's ``deltas[j]``.
+    layers: [n_calls] int layer in [0, n_layers).
+    heads: [n_calls] int KV head in [0, n_kv_heads).
+    budgets_per_call: [n_calls] budget of each call (one of the fit's ``budgets``
+      within ``MATCH_TOL``).
+  """
+
+  errors: object
+  radii: object
+  layers: object
+  heads: object
+  budgets_per_call: object
+
+
+class Provenance(NamedTuple):
+  """What a calibration was fitted for and on (see :class:`Calibration`)."""
+
+  model: str
+  design: str
+  regimes: Sequence[str]
+  data: Sequence[str]
+
+
+def fit(calls: GroupCalls, *, deltas: Sequence[float], budgets: Sequence[float],
+        shape: tuple[int, int], provenance: Provenance, fallback: str = "layer",
         min_calls: Optional[int] = None, created: Optional[str] = None) -> Calibration:
-  """Fits a :class:`Calibration` from flat per-call arrays (evaluation mode).
+  """Fits a :class:`Calibration` from the calls' flat arrays (evaluation mode).
 
   Each (budget, delta) is fitted separately by
   :func:`certkv_jax.calibration.fit_scales` over the calls of that budget,
   one group per (layer, KV head); a group with fewer than ``min_calls`` calls
   falls back to its layer (``fallback="layer"``; if the layer also has too
   few, to all calls of the budget) or directly to all calls of the budget
-  (``fallback="pooled"``).
-
-  Radii are taken as given, one row per delta, rather than recomputed from
-  ``var_hat``/``range_hat``: the scales multiply exactly the radius the caller
-  computes at run time. They must be Bernstein radii (``radius_form``), e.g.
-  from :func:`bernstein_radii`.
+  (``fallback="pooled"``). Radii are taken as given (Bernstein radii, e.g.
+  :func:`bernstein_radii`), so the scales multiply exactly the radius the
+  caller computes at run time.
 
   Args:
-    errors: [n_calls] true errors ``||o_hat - o||``.
-    radii: [n_deltas, n_calls] raw radii; row j at ``deltas[j]``.
-    layers: [n_calls] int layer in [0, n_layers).
-    heads: [n_calls] int KV head in [0, n_kv_heads).
-    budgets_per_call: [n_calls] budget of each call; each must equal one of
-      ``budgets`` within ``MATCH_TOL``.
+    calls: the :class:`GroupCalls`.
     deltas, budgets: the stored axes.
-    n_layers, n_kv_heads: the model's shape.
-    model, design, regimes, data: metadata (see :class:`Calibration`).
+    shape: ``(n_layers, n_kv_heads)`` of the model.
+    provenance: model, design, regimes and data (see :class:`Calibration`).
     fallback: "layer" or "pooled".
     min_calls: see ``fit_scales`` (default ``ceil(1/delta) - 1`` per delta).
     created: ISO time (default now, UTC).
@@ -366,6 +386,9 @@ def fit(errors, radii, layers, heads, budgets_per_call, *, deltas: Sequence[floa
     layers/heads, a call whose budget is not in ``budgets``, a budget with no
     calls, or an unknown ``fallback``.
   """
+  errors, radii, layers, heads, budgets_per_call = calls
+  n_layers, n_kv_heads = shape
+  model, design, regimes, data = provenance
   if fallback not in FALLBACKS:
     raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
   deltas = _float_tuple("deltas", deltas, 0.0, 1.0, True)

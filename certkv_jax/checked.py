@@ -115,7 +115,7 @@ def check_no_overflow(caches, name: str = "cache") -> None:
 
   Args:
     caches: a ``KVCache`` of any leading shape (one head, or the stacked
-      ``[n_layers, batch, n_kv_heads]`` caches of ``models.caches``).
+      ``[n_layers, batch, n_kv_heads]`` caches of ``certkv_jax.caches``).
     name: how the message names the caches.
   """
   dropped = jnp.sum(caches.n_dropped, dtype=jnp.int32)
@@ -174,7 +174,7 @@ def checked_append(cache: cache_lib.KVCache, k_new, v_new, new_valid=None) -> ca
 
   The check reads the cache's cumulative ``n_dropped`` after the append, so a
   cache that overflowed earlier fails too. Works per head and under ``vmap``
-  (e.g. ``models.caches.over_heads(checked_append)``).
+  (e.g. ``certkv_jax.caches.over_heads(checked_append)``).
   """
   new = cache_lib.append(cache, k_new, v_new, new_valid)
   check_no_overflow(new)

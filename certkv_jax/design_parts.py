@@ -10,7 +10,7 @@ puts them together under a budget (method, section 3).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Protocol, Union
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +99,7 @@ class CertaintySet:
   n_sink: int = 0
   window: int = 0
   heavy: int = 0
-  heavy_score: object = scores.AccumulatedAttention()
+  heavy_score: scores.Score = scores.AccumulatedAttention()
 
   def __post_init__(self):
     for name in ("n_sink", "window", "heavy"):
@@ -134,6 +134,17 @@ class TailChoice(NamedTuple):
   n_dropped: Array  # [] int32
 
 
+class TailRule(Protocol):
+  """Chooses among the tail tokens for the slots the certainty set leaves:
+  ``select(cache, tail, slots, key) -> TailChoice``; ``randomized`` says
+  whether the choice is a draw (and so whether the certificate certifies)."""
+
+  randomized: bool
+
+  def select(self, cache: KVCache, tail, slots, key) -> TailChoice:
+    ...
+
+
 def _no_random(keep, pi, m):
   zero = jnp.zeros((), jnp.int32)
   return TailChoice(keep, jnp.zeros(keep.shape, jnp.float32), pi, m, zero, zero)
@@ -143,7 +154,7 @@ def _no_random(keep, pi, m):
 class TopK:
   """Deterministic: keep the ``slots`` tail tokens with the highest score."""
 
-  score: object = scores.AccumulatedAttention()
+  score: scores.Score = scores.AccumulatedAttention()
   randomized = False
 
   def select(self, cache, tail, slots, key) -> TailChoice:
@@ -188,7 +199,7 @@ class PoissonTail:
     max_redraws: redraws after an overflow (>= 0).
   """
 
-  score: object = scores.AccumulatedAttention()
+  score: scores.Score = scores.AccumulatedAttention()
   eps: float = 1e-6
   overflow_prob: float = 1e-3
   max_redraws: int = 3

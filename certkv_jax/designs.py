@@ -52,6 +52,7 @@ from certkv_jax.design_parts import Budget
 from certkv_jax.design_parts import CertaintySet  # pylint: disable=unused-import
 from certkv_jax.design_parts import PoissonTail  # pylint: disable=unused-import
 from certkv_jax.design_parts import TailChoice  # pylint: disable=unused-import
+from certkv_jax.design_parts import TailRule
 from certkv_jax.design_parts import TopK  # pylint: disable=unused-import
 from certkv_jax.design_parts import UniformTail  # pylint: disable=unused-import
 
@@ -105,15 +106,15 @@ class EvictionDesign:
   certainty set (early streaming chunks) still leaves a sampled tail: with
   none, every tail token is evicted with ``pi = eps``, a deterministic deletion
   the certificate cannot see. The price: up to ``min_tail`` tokens above the
-  budget while it is that small. A design whose scores read ``obs`` (:func:`scores.reads_observation`)
-  needs a window of at least 1 and refuses 0: with no window its score
+  budget while it is that small. A design whose scores read ``obs``
+  (:func:`scores.reads_observation`) needs a window of at least 1 and refuses 0: with no window its score
   would be zero everywhere and its choice would silently fall back to slot
   order.
   """
 
   name: str
   certain: CertaintySet
-  tail: object
+  tail: TailRule
   budget: Budget
   fold: str = "sum"
   observation_window: int = 0
@@ -132,12 +133,17 @@ class EvictionDesign:
                        "(WindowAttention) and needs observation_window >= 1, got 0")
 
   @property
+  def reads(self) -> frozenset:
+    """What the design's scores read of the cache (``scores.READS``)."""
+    used = [getattr(self.tail, "score", None)]
+    if self.certain.heavy:
+      used.append(self.certain.heavy_score)
+    return frozenset().union(*(scores.reads_of(x) for x in used if x is not None))
+
+  @property
   def needs_observation(self) -> bool:
     """Whether the design's scores read the observation-window statistic ``obs``."""
-    scores_used = [getattr(self.tail, "score", None)]
-    if self.certain.heavy:
-      scores_used.append(self.certain.heavy_score)
-    return any(scores.reads_observation(x) for x in scores_used if x is not None)
+    return "obs" in self.reads
 
   @property
   def randomized(self) -> bool:
@@ -240,12 +246,12 @@ def _maybe_value_aware(score, value_aware: bool):
   return scores.ValueAware(score) if value_aware else score
 
 
-def sink_window(budget, n_sink: int = 4) -> EvictionDesign:
+def sink_window(budget, *, n_sink: int = 4) -> EvictionDesign:
   """StreamingLLM: the first ``n_sink`` tokens plus the most recent ones."""
   return compose(CertaintySet(n_sink=n_sink), TopK(scores.Recency()), budget, "sink_window")
 
 
-def top_k(budget, score, n_sink: int = 0, window: int = 0, value_aware: bool = False,
+def top_k(budget, score, *, n_sink: int = 0, window: int = 0, value_aware: bool = False,
           name: str = "top_k", observation_window: int = 0) -> EvictionDesign:
   """Sinks + recent window + the highest-scoring tokens (deterministic)."""
   return compose(CertaintySet(n_sink=n_sink, window=window),
@@ -253,157 +259,116 @@ def top_k(budget, score, n_sink: int = 0, window: int = 0, value_aware: bool = F
                  observation_window=observation_window)
 
 
-def h2o(budget, n_sink: int = 0, window: int = 0, value_aware: bool = False):
+def h2o(budget, *, n_sink: int = 0, window: int = 0, value_aware: bool = False):
   """H2O: accumulated attention mass (heavy hitters) + recent window."""
-  return top_k(budget, scores.AccumulatedAttention(), n_sink, window, value_aware, "h2o")
+  return top_k(budget, scores.AccumulatedAttention(), n_sink=n_sink, window=window,
+               value_aware=value_aware, name="h2o")
 
 
-def tova(budget, n_sink: int = 0, window: int = 0, value_aware: bool = False):
+def tova(budget, *, n_sink: int = 0, window: int = 0, value_aware: bool = False):
   """TOVA: attention of the current query."""
-  return top_k(budget, scores.CurrentAttention(), n_sink, window, value_aware, "tova")
+  return top_k(budget, scores.CurrentAttention(), n_sink=n_sink, window=window,
+               value_aware=value_aware, name="tova")
 
 
-def snapkv(budget, window: int = 64, pool_size: int = 5, n_sink: int = 0,
+def snapkv(budget, *, window: int = 64, pool_size: int = 5, n_sink: int = 0,
            value_aware: bool = False, observation_window: Optional[int] = None):
   """SnapKV (question-aware): observation-window attention, pooled; the window
-  itself is kept.
-
-  ``observation_window`` (default: ``window``) is the number of last prompt
-  queries whose attention scores the tokens; it must be >= 1.
-  """
+  itself is kept. ``observation_window`` (default: ``window``, >= 1) is the
+  number of last prompt queries whose attention scores the tokens."""
   obs = window if observation_window is None else observation_window
-  return top_k(budget, scores.WindowAttention(pool_size), n_sink, window, value_aware, "snapkv",
-               observation_window=obs)
+  return top_k(budget, scores.WindowAttention(pool_size), n_sink=n_sink, window=window,
+               value_aware=value_aware, name="snapkv", observation_window=obs)
 
 
-def key_norm(budget, n_sink: int = 0, window: int = 0, value_aware: bool = False):
+def key_norm(budget, *, n_sink: int = 0, window: int = 0, value_aware: bool = False):
   """Knorm: keep the keys with the smallest L2 norm."""
-  return top_k(budget, scores.KeyNorm(), n_sink, window, value_aware, "key_norm")
+  return top_k(budget, scores.KeyNorm(), n_sink=n_sink, window=window,
+               value_aware=value_aware, name="key_norm")
 
 
-def uniform_random(budget, n_sink: int = 0, window: int = 0) -> EvictionDesign:
+def uniform_random(budget, *, n_sink: int = 0, window: int = 0) -> EvictionDesign:
   """Ablation: uniform random tail with no Hajek offset (biased on purpose)."""
   return compose(CertaintySet(n_sink=n_sink, window=window), UniformTail(), budget,
                  "uniform_random")
 
 
-def poisson_tail(budget, score=scores.AccumulatedAttention(), n_sink: int = 0,
-                 window: int = 0, heavy: int = 0, heavy_score=scores.AccumulatedAttention(),
-                 eps: float = 1e-6, overflow_prob: float = 1e-3, max_redraws: int = 3,
-                 name: str = "poisson_tail", min_tail: int = 0) -> EvictionDesign:
-  """method, section 3: certainty set + Poisson-sampled tail with Hajek offsets.
+def poisson_tail(budget, *, score=scores.AccumulatedAttention(), n_sink: int = 0,
+                 window: int = 0, heavy: int = 0, eps: float = 1e-6,
+                 overflow_prob: float = 1e-3, max_redraws: int = 3,
+                 min_tail: int = 0) -> EvictionDesign:
+  """The certified design (method, section 3): certainty set (sinks, window,
+  ``heavy`` hitters by accumulated attention) + Poisson-sampled tail with Hajek
+  offsets. ``min_tail``: see :class:`EvictionDesign`."""
+  return _poisson("poisson_tail", budget, score=score, n_sink=n_sink, window=window,
+                  heavy=heavy, eps=eps, overflow_prob=overflow_prob, max_redraws=max_redraws,
+                  min_tail=min_tail)
 
-  ``min_tail`` (>= 0): keep at least this many tail slots beside the certainty
-  set, so that while the budget is smaller than the certainty set (early
-  streaming chunks) the tail is still sampled (expected size about
-  ``min_tail``) instead of evicted whole with ``pi = eps``, which the
-  certificate cannot see (see :class:`EvictionDesign`).
-  """
+
+def _poisson(name, budget, *, score, n_sink=0, window=0, heavy=0, eps=1e-6,
+             overflow_prob=1e-3, max_redraws=3, min_tail=0) -> EvictionDesign:
   return compose(
-      CertaintySet(n_sink=n_sink, window=window, heavy=heavy, heavy_score=heavy_score),
+      CertaintySet(n_sink=n_sink, window=window, heavy=heavy),
       PoissonTail(score=score, eps=eps, overflow_prob=overflow_prob, max_redraws=max_redraws),
       budget, name, min_tail=min_tail)
 
 
-def attention_proportional(budget, n_sink: int = 0, window: int = 0, heavy: int = 0,
+def poisson_floor(budget, *, min_tail: int = 16, **kwargs) -> EvictionDesign:
+  """:func:`poisson_tail` that always samples at least ``min_tail`` tail slots,
+  so early streaming chunks are sampled rather than evicted whole."""
+  kwargs.setdefault("score", scores.AccumulatedAttention())
+  return _poisson("poisson_floor", budget, min_tail=min_tail, **kwargs)
+
+
+def poisson_flat(budget, **kwargs) -> EvictionDesign:
+  """:func:`poisson_tail` with uniform scores (flat inclusion probabilities)."""
+  return _poisson("poisson_flat", budget, score=scores.Uniform(), **kwargs)
+
+
+def attention_proportional(budget, *, n_sink: int = 0, window: int = 0, heavy: int = 0,
                            eps: float = 1e-6, overflow_prob: float = 1e-3,
                            max_redraws: int = 3) -> EvictionDesign:
-  """method, section 6's ``pi ∝ a`` variant: tail probabilities proportional to the
-  attention of the current query (known at eviction time in question-aware
-  eviction), for which Assumption 2 holds by construction."""
-  return poisson_tail(budget, scores.CurrentAttention(), n_sink, window, heavy,
-                      scores.AccumulatedAttention(), eps, overflow_prob, max_redraws,
-                      "attention_proportional")
+  """The ``pi ∝ a`` variant (method, section 6): tail probabilities proportional
+  to the current query's attention, for which Assumption 2 holds by construction."""
+  return _poisson("attention_proportional", budget, score=scores.CurrentAttention(),
+                  n_sink=n_sink, window=window, heavy=heavy, eps=eps,
+                  overflow_prob=overflow_prob, max_redraws=max_redraws)
 
 
-def poisson_defensive(budget, n_sink: int = 0, window: int = 0, uniform_share: float = 0.2,
+def poisson_defensive(budget, *, n_sink: int = 0, window: int = 0, uniform_share: float = 0.2,
                       heavy: int = 0, eps: float = 1e-6, overflow_prob: float = 1e-3,
                       max_redraws: int = 3) -> EvictionDesign:
-  """:func:`poisson_tail` with the defensive tail score (method, sections 3 and 6).
-
-  The tail score is ``Defensive(AccumulatedAttention(), uniform_share)``:
-  ``(1 - u) acc_i / sum acc + u / n`` on the ``n`` valid slots. Eq. 2 then
-  gives ``pi_i >= min(1, m u / n)`` on the tail, so for any later query the
-  Assumption-2 ratio is ``R <= n max_T p_i / u`` (``p`` the query's attention
-  probabilities) instead of ``m / eps``; see :class:`scores.Defensive` for the
-  derivation and its limits. The price: the uniform share moves tail slots
-  away from high-score tokens, which raises the variance when the scores are
-  right.
+  """:func:`poisson_tail` with the defensive tail score
+  ``Defensive(AccumulatedAttention(), uniform_share)``, which floors ``pi`` on
+  the tail and bounds the Assumption-2 ratio (method, sections 3 and 6;
+  :class:`scores.Defensive`).
 
   Raises:
     ValueError naming ``uniform_share`` unless it is in [0, 1].
   """
-  return poisson_tail(budget, scores.Defensive(scores.AccumulatedAttention(), uniform_share),
-                      n_sink, window, heavy, scores.AccumulatedAttention(), eps,
-                      overflow_prob, max_redraws, "poisson_defensive")
+  return _poisson("poisson_defensive", budget,
+                  score=scores.Defensive(scores.AccumulatedAttention(), uniform_share),
+                  n_sink=n_sink, window=window, heavy=heavy, eps=eps,
+                  overflow_prob=overflow_prob, max_redraws=max_redraws)
 
 
-def poisson_envelope(budget, n_sink: int = 0, window: int = 0, uniform_share: float = 0.2,
+def poisson_envelope(budget, *, n_sink: int = 0, window: int = 0, uniform_share: float = 0.2,
                      heavy: int = 0, eps: float = 1e-6, overflow_prob: float = 1e-3,
-                     max_redraws: int = 3, observation_window: int = 16) -> EvictionDesign:
+                     max_redraws: int = 3,
+                     observation_window: Optional[int] = None) -> EvictionDesign:
   """Poisson tail sampled from the question's attention envelope (method,
-  sections 3 and 6).
-
-  ``update`` folds the observation window with :func:`cache.observe_peak`
-  (``fold="peak"``): ``obs_i`` is the max over the window queries and the
-  GQA group's heads of slot ``i``'s attention probability. The tail score is
-  ``Defensive(WindowAttention(1), uniform_share)``. For every observed window
-  query and head, ``p_i <= obs_i``, so with ``O = sum_valid obs`` (known at
-  eviction time; ``1 <= O <= g W`` for ``W`` window queries and ``g`` heads,
-  near 1 when they agree) the ratio of that query is
-  ``R <= O / (1 - u)``, and for any other query ``R <= n max_T p_i / u`` as
-  in :func:`poisson_defensive`. Before any window query is observed
-  (``obs = 0``) the score is uniform (flat ``pi``). Use it where the
-  observation window is the question (question-aware eviction); statistics
-  must be folded through ``design.update`` (``cache.observe`` would fill
-  ``obs`` with sums instead). ``observation_window`` (>= 1) is the number of
-  last prompt queries in the envelope (in streaming, of each chunk).
+  sections 3 and 6): the observation window is folded as a running max
+  (``fold="peak"``) and the tail score is its defensive mixture
+  ``Defensive(WindowAttention(1), uniform_share)``. ``observation_window``
+  defaults to ``max(window, 1)`` queries.
 
   Raises:
     ValueError naming ``uniform_share`` unless it is in [0, 1], or
     ``observation_window`` unless it is >= 1.
   """
+  obs = max(window, 1) if observation_window is None else observation_window
   return compose(
       CertaintySet(n_sink=n_sink, window=window, heavy=heavy),
       PoissonTail(score=scores.Defensive(scores.WindowAttention(1), uniform_share), eps=eps,
                   overflow_prob=overflow_prob, max_redraws=max_redraws),
-      budget, "poisson_envelope", fold="peak", observation_window=observation_window)
-
-
-DETERMINISTIC = ("sink_window", "h2o", "tova", "snapkv", "key_norm")
-RANDOMIZED = ("uniform_random", "poisson_tail", "poisson_flat", "attention_proportional",
-              "poisson_defensive", "poisson_envelope", "poisson_floor")
-
-
-def by_name(name: str, budget, n_sink: int = 4, window: int = 16) -> EvictionDesign:
-  """A design by its name, with the shared sink/window settings experiments use.
-
-  ``snapkv`` and ``poisson_envelope`` use ``window`` (at least 1) as their
-  observation window (snapkv with pool size 5);
-  ``poisson_flat`` is ``poisson_tail`` with uniform scores (flat pi);
-  ``poisson_defensive`` and ``poisson_envelope`` use ``uniform_share=0.2``;
-  ``poisson_floor`` is ``poisson_tail`` with ``min_tail=16``.
-
-  Raises:
-    ValueError naming the design and listing the known names.
-  """
-  kw = dict(n_sink=n_sink, window=window)
-  table = {
-      "sink_window": lambda: sink_window(budget, n_sink=n_sink),
-      "h2o": lambda: h2o(budget, **kw),
-      "tova": lambda: tova(budget, **kw),
-      "snapkv": lambda: snapkv(budget, window=window, pool_size=5, n_sink=n_sink),
-      "key_norm": lambda: key_norm(budget, **kw),
-      "uniform_random": lambda: uniform_random(budget, **kw),
-      "poisson_tail": lambda: poisson_tail(budget, **kw),
-      "poisson_floor": lambda: poisson_tail(budget, name="poisson_floor", min_tail=16, **kw),
-      "poisson_flat": lambda: poisson_tail(budget, score=scores.Uniform(), name="poisson_flat",
-                                           **kw),
-      "attention_proportional": lambda: attention_proportional(budget, **kw),
-      "poisson_defensive": lambda: poisson_defensive(budget, **kw),
-      "poisson_envelope": lambda: poisson_envelope(budget, observation_window=max(window, 1),
-                                                   **kw),
-  }
-  if name not in table:
-    raise ValueError(f"unknown design {name!r}; choose from {sorted(table)}")
-  return table[name]()
+      budget, "poisson_envelope", fold="peak", observation_window=obs)

@@ -236,8 +236,9 @@ def _local_partials(q, k, v, log_pi, mask, scale, second_order):
   center = jnp.take_along_axis(v, top[..., None, None], axis=-2).astype(jnp.float32)
   center = jnp.where(jnp.any(col, axis=-1)[..., None, None], center, 0.0)  # [b, h, 1, dv]
   p = reference.online_update(reference.empty_partials(l.shape[:-1], v.shape[-1]), l, v, w,
-                              mask, valid_col=col[..., None], precision=_HP,
-                              second_order=second_order, center=center)
+                              mask, valid_col=col[..., None],
+                              options=reference.UpdateOptions(
+                                  precision=_HP, second_order=second_order, center=center))
   return p, l, w
 
 

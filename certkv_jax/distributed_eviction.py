@@ -19,50 +19,25 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from certkv_jax import distributed
-from certkv_jax import scores as scores_lib
 from certkv_jax.cache import KVCache
 from certkv_jax.distributed import DATA
 from certkv_jax.distributed import MODEL
 from certkv_jax.distributed import SEQ
 
 
-# Scores that read only per-slot metadata (log_pi, pos, valid, acc, last, obs).
-_METADATA_SCORES = (scores_lib.AccumulatedAttention, scores_lib.CurrentAttention,
-                    scores_lib.WindowAttention, scores_lib.Recency, scores_lib.Uniform)
-
-
-def _score_reads(score) -> Optional[set]:
-  """What a score reads beyond metadata: a subset of {"k_norm", "v_norm"}, or
-  None for a score this module does not know (then k and v are gathered)."""
-  if isinstance(score, _METADATA_SCORES):
-    return set()
-  if isinstance(score, scores_lib.KeyNorm):
-    return {"k_norm"}
-  if isinstance(score, scores_lib.Defensive):  # its mixture reads valid, then the base
-    return _score_reads(score.base)
-  if isinstance(score, scores_lib.ValueAware):
-    base = _score_reads(score.base)
-    return None if base is None else base | {"v_norm"}
-  return None
+# What a score may read beyond the gathered metadata (log_pi, pos, valid, acc, last, obs).
+_NORMS = frozenset({"k_norm", "v_norm"})
 
 
 def design_reads(design) -> Optional[set]:
-  """What ``design.evict`` reads of the keys and values (see :func:`_score_reads`).
+  """What ``design.evict`` reads of the keys and values, from its scores' ``reads``.
 
   Returns:
     A set of "k_norm" / "v_norm" when the design's scores read at most the
-    key and value norms, or None when a score is unknown (full k, v needed).
+    key and value norms, or None when one reads whole keys or values.
   """
-  reads: set = set()
-  found = [design.certain.heavy_score] if design.certain.heavy else []
-  if hasattr(design.tail, "score"):
-    found.append(design.tail.score)
-  for score in found:
-    r = _score_reads(score)
-    if r is None:
-      return None
-    reads |= r
-  return reads
+  reads = design.reads & (_NORMS | {"k", "v"})
+  return set(reads) if reads <= _NORMS else None
 
 
 def _norm_column(x):

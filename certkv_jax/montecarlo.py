@@ -32,18 +32,27 @@ class Problem(NamedTuple):
   history: Array  # [h, d] earlier queries (h may be 0) that shaped the scores
 
 
+class Spikes(NamedTuple):
+  """Tokens with a key aligned with the query (logit ``logit``) and an
+  outlying value of norm ``value * sqrt(dv)``."""
+
+  count: int = 0
+  logit: float = 8.0
+  value: float = 6.0
+
+
 def synthetic_problem(key, n: int = 256, d: int = 16, dv: int = 16, q_scale: float = 2.0,
-                      spikes: int = 0, spike_logit: float = 8.0,
-                      spike_value: float = 6.0, n_history: int = 0,
-                      history_corr: float = 0.5) -> Problem:
+                      spikes=0, n_history: int = 0, history_corr: float = 0.5) -> Problem:
   """Gaussian keys/values and a query of norm ``q_scale * sqrt(d)``.
 
-  With ``spikes > 0``, that many tokens in the middle of the context get a key
-  aligned with the query (logit ``spike_logit``) and an outlying value of norm
-  ``spike_value * sqrt(dv)``: peaked attention on tokens a flat score cannot see.
-  ``n_history`` earlier queries, each with correlation ``history_corr`` to
-  ``q``, stand in for the past queries that built the running scores.
+  ``spikes`` (a count, or :class:`Spikes`): tokens in the middle of the
+  context whose keys align with the query and whose values are outliers:
+  peaked attention on tokens a flat score cannot see. ``n_history`` earlier
+  queries, each with correlation ``history_corr`` to ``q``, stand in for the
+  past queries that built the running scores.
   """
+  spikes = spikes if isinstance(spikes, Spikes) else Spikes(count=spikes)
+  spike_logit, spike_value, spikes = spikes.logit, spikes.value, spikes.count
   kq, kk, kv, ks, kh = jax.random.split(key, 5)
   q = jax.random.normal(kq, (d,))
   q = q / jnp.linalg.norm(q) * q_scale * math.sqrt(d)

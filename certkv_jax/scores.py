@@ -1,8 +1,16 @@
 """Per-slot importance scores: ``score(cache) -> [cap] float32``.
 
-Each score is a frozen (hashable) dataclass, so designs that hold one are
-static pytrees: passing a design through ``jit`` compiles once per distinct
-configuration. Scores are read only on valid slots.
+The protocol (kvpress's ``score``, as a static pytree): a score is a frozen
+(hashable) dataclass with
+
+* ``__call__(cache) -> [cap]`` float32, higher = more important, read only on
+  valid slots;
+* ``reads``: the frozenset of what it reads of the cache, from :data:`READS`.
+
+Designs, statistics folding and sharded eviction ask ``reads`` instead of
+knowing score types: a score reading ``"obs"`` needs an observation window, a
+score reading only metadata and norms is evicted across devices without
+gathering keys and values. A new score is one class (see ``keydiff.py``).
 """
 
 from __future__ import annotations
@@ -10,16 +18,24 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from typing import ClassVar, Protocol
 
 import jax.numpy as jnp
 
 from certkv_jax import _checks
 from certkv_jax.cache import KVCache
 
+# What a score may read of a cache: the slot statistics folded from attention
+# (``acc`` accumulated, ``last`` latest query, ``obs`` observation window),
+# positions, key / value norms only, or whole keys / values.
+READS = frozenset({"acc", "last", "obs", "pos", "k_norm", "v_norm", "k", "v"})
+
 
 @dataclasses.dataclass(frozen=True)
 class AccumulatedAttention:
   """H2O: attention mass the slot has received from all queries so far."""
+
+  reads: ClassVar[frozenset] = frozenset({"acc"})
 
   def __call__(self, cache: KVCache):
     return cache.acc
@@ -29,6 +45,8 @@ class AccumulatedAttention:
 class CurrentAttention:
   """TOVA: attention of the latest query. With the question as the latest
   query this is the ``pi ∝ a`` score of method, section 6."""
+
+  reads: ClassVar[frozenset] = frozenset({"last"})
 
   def __call__(self, cache: KVCache):
     return cache.last
@@ -41,6 +59,7 @@ class WindowAttention:
   SnapKV's ``avg_pool1d``)."""
 
   pool_size: int = 1
+  reads: ClassVar[frozenset] = frozenset({"obs", "pos"})
 
   def __post_init__(self):
     _checks.check_positive_int("pool_size", self.pool_size)
@@ -64,6 +83,8 @@ class WindowAttention:
 class KeyNorm:
   """Knorm: ``-||k||`` (low-norm keys draw attention, so they are kept)."""
 
+  reads: ClassVar[frozenset] = frozenset({"k_norm"})
+
   def __call__(self, cache: KVCache):
     return -jnp.linalg.norm(cache.k.astype(jnp.float32), axis=-1)
 
@@ -71,6 +92,8 @@ class KeyNorm:
 @dataclasses.dataclass(frozen=True)
 class Recency:
   """StreamingLLM's window as a score: later positions score higher."""
+
+  reads: ClassVar[frozenset] = frozenset({"pos"})
 
   def __call__(self, cache: KVCache):
     return cache.pos.astype(jnp.float32)
@@ -80,6 +103,8 @@ class Recency:
 class Uniform:
   """Every token scores 1 (flat inclusion probabilities)."""
 
+  reads: ClassVar[frozenset] = frozenset()
+
   def __call__(self, cache: KVCache):
     return jnp.ones(cache.pos.shape, jnp.float32)
 
@@ -88,7 +113,11 @@ class Uniform:
 class ValueAware:
   """A base score times ``||v_i||`` (value-aware eviction)."""
 
-  base: object
+  base: Score
+
+  @property
+  def reads(self) -> frozenset:
+    return reads_of(self.base) | {"v_norm"}
 
   def __call__(self, cache: KVCache):
     return self.base(cache) * jnp.linalg.norm(cache.v.astype(jnp.float32), axis=-1)
@@ -142,7 +171,7 @@ class Defensive:
     uniform_share: ``u`` in [0, 1]; 0 is the normalised base, 1 is uniform.
   """
 
-  base: object
+  base: Score
   uniform_share: float
 
   def __post_init__(self):
@@ -153,6 +182,10 @@ class Defensive:
         or not 0.0 <= u <= 1.0):
       raise ValueError(f"uniform_share must be a float in [0, 1], got {u!r}")
     object.__setattr__(self, "uniform_share", float(u))
+
+  @property
+  def reads(self) -> frozenset:
+    return reads_of(self.base)
 
   def __call__(self, cache: KVCache):
     valid = cache.valid
@@ -169,12 +202,29 @@ class Defensive:
     return ((1.0 - u) * normalized + u * uniform).astype(jnp.float32)
 
 
+class Score(Protocol):
+  """What a design scores tokens with (see the module docstring)."""
+
+  reads: frozenset
+
+  def __call__(self, cache: KVCache):
+    ...
+
+
+def reads_of(score) -> frozenset:
+  """What ``score`` reads (its ``reads``), checked against :data:`READS`.
+
+  Raises:
+    TypeError naming the score when it does not declare ``reads``.
+  """
+  reads = getattr(score, "reads", None)
+  if not isinstance(reads, (set, frozenset)) or not reads <= READS:
+    raise TypeError(f"score {score!r} must declare `reads`, a subset of {sorted(READS)} "
+                    f"(what it reads of the cache), got {reads!r}")
+  return frozenset(reads)
+
+
 def reads_observation(score) -> bool:
-  """Whether ``score`` reads the observation-window statistic ``obs`` (SnapKV's
-  :class:`WindowAttention`, directly or inside :class:`ValueAware` /
-  :class:`Defensive`): a design scoring with it needs an observation window."""
-  if isinstance(score, WindowAttention):
-    return True
-  if isinstance(score, (ValueAware, Defensive)):
-    return reads_observation(score.base)
-  return False
+  """Whether ``score`` reads the observation-window statistic ``obs``: a design
+  scoring with it needs an observation window."""
+  return "obs" in reads_of(score)

@@ -125,8 +125,8 @@ def _signals_one(p, pi, mask, v, o_hat) -> Signals:
   valid = mask[None, :]  # [1, n]
   hp = jax.lax.Precision.HIGHEST
   fin = reference.finalize(reference.online_update(
-      reference.empty_partials((1,), dv), l, v, w[None, :], valid, precision=hp,
-      center=o_hat.astype(jnp.float32)[None, :]))
+      reference.empty_partials((1,), dv), l, v, w[None, :], valid,
+      options=reference.UpdateOptions(precision=hp, center=o_hat.astype(jnp.float32)[None, :])))
   var_hat = fin.var_hat[0]
   range_hat = reference.exact_range(l, v, w[None, :], valid, fin.out, fin.lse)[0]
   sd = jnp.sqrt(var_hat)

@@ -5,7 +5,7 @@ jitted decode step (``forward_chunk`` of one token + ``evict`` with the traced
 budget) of the full cache and of each design at each budget, with and without
 the certificate, evicting after every step or every ``--evict_every`` steps,
 for each context and batch size; and the model's cached
-prefill against its plain one-shot forward (:mod:`experiments.lib.bench_decode`).
+prefill against its plain one-shot forward (:mod:`experiments.lib.bench.decode`).
 Writes ``--out/results.json`` (every measurement), ``summary.json``
 (``ratio_vs_full[budget][context]``), ``report.md`` and ``decode_ms.png``.
 
@@ -16,8 +16,8 @@ Writes ``--out/results.json`` (every measurement), ``summary.json``
 from absl import app
 from absl import flags
 
-from experiments.lib import bench_decode
 from experiments.lib import model_loading
+from experiments.lib.bench import decode as bench_decode
 
 FLAGS = flags.FLAGS
 _P = bench_decode.Plan()

@@ -2,7 +2,7 @@ r"""Decode-attention benchmark: what do the certificate statistics cost?
 
 Times plain attention, offset attention and the certificate's fused statistics
 (and, on a GPU or TPU, the Pallas kernel) side by side for each cache length
-and head dim (:mod:`experiments.lib.bench_kernels`); compare ratios, not
+and head dim (:mod:`experiments.lib.bench.kernels`); compare ratios, not
 absolute times.
 
   python -m experiments.bench_kernels --out=experiments/results/bench_cpu.md
@@ -11,7 +11,7 @@ absolute times.
 from absl import app
 from absl import flags
 
-from experiments.lib import bench_kernels
+from experiments.lib.bench import kernels as bench_kernels
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["1024", "4096", "16384", "32768"], "Cache lengths.")
@@ -27,10 +27,10 @@ flags.DEFINE_bool("pallas", None, "Include the Pallas kernel (default: on GPU/TP
 
 def main(argv):
   del argv
-  bench_kernels.run_and_report(
-      lengths=FLAGS.lengths, head_dims=FLAGS.head_dims, batch=FLAGS.batch,
-      groups=FLAGS.groups, dtype=FLAGS.dtype, repeats=FLAGS.repeats,
-      profile_dir=FLAGS.profile_dir, out=FLAGS.out, pallas=FLAGS.pallas)
+  plan = bench_kernels.Plan(lengths=tuple(FLAGS.lengths), head_dims=tuple(FLAGS.head_dims),
+                            batch=FLAGS.batch, groups=FLAGS.groups, dtype=FLAGS.dtype,
+                            repeats=FLAGS.repeats, pallas=FLAGS.pallas)
+  bench_kernels.run_and_report(plan, out=FLAGS.out, profile_dir=FLAGS.profile_dir)
 
 
 if __name__ == "__main__":

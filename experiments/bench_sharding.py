@@ -3,7 +3,7 @@ r"""Sharded decoding benchmark: per-device memory and step time for (data, model
 Runs ``models.sharding.generate`` on a random Llama-family model for each mesh
 shape and reports per-device cache and parameter bytes, XLA's per-device
 memory, the wall time and the agreement with one device
-(:mod:`experiments.lib.bench_sharding`). On fake CPU devices
+(:mod:`experiments.lib.bench.sharding`). On fake CPU devices
 (``--fake_devices=N``) only the memory accounting and the agreement mean
 anything.
 
@@ -33,7 +33,8 @@ if __name__ == "__main__":
 from absl import app
 from absl import flags
 
-from experiments.lib import bench_sharding
+from experiments.lib.bench import sharding as bench_sharding
+from models.config import LlamaConfig
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("fake_devices", 0, "Fake CPU devices (0: the real devices).", lower_bound=0)
@@ -50,7 +51,7 @@ flags.DEFINE_integer("batch", 8, "Prompts.", lower_bound=1)
 flags.DEFINE_integer("prompt_len", 192, "Prompt tokens.", lower_bound=1)
 flags.DEFINE_integer("capacity", 256, "Cache slots per (layer, row, KV head).", lower_bound=1)
 flags.DEFINE_integer("n_steps", 8, "Decode steps.", lower_bound=1)
-flags.DEFINE_string("design", "poisson_tail", "Design name (certkv_jax.designs.by_name).")
+flags.DEFINE_string("design", "poisson_tail", "Design name (certkv_jax.registry).")
 flags.DEFINE_float("budget", 0.5, "Budget fraction.", lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_integer("repeats", 3, "Timed repetitions (median).", lower_bound=1)
 flags.DEFINE_string("out", None, "Markdown summary path (JSONL rows beside it, resumable).")
@@ -58,13 +59,14 @@ flags.DEFINE_string("out", None, "Markdown summary path (JSONL rows beside it, r
 
 def main(argv):
   del argv
-  bench_sharding.run_and_report(
-      meshes=FLAGS.meshes, n_layers=FLAGS.n_layers, hidden=FLAGS.hidden,
-      n_heads=FLAGS.n_heads, n_kv_heads=FLAGS.n_kv_heads, head_dim=FLAGS.head_dim,
-      ffn_dim=FLAGS.ffn_dim, vocab=FLAGS.vocab, batch=FLAGS.batch,
-      prompt_len=FLAGS.prompt_len, capacity=FLAGS.capacity, n_steps=FLAGS.n_steps,
-      design=FLAGS.design, budget=FLAGS.budget, repeats=FLAGS.repeats,
-      fake_devices=FLAGS.fake_devices, out=FLAGS.out)
+  config = LlamaConfig(vocab_size=FLAGS.vocab, hidden=FLAGS.hidden, n_layers=FLAGS.n_layers,
+                       n_heads=FLAGS.n_heads, n_kv_heads=FLAGS.n_kv_heads,
+                       head_dim=FLAGS.head_dim, ffn_dim=FLAGS.ffn_dim)
+  plan = bench_sharding.Plan(meshes=tuple(FLAGS.meshes), batch=FLAGS.batch,
+                             prompt_len=FLAGS.prompt_len, capacity=FLAGS.capacity,
+                             n_steps=FLAGS.n_steps, design=FLAGS.design, budget=FLAGS.budget,
+                             repeats=FLAGS.repeats, fake_devices=FLAGS.fake_devices)
+  bench_sharding.run_and_report(plan, config, out=FLAGS.out)
 
 
 if __name__ == "__main__":

@@ -41,8 +41,8 @@ from absl import flags
 from certkv_jax import calibration_store
 from certkv_jax import robust_calibration
 from experiments.lib import model_loading
-from experiments.lib import validity_calls as calls_lib
-from experiments.lib import validity_collect as collect_lib
+from experiments.lib.validity import calls as calls_lib
+from experiments.lib.validity import collect as collect_lib
 
 FLAGS = flags.FLAGS
 _P = collect_lib.Plan()

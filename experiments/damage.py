@@ -4,12 +4,12 @@ r"""From attention radius to output damage: attribution, gating and per-token da
   python -m experiments.damage --out=/tmp/damage --quick        # a small version
   python -m experiments.damage --out=/tmp/damage --stage=train  # (re)fit the predictor only
 
-Collects resumable units (``experiments.lib.damage_collect``: text segments
+Collects resumable units (``experiments.lib.damage.collect``: text segments
 streamed through the full and the evicted model, and task settings generated
 with the full cache and twice with the design), fits the learned damage
 predictor (``certkv_jax.damage_predictor``) on the training text segments and
 saves it with orbax under ``OUT/predictor``, then writes ``OUT/summary.json``,
-``OUT/report.md`` and plots (``experiments.lib.damage_report``). Stages:
+``OUT/report.md`` and plots (``experiments.lib.damage.report``). Stages:
 ``collect``, ``train`` (fit and save the predictor from collected units),
 ``report`` (analysis with the saved predictor), ``all``.
 """
@@ -19,10 +19,10 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from experiments.lib import damage_collect as collect_lib
-from experiments.lib import damage_report
 from experiments.lib import model_loading
-from experiments.lib import validity_collect
+from experiments.lib.damage import collect as collect_lib
+from experiments.lib.damage import report as damage_report
+from experiments.lib.validity import collect as validity_collect
 
 _P = collect_lib.Plan()
 QUICK = collect_lib.QUICK
@@ -32,7 +32,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output directory.", required=True)
 flags.DEFINE_string("model", model_loading.DEFAULT_MODEL, "'smollm2' or a Hugging Face "
                     "checkpoint directory.")
-flags.DEFINE_string("design", _P.design, "Randomized design (certkv_jax.designs.by_name).")
+flags.DEFINE_string("design", _P.design, "Randomized design (certkv_jax.registry).")
 flags.DEFINE_float("budget", _P.budget, "Budget: fraction in (0, 1) of the tokens seen.")
 flags.DEFINE_integer("context_len", _P.context_len, "Context length in tokens.")
 flags.DEFINE_integer("chunk", _P.chunk, "Streaming chunk (tokens per eviction).")

@@ -14,6 +14,7 @@ from absl import app
 from absl import flags
 
 from experiments.lib import demo
+from experiments.lib import design_defaults
 
 FLAGS = flags.FLAGS
 
@@ -23,8 +24,8 @@ def define_flags():
   importing this module (tests, other scripts) defines no flags."""
   flags.DEFINE_string("out", None, "Output directory (rows.jsonl, summary.md).", required=True)
   flags.DEFINE_list("designs", ["snapkv", "poisson_tail"],
-                    f"Designs, from {', '.join(demo.DESIGNS)}; 'full' keeps everything "
-                    "(the reference); 'all' = every one of them.")
+                    f"Designs, from {', '.join(design_defaults.names())}; 'full' keeps "
+                    "everything (the reference); 'all' = every one of them.")
   flags.DEFINE_list("budgets", ["0.125", "0.25", "0.5"], "Budgets, fractions of the tokens seen.")
   flags.DEFINE_enum("regime", "question_aware", ["question_aware", "streaming", "both"],
                     "Eviction regime; 'both' runs question_aware then streaming.")
@@ -32,17 +33,19 @@ def define_flags():
   flags.DEFINE_integer("num_examples", 4, "Examples (one batch).")
   flags.DEFINE_float("delta", 0.05, "Certificate miss probability.")
   flags.DEFINE_integer("seed", 0, "Seed of the task and of the randomized designs.")
-  flags.DEFINE_integer("n_sink", 4, "Sink tokens kept by every design.")
-  flags.DEFINE_integer("window", 16, "Recent window / observation window kept by every design.")
+  flags.DEFINE_integer("n_sink", design_defaults.N_SINK, "Sink tokens kept by every design.")
+  flags.DEFINE_integer("window", design_defaults.WINDOW, "Recent window / observation window "
+                       "kept by every design.")
   flags.DEFINE_integer("chunk", 64, "Streaming: context tokens per chunk.")
 
 
 def main(argv):
   del argv
-  demo.run_and_report(
-      out=FLAGS.out, design_names=FLAGS.designs, budgets=FLAGS.budgets, regime=FLAGS.regime,
-      context_len=FLAGS.context_len, num_examples=FLAGS.num_examples, delta=FLAGS.delta,
-      seed=FLAGS.seed, n_sink=FLAGS.n_sink, window=FLAGS.window, chunk=FLAGS.chunk)
+  plan = demo.Plan(designs=tuple(FLAGS.designs), budgets=tuple(FLAGS.budgets),
+                   regime=FLAGS.regime, context_len=FLAGS.context_len,
+                   num_examples=FLAGS.num_examples, delta=FLAGS.delta, seed=FLAGS.seed,
+                   n_sink=FLAGS.n_sink, window=FLAGS.window, chunk=FLAGS.chunk)
+  demo.run_and_report(plan, out=FLAGS.out)
 
 
 if __name__ == "__main__":

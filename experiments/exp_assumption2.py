@@ -13,9 +13,9 @@ only). Writes ``--out/rows.jsonl``, ``summary.md``, ``summary.json`` and the
 from absl import app
 from absl import flags
 
-from experiments.lib import suite_report
-from experiments.lib import suite_settings
 from experiments.lib.analyses import assumption2
+from experiments.lib.suite import report as suite_report
+from experiments.lib.suite import settings as suite_settings
 
 FLAGS = flags.FLAGS
 

@@ -2,7 +2,7 @@ r"""Experiment 2: certificate coverage by design, budget, regime, task, delta, l
 
 Coverage of the realised attention error (true error from the shadow full
 cache <= the Bernstein radius at each ``--deltas``), with sharpness next to
-it (method, section 5), from the rows of ``experiments.lib.suite.collect`` (one
+it (method, section 5), from the rows of ``experiments.lib.suite.rows.collect`` (one
 JSONL row per (task, regime, design, budget, example, run), resumable).
 Writes ``--out/rows.jsonl``, ``summary.md``, ``summary.json``,
 ``coverage.png`` and ``error_vs_radius.png``.
@@ -13,9 +13,9 @@ Writes ``--out/rows.jsonl``, ``summary.md``, ``summary.json``,
 from absl import app
 from absl import flags
 
-from experiments.lib import suite_report
-from experiments.lib import suite_settings
 from experiments.lib.analyses import coverage
+from experiments.lib.suite import report as suite_report
+from experiments.lib.suite import settings as suite_settings
 
 FLAGS = flags.FLAGS
 

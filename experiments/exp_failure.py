@@ -20,9 +20,9 @@ Writes ``--out/rows.jsonl``, ``summary.md``, ``summary.json``,
 from absl import app
 from absl import flags
 
-from experiments.lib import suite_report
-from experiments.lib import suite_settings
 from experiments.lib.analyses import failures
+from experiments.lib.suite import report as suite_report
+from experiments.lib.suite import settings as suite_settings
 
 FLAGS = flags.FLAGS
 

@@ -32,11 +32,12 @@ def define_flags():
 
 def main(argv):
   del argv
-  print(overhead.run_and_report(
-      out=FLAGS.out, model=FLAGS.model, task=FLAGS.task, context_len=FLAGS.context_len,
-      budget=float(FLAGS.budgets[0]), deterministic=FLAGS.deterministic,
-      num_examples=FLAGS.num_examples, n_steps=FLAGS.n_steps, repeats=FLAGS.repeats,
-      seed=FLAGS.seed))
+  plan = overhead.Plan(model=FLAGS.model, budget=float(FLAGS.budgets[0]),
+                       deterministic=FLAGS.deterministic, n_steps=FLAGS.n_steps,
+                       repeats=FLAGS.repeats, seed=FLAGS.seed)
+  print(overhead.run_and_report(plan, out=FLAGS.out, task=FLAGS.task,
+                                context_len=FLAGS.context_len,
+                                num_examples=FLAGS.num_examples))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ examples) per regime, design, task and budget. Writes ``--out/rows.jsonl``,
 from absl import app
 from absl import flags
 
-from experiments.lib import suite_report
-from experiments.lib import suite_settings
 from experiments.lib.analyses import regimes
+from experiments.lib.suite import report as suite_report
+from experiments.lib.suite import settings as suite_settings
 
 FLAGS = flags.FLAGS
 

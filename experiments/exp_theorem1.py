@@ -31,10 +31,10 @@ def define_flags():
 
 def main(argv):
   del argv
-  print(theorem1.run_and_report(
-      out=FLAGS.out, model=FLAGS.model, task=FLAGS.task, context_len=FLAGS.context_len,
-      budget=float(FLAGS.budgets[0]), designs=FLAGS.designs,
-      num_examples=FLAGS.num_examples, n_draws=FLAGS.n_draws, seed=FLAGS.seed))
+  plan = theorem1.Plan(designs=tuple(FLAGS.designs), budget=float(FLAGS.budgets[0]),
+                       model=FLAGS.model, task=FLAGS.task, context_len=FLAGS.context_len,
+                       seed=FLAGS.seed, n_draws=FLAGS.n_draws)
+  print(theorem1.run_and_report(plan, out=FLAGS.out, num_examples=FLAGS.num_examples))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ Face checkpoint directory, with an eviction design in either regime; prints
 the answer (cut at the end-of-turn token) and, per decode step, the median and
 max over (layer, head) of the certificate radius (method, section 5), the
 calibrated radius where the shipped calibration fits (method, section 10),
-and with ``--evaluate`` the true error (:mod:`experiments.lib.generate`,
-:mod:`experiments.lib.generate_report`).
+and with ``--evaluate`` the true error (:mod:`models.text.generate`,
+:mod:`models.text.report`).
 
   python -m experiments.generate --prompt_file=experiments/data/example_prompt.txt
   python -m experiments.generate --prompt="What is the capital of France?" --budget=0.75
@@ -24,10 +24,10 @@ import sys
 from absl import app
 from absl import flags
 
-from experiments.lib import generate
-from experiments.lib import generate_report
 from experiments.lib import model_loading
 from experiments.lib import results_io
+from models.text import generate
+from models.text import report as generate_report
 
 FLAGS = flags.FLAGS
 
@@ -66,18 +66,21 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; pass the text with --prompt")
   results_io.quiet_library_logs(FLAGS)
-  kw = dict(design=FLAGS.design, budget=FLAGS.budget, max_new_tokens=FLAGS.max_new_tokens,
-            regime=FLAGS.regime, delta=FLAGS.delta, seed=FLAGS.seed,
-            question_tokens=FLAGS.question_tokens, chunk=FLAGS.chunk, n_sink=FLAGS.n_sink,
-            window=FLAGS.window)
+  settings = generate.TextSettings(
+      design=FLAGS.design, budget=FLAGS.budget, max_new_tokens=FLAGS.max_new_tokens,
+      regime=FLAGS.regime, delta=FLAGS.delta, seed=FLAGS.seed, evaluate=FLAGS.evaluate,
+      chat=FLAGS.chat, question_tokens=FLAGS.question_tokens, chunk=FLAGS.chunk,
+      n_sink=FLAGS.n_sink, window=FLAGS.window)
   try:  # argument errors before the model is loaded
     prompt = generate_report.read_prompt(FLAGS.prompt, FLAGS.prompt_file)
-    generate.check_arguments(prompt, **kw)
+    generate.check_arguments(prompt, settings)
   except ValueError as err:  # the message names the flag and its allowed values
     sys.exit(f"experiments.generate: {err}")
   try:  # prompt too long for the model: found from the tokenizer, before the weights load
-    generate_report.run_and_print(prompt=prompt, model=FLAGS.model, chat=FLAGS.chat,
-                                  evaluate=FLAGS.evaluate, profile_dir=FLAGS.profile_dir, **kw)
+    generate_report.run_and_print(prompt, settings,
+                                  lambda: model_loading.ModelSource(FLAGS.model),
+                                  name=model_loading.model_name(FLAGS.model),
+                                  profile_dir=FLAGS.profile_dir)
   except ValueError as err:
     sys.exit(f"experiments.generate: {err}")
 

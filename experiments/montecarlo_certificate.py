@@ -37,11 +37,12 @@ flags.DEFINE_integer("seed", 0, "Seed of the problem and of the draws.")
 
 def main(argv):
   del argv
-  montecarlo_certificate.run_and_report(
-      out=FLAGS.out, context_len=FLAGS.context_len, head_dim=FLAGS.head_dim,
-      budgets=FLAGS.budgets, deltas=FLAGS.deltas, designs=FLAGS.designs,
-      problems=FLAGS.problems, regimes=FLAGS.regimes, num_trials=FLAGS.num_trials,
-      n_sink=FLAGS.n_sink, window=FLAGS.window, seed=FLAGS.seed)
+  plan = montecarlo_certificate.Plan(
+      context_len=FLAGS.context_len, head_dim=FLAGS.head_dim, budgets=tuple(FLAGS.budgets),
+      deltas=tuple(FLAGS.deltas), designs=tuple(FLAGS.designs),
+      problems=tuple(FLAGS.problems), regimes=tuple(FLAGS.regimes),
+      num_trials=FLAGS.num_trials, n_sink=FLAGS.n_sink, window=FLAGS.window, seed=FLAGS.seed)
+  montecarlo_certificate.run_and_report(plan, out=FLAGS.out)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ Theorem-1 rotation, the overhead timing and the streaming loss under eviction
 on ``--text``, and writes ``DIR/report.md``: for each claim of method, section 7
 the paper's number, ours with a 95% interval and a verdict, followed by every
 experiment's tables and PNG plots. The plans (``QUICK``, ``FULL``) and the run:
-:mod:`experiments.lib.suite_runner`. A rerun resumes: finished rows are not
+:mod:`experiments.lib.suite.runner`. A rerun resumes: finished rows are not
 recomputed.
 """
 
@@ -19,7 +19,7 @@ from absl import flags
 
 from experiments.lib import model_loading
 from experiments.lib import results_io
-from experiments.lib import suite_runner
+from experiments.lib.suite import runner as suite_runner
 
 FLAGS = flags.FLAGS
 
@@ -46,12 +46,7 @@ def define_flags():
 def main(argv):
   del argv
   results_io.quiet_library_logs(FLAGS)
-  suite_runner.run_command(
-      model=FLAGS.model, out=FLAGS.out, full=FLAGS.full,
-      command="python -m experiments.run_all " + " ".join(sys.argv[1:]),
-      num_examples=FLAGS.num_examples, context_len=FLAGS.context_len, text=FLAGS.text,
-      max_units=FLAGS.max_units, validity=FLAGS.validity,
-      damage=FLAGS.damage)
+  suite_runner.run_command(FLAGS, "python -m experiments.run_all " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -38,11 +38,12 @@ def define_flags():
 
 def main(argv):
   del argv
-  train_synthetic.train_and_report(
-      FLAGS.out, FLAGS.steps, batch=FLAGS.batch, n_pairs=FLAGS.n_pairs, n_keys=FLAGS.n_keys,
-      n_values=FLAGS.n_values, layers=FLAGS.layers, hidden=FLAGS.hidden, heads=FLAGS.heads,
-      kv_heads=FLAGS.kv_heads, lr=FLAGS.lr, weight_decay=FLAGS.weight_decay,
+  settings = train_synthetic.Settings(
+      batch=FLAGS.batch, n_pairs=FLAGS.n_pairs, n_keys=FLAGS.n_keys, n_values=FLAGS.n_values,
+      layers=FLAGS.layers, hidden=FLAGS.hidden, heads=FLAGS.heads, kv_heads=FLAGS.kv_heads,
+      lr=FLAGS.lr, weight_decay=FLAGS.weight_decay,
       checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every, seed=FLAGS.seed)
+  train_synthetic.train_and_report(FLAGS.out, FLAGS.steps, settings)
 
 
 if __name__ == "__main__":

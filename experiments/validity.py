@@ -17,8 +17,8 @@ from absl import flags
 from absl import logging
 
 from experiments.lib import model_loading
-from experiments.lib import validity
-from experiments.lib import validity_collect as collect_lib
+from experiments.lib.validity import collect as collect_lib
+from experiments.lib.validity import run as validity_run
 
 FLAGS = flags.FLAGS
 _P = collect_lib.Plan()
@@ -90,7 +90,9 @@ def plan_from_flags(fv) -> collect_lib.Plan:
             data=tuple(fv.data), context_lens=_ints("context_lens", fv.context_lens),
             num_examples=fv.num_examples, examples_at=tuple(at), **subsets, groups_at=tuple(groups),
             n_steps=fv.n_steps,
-            seed=fv.seed, max_batch=fv.max_batch, model=model_loading.model_name(fv.model))
+            seed=fv.seed, max_batch=fv.max_batch, model=model_loading.model_name(fv.model),
+            max_units=None if fv.max_units < 0 else fv.max_units,
+            default_design=fv.default_design, calib_context=fv.calib_context or None)
   if fv.quick:
     kw.update({k: v for k, v in QUICK.items() if not fv[k].present})
   return collect_lib.Plan(**kw).check()
@@ -103,9 +105,7 @@ def main(argv):
   params, config, tok = model_loading.load_model(FLAGS.model)
   with open(FLAGS.text, encoding="utf-8") as f:
     text = f.read()
-  validity.run(params, config, tok, plan, FLAGS.out, text=text, text_source=FLAGS.text,
-               default_design=FLAGS.default_design, calib_context=FLAGS.calib_context or None,
-               max_units=None if FLAGS.max_units < 0 else FLAGS.max_units)
+  validity_run.run(params, config, tok, plan, FLAGS.out, text=text, text_source=FLAGS.text)
 
 
 if __name__ == "__main__":

@@ -1,31 +1,24 @@
-"""Flax decoder models that run a certkv_jax design in every attention layer.
+"""Flax decoder models that run a certkv_jax design in every attention layer
+(through the drop-in ``certkv_jax.layer.attend``).
 
 * :mod:`models.config` -- :class:`LlamaConfig`, the frozen hyperparameters.
 * :mod:`models.rope` -- rotary embeddings, interleaved and rotate-half layouts.
 * :mod:`models.llama` -- the Llama-family decoder (:class:`LlamaModel`).
 * :mod:`models.decode` -- question-aware and streaming generation (prefill,
-  eviction, ``lax.scan`` decode).
-* :mod:`models.caches` -- the stacked certkv caches, one per (layer, row, KV head).
+  eviction, ``lax.scan`` decode) under a frozen ``GenerationConfig``;
+  ``decode_step`` for a caller's own loop (caches donated).
 * :mod:`models.forward` -- a chunk of tokens through the model and its caches.
-* :mod:`models.certified_attention` -- a layer's attention with its certificate
-  statistics (subsampled by layer / KV head; the truth in evaluation mode).
-* :mod:`models.eviction` -- a design applied to every cache.
-* :mod:`models.budgets` -- budgets checked and resolved into targets (per-layer
-  PyramidKV schedules, traced fractions).
 * :mod:`models.memory` -- bytes of a run's caches (K/V, metadata) vs. the full cache.
 * :mod:`models.param_tree` -- the parameter tree from per-layer tensors (loaders).
 * :mod:`models.hf_loader` -- Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2).
 * :mod:`models.gguf_loader` -- GGUF files; the default model SmolLM2-135M-Instruct.
 * :mod:`models.gguf_reader` -- opening a GGUF file and reading its metadata.
 * :mod:`models.tokenizer` -- byte-level BPE tokenizer from GGUF metadata.
+* :mod:`models.text` -- text in, answer and certificate out (``generate_text``).
 """
 
-from models import budgets
-from models import caches
-from models import certified_attention
 from models import config
 from models import decode
-from models import eviction
 from models import forward
 from models import gguf_loader
 from models import gguf_reader
@@ -35,7 +28,7 @@ from models import memory
 from models import param_tree
 from models import rope
 from models import tokenizer
-from models.budgets import pyramid_budgets
+from certkv_jax.budgets import pyramid_budgets
 from models.config import LlamaConfig
 from models.decode import forward_chunk
 from models.decode import generate
@@ -50,12 +43,8 @@ from models.llama import init_params
 __all__ = [
     "LlamaConfig",
     "LlamaModel",
-    "budgets",
-    "caches",
-    "certified_attention",
     "config",
     "decode",
-    "eviction",
     "forward",
     "forward_chunk",
     "generate",

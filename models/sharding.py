@@ -311,31 +311,45 @@ def _prepare(mesh, params, config, batch, capacity, host_arrays):
   return params, placed
 
 
-def generate(mesh, params, tokens, mask, key, *, config: LlamaConfig, capacity: int,
-             **kwargs) -> decode.Generation:
+def _sized(gen: decode.GenerationConfig, budget, **shapes) -> decode.GenerationConfig:
+  """``gen`` with its capacity set as ``models.decode`` sets it when None (the
+  mesh's ``seq`` axis must divide it, so it is needed before the call)."""
+  if not isinstance(gen, decode.GenerationConfig):
+    raise TypeError(f"gen must be a GenerationConfig, got {type(gen).__name__}")
+  return decode._sized(gen, dict(shapes, budget=budget))  # pylint: disable=protected-access
+
+
+def generate(mesh, params, tokens, mask, key, *, config: LlamaConfig,
+             gen: decode.GenerationConfig, budget=None) -> decode.Generation:
   """``models.decode.generate`` on ``mesh``: same arguments and result.
 
-  Params not yet on ``mesh`` are placed with :func:`shard_params`; tokens and
-  mask are split over data, the key replicated. The result is a tree of
-  global arrays (caches sharded batch -> data, KV heads -> model, slots ->
-  seq); in a multi-process run read them with
+  ``gen`` is a ``models.decode.GenerationConfig``; a ``gen.capacity`` of None
+  is sized here as ``models.decode`` sizes it (``certkv_jax.budgets.capacity``),
+  and the mesh's ``seq`` axis must divide the capacity. ``budget`` is passed
+  through (traced, as in ``models.decode.generate``). Params not yet on
+  ``mesh`` are placed with :func:`shard_params`; tokens and mask are split
+  over data, the key replicated. The result is a tree of global arrays
+  (caches sharded batch -> data, KV heads -> model, slots -> seq); in a
+  multi-process run read them with
   ``jax.experimental.multihost_utils.process_allgather``.
   """
-  params, (tokens, mask, key) = _prepare(mesh, params, config, np.shape(tokens)[0], capacity,
-                                         (tokens, mask, key))
+  gen = _sized(gen, budget, tokens=tokens)
+  params, (tokens, mask, key) = _prepare(mesh, params, config, np.shape(tokens)[0],
+                                         gen.capacity, (tokens, mask, key))
   with jax.set_mesh(mesh):
-    return decode.generate(params, tokens, mask, key, config=config, capacity=capacity,
-                           **kwargs)
+    return decode.generate(params, tokens, mask, key, config=config, gen=gen, budget=budget)
 
 
 def generate_streaming(mesh, params, context, context_mask, question, question_mask, key, *,
-                       config: LlamaConfig, capacity: int, **kwargs) -> decode.Generation:
-  """``models.decode.generate_streaming`` on ``mesh`` (see :func:`generate`)."""
-  params, arrays = _prepare(mesh, params, config, np.shape(context)[0], capacity,
+                       config: LlamaConfig, gen: decode.GenerationConfig,
+                       budget=None) -> decode.Generation:
+  """``models.decode.generate_streaming`` on ``mesh``: same arguments and result
+  (``gen.chunk`` required; capacity, placement and result as in :func:`generate`)."""
+  gen = _sized(gen, budget, context=context, question=question)
+  params, arrays = _prepare(mesh, params, config, np.shape(context)[0], gen.capacity,
                             (context, context_mask, question, question_mask, key))
   with jax.set_mesh(mesh):
-    return decode.generate_streaming(params, *arrays, config=config, capacity=capacity,
-                                     **kwargs)
+    return decode.generate_streaming(params, *arrays, config=config, gen=gen, budget=budget)
 
 
 def replicate(x):

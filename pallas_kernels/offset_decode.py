@@ -19,7 +19,9 @@ Backends: ``"triton"`` (GPU: an in-kernel loop over tiles of a split,
 grid = (B, splits)) and ``"mosaic"`` (TPU: the tile loop is the last grid
 axis, accumulating in the resident output block; lengths are scalar-prefetched
 into SMEM and empty tiles are skipped with ``pl.when``). ``interpret=True`` runs
-either on any backend (CPU tests).
+either on any backend (CPU tests). These knobs (backend, tiling, interpret,
+debug, range mode, Triton warps and stages) travel together as one static
+:class:`KernelConfig`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,11 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import reference
+from pallas_kernels.config import KernelConfig
+
+__all__ = ["BACKENDS", "BlockSizes", "ChunkKV", "KernelConfig", "decode_partials",
+           "default_backend", "offset_chunk_attention", "offset_decode_attention",
+           "offset_decode_reference", "pad_slots"]
 
 BACKENDS = ("triton", "mosaic")
 _STATS = ("m", "z", "s0", "s2", "r1", "rv")  # per-row scalar statistics
@@ -96,8 +103,9 @@ def _tile_update(carry, q, k_tile, v_tile, off_row, off_col, first_index, length
   valid_col = (off_col >= 0.0) & (idx_col < length)  # [bk, 1]
   l = s * scale + jnp.where(valid, off_row, 0.0)
   w = reference.one_minus_pi(jnp.where(valid, off_row, 0.0))
-  return reference.online_update(carry, l, v_tile, w, valid, valid_col,
-                                 second_order=with_stats, stacked_matmul=stacked)
+  return reference.online_update(
+      carry, l, v_tile, w, valid, valid_col,
+      options=reference.UpdateOptions(second_order=with_stats, stacked_matmul=stacked))
 
 
 def _rows_of(refs):
@@ -159,19 +167,27 @@ def _out_shapes(batch, splits, rows, dv):
   return [scalar] * len(_STATS) + [vector, vector, vector]
 
 
-def decode_partials(q, k, v, offset, lengths=None, *, scale: float,
-                    block_sizes: BlockSizes, backend: str, interpret: bool = False,
-                    debug: bool = False, num_warps: int = 4, num_stages: int = 2,
+def decode_partials(q, k, v, offset, lengths=None, *, scale: float, config: KernelConfig,
                     with_stats: bool = True):
   """Partial statistics per split, ``Partials`` with rows [B, splits, G].
 
   Args:
     q: [B, G, d]; k: [B, n, d]; v: [B, n, dv]; offset: [B, n] float32
       (``-log pi``; ``-inf`` = empty slot); lengths: optional [B] int32.
+    scale: logit scale.
+    config: :class:`KernelConfig`; ``range_mode`` is not used here. A None
+      ``backend`` or ``block_sizes`` takes the defaults of
+      :func:`offset_decode_attention`.
+    with_stats: False skips the certificate statistics (they stay zero).
     n must be a multiple of ``block_k * num_splits`` (see :func:`pad_slots`).
   """
   batch, rows, d = q.shape
   n, dv = k.shape[1], v.shape[-1]
+  backend = config.backend or default_backend()
+  block_sizes = config.block_sizes
+  if block_sizes is None:
+    block_sizes = BlockSizes.get_default(n, batch, backend)
+  interpret, debug = config.interpret, config.debug
   bk, splits = block_sizes.block_k, block_sizes.num_splits
   if n % (bk * splits):
     raise ValueError(f"cache length {n} must be a multiple of block_k * num_splits = "
@@ -199,7 +215,8 @@ def decode_partials(q, k, v, offset, lengths=None, *, scale: float,
         out_specs=[pl.BlockSpec((None, None, 1, rows), lambda b, s: (b, s, 0, 0))] * len(_STATS)
         + [pl.BlockSpec((None, None, rows, dv), lambda b, s: (b, s, 0, 0))] * 3,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
         interpret=interpret,
         debug=debug,
         name="certkv_offset_decode",
@@ -257,24 +274,35 @@ def _slot_validity(offset, lengths):
   return valid
 
 
-def _cache_partials(q, k, v, offset, lengths, *, scale, block_sizes, backend, interpret, debug,
-                    with_stats=True):
+def _resolve(config: KernelConfig, n: int, batch: int) -> KernelConfig:
+  """``config`` with its backend and block sizes defaulted and checked."""
+  backend = config.backend or default_backend()
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  block_sizes = config.block_sizes
+  if block_sizes is None:
+    block_sizes = BlockSizes.get_default(n, batch, backend)
+  block_sizes.validate(backend)
+  return dataclasses.replace(config, backend=backend, block_sizes=block_sizes)
+
+
+def _cache_partials(q, k, v, offset, lengths, *, scale, config, with_stats=True):
   """Pads rows and slots to the kernel's tiling, runs it, merges the splits.
 
-  Args: q [B, R, d] query rows; the rest as in :func:`offset_decode_attention`.
+  Args: q [B, R, d] query rows; config: a :func:`_resolve`-d ``KernelConfig``;
+    the rest as in :func:`offset_decode_attention`.
   Returns: ``reference.Partials`` with rows [B, R].
   """
   rows = q.shape[1]
   rows_pad = rows
-  if backend == "triton":
+  if config.backend == "triton":
     rows_pad = max(16, 1 << (rows - 1).bit_length())  # Triton dots need >= 16 rows
-  extra = pad_slots(k.shape[1], block_sizes)
+  extra = pad_slots(k.shape[1], config.block_sizes)
   parts = decode_partials(
       jnp.pad(q, ((0, 0), (0, rows_pad - rows), (0, 0))),
       jnp.pad(k, ((0, 0), (0, extra), (0, 0))), jnp.pad(v, ((0, 0), (0, extra), (0, 0))),
       jnp.pad(offset.astype(jnp.float32), ((0, 0), (0, extra)), constant_values=-jnp.inf),
-      lengths, scale=scale, block_sizes=block_sizes, backend=backend, interpret=interpret,
-      debug=debug, with_stats=with_stats)
+      lengths, scale=scale, config=config, with_stats=with_stats)
   parts = jax.tree_util.tree_map(lambda x: x[:, :, :rows], parts)
   return reference.combine(parts, axis=1)
 
@@ -290,13 +318,9 @@ def _exact_cache_range(q, k, v, offset, lengths, scale, fin):
   return reference.exact_range(l, v, reference.one_minus_pi(off), valid, fin.out, fin.lse)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "backend", "interpret",
-                                             "debug", "range_mode", "with_stats"))
+@functools.partial(jax.jit, static_argnames=("scale", "config", "with_stats"))
 def offset_decode_attention(q, k, v, offset, lengths=None, *, scale: Optional[float] = None,
-                            block_sizes: Optional[BlockSizes] = None,
-                            backend: Optional[str] = None, interpret: bool = False,
-                            debug: bool = False, range_mode: str = "exact",
-                            with_stats: bool = True):
+                            config: KernelConfig = KernelConfig(), with_stats: bool = True):
   """Fused offset attention with certificate statistics (decode, GQA group).
 
   Args:
@@ -306,12 +330,11 @@ def offset_decode_attention(q, k, v, offset, lengths=None, *, scale: Optional[fl
       slots).
     lengths: optional [B] int32 ragged valid lengths (slots beyond are ignored).
     scale: logit scale (default 1/sqrt(d)).
-    block_sizes: tiling (default ``BlockSizes.get_default``).
-    backend: "triton" or "mosaic" (default: by the device).
-    interpret: run the kernel in the Pallas interpreter (any device).
-    debug: print the kernel's jaxpr and lowering.
-    range_mode: "bound" (one pass, the kernel's) or "exact" (one more cheap
-      XLA pass over the keys for the method's b_hat).
+    config: :class:`KernelConfig` (static): tiling (default
+      ``BlockSizes.get_default``), backend (default: by the device),
+      interpret, debug, range_mode ("bound": one pass, the kernel's;
+      "exact": one more cheap XLA pass over the keys for the method's b_hat),
+      Triton warps and stages.
     with_stats: False computes the offset attention alone (var_hat and
       range_hat are then zero): the baseline the statistics' cost is measured
       against.
@@ -329,20 +352,14 @@ def offset_decode_attention(q, k, v, offset, lengths=None, *, scale: Optional[fl
     raise ValueError(f"offset must be [B, n] = {(batch, n)}, got {offset.shape}")
   if lengths is not None and lengths.shape != (batch,):
     raise ValueError(f"lengths must be [B] = ({batch},), got {lengths.shape}")
-  if range_mode not in ("exact", "bound"):
-    raise ValueError(f"range_mode must be 'exact' or 'bound', got {range_mode!r}")
-  backend = backend or default_backend()
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if config.range_mode not in ("exact", "bound"):
+    raise ValueError(f"range_mode must be 'exact' or 'bound', got {config.range_mode!r}")
   if scale is None:
     scale = 1.0 / math.sqrt(d)
-  if block_sizes is None:
-    block_sizes = BlockSizes.get_default(n, batch, backend)
-  block_sizes.validate(backend)
+  config = _resolve(config, n, batch)
   fin = reference.finalize(_cache_partials(
-      q, k, v, offset, lengths, scale=scale, block_sizes=block_sizes, backend=backend,
-      interpret=interpret, debug=debug, with_stats=with_stats))
-  if range_mode == "bound" or not with_stats:
+      q, k, v, offset, lengths, scale=scale, config=config, with_stats=with_stats))
+  if config.range_mode == "bound" or not with_stats:
     rng = fin.range_bound
   else:
     rng = _exact_cache_range(q, k, v, offset, lengths, scale, fin)
@@ -355,16 +372,26 @@ def offset_decode_reference(q, k, v, offset, lengths=None, *, scale: Optional[fl
   valid = _slot_validity(offset, lengths)
   log_pi = jnp.where(valid, -offset, 0.0)
   return reference.grouped_reference(q, k, v, log_pi, valid, scale=scale,
-                                     range_mode=range_mode)
+                                     config=reference.ReferenceConfig(range_mode=range_mode))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "backend", "interpret",
-                                             "debug", "range_mode"))
-def offset_chunk_attention(q, k, v, offset, k_chunk, v_chunk, lengths=None, chunk_valid=None,
-                           *, scale: Optional[float] = None,
-                           block_sizes: Optional[BlockSizes] = None,
-                           backend: Optional[str] = None, interpret: bool = False,
-                           debug: bool = False, range_mode: str = "exact"):
+class ChunkKV(NamedTuple):
+  """A prefill chunk's own keys and values (for :func:`offset_chunk_attention`).
+
+  Attributes:
+    k: [B, t, d]; v: [B, t, dv].
+    valid: optional [B, t] bool (False for padding in ragged chunks).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  valid: Optional[jax.Array] = None
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config"))
+def offset_chunk_attention(q, k, v, offset, chunk: ChunkKV, lengths=None, *,
+                           scale: Optional[float] = None,
+                           config: KernelConfig = KernelConfig()):
   """Chunk (multi-query) variant for streaming prefill.
 
   The ``t`` queries of a new chunk attend over the compressed cache with its
@@ -376,42 +403,37 @@ def offset_chunk_attention(q, k, v, offset, k_chunk, v_chunk, lengths=None, chun
   Args:
     q: [B, t, G, d] chunk queries (G query heads per KV head).
     k, v, offset, lengths: the cache, as in :func:`offset_decode_attention`.
-    k_chunk: [B, t, d]; v_chunk: [B, t, dv] the chunk's own keys and values.
-    chunk_valid: optional [B, t] bool (False for padding in ragged chunks).
+    chunk: :class:`ChunkKV`, the chunk's own keys, values and validity.
+    scale, config: as in :func:`offset_decode_attention`.
 
   Returns:
     ``reference.Reference`` with rows [B, t, G].
   """
   batch, t, groups, d = q.shape
+  k_chunk, v_chunk, chunk_valid = chunk
   if k_chunk.shape != (batch, t, d) or v_chunk.shape[:2] != (batch, t):
-    raise ValueError(f"k_chunk must be [B, t, d] = {(batch, t, d)} and v_chunk [B, t, dv]; "
+    raise ValueError(f"chunk.k must be [B, t, d] = {(batch, t, d)} and chunk.v [B, t, dv]; "
                      f"got {k_chunk.shape}, {v_chunk.shape}")
   if scale is None:
     scale = 1.0 / math.sqrt(d)
   rows = q.reshape(batch, t * groups, d)
-  backend = backend or default_backend()
-  n = k.shape[1]
-  if block_sizes is None:
-    block_sizes = BlockSizes.get_default(n, batch, backend)
-  block_sizes.validate(backend)
+  config = _resolve(config, k.shape[1], batch)
   rows_n = t * groups
-  cache_parts = _cache_partials(rows, k, v, offset, lengths, scale=scale,
-                                block_sizes=block_sizes, backend=backend,
-                                interpret=interpret, debug=debug)
+  cache_parts = _cache_partials(rows, k, v, offset, lengths, scale=scale, config=config)
   # Causal self-attention within the chunk: row (i, g) sees chunk tokens j <= i.
   causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]  # [t, t]
   causal = jnp.repeat(causal, groups, axis=0)[None]  # [1, t*G, t]
   if chunk_valid is not None:
     causal = causal & chunk_valid[:, None, :]
   l_chunk = reference.slot_logits(rows, k_chunk, 0.0, causal, scale)
-  own = reference.online_update(reference.empty_partials((batch, rows_n), v_chunk.shape[-1]),
-                                l_chunk, v_chunk, jnp.zeros((1, 1, t), jnp.float32), causal,
-                                valid_col=jnp.any(causal, axis=-2)[..., None],
-                                precision=jax.lax.Precision.HIGHEST)
+  own = reference.online_update(
+      reference.empty_partials((batch, rows_n), v_chunk.shape[-1]), l_chunk, v_chunk,
+      jnp.zeros((1, 1, t), jnp.float32), causal, valid_col=jnp.any(causal, axis=-2)[..., None],
+      options=reference.UpdateOptions(precision=jax.lax.Precision.HIGHEST))
   total = reference.combine(
       jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b], 1), cache_parts, own), 1)
   fin = reference.finalize(total)
-  if range_mode == "bound":
+  if config.range_mode == "bound":
     rng = fin.range_bound
   else:
     rng = _exact_cache_range(rows, k, v, offset, lengths, scale, fin)

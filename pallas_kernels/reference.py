@@ -25,15 +25,16 @@ blocks combine by rescaling with ``exp(m_a - m)`` (first-order sums) and
 combine used by split-K decoding and by sequence-sharded caches.
 
 The exact range term needs ``out``, which is known only after the sweep. When
-the logits are materialised (``block_size=None``) it costs no extra pass. In
-the blocked path it costs a second sweep; ``range_mode="bound"`` instead uses
-the one-pass upper bound ``(max_i w_i e_i ||v_i|| + ||out|| max_i w_i e_i) / Z``
-which follows from the triangle inequality and is never smaller than the exact
-value.
+the logits are materialised (``ReferenceConfig(block_size=None)``) it costs no
+extra pass. In the blocked path it costs a second sweep; ``range_mode="bound"``
+instead uses the one-pass upper bound
+``(max_i w_i e_i ||v_i|| + ||out|| max_i w_i e_i) / Z``, which follows from the
+triangle inequality and is never smaller than the exact value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple, Optional
@@ -90,9 +91,33 @@ def one_minus_pi(offset):
   return 2.0 * t / (1.0 + t)
 
 
-def online_update(carry: Partials, l, v, w, valid, valid_col=None, precision=None,
-                  second_order: bool = True, center=None,
-                  stacked_matmul: bool = True, sqnorm=None) -> Partials:
+@dataclasses.dataclass(frozen=True)
+class UpdateOptions:
+  """Numerics of :func:`online_update`, bundled so that its callers (the
+  reference, the kernels' tiles, the sharded path) pass one value.
+
+  Attributes:
+    precision: matmul precision (None: backend default).
+    second_order: False skips the certificate statistics (the kernel's
+      statistics-free mode, for measuring their cost); they stay zero.
+    stacked_matmul: compute ``e @ v`` and ``w e^2 @ v`` as one matmul over
+      stacked rows (one pass over the values for XLA); False uses two matmuls
+      (Triton concatenates only along the last axis; the tile is in SRAM).
+    center: optional [..., 1, dv] centre of the second-order sums to use
+      instead of the tile mean (the XLA path picks the value of the
+      highest-logit slot, which costs one gather instead of a pass over the
+      values). Any centre gives the same statistics up to rounding. An array:
+      options holding one are not hashable (not a ``jit`` static argument).
+  """
+
+  precision: Optional[jax.lax.Precision] = None
+  second_order: bool = True
+  stacked_matmul: bool = True
+  center: Optional[Array] = None
+
+
+def online_update(carry: Partials, l, v, w, valid, valid_col=None, *, sqnorm=None,
+                  options: UpdateOptions = UpdateOptions()) -> Partials:
   """Folds one block of slots into running statistics (online softmax).
 
   This is the arithmetic of the fused kernel: the reference and the Pallas
@@ -115,16 +140,6 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, precision=Non
       (default: the first row of ``valid``, right when rows share validity).
       Values outside it are never read (they may hold garbage). Rows sharing
       a KV head share the centre, which comes from this column.
-    precision: matmul precision (None: backend default).
-    second_order: False skips the certificate statistics (the kernel's
-      statistics-free mode, for measuring their cost); they stay zero.
-    center: optional [..., 1, dv] centre to use instead of the tile mean (the
-      XLA path picks the value of the highest-logit slot, which costs one
-      gather instead of a pass over the values). Any centre gives the same
-      statistics up to rounding.
-    stacked_matmul: compute ``e @ v`` and ``w e^2 @ v`` as one matmul over
-      stacked rows (one pass over the values for XLA); False uses two matmuls
-      (Triton concatenates only along the last axis; the tile is in SRAM).
     sqnorm: optional [..., 1, n] ``||v_i||^2`` of each slot, stored beside
       the values (``certkv_jax.KVCache.v_sq``); read only on valid slots.
       The second-order sum then comes from ``sum w e^2 ||v - c||^2 =
@@ -133,17 +148,20 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, precision=Non
       for it. (The one-pass range bound still needs each ``||v_i - c||``:
       one matrix-vector product.) Float32 rounding then scales with
       ``||v||^2`` rather than ``||v - c||^2`` in this one sum.
+    options: :class:`UpdateOptions` (precision, statistics on/off, matmul
+      layout, centre).
 
   Returns:
     Updated statistics. The new running max ``m'`` rescales first-order sums
     by ``exp(m - m')`` and second-order sums by its square.
   """
+  precision, center = options.precision, options.center
   dot = functools.partial(jnp.matmul, precision=precision,
                           preferred_element_type=jnp.float32)
   if valid_col is None:
     valid_col = jnp.swapaxes(valid[..., :1, :], -1, -2)
   vf = jnp.where(valid_col, v.astype(jnp.float32), 0.0)  # [..., n, dv]
-  if not second_order:
+  if not options.second_order:
     m_new = jnp.maximum(carry.m, jnp.max(jnp.where(valid, l, M_EMPTY), axis=-1))
     r = jnp.exp(carry.m - m_new)
     e = jnp.where(valid, jnp.exp(l - m_new[..., None]), 0.0)
@@ -165,7 +183,7 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, precision=Non
   s0 = jnp.sum(we2, axis=-1)
   # One matmul pass over the values for both first- and second-order sums;
   # S1 about the centre is sum w e^2 v - S0 c (benign: no squared terms).
-  if stacked_matmul:
+  if options.stacked_matmul:
     both = dot(jnp.concatenate([e, we2], axis=-2), vf)  # [..., 2g, dv]
     rows = e.shape[-2]
     acc_blk, s1_raw = both[..., :rows, :], both[..., rows:, :]
@@ -330,9 +348,27 @@ def offset_attention_reference(
   Args: q [..., d]; k [..., n, d]; v [..., n, dv]; log_pi, mask [..., n].
   """
   res = grouped_reference(q[..., None, :], k, v, log_pi, mask, scale=scale,
-                          block_size=block_size, range_mode=range_mode)
+                          config=ReferenceConfig(block_size=block_size, range_mode=range_mode))
   return Reference(res.out[..., 0, :], res.lse[..., 0], res.var_hat[..., 0],
                    res.range_hat[..., 0])
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceConfig:
+  """How :func:`grouped_reference` sweeps and what it returns (static, hashable).
+
+  Attributes:
+    block_size: None folds all slots in one block; an int sweeps key blocks of
+      that size with :func:`online_update` (the kernel's algorithm).
+    range_mode: "exact" (method, section 5's b_hat) or "bound" (one-pass upper
+      bound, see module docstring).
+    with_stats: False computes the offset attention alone (statistics zero),
+      the baseline that their cost is measured against.
+  """
+
+  block_size: Optional[int] = None
+  range_mode: str = "exact"
+  with_stats: bool = True
 
 
 def grouped_reference(
@@ -343,9 +379,7 @@ def grouped_reference(
     mask,
     *,
     scale: Optional[float] = None,
-    block_size: Optional[int] = None,
-    range_mode: str = "exact",
-    with_stats: bool = True,
+    config: ReferenceConfig = ReferenceConfig(),
     value_sqnorm=None,
 ) -> Reference:
   """Reference offset attention with certificate statistics (float32 math).
@@ -357,12 +391,7 @@ def grouped_reference(
     q: [..., g, d]; k: [..., n, d]; v: [..., n, dv]; log_pi: [..., n] (<= 0);
     mask: [..., n] bool. Leading dims broadcast (numpy rules).
     scale: logit scale, default 1/sqrt(d).
-    block_size: None folds all slots in one block; an int sweeps key blocks of
-      that size with :func:`online_update` (the kernel's algorithm).
-    range_mode: "exact" (method, section 5's b_hat) or "bound" (one-pass upper
-      bound, see module docstring).
-    with_stats: False computes the offset attention alone (statistics zero),
-      the baseline that their cost is measured against.
+    config: :class:`ReferenceConfig` (block size, range mode, statistics on/off).
     value_sqnorm: optional [..., n] ``||v_i||^2`` of each slot, as a
       ``certkv_jax.KVCache`` stores them (``v_sq``). The second-order sum
       and the exact range then read them instead of a pass over the values
@@ -372,6 +401,7 @@ def grouped_reference(
   Returns:
     Reference(out [..., g, dv], lse, var_hat, range_hat [..., g]).
   """
+  block_size, range_mode, with_stats = config.block_size, config.range_mode, config.with_stats
   if range_mode not in ("exact", "bound"):
     raise ValueError(f"range_mode must be 'exact' or 'bound', got {range_mode!r}")
   if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
@@ -399,8 +429,9 @@ def grouped_reference(
     vb = jnp.broadcast_to(v, lead + (n, dv))
     center = jnp.take_along_axis(vb, jnp.broadcast_to(top, lead + (1, 1)), axis=-2)
     center = jnp.where(jnp.any(valid, axis=-1, keepdims=True), center.astype(jnp.float32), 0.0)
-    fin = finalize(online_update(empty_partials(rows, dv), l, v, w, valid, precision=hp,
-                                 center=center, second_order=with_stats, sqnorm=given_sq))
+    fin = finalize(online_update(
+        empty_partials(rows, dv), l, v, w, valid, sqnorm=given_sq,
+        options=UpdateOptions(precision=hp, second_order=with_stats, center=center)))
     if range_mode == "bound" or not with_stats:
       rng = fin.range_bound
     else:
@@ -411,9 +442,9 @@ def grouped_reference(
   blocks = [slice(b * bs, min((b + 1) * bs, n)) for b in range(-(-n // bs))]
   for sl in blocks:  # static Python loop: the blocked path is for testing the algorithm
     l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale, hp)
-    carry = online_update(carry, l_b, v[..., sl, :], w[..., sl], valid[..., sl], precision=hp,
-                          second_order=with_stats,
-                          sqnorm=None if given_sq is None else given_sq[..., sl])
+    carry = online_update(carry, l_b, v[..., sl, :], w[..., sl], valid[..., sl],
+                          sqnorm=None if given_sq is None else given_sq[..., sl],
+                          options=UpdateOptions(precision=hp, second_order=with_stats))
   fin = finalize(carry)
   if range_mode == "bound" or not with_stats:
     rng = fin.range_bound

@@ -32,7 +32,7 @@ def _reference(params, config, tokens, mask, key, design, n_steps, every):
                                                    design=design, certificate=False,
                                                    shadow=shadow)
   key, sub = jax.random.split(key)
-  caches, shadow = decode.evict_and_record(design, caches, shadow, sub)
+  caches, shadow, state = decode.evict_and_record(design, caches, shadow, sub)
   last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)
   step_logits = logits[jnp.arange(batch), last]
   toks, var_hats, n_valid = [], [], []
@@ -43,12 +43,13 @@ def _reference(params, config, tokens, mask, key, design, n_steps, every):
         observe=False, shadow=shadow)
     key, sub = jax.random.split(key)
     if i % every == every - 1:
-      caches, shadow = decode.evict_and_record(design, caches, shadow, sub)
+      caches, shadow, state = decode.evict_and_record(design, caches, shadow, sub,
+                                                      state=state)
     toks.append(token)
     var_hats.append(stats.var_hat[0])
     n_valid.append(np.asarray(caches.n_valid))
     step_logits = new_logits[:, 0]
-  return np.stack(toks, 1), np.stack(var_hats), caches, n_valid
+  return np.stack(toks, 1), np.stack(var_hats), caches, n_valid, state
 
 
 class AmortizedEvictionTest(absltest.TestCase):
@@ -66,9 +67,10 @@ class AmortizedEvictionTest(absltest.TestCase):
     """The decode loop's run with ``evict_every=every`` (one compile per value, shared)."""
     if every not in self.runs:
       self.runs[every] = decode.generate(
-          self.params, self.tokens, self.mask, self.key, config=self.config, capacity=CAPACITY,
-          n_steps=N_STEPS, design=self.design, evict_each_step=True, evict_every=every,
-          evaluate=True)
+          self.params, self.tokens, self.mask, self.key, config=self.config,
+          gen=decode.GenerationConfig(
+              n_steps=N_STEPS, design=self.design, capacity=CAPACITY, evict_each_step=True,
+              evict_every=every, evaluate=True))
     return self.runs[every]
 
   @pytest.mark.slow  # compiles the tiny model's decode loop
@@ -76,7 +78,7 @@ class AmortizedEvictionTest(absltest.TestCase):
     for every in (1, 3):
       with self.subTest(every=every):
         gen = self._generate(every)
-        toks, var_hat, caches, n_valid = _reference(
+        toks, var_hat, caches, n_valid, state = _reference(
             self.params, self.config, self.tokens, self.mask, self.key, self.design, N_STEPS,
             every)
         np.testing.assert_array_equal(gen.tokens, toks)
@@ -84,6 +86,9 @@ class AmortizedEvictionTest(absltest.TestCase):
         np.testing.assert_array_equal(gen.caches.pos, caches.pos)
         np.testing.assert_allclose(gen.caches.log_pi, caches.log_pi, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(gen.var_hat, var_hat, rtol=1e-4, atol=1e-7)
+        for a, b in zip(jax.tree_util.tree_leaves(gen.design_state),
+                        jax.tree_util.tree_leaves(state)):  # the same counters
+          np.testing.assert_array_equal(a, b)
         # Between evictions the cache grows by a token per step, then drops to the budget.
         kept = [int(v.max()) for v in n_valid]
         if every == 1:
@@ -98,8 +103,8 @@ class AmortizedEvictionTest(absltest.TestCase):
   @pytest.mark.slow  # compiles the tiny model's decode loop
   def test_every_beyond_the_steps_is_no_decode_eviction(self):
     once = decode.generate(self.params, self.tokens, self.mask, self.key, config=self.config,
-                           capacity=CAPACITY, n_steps=N_STEPS, design=self.design,
-                           evaluate=True)
+                           gen=decode.GenerationConfig(n_steps=N_STEPS, design=self.design,
+                                                       capacity=CAPACITY, evaluate=True))
     never = self._generate(N_STEPS + 1)
     for a, b in zip(jax.tree_util.tree_leaves(once), jax.tree_util.tree_leaves(never)):
       np.testing.assert_array_equal(a, b)
@@ -119,11 +124,13 @@ class AmortizedEvictionTest(absltest.TestCase):
     for bad in (0, -2, 1.5, True):
       with self.assertRaisesRegex(ValueError, "evict_every must be an int >= 1"):
         decode.generate(self.params, self.tokens, self.mask, self.key, config=self.config,
-                        capacity=CAPACITY, n_steps=2, design=self.design,
-                        evict_each_step=True, evict_every=bad)
+                        gen=decode.GenerationConfig(n_steps=2, design=self.design,
+                                                    capacity=CAPACITY, evict_each_step=True,
+                                                    evict_every=bad))
     with self.assertRaisesRegex(ValueError, "evict_every=2 needs a design and evict_each_step"):
       decode.generate(self.params, self.tokens, self.mask, self.key, config=self.config,
-                      capacity=CAPACITY, n_steps=2, design=self.design, evict_every=2)
+                      gen=decode.GenerationConfig(n_steps=2, design=self.design,
+                                                  capacity=CAPACITY, evict_every=2))
 
 
 if __name__ == "__main__":

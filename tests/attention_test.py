@@ -84,7 +84,8 @@ class OffsetAttentionTest(parameterized.TestCase):
   def test_blocked_online_softmax_matches(self, block_size):
     q, k, v, log_pi, mask = _problem(jax.random.PRNGKey(2))
     a = certkv_jax.offset_attention(q, k, v, log_pi, mask)
-    b = certkv_jax.offset_attention(q, k, v, log_pi, mask, block_size=block_size)
+    b = certkv_jax.offset_attention(q, k, v, log_pi, mask,
+                                    config=attention.AttentionConfig(block_size=block_size))
     chex.assert_trees_all_close(a, b, rtol=2e-5, atol=2e-6)
 
   def test_range_bound_is_an_upper_bound(self):
@@ -92,8 +93,8 @@ class OffsetAttentionTest(parameterized.TestCase):
       q, k, v, log_pi, mask = _problem(jax.random.PRNGKey(seed))
       exact = certkv_jax.offset_attention(q, k, v, log_pi, mask).range_hat
       for bs in (None, 8):
-        bound = certkv_jax.offset_attention(q, k, v, log_pi, mask, range_mode="bound",
-                                            block_size=bs).range_hat
+        bound = certkv_jax.offset_attention(q, k, v, log_pi, mask, config=attention.AttentionConfig(
+            range_mode="bound", block_size=bs)).range_hat
         self.assertGreaterEqual(float(bound), float(exact) * (1 - 1e-6))
 
   @pytest.mark.slow  # 38 s cold on the 2-core CI machine (2026-12-01)
@@ -120,7 +121,8 @@ class OffsetAttentionTest(parameterized.TestCase):
     q, k, v, log_pi, _ = _problem(jax.random.PRNGKey(4))
     mask = jnp.zeros(k.shape[0], bool)
     for bs in (None, 8):
-      res = certkv_jax.offset_attention(q, k, v, log_pi, mask, block_size=bs)
+      res = certkv_jax.offset_attention(q, k, v, log_pi, mask,
+                                        config=attention.AttentionConfig(block_size=bs))
       np.testing.assert_array_equal(res.out, 0.0)
       self.assertEqual(float(res.lse), -np.inf)
       self.assertEqual(float(res.var_hat), 0.0)
@@ -170,14 +172,14 @@ class StoredValueNormsTest(parameterized.TestCase):
   def test_same_statistics_as_float64(self, seed, block_size):
     q, k, v, log_pi, mask = _problem(jax.random.PRNGKey(seed))
     sq = _sqnorm(v, mask)
-    got = certkv_jax.offset_attention(q, k, v, log_pi, mask, block_size=block_size,
-                                      value_sqnorm=sq)
+    got = certkv_jax.offset_attention(q, k, v, log_pi, mask, config=attention.AttentionConfig(
+        block_size=block_size), value_sqnorm=sq)
     out, var, rng = _np_reference(q, k, v, log_pi, mask)
     np.testing.assert_allclose(got.out, out, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got.var_hat, var, rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(got.range_hat, rng, rtol=1e-5, atol=1e-7)  # exact range
-    bound = certkv_jax.offset_attention(q, k, v, log_pi, mask, block_size=block_size,
-                                        range_mode="bound", value_sqnorm=sq)
+    bound = certkv_jax.offset_attention(q, k, v, log_pi, mask, config=attention.AttentionConfig(
+        block_size=block_size, range_mode="bound"), value_sqnorm=sq)
     self.assertGreaterEqual(float(bound.range_hat), rng * (1 - 1e-6))
     np.testing.assert_allclose(bound.var_hat, var, rtol=1e-4, atol=1e-7)
 
@@ -231,7 +233,7 @@ class StoredValueNormsTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "value_sqnorm has 1 NaN/inf"):
       call(value_sqnorm=sq.at[jnp.argmax(mask)].set(jnp.inf))
     with self.assertRaisesRegex(ValueError, "for implementation='xla'"):
-      call(value_sqnorm=sq, implementation="pallas")
+      call(value_sqnorm=sq, config=attention.AttentionConfig(implementation="pallas"))
 
 
 class VariantsTest(chex.TestCase):
@@ -301,9 +303,10 @@ class BadInputTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "scale"):
       self._call(scale=-1.0)
     with self.assertRaisesRegex(ValueError, "range_mode"):
-      certkv_jax.offset_attention(*self.args, range_mode="approx")
+      certkv_jax.offset_attention(*self.args,
+                                  config=attention.AttentionConfig(range_mode="approx"))
     with self.assertRaisesRegex(ValueError, "block_size"):
-      certkv_jax.offset_attention(*self.args, block_size=0)
+      certkv_jax.offset_attention(*self.args, config=attention.AttentionConfig(block_size=0))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from certkv_jax import cache as cache_lib
 from certkv_jax import certificate
 from certkv_jax import checked
 from certkv_jax import designs
-from models import caches as caches_lib
+from certkv_jax import caches as caches_lib
 from models import decode
 from models import inputs
 from models import llama
@@ -264,7 +264,8 @@ class OverflowTest(absltest.TestCase):
     tokens, mask = jnp.array([[1, 2, 3]]), jnp.ones((1, 3), bool)
     # Evicted to 2 tokens once, then 4 decoded tokens into 4 slots: 2 dropped
     # per (layer, KV head) cache.
-    kw = dict(config=config, capacity=4, n_steps=4, design=designs.sink_window(2, n_sink=1))
+    kw = dict(config=config, gen=decode.GenerationConfig(
+        n_steps=4, design=designs.sink_window(2, n_sink=1), capacity=4))
 
     def run(params, tokens, mask, key):
       gen = decode.generate(params, tokens, mask, key, **kw)
@@ -359,12 +360,13 @@ class ModelInputsTest(absltest.TestCase):
     params = test_util.tiny_params(self.config)
     with self.assertRaisesRegex(ValueError, r"tokens is empty \(length 0"):
       decode.generate(params, jnp.zeros((1, 0), jnp.int32), jnp.zeros((1, 0), bool),
-                      jax.random.PRNGKey(0), config=self.config, capacity=8, n_steps=2)
+                      jax.random.PRNGKey(0), config=self.config,
+                      gen=decode.GenerationConfig(n_steps=2, capacity=8))
 
   @pytest.mark.slow  # 37 s cold on the 2-core CI machine (2026-12-01)
   def test_generate_checks_values_before_its_jitted_call(self):
     params = test_util.tiny_params(self.config)
-    kw = dict(config=self.config, capacity=8, n_steps=2)
+    kw = dict(config=self.config, gen=decode.GenerationConfig(n_steps=2, capacity=8))
     key = jax.random.PRNGKey(0)
     bad = self.tokens.copy()
     bad[1, 0] = 64
@@ -379,7 +381,7 @@ class ModelInputsTest(absltest.TestCase):
                                 r"max_positions 4"):
       decode.generate(params, self.tokens, self.mask, key, **dict(kw, config=short))
     question, q_mask = self.tokens[:, :2], self.mask[:, :2]
-    skw = dict(config=short, capacity=8, n_steps=2, chunk=2)
+    skw = dict(config=short, gen=decode.GenerationConfig(n_steps=2, capacity=8, chunk=2))
     with self.assertRaisesRegex(ValueError, r"context \(3\) \+ question \(2\) \+ n_steps \(2\) "
                                 r"= 7 positions exceed .* max_positions 4"):
       decode.generate_streaming(params, self.tokens, self.mask, question, q_mask, key, **skw)
@@ -389,7 +391,7 @@ class ModelInputsTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "max_positions must be a positive int"):
       self.config.replace(max_positions=0)
     gen = decode.generate(params, self.tokens, self.mask, key, **dict(
-        kw, design=designs.poisson_tail(0.5, n_sink=1, window=1)))
+        kw, gen=kw["gen"].replace(design=designs.poisson_tail(0.5, n_sink=1, window=1))))
     self.assertTrue(bool(gen.certified))
     np.testing.assert_array_equal(gen.n_dropped, [0, 0])
 

@@ -1,4 +1,4 @@
-"""The decode benchmark (experiments/bench_decode.py, experiments/lib/bench_decode*.py) on the
+"""The decode benchmark (experiments/bench_decode.py, experiments/lib/bench/decode*.py) on the
 tiny model, and the device check script (scripts/device_check.sh), syntax only.
 
 What is checked is the bookkeeping, not the times: every budget and context in the
@@ -24,9 +24,9 @@ import pytest
 
 import certkv_jax
 from certkv_jax import cache as cache_lib
-from experiments.lib import bench_decode
-from experiments.lib import bench_decode_report
 from experiments.lib import model_loading
+from experiments.lib.bench import decode as bench_decode
+from experiments.lib.bench import decode_report as bench_decode_report
 from tests import test_util
 
 SCRIPT = os.path.join(test_util.ROOT, "scripts", "device_check.sh")

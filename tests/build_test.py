@@ -17,7 +17,7 @@ import sys
 from absl.testing import absltest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("certkv_jax", "pallas_kernels", "models", "experiments")
+PACKAGES = ("certkv_jax", "pallas_kernels", "models", "experiments", "examples")
 # Import name -> distribution name, for the third-party packages we use.
 DISTRIBUTIONS = {"absl": "absl-py", "chex": "chex", "flax": "flax", "jax": "jax",
                  "numpy": "numpy", "optax": "optax", "orbax": "orbax-checkpoint",

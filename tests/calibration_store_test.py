@@ -43,11 +43,19 @@ def _calls(seed=0, per_group=30):
   return errors, radii, lay, hd, bud
 
 
+OTHER = calibration_store.Provenance("other", "poisson_tail", ("streaming",), ("passkey",))
+
+
 def _fit(**kw):
-  errors, radii, lay, hd, bud = _calls()
-  args = dict(deltas=DELTAS, budgets=BUDGETS, n_layers=L, n_kv_heads=H, regimes=("streaming",),
-              data=("passkey", "agent_memory"), **META)
-  return calibration_store.fit(errors, radii, lay, hd, bud, **{**args, **kw})
+  return _fit_calls(*_calls(), **kw)
+
+
+def _fit_calls(errors, radii, lay, hd, bud, **kw):
+  args = dict(deltas=DELTAS, budgets=BUDGETS, shape=(L, H),
+              provenance=calibration_store.Provenance(
+                  META["model"], META["design"], ("streaming",), ("passkey", "agent_memory")))
+  calls = calibration_store.GroupCalls(errors, radii, lay, hd, bud)
+  return calibration_store.fit(calls, **{**args, **kw})
 
 
 class FitTest(parameterized.TestCase):
@@ -84,20 +92,21 @@ class FitTest(parameterized.TestCase):
 
   def test_fit_bad_inputs(self):
     errors, radii, lay, hd, bud = _calls()
-    base = dict(deltas=DELTAS, budgets=BUDGETS, n_layers=L, n_kv_heads=H, regimes=("s",),
-                data=("t",), **META)
+    base = dict(deltas=DELTAS, budgets=BUDGETS, shape=(L, H),
+                provenance=calibration_store.Provenance(META["model"], META["design"], ("s",),
+                                                        ("t",)))
     with self.assertRaisesRegex(ValueError, r"budgets_per_call must each be one of budgets"):
-      calibration_store.fit(errors, radii, lay, hd, np.where(bud == 0.25, 0.3, bud), **base)
+      _fit_calls(errors, radii, lay, hd, np.where(bud == 0.25, 0.3, bud), **base)
     with self.assertRaisesRegex(ValueError, "budgets: no calibration calls for budget 0.5"):
-      calibration_store.fit(errors, radii, lay, hd, bud, **{**base, "budgets": (0.125, 0.25, 0.5)})
+      _fit_calls(errors, radii, lay, hd, bud, **{**base, "budgets": (0.125, 0.25, 0.5)})
     with self.assertRaisesRegex(ValueError, r"radii must have shape \[n_deltas=2"):
-      calibration_store.fit(errors, radii[:1], lay, hd, bud, **base)
+      _fit_calls(errors, radii[:1], lay, hd, bud, **base)
     with self.assertRaisesRegex(ValueError, r"layers must be integers in \[0, n_layers=2\)"):
-      calibration_store.fit(errors, radii, lay + 1, hd, bud, **base)
+      _fit_calls(errors, radii, lay + 1, hd, bud, **base)
     with self.assertRaisesRegex(ValueError, "heads"):
-      calibration_store.fit(errors, radii, lay, hd[:-1], bud, **base)
+      _fit_calls(errors, radii, lay, hd[:-1], bud, **base)
     with self.assertRaisesRegex(ValueError, "fallback must be one of"):
-      calibration_store.fit(errors, radii, lay, hd, bud, fallback="head", **base)
+      _fit_calls(errors, radii, lay, hd, bud, fallback="head", **base)
 
 
 class StoreTest(parameterized.TestCase):
@@ -136,9 +145,9 @@ class StoreTest(parameterized.TestCase):
     path = os.path.join(self._tempdir(), "cal")
     calibration_store.save(path, _fit())
     with self.assertRaisesRegex(FileExistsError, "overwrite=True"):
-      calibration_store.save(path, _fit(model="other"))
+      calibration_store.save(path, _fit(provenance=OTHER))
     self.assertEqual(calibration_store.load(path).model, META["model"])
-    calibration_store.save(path, _fit(model="other"), overwrite=True)
+    calibration_store.save(path, _fit(provenance=OTHER), overwrite=True)
     self.assertEqual(calibration_store.load(path).model, "other")
     self.assertEqual(os.listdir(os.path.dirname(path)), ["cal"])
 

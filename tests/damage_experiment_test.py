@@ -1,4 +1,4 @@
-"""The damage study (experiments.damage, experiments.lib.damage_*) on the tiny model."""
+"""The damage study (experiments.damage, experiments.lib.damage) on the tiny model."""
 
 import json
 import os
@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from certkv_jax import damage_predictor
-from experiments.lib import damage_collect
-from experiments.lib import damage_report
-from experiments.lib import damage_tokens
+from experiments.lib import design_defaults
 from experiments.lib import model_loading
-from experiments.lib import suite
+from experiments.lib.damage import collect as damage_collect
+from experiments.lib.damage import report as damage_report
+from experiments.lib.damage import tokens as damage_tokens
+from experiments.lib.streaming_loss.core import StreamConfig
 from tests import test_util
 
 TEXT = ("the quick brown fox jumps over the lazy dog. " * 80)
@@ -34,10 +35,10 @@ class TokenDamageTest(absltest.TestCase):
     cls.mask = jnp.ones(cls.tokens.shape, bool)
 
   def _run(self, budget):
-    design = suite.make_design("poisson_floor", budget, 2, 4)
+    design = design_defaults.make_design("poisson_floor", budget, 2, 4)
     return damage_tokens.token_damage(self.params, self.tokens, self.mask,
                                       jax.random.PRNGKey(1), config=self.config,
-                                      capacity=96, chunk=16, design=design)
+                                      stream=StreamConfig(chunk=16, design=design, capacity=96))
 
   def test_no_eviction_is_no_damage(self):
     # Budget 1.0 keeps everything: the evicted model is the full model (KL and the NLL
@@ -82,17 +83,18 @@ class TokenDamageTest(absltest.TestCase):
     np.testing.assert_allclose(total, bound.sum(axis=(1, 2)), rtol=1e-5)
 
   def test_bad_arguments(self):
+    key = jax.random.PRNGKey(0)
     with self.assertRaisesRegex(ValueError, "design must be"):
-      damage_tokens.token_damage(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
-                                 config=self.config, capacity=96, chunk=16, design=None)
-    design = suite.make_design("poisson_floor", 0.25, 2, 4)
+      damage_tokens.token_damage(self.params, self.tokens, self.mask, key, config=self.config,
+                                 stream=StreamConfig(chunk=16, capacity=96))
+    design = design_defaults.make_design("poisson_floor", 0.25, 2, 4)
     with self.assertRaisesRegex(ValueError, "chunk must be"):
-      damage_tokens.token_damage(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
-                                 config=self.config, capacity=96, chunk=0, design=design)
+      damage_tokens.token_damage(self.params, self.tokens, self.mask, key, config=self.config,
+                                 stream=StreamConfig(chunk=0, design=design, capacity=96))
     with self.assertRaisesRegex(ValueError, "delta must be"):
-      damage_tokens.token_damage(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
-                                 config=self.config, capacity=96, chunk=16, design=design,
-                                 delta=0.0)
+      damage_tokens.token_damage(self.params, self.tokens, self.mask, key, config=self.config,
+                                 stream=StreamConfig(chunk=16, design=design, capacity=96,
+                                                     delta=0.0))
 
 
 class PlanTest(absltest.TestCase):

@@ -12,6 +12,7 @@ import numpy as np
 import certkv_jax
 from certkv_jax import cache as cache_lib
 from certkv_jax import designs
+from certkv_jax import registry
 from certkv_jax import diagnostics
 from certkv_jax import sampling
 from certkv_jax import scores
@@ -200,8 +201,8 @@ class VariantDesignTest(parameterized.TestCase):
 
   def test_registered(self):
     for name in VARIANTS:
-      self.assertIn(name, designs.RANDOMIZED)
-      design = designs.by_name(name, 24, n_sink=2, window=4)
+      self.assertIn(name, registry.names(randomized=True))
+      design = registry.make(name, 24, n_sink=2, window=4)
       self.assertEqual(design.name, name)
       self.assertTrue(design.randomized)
       self.assertIsInstance(design.tail.score, scores.Defensive)

@@ -13,6 +13,7 @@ import pytest
 import certkv_jax
 from certkv_jax import cache as cache_lib
 from certkv_jax import designs
+from certkv_jax import registry
 from certkv_jax import scores
 
 N, CAP, D = 64, 80, 8
@@ -44,6 +45,68 @@ ALL = {
 
 def _evict(design, c, seed=0):
   return design.evict(c, design.init(c), jax.random.PRNGKey(seed))
+
+
+# A 12-token cache whose statistics are set by hand. Two queries' attention
+# (rows sum to 1); Q2 is the latest. Sums Q1 + Q2 (H2O's statistic):
+#   [.10 .27 .32 .21 .03 .18 .04 .33 .22 .12 .09 .09]
+Q1 = np.array([.05, .02, .30, .20, .01, .15, .02, .03, .02, .10, .05, .05])
+Q2 = np.array([.05, .25, .02, .01, .02, .03, .02, .30, .20, .02, .04, .04])
+KEY_NORMS = np.array([5.0, 3.0, 0.5, 2.0, 0.8, 4.0, 0.3, 1.5, 2.5, 0.9, 6.0, 7.0])
+VALUE_NORMS = np.array([1.0, 1.0, 0.5, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 1.0, 1.0])
+# One observation-window query's attention, by position (SnapKV).
+OBS = np.array([.10, .00, .05, .40, .01, .00, .12, .14, .12, .02, .03, .01])
+PERM = np.array([5, 11, 0, 8, 2, 9, 3, 6, 10, 1, 7, 4])  # position held by each slot
+
+
+def _hand_cache(slot_positions=None):
+  """Keys of norm KEY_NORMS, values of norm VALUE_NORMS (axis-aligned), the
+  queries Q1 then Q2 observed (acc = Q1 + Q2, last = Q2) and obs = OBS, all
+  indexed by position; with ``slot_positions``, slot i holds position
+  slot_positions[i]."""
+  n, d = 12, 4
+  pos = np.arange(n) if slot_positions is None else np.asarray(slot_positions)
+  axis = np.eye(d)[pos % d]
+  k = axis * KEY_NORMS[pos][:, None]
+  v = np.roll(axis, 1, axis=1) * VALUE_NORMS[pos][:, None]
+  c = cache_lib.init_cache(n, d)
+  c = cache_lib.append(c, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
+  c = c._replace(pos=jnp.asarray(pos, jnp.int32))
+  c = cache_lib.observe(c, jnp.asarray(np.stack([Q1, Q2])[:, pos], jnp.float32))
+  return c._replace(obs=jnp.asarray(OBS[pos], jnp.float32))
+
+
+def _kept_positions(c):
+  return set(np.asarray(c.pos)[np.asarray(c.valid)].tolist())
+
+
+def _avg_pool(x, size):
+  """avg_pool1d over positions, stride 1, zero padding counted (numpy loop)."""
+  half, n = size // 2, len(x)
+  return np.array([sum(x[j] for j in range(i - half, i + half + 1) if 0 <= j < n) / size
+                   for i in range(n)])
+
+
+def _chernoff_m(slots, overflow_prob):
+  """Largest m with exp(-m) (e m / c)^c <= overflow_prob, c = slots + 1 (the
+  capacity rule of sampling.expected_tail_count), by float64 bisection."""
+  c = slots + 1.0
+  lo, hi = 0.0, c  # the log bound -m + c (1 + log(m / c)) increases on (0, c)
+  for _ in range(200):
+    mid = 0.5 * (lo + hi)
+    if -mid + c * (1.0 + math.log(mid / c)) <= math.log(overflow_prob):
+      lo = mid
+    else:
+      hi = mid
+  return lo
+
+
+def _overflow_prob(pi, slots):
+  """P(sum of independent Bernoulli(pi_i) > slots), exactly (numpy convolution)."""
+  dist = np.array([1.0])
+  for p in pi:
+    dist = np.convolve(dist, [1.0 - p, p])
+  return float(dist[slots + 1:].sum())
 
 
 class DesignTest(parameterized.TestCase):
@@ -81,7 +144,7 @@ class DesignTest(parameterized.TestCase):
     self.assertLessEqual(int(c1.n_valid), 4 + 8 + 6)
     tail_pi = np.asarray(info1.pi)[np.asarray(c.valid) & ~np.asarray(info1.certain)]
     self.assertGreater(tail_pi.max(), 1e-3)
-    self.assertEqual(designs.by_name("poisson_floor", 0.25).min_tail, 16)
+    self.assertEqual(registry.make("poisson_floor", 0.25).min_tail, 16)
     with self.assertRaisesRegex(ValueError, "min_tail must be an int >= 0"):
       designs.poisson_tail(0.25, min_tail=-1)
 
@@ -97,25 +160,54 @@ class DesignTest(parameterized.TestCase):
     kept = sorted(np.asarray(c2.pos)[np.asarray(c2.valid)].tolist())
     self.assertEqual(kept, list(range(4)) + list(range(N - 16, N)))
 
-  @parameterized.parameters(
-      ("h2o", scores.AccumulatedAttention()),
-      ("tova", scores.CurrentAttention()),
-      ("key_norm", scores.KeyNorm()),
+  @parameterized.named_parameters(
+      # Sinks {0} and window {10, 11} are certain; 3 tail slots among 1..9.
+      # H2O: largest Q1 + Q2 on the tail: 7 (.33), 2 (.32), 1 (.27).
+      ("h2o", lambda b: designs.h2o(b, n_sink=1, window=2), {0, 1, 2, 7, 10, 11}),
+      # TOVA: largest Q2 (the latest query): 7 (.30), 1 (.25), 8 (.20).
+      ("tova", lambda b: designs.tova(b, n_sink=1, window=2), {0, 1, 7, 8, 10, 11}),
+      # Knorm: smallest ||k||: 6 (0.3), 2 (0.5), 4 (0.8).
+      ("key_norm", lambda b: designs.key_norm(b, n_sink=1, window=2), {0, 2, 4, 6, 10, 11}),
+      # Value-aware H2O: (Q1 + Q2) ||v||: 3 (.42), 9 (.36), 7 (.33).
+      ("h2o_value_aware", lambda b: designs.h2o(b, n_sink=1, window=2, value_aware=True),
+       {0, 3, 7, 9, 10, 11}),
+      # StreamingLLM: the sink and the 5 most recent.
+      ("sink_window", lambda b: designs.sink_window(b, n_sink=1), {0, 7, 8, 9, 10, 11}),
   )
-  def test_top_k_keeps_highest_scores(self, name, score):
-    c = _cache()
-    design = designs.top_k(24, score)
-    c2, _, _ = _evict(design, c)
-    s = np.asarray(score(c))[:N]
-    expected = set(np.argsort(-s, kind="stable")[:24].tolist())
-    self.assertEqual(set(np.where(np.asarray(c2.valid))[0].tolist()), expected, name)
+  def test_hand_computed_kept_sets(self, make, expected):
+    c = _hand_cache()
+    # The statistics the scores read, as set by hand (observe sums the queries'
+    # attention into acc and keeps the latest one in last).
+    np.testing.assert_allclose(c.acc, Q1 + Q2, rtol=1e-6)
+    np.testing.assert_allclose(c.last, Q2, rtol=1e-6)
+    c2, _, info = _evict(make(6), c)
+    self.assertEqual(_kept_positions(c2), expected)
+    self.assertEqual(set(np.flatnonzero(np.asarray(info.evicted)).tolist()),
+                     set(range(12)) - expected)
+
+  def test_snapkv_pools_window_attention_by_position(self):
+    # Slots hold positions in a shuffled order (as after evictions and
+    # appends); SnapKV pools the observation-window attention over
+    # neighbouring *positions*, size 3, zero padding counted:
+    #   pooled[p] = (OBS[p-1] + OBS[p] + OBS[p+1]) / 3
+    # e.g. pooled[3] = (.05 + .40 + .01) / 3 = .1533, pooled[2] = .15,
+    # pooled[4] = .1367, pooled[7] = .1267: the tail's top 3 are 3, 2, 4,
+    # while the raw statistic would have kept 7 (.14) over 2 and 4.
+    c = _hand_cache(slot_positions=PERM)
+    by_pos = np.argsort(PERM)  # slot holding each position
+    np.testing.assert_allclose(np.asarray(c.obs)[by_pos], OBS, rtol=1e-6)
+    pooled = np.asarray(scores.WindowAttention(3)(c))
+    np.testing.assert_allclose(pooled[by_pos], _avg_pool(OBS, 3), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(pooled[by_pos][[2, 3, 4, 7]],
+                               [0.45 / 3, 0.46 / 3, 0.41 / 3, 0.38 / 3], rtol=1e-6)
+    c2, _, _ = _evict(designs.snapkv(6, window=2, pool_size=3, n_sink=1), c)
+    self.assertEqual(_kept_positions(c2), {0, 2, 3, 4, 10, 11})
 
   def test_snapkv_pooling_matches_avg_pool(self):
     c = _cache()
     pooled = np.asarray(scores.WindowAttention(5)(c))[:N]
-    x = np.pad(np.asarray(c.obs)[:N], 2)
-    expected = np.convolve(x, np.ones(5) / 5, mode="valid")
-    np.testing.assert_allclose(pooled, expected, rtol=1e-6)
+    np.testing.assert_allclose(pooled, _avg_pool(np.asarray(c.obs)[:N], 5), rtol=1e-6,
+                               atol=1e-7)
 
   def test_value_aware_score(self):
     c = _cache()
@@ -139,8 +231,49 @@ class DesignTest(parameterized.TestCase):
     tail = np.asarray(c.valid & ~info.certain)
     self.assertAlmostEqual(float(np.sum(np.asarray(info.pi)[tail])), float(info.m), places=3)
     self.assertEqual(int(info.n_tail), N - 6)
-    expected_m = float(certkv_jax.sampling.expected_tail_count(32 - 6, 1e-3))
-    self.assertAlmostEqual(float(info.m), expected_m, places=4)
+    # m from the Chernoff capacity rule for 32 - 6 = 26 tail slots, solved
+    # independently (float64 bisection): 11.98990; float32 bisection in the design.
+    self.assertAlmostEqual(_chernoff_m(26, 1e-3), 11.98990, places=5)
+    self.assertAlmostEqual(float(info.m), 11.98990, places=4)
+    # The design's actual pi overflow the 26 slots with probability <= 1e-3
+    # (exact Poisson-binomial tail; the Chernoff bound is loose, so far below).
+    self.assertLess(_overflow_prob(np.asarray(info.pi, np.float64)[tail], 26), 1e-3)
+
+  def test_capacity_rule_against_independent_values(self):
+    # expected_tail_count(slots, p) is the m solving exp(-m) (e m / c)^c = p,
+    # c = slots + 1; literals from float64 bisection (_chernoff_m), which the
+    # float32 bisection matches to ~1e-6 relative.
+    table = {(1, 1e-3): 0.0235422325, (2, 1e-3): 0.114663725, (3, 1e-3): 0.2806998,
+             (8, 1e-3): 1.89748152, (26, 1e-3): 11.9898961, (100, 1e-3): 68.1014871,
+             (10, 0.05): 4.74356662}
+    for (slots, p), m in table.items():
+      self.assertAlmostEqual(_chernoff_m(slots, p) / m, 1.0, places=6)
+      got = float(certkv_jax.sampling.expected_tail_count(slots, p))
+      self.assertAlmostEqual(got / m, 1.0, places=5, msg=(slots, p, got, m))
+      # At m the Chernoff bound is p; a Poisson count of mean m exceeds the
+      # slots with probability at most p (exact Poisson tail, numpy).
+      c = slots + 1
+      self.assertAlmostEqual(-m + c * (1 + math.log(m / c)), math.log(p), places=4)
+      tail = 1.0 - sum(math.exp(-m) * m**j / math.factorial(j) for j in range(c))
+      self.assertLessEqual(tail, p)
+    self.assertEqual(float(certkv_jax.sampling.expected_tail_count(0, 1e-3)), 0.0)
+
+  def test_poisson_tail_probabilities_by_hand(self):
+    # Budget 6 with sink {0} and window {10, 11}: 3 tail slots, m = 0.28070
+    # (Chernoff rule, c = 4); Eq. 2 with the H2O score (no token reaches 1):
+    # pi_i = m (Q1 + Q2)_i / sum_{1..9} (Q1 + Q2) = m (Q1 + Q2)_i / 1.72.
+    m = _chernoff_m(3, 1e-3)
+    self.assertAlmostEqual(m, 0.2806998, places=6)
+    c = _hand_cache()
+    c2, _, info = _evict(designs.poisson_tail(6, n_sink=1, window=2), c)
+    acc = Q1 + Q2
+    expected = np.ones(12)
+    expected[1:10] = m * acc[1:10] / 1.72
+    np.testing.assert_allclose(np.asarray(info.pi), expected, rtol=1e-5)
+    self.assertAlmostEqual(float(info.m), m, places=5)
+    kept = np.asarray(c2.valid)
+    np.testing.assert_allclose(np.asarray(c2.log_pi)[kept], np.log(expected[kept]), rtol=1e-5,
+                               atol=1e-7)
 
   def test_cumulative_offsets_across_rounds(self):
     design = designs.poisson_tail(40, window=4)
@@ -189,17 +322,31 @@ class DesignTest(parameterized.TestCase):
       self.assertEqual(int(c2.n_valid), math.floor(0.25 * n))
 
 
-class ByNameTest(absltest.TestCase):
+class RegistryTest(absltest.TestCase):
 
-  def test_every_name_builds_and_evicts(self):
+  def test_every_name_builds_and_evicts_as_its_kind(self):
+    """Each registered design evicts within budget; a deterministic one keeps
+    the same set under every key, a randomized one does not (5 keys)."""
     c = _cache()
-    for name in designs.DETERMINISTIC + designs.RANDOMIZED:
-      design = designs.by_name(name, 24, n_sink=2, window=4)
-      self.assertEqual(design.randomized, name in designs.RANDOMIZED, name)
-      c2, _, _ = _evict(design, c)
-      self.assertLessEqual(int(c2.n_valid), 24, name)
+    for name in registry.names():
+      design = registry.make(name, 24, n_sink=2, window=4)
+      kept = [np.asarray(_evict(design, c, seed=s)[2].kept) for s in range(5)]
+      self.assertLessEqual(int(kept[0].sum()), 24, name)
+      same = all(np.array_equal(kept[0], k) for k in kept[1:])
+      self.assertEqual(same, not design.randomized, name)
+    self.assertEqual(set(registry.names(randomized=True)) | set(registry.names(randomized=False)),
+                     set(registry.names()))
+
+  def test_bad_names_and_settings(self):
     with self.assertRaisesRegex(ValueError, "unknown design 'h3o'"):
-      designs.by_name("h3o", 24)
+      registry.make("h3o", 24)
+    with self.assertRaisesRegex(ValueError, "design 'h2o' takes no setting 'pool_size'"):
+      registry.make("h2o", 24, pool_size=3)
+    with self.assertRaisesRegex(ValueError, "already registered"):
+      registry.register("h2o", designs.h2o)
+    # The shared window goes only to designs that have one.
+    self.assertEqual(registry.make("sink_window", 24, n_sink=2, window=4).certain.window, 0)
+    self.assertEqual(registry.make("h2o", 24, n_sink=2, window=4).certain.window, 4)
 
 
 class BadDesignInputTest(parameterized.TestCase):

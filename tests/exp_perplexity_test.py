@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import exp_perplexity
+from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib import results_io
-from experiments.lib import streaming_loss
-from experiments.lib import streaming_loss_experiment as ppl
-from experiments.lib import streaming_loss_report
-from experiments.lib import suite
+from experiments.lib.streaming_loss import core as streaming_loss_core
+from experiments.lib.streaming_loss import experiment as ppl
+from experiments.lib.streaming_loss import report as streaming_loss_report
 from tests import test_util
 
 # A certainty set of 1 sink + 2 recent tokens, so that a 50% budget leaves tail slots
@@ -69,9 +69,9 @@ class PerplexityTest(absltest.TestCase):
     super().tearDownClass()
 
   def _full(self, tokens, mask):
-    cap = streaming_loss.capacity_for(CTX, CHUNK, "full", BUDGETS, N_SINK, WINDOW)
-    return streaming_loss.streaming_nll(self.params, tokens, mask, jax.random.PRNGKey(0),
-                                        config=self.config, capacity=cap, chunk=CHUNK)
+    stream = streaming_loss_core.StreamConfig(chunk=CHUNK)  # capacity: the whole segment
+    return streaming_loss_core.streaming_nll(self.params, tokens, mask, jax.random.PRNGKey(0),
+                                             config=self.config, stream=stream)
 
   def test_segments(self):
     self.assertLen(self.segs, N_SEG)
@@ -87,7 +87,8 @@ class PerplexityTest(absltest.TestCase):
     mask[1, -5:] = False  # a ragged (right-padded) row; CTX is not a chunk multiple here
     mask = jnp.asarray(mask)
     res = self._full(tokens, mask)
-    ref = np.asarray(streaming_loss.one_shot_logprob(self.params, tokens, mask, config=self.config))
+    ref = np.asarray(streaming_loss_core.one_shot_logprob(self.params, tokens, mask,
+                                                          config=self.config))
     want_scored = np.asarray(mask) & np.pad(np.asarray(mask)[:, 1:], ((0, 0), (0, 1)))
     np.testing.assert_array_equal(np.asarray(res.scored), want_scored)
     self.assertEqual(int(want_scored[0].sum()), CTX - 1)  # last token: no target
@@ -102,16 +103,17 @@ class PerplexityTest(absltest.TestCase):
     tokens = jnp.asarray(self.segs, jnp.int32)
     ones = jnp.ones(tokens.shape, bool)
     full = np.asarray(self._full(tokens, ones).logprob)
-    ref = np.asarray(streaming_loss.one_shot_logprob(self.params, tokens, ones, config=self.config))
+    ref = np.asarray(streaming_loss_core.one_shot_logprob(self.params, tokens, ones,
+                                                          config=self.config))
     np.testing.assert_allclose(full, ref, atol=ATOL, rtol=0)
     # The script's layout: rows (budget, segment) = (0.5, 0), (0.5, 1), (1.0, 0), (1.0, 1).
-    design = suite.make_design("poisson_tail", max(BUDGETS), N_SINK, WINDOW)
-    cap = streaming_loss.capacity_for(CTX, CHUNK, "poisson_tail", BUDGETS, N_SINK, WINDOW)
+    design = design_defaults.make_design("poisson_tail", max(BUDGETS), N_SINK, WINDOW)
+    stream = streaming_loss_core.StreamConfig(chunk=CHUNK, design=design)  # sized to 1.0
     rows = jnp.concatenate([tokens, tokens])
     budget = jnp.asarray([0.5, 0.5, 1.0, 1.0], jnp.float32)
-    res = streaming_loss.streaming_nll(self.params, rows, jnp.ones(rows.shape, bool),
-                                       jax.random.PRNGKey(3), config=self.config, capacity=cap,
-                                       chunk=CHUNK, design=design, budget=budget)
+    res = streaming_loss_core.streaming_nll(self.params, rows, jnp.ones(rows.shape, bool),
+                                            jax.random.PRNGKey(3), config=self.config,
+                                            stream=stream, budget=budget)
     lp, rad = np.asarray(res.logprob), np.asarray(res.radius)
     np.testing.assert_allclose(lp[2:], full, atol=1e-5, rtol=0)  # budget 1.0 = full cache
     np.testing.assert_array_equal(rad[2:], 0.0)  # nothing sampled: no uncertainty
@@ -200,10 +202,10 @@ class PerplexityTest(absltest.TestCase):
     self.assertIn("| poisson_tail | 0.5 | 2 x 2 |", md)
     # A third run finds nothing to do and leaves the file as it was.
     logs.clear()
-    again = ppl.run_perplexity(self.params, self.config, self.tok, self.text_path, out,
-                               model="tiny_char", designs=("full", "poisson_tail"),
-                               budgets=BUDGETS, context_len=CTX, chunk=CHUNK,
-                               num_examples=N_SEG, n_runs=2, n_sink=N_SINK, window=WINDOW,
+    plan = ppl.Plan(model="tiny_char", designs=("full", "poisson_tail"), budgets=BUDGETS,
+                    context_len=CTX, chunk=CHUNK, num_examples=N_SEG, n_runs=2, n_sink=N_SINK,
+                    window=WINDOW)
+    again = ppl.run_perplexity(self.params, self.config, self.tok, self.text_path, out, plan,
                                log=logs.append)
     self.assertIn("0 of 3 units to run", logs[0])
     self.assertEqual(again, rows)
@@ -213,18 +215,18 @@ class PerplexityTest(absltest.TestCase):
       ppl.make_segments(self.tok, TEXT, 50, CTX, self.text_path)
     with self.assertRaisesRegex(ValueError, r"the text has \d+ tokens"):
       ppl.run_perplexity(self.params, self.config, self.tok, self.text_path,
-                         self.create_tempdir().full_path, model="tiny", num_examples=50,
-                         context_len=CTX, chunk=CHUNK)
+                         self.create_tempdir().full_path,
+                         ppl.Plan(model="tiny", num_examples=50, context_len=CTX, chunk=CHUNK))
     empty = os.path.join(self.create_tempdir().full_path, "empty.txt")
     open(empty, "w").close()
     with self.assertRaisesRegex(ValueError, "empty"):
       ppl.run_perplexity(self.params, self.config, self.tok, empty,
-                         self.create_tempdir().full_path, model="tiny")
+                         self.create_tempdir().full_path, ppl.Plan(model="tiny"))
 
   def test_bad_arguments(self):
     ok = dict(designs=("full", "poisson_tail"), budgets=BUDGETS, context_len=CTX, chunk=CHUNK,
               num_examples=N_SEG, n_runs=1, n_sink=N_SINK, window=WINDOW)
-    ppl.check_args(**ok)
+    ppl.Plan(**ok).check()
     for change, flag in ((dict(chunk=0), "--chunk"), (dict(chunk=CTX), "--chunk"),
                          (dict(budgets=(1.5,)), "--budgets"), (dict(budgets=(0.0,)), "--budgets"),
                          (dict(budgets=()), "--budgets"), (dict(designs=("nope",)), "--designs"),
@@ -232,41 +234,44 @@ class PerplexityTest(absltest.TestCase):
                          (dict(num_examples=0), "--num_examples"), (dict(n_runs=0), "--n_runs"),
                          (dict(max_units=-1), "--max_units"), (dict(max_batch=0), "--max_batch")):
       with self.assertRaisesRegex(ValueError, flag):
-        ppl.check_args(**dict(ok, **change))
+        ppl.Plan(**dict(ok, **change)).check()
     tokens = jnp.asarray(self.segs, jnp.int32)
     ones = jnp.ones(tokens.shape, bool)
-    design = suite.make_design("poisson_tail", 0.5, N_SINK, WINDOW)
-    kw = dict(config=self.config, capacity=CTX)
+    design = design_defaults.make_design("poisson_tail", 0.5, N_SINK, WINDOW)
+    stream = streaming_loss_core.StreamConfig
+    key = jax.random.PRNGKey(0)
     with self.assertRaisesRegex(ValueError, "chunk"):
-      streaming_loss.streaming_nll(self.params, tokens, ones, jax.random.PRNGKey(0), chunk=0, **kw)
+      streaming_loss_core.streaming_nll(self.params, tokens, ones, key, config=self.config,
+                                        stream=stream(chunk=0, capacity=CTX))
     for bad in (1.5, 0.0, [0.5, -0.1]):
       with self.assertRaisesRegex(ValueError, "budget"):
-        streaming_loss.streaming_nll(self.params, tokens, ones, jax.random.PRNGKey(0), chunk=CHUNK,
-                                     design=design, budget=bad, **kw)
+        streaming_loss_core.streaming_nll(self.params, tokens, ones, key, config=self.config,
+                                          stream=stream(chunk=CHUNK, design=design,
+                                                        capacity=CTX), budget=bad)
     with self.assertRaisesRegex(ValueError, "budget needs a design"):
-      streaming_loss.streaming_nll(self.params, tokens, ones, jax.random.PRNGKey(0), chunk=CHUNK,
-                                   budget=0.5, **kw)
+      streaming_loss_core.streaming_nll(self.params, tokens, ones, key, config=self.config,
+                                        stream=stream(chunk=CHUNK, capacity=CTX), budget=0.5)
     with self.assertRaisesRegex(ValueError, "capacity"):
-      streaming_loss.streaming_nll(self.params, tokens, ones, jax.random.PRNGKey(0), chunk=CHUNK,
-                                   config=self.config, capacity=CTX - 1)
+      streaming_loss_core.streaming_nll(self.params, tokens, ones, key, config=self.config,
+                                        stream=stream(chunk=CHUNK, capacity=CTX - 1))
 
   def test_spearman_and_row_summary(self):
-    self.assertIsNone(streaming_loss.spearman([0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]))
+    self.assertIsNone(streaming_loss_core.spearman([0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]))
     self.assertAlmostEqual(
-        streaming_loss.spearman([1.0, 2.0, 3.0, 4.0], [1.0, 4.0, 9.0, 16.0]), 1.0)
+        streaming_loss_core.spearman([1.0, 2.0, 3.0, 4.0], [1.0, 4.0, 9.0, 16.0]), 1.0)
     self.assertAlmostEqual(
-        streaming_loss.spearman([1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]), -1.0)
+        streaming_loss_core.spearman([1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]), -1.0)
     lp = -np.arange(1.0, 7.0)  # 6 tokens, chunk 2; last not scored
     sc = np.array([True] * 5 + [False])
-    full = streaming_loss.row_summary(lp, sc, np.zeros(6), [2, 4, 6], 0, 2)
+    full = streaming_loss_core.row_summary(lp, sc, np.zeros(6), [2, 4, 6], 0, 2)
     self.assertEqual(full["n_scored"], 5)
     self.assertAlmostEqual(full["mean_nll"], 3.0)
     self.assertEqual(full["chunk_nll"], [1.5, 3.5, 5.0])
     self.assertEqual(full["mean_nll_after_first_chunk"], 4.0)
     self.assertEqual(full["token_nll"], [1.0, 2.0, 3.0, 4.0, 5.0])
-    ev = streaming_loss.row_summary(lp - np.array([0, 0, 1, 2, 3, 0.0]), sc,
-                                    np.array([0, 0, 1, 2, 3, 0.0]), [2, 3, 3], 0, 2,
-                                    full["token_nll"])
+    ev = streaming_loss_core.row_summary(lp - np.array([0, 0, 1, 2, 3, 0.0]), sc,
+                                         np.array([0, 0, 1, 2, 3, 0.0]), [2, 3, 3], 0, 2,
+                                         full["token_nll"])
     self.assertAlmostEqual(ev["delta_nll"], 6.0 / 5)
     self.assertAlmostEqual(ev["delta_nll_after_first_chunk"], 2.0)
     self.assertAlmostEqual(ev["spearman_radius_increase"], 1.0)

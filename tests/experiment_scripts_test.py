@@ -17,7 +17,7 @@ from absl.testing import absltest
 import pytest
 
 from experiments.lib import results_io
-from experiments.lib import suite
+from experiments.lib.suite import rows as suite_rows
 from tests import test_util
 
 # Child processes (each imports jax and compiles its script): end to end, slow tier.
@@ -61,7 +61,7 @@ class ExperimentScriptsTest(absltest.TestCase):
       summary = open(os.path.join(out, "summary.md")).read()
       self.assertTrue(summary.startswith(title), module)
       rows = results_io.read_rows(os.path.join(out, "rows.jsonl"))
-      keys = {results_io.row_key(r, suite.KEY_FIELDS) for r in rows}
+      keys = {results_io.row_key(r, suite_rows.KEY_FIELDS) for r in rows}
       self.assertLen(keys, len(rows))  # no duplicates
       if expected is None:
         # 2 tasks x 2 examples x budget 0.5: full once, poisson_tail x 2 runs x 2 regimes

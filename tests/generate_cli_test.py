@@ -12,10 +12,10 @@ from absl.testing import absltest
 import numpy as np
 import pytest
 
-from experiments.lib import answer_text
-from experiments.lib import generate_report
-from experiments.lib import prompt_encoding
 from models import gguf_loader
+from models.text import answer_text
+from models.text import prompt_encoding
+from models.text import report as generate_report
 from tests import test_util
 
 EMOJI = "\U0001F389"  # 4 UTF-8 bytes

@@ -1,5 +1,5 @@
-"""experiments.lib.generate (with generate_certificate and generate_report) and the
-generate command, on the tiny Llama fixture."""
+"""models.text.generate (with its certificate and report modules) and the generate
+command, on the tiny Llama fixture."""
 
 import json
 import os
@@ -11,12 +11,12 @@ from absl.testing import absltest
 import numpy as np
 import pytest
 
-from experiments.lib import answer_text
-from experiments.lib import generate
-from experiments.lib import generate_certificate
-from experiments.lib import generate_report
 from experiments.lib import model_loading
-from experiments.lib import prompt_encoding
+from models.text import answer_text
+from models.text import certificate as generate_certificate
+from models.text import generate
+from models.text import prompt_encoding
+from models.text import report as generate_report
 from tests import test_util
 
 # 118 characters of context (one token each) and a one-line question.
@@ -38,12 +38,14 @@ def _tiny_dir(**tokenizer_config):
   return directory
 
 
-def _shipped_calibration(**settings):
-  """``generate_certificate.calibrated``'s arguments for the shipped artifact
-  (poisson_tail, delta 0.05, the validity study's n_sink / window / chunk)."""
-  return dict(calibration=generate_certificate.DEFAULT_CALIBRATION, model_name="smollm2",
-              design_name="poisson_tail", delta=0.05, n_sink=4, window=16, chunk=64,
-              **settings)
+def _shipped_run(**settings):
+  """A run the shipped artifact was made for (poisson_tail, delta 0.05, the validity
+  study's n_sink / window / chunk) with ``settings`` (regime, budget)."""
+  return generate_certificate.Run(model_name="smollm2", design_name="poisson_tail",
+                                  delta=0.05, n_sink=4, window=16, chunk=64, **settings)
+
+
+SHIPPED = generate_certificate.DEFAULT_CALIBRATION
 
 
 class GenerateTextTest(absltest.TestCase):
@@ -57,35 +59,39 @@ class GenerateTextTest(absltest.TestCase):
 
   def _run(self, prompt=PROMPT, **kw):
     kw.setdefault("max_new_tokens", STEPS)
-    kw.setdefault("model_name", model_loading.model_name(self.model_dir))
-    return generate.generate_text(prompt, **self.model, **kw)
+    return generate.generate_text(prompt, **self.model, settings=generate.TextSettings(**kw),
+                                  model_name=model_loading.model_name(self.model_dir))
 
   def _check_shapes(self, res, steps=STEPS):
     shape = (steps, self.config.n_layers, self.config.n_heads)
-    self.assertEqual(res.steps, steps)
-    self.assertEqual(res.token_ids.shape, (steps,))
-    self.assertEqual(res.radius.shape, shape)
-    self.assertEqual(res.radius_summary.median.shape, (steps,))
-    self.assertEqual(res.radius_summary.max.shape, (steps,))
-    np.testing.assert_allclose(res.radius_summary.max, res.radius.reshape(steps, -1).max(1))
-    self.assertIsInstance(res.text, str)
-    self.assertEqual(res.text, self.tok.decode(res.token_ids))
-    self.assertEqual(res.n_dropped, 0)
+    answer, cert = res.answer, res.certificate
+    self.assertEqual(answer.steps, steps)
+    self.assertEqual(answer.token_ids.shape, (steps,))
+    self.assertEqual(cert.radius.shape, shape)
+    self.assertEqual(cert.radius_summary.median.shape, (steps,))
+    self.assertEqual(cert.radius_summary.max.shape, (steps,))
+    np.testing.assert_allclose(cert.radius_summary.max, cert.radius.reshape(steps, -1).max(1))
+    self.assertIsInstance(answer.text, str)
+    self.assertEqual(answer.text, self.tok.decode(answer.token_ids))
+    self.assertEqual(res.run.n_dropped, 0)
 
   def test_poisson_tail_question_aware(self):
     res = self._run()
     self._check_shapes(res)
-    self.assertFalse(res.stopped_at_eos)  # the tiny vocabulary has no end-of-turn token
-    self.assertTrue(res.certified, res.certificate_note)
-    self.assertGreater(res.sampled_tokens, 0)
-    self.assertTrue(np.all(np.isfinite(res.radius)) and np.all(res.radius >= 0))
-    self.assertGreater(res.radius.max(), 0)
-    self.assertEqual((res.context_tokens, res.question_tokens), (len(PROMPT) + 1, 0))  # + BOS
+    self.assertFalse(res.answer.stopped_at_eos)  # the tiny vocabulary has no end-of-turn token
+    self.assertTrue(res.certificate.certified, res.certificate.note)
+    self.assertGreater(res.certificate.sampled_tokens, 0)
+    radius = res.certificate.radius
+    self.assertTrue(np.all(np.isfinite(radius)) and np.all(radius >= 0))
+    self.assertGreater(radius.max(), 0)
+    self.assertEqual((res.prompt.context_tokens, res.prompt.question_tokens),
+                     (len(PROMPT) + 1, 0))  # + BOS
     # The shipped calibration is SmolLM2's: it refuses this model and says why.
-    self.assertIsNone(res.calibrated_radius)
+    self.assertIsNone(res.certificate.calibrated_radius)
     if os.path.isdir(generate.DEFAULT_CALIBRATION):
-      self.assertIn("model: this calibration was made for 'smollm2'", res.calibration_note)
-    self.assertIsNone(res.true_error)
+      self.assertIn("model: this calibration was made for 'smollm2'",
+                    res.certificate.calibration_note)
+    self.assertIsNone(res.evaluation)
     out = generate_report.format_result(res, self.tok)
     self.assertIn("median r", out)
     self.assertIn("calibrated radius: not available", out)
@@ -95,15 +101,15 @@ class GenerateTextTest(absltest.TestCase):
   def test_poisson_tail_streaming_evaluate(self):
     res = self._run(regime="streaming", evaluate=True, chunk=32)
     self._check_shapes(res)
-    self.assertEqual(res.question_rule, "the prompt's last line")
-    self.assertEqual(res.question_text, "where does the fox sleep?")
-    self.assertEqual(res.context_tokens, len(CONTEXT) + 2)  # BOS and the line break
-    self.assertEqual(res.question_tokens, len("where does the fox sleep?"))
-    self.assertEqual(res.chunk, 32)
-    self.assertTrue(res.certified, res.certificate_note)
-    self.assertEqual(res.true_error.shape, res.radius.shape)
-    self.assertEqual(res.rel_error.shape, res.radius.shape)
-    self.assertGreater(res.true_error.max(), 0)
+    self.assertEqual(res.prompt.question_rule, "the prompt's last line")
+    self.assertEqual(res.prompt.question_text, "where does the fox sleep?")
+    self.assertEqual(res.prompt.context_tokens, len(CONTEXT) + 2)  # BOS and the line break
+    self.assertEqual(res.prompt.question_tokens, len("where does the fox sleep?"))
+    self.assertEqual(res.run.chunk, 32)
+    self.assertTrue(res.certificate.certified, res.certificate.note)
+    self.assertEqual(res.evaluation.true_error.shape, res.certificate.radius.shape)
+    self.assertEqual(res.evaluation.rel_error.shape, res.certificate.radius.shape)
+    self.assertGreater(res.evaluation.true_error.max(), 0)
     out = generate_report.format_result(res, self.tok)
     for column in ("median ||e||", "covered", "median r/||o||", "covered"):
       self.assertIn(column, out)
@@ -125,12 +131,13 @@ class GenerateTextTest(absltest.TestCase):
     for design, note in (("full", "evicts nothing"), ("snapkv", "NOT a certificate"),
                          ("uniform_random", "NOT a certificate")):
       res = self._run(design=design, max_new_tokens=2)
-      budgets[design] = res.budget
+      budgets[design] = res.run.budget
       self._check_shapes(res, 2)
-      self.assertFalse(res.certified, design)
-      self.assertIn(note, res.certificate_note)
-      np.testing.assert_array_equal(res.radius, 0.0)  # 0 by construction, not "no error"
-      self.assertIsNone(res.calibrated_radius)
+      self.assertFalse(res.certificate.certified, design)
+      self.assertIn(note, res.certificate.note)
+      # 0 by construction, not "no error"
+      np.testing.assert_array_equal(res.certificate.radius, 0.0)
+      self.assertIsNone(res.certificate.calibrated_radius)
       out = generate_report.format_result(res, self.tok)
       self.assertIn(note, out)
       self.assertNotIn("median r", out)
@@ -139,22 +146,23 @@ class GenerateTextTest(absltest.TestCase):
   def test_no_sampled_tail_is_not_a_certificate(self):
     # floor(0.1 x 145) = 14 tokens < the certainty set of 20: nothing is sampled.
     res = self._run(budget=0.1, max_new_tokens=2)
-    self.assertFalse(res.certified)
-    self.assertEqual(res.sampled_tokens, 0)
-    self.assertIn("sampled no tail token", res.certificate_note)
-    self.assertIn("certainty set of 20", res.certificate_note)
+    self.assertFalse(res.certificate.certified)
+    self.assertEqual(res.certificate.sampled_tokens, 0)
+    self.assertIn("sampled no tail token", res.certificate.note)
+    self.assertIn("certainty set of 20", res.certificate.note)
 
   def test_stops_at_the_end_of_turn_token(self):
     free = self._run(stops=())
-    self.assertFalse(free.stopped_at_eos)
-    stop = int(free.token_ids[3])
-    first = int(np.flatnonzero(free.token_ids == stop)[0])
+    self.assertFalse(free.answer.stopped_at_eos)
+    stop = int(free.answer.token_ids[3])
+    first = int(np.flatnonzero(free.answer.token_ids == stop)[0])
     cut = self._run(stops=(stop,))
-    self.assertTrue(cut.stopped_at_eos)
-    self.assertEqual(cut.stop_id, stop)
+    self.assertTrue(cut.answer.stopped_at_eos)
+    self.assertEqual(cut.answer.stop_id, stop)
     self._check_shapes(cut, first)
-    np.testing.assert_array_equal(cut.token_ids, free.token_ids[:first])
-    np.testing.assert_allclose(cut.radius, free.radius[:first])  # same seed, same calls
+    np.testing.assert_array_equal(cut.answer.token_ids, free.answer.token_ids[:first])
+    # same seed, same calls
+    np.testing.assert_allclose(cut.certificate.radius, free.certificate.radius[:first])
     self.assertIn("stopped at the end-of-turn token", generate_report.format_result(cut, self.tok))
 
   def test_streaming_needs_two_tokens(self):
@@ -200,7 +208,7 @@ class GenerateTextTest(absltest.TestCase):
       prompt = kw.pop("prompt", PROMPT)
       with self.subTest(kw=kw, prompt=prompt):
         with self.assertRaisesRegex(ValueError, pattern):
-          generate.generate_text(prompt, **self.model, **kw)
+          generate.generate_text(prompt, **self.model, settings=generate.TextSettings(**kw))
 
   def test_read_prompt_needs_exactly_one_source(self):
     for args, got in (((None, None), "neither"), (("hi", "f.txt"), "--prompt and --prompt_file")):
@@ -218,8 +226,8 @@ class GenerateTextTest(absltest.TestCase):
   def test_design_names_are_the_accepted_ones(self):
     self.assertEqual(generate.design_names()[0], "full")
     for name in generate.design_names()[1:]:
-      generate.check_arguments(PROMPT, design=name, budget=0.5, max_new_tokens=1,
-                               regime="question_aware", delta=0.1, seed=0)
+      generate.check_arguments(PROMPT, generate.TextSettings(design=name, budget=0.5,
+                                                             max_new_tokens=1, delta=0.1))
 
 
 class TokenizerTest(absltest.TestCase):
@@ -258,7 +266,7 @@ class TokenizerTest(absltest.TestCase):
 class CalibrationTest(absltest.TestCase):
 
   def test_settings_are_the_validity_studys(self):
-    from experiments.lib import validity_collect  # pylint: disable=g-import-not-at-top
+    from experiments.lib.validity import collect as validity_collect  # pylint: disable=g-import-not-at-top
     plan = validity_collect.Plan()
     for module in (generate, generate_certificate):  # the defaults and the calibration check
       self.assertEqual((module.N_SINK, module.WINDOW, module.CHUNK),
@@ -268,8 +276,9 @@ class CalibrationTest(absltest.TestCase):
                        "the committed calibration artifact is not in this checkout")
   def test_shipped_calibration_applies_only_where_it_was_made(self):
     raw = np.full((3, 2, 4), 0.5)
-    kw = _shipped_calibration(regime="question_aware", budget=0.25, context_tokens=1100)
-    cal, note, in_range = generate_certificate.calibrated(raw, **kw)
+    run = _shipped_run(regime="question_aware", budget=0.25)
+    kw = dict(calibration=SHIPPED, context_tokens=1100)
+    cal, note, in_range = generate_certificate.calibrated(raw, run, **kw)
     self.assertEqual(cal.shape, raw.shape)
     self.assertTrue(np.all(cal > 0))
     self.assertIs(in_range, True)
@@ -281,23 +290,27 @@ class CalibrationTest(absltest.TestCase):
                           (dict(model_name="other"), "model"), (dict(window=8), "window"),
                           (dict(model_name=None), "model_name"),
                           (dict(calibration="/nonexistent"), "no calibration artifact")):
-      cal, note, in_range = generate_certificate.calibrated(raw, **dict(kw, **change))
+      where = {k: v for k, v in change.items() if k in kw}
+      changed = run._replace(**{k: v for k, v in change.items() if k not in kw})
+      cal, note, in_range = generate_certificate.calibrated(raw, changed, **dict(kw, **where))
       self.assertIsNone(cal, change)
       self.assertIsNone(in_range, change)
       self.assertIn(field, note)
     with self.assertRaisesRegex(ValueError, "context_tokens"):
-      generate_certificate.calibrated(raw, **dict(kw, context_tokens=0))
+      generate_certificate.calibrated(raw, run, **dict(kw, context_tokens=0))
 
   @absltest.skipUnless(os.path.isdir(generate_certificate.DEFAULT_CALIBRATION),
                        "the committed calibration artifact is not in this checkout")
   def test_shipped_calibration_outside_its_context_range_warns(self):
     raw = np.full((3, 2, 4), 0.5)
-    kw = _shipped_calibration(regime="streaming", budget=0.125)
-    inside, _, in_range = generate_certificate.calibrated(raw, **kw, context_tokens=1040)
+    run = _shipped_run(regime="streaming", budget=0.125)
+    inside, _, in_range = generate_certificate.calibrated(raw, run, calibration=SHIPPED,
+                                                          context_tokens=1040)
     self.assertIs(in_range, True)
     for n in (272, 1039, 1157, 2064):  # a 256-token unit's prompt; just outside; 2,048
       with self.subTest(context_tokens=n):
-        cal, note, in_range = generate_certificate.calibrated(raw, **kw, context_tokens=n)
+        cal, note, in_range = generate_certificate.calibrated(raw, run, calibration=SHIPPED,
+                                                              context_tokens=n)
         self.assertIs(in_range, False)
         np.testing.assert_array_equal(cal, inside)  # still the calibrated radius
         self.assertTrue(note.startswith("WARNING: "), note)
@@ -310,7 +323,7 @@ class CalibrationTest(absltest.TestCase):
                        "the committed calibration artifact is not in this checkout")
   def test_shipped_calibration_records_its_range_and_sources(self):
     from certkv_jax import robust_calibration  # pylint: disable=g-import-not-at-top
-    from experiments.lib import validity_collect  # pylint: disable=g-import-not-at-top
+    from experiments.lib.validity import collect as validity_collect  # pylint: disable=g-import-not-at-top
     cal = robust_calibration.load(generate_certificate.DEFAULT_CALIBRATION)
     self.assertEqual(cal.format_version, 2)
     self.assertEqual(cal.data, ("agent_memory", "kv_retrieval", "multi_needle", "passkey",
@@ -340,7 +353,7 @@ class CalibrationTest(absltest.TestCase):
       generate_certificate.DEFAULT_CALIBRATION), "units")), "no committed validity units")
   def test_shipped_calibration_refits_bit_for_bit_from_its_units(self):
     from certkv_jax import robust_calibration  # pylint: disable=g-import-not-at-top
-    from experiments.lib import validity_calls  # pylint: disable=g-import-not-at-top
+    from experiments.lib.validity import calls as validity_calls  # pylint: disable=g-import-not-at-top
     shipped = robust_calibration.load(generate_certificate.DEFAULT_CALIBRATION)
     units = os.path.join(os.path.dirname(generate_certificate.DEFAULT_CALIBRATION), "units")
     paths = [os.path.join(units, n) for n in sorted(os.listdir(units))

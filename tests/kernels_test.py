@@ -86,8 +86,8 @@ class KernelTest(parameterized.TestCase):
       bs = block_sizes or od.BlockSizes(block_k=128, num_splits=2)
       if backend == "triton" and block_sizes is None:
         bs = od.BlockSizes(block_k=32, num_splits=3)
-      got = od.offset_decode_attention(q, k, v, off, lengths, backend=backend,
-                                       interpret=self.INTERPRET, block_sizes=bs)
+      got = od.offset_decode_attention(q, k, v, off, lengths, config=od.KernelConfig(
+          backend=backend, interpret=self.INTERPRET, block_sizes=bs))
       for field in (got.out, got.var_hat, got.range_hat):
         self.assertTrue(bool(jnp.all(jnp.isfinite(field))), backend)
       self.assertFalse(bool(jnp.any(jnp.isnan(got.lse))), backend)  # -inf for empty rows
@@ -116,8 +116,8 @@ class KernelTest(parameterized.TestCase):
     q, k, v, off = _inputs(4, 4, 256, 64, seed=1)
     lengths = jnp.array([256, 130, 1, 0], jnp.int32)
     self._check(q, k, v, off, lengths)
-    res = od.offset_decode_attention(q, k, v, off, lengths, backend=self.backend,
-                                     interpret=self.INTERPRET)
+    res = od.offset_decode_attention(q, k, v, off, lengths, config=od.KernelConfig(
+        backend=self.backend, interpret=self.INTERPRET))
     np.testing.assert_array_equal(res.out[3], 0.0)  # no valid slot: defined, not NaN
     np.testing.assert_array_equal(res.lse[3], -np.inf)
     np.testing.assert_array_equal(res.var_hat[3], 0.0)
@@ -147,19 +147,19 @@ class KernelTest(parameterized.TestCase):
     q, k, v, off = _inputs(2, 4, 512, 64, seed=5)
     backend = self.backend
     bk = 128 if backend == "mosaic" else 32
-    one = od.offset_decode_attention(q, k, v, off, backend=backend, interpret=self.INTERPRET,
-                                     block_sizes=od.BlockSizes(bk, 1))
-    many = od.offset_decode_attention(q, k, v, off, backend=backend, interpret=self.INTERPRET,
-                                      block_sizes=od.BlockSizes(bk, 4))
+    one = od.offset_decode_attention(q, k, v, off, config=od.KernelConfig(
+        backend=backend, interpret=self.INTERPRET, block_sizes=od.BlockSizes(bk, 1)))
+    many = od.offset_decode_attention(q, k, v, off, config=od.KernelConfig(
+        backend=backend, interpret=self.INTERPRET, block_sizes=od.BlockSizes(bk, 4)))
     for a, b in zip(one, many):
       np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
   def test_range_bound_mode(self):
     q, k, v, off = _inputs(2, 4, 200, 64, seed=6)
-    exact = od.offset_decode_attention(q, k, v, off, backend=self.backend,
-                                       interpret=self.INTERPRET)
-    bound = od.offset_decode_attention(q, k, v, off, backend=self.backend,
-                                       interpret=self.INTERPRET, range_mode="bound")
+    exact = od.offset_decode_attention(q, k, v, off, config=od.KernelConfig(
+        backend=self.backend, interpret=self.INTERPRET))
+    bound = od.offset_decode_attention(q, k, v, off, config=od.KernelConfig(
+        backend=self.backend, interpret=self.INTERPRET, range_mode="bound"))
     self.assertTrue(bool(jnp.all(bound.range_hat >= exact.range_hat * (1 - 1e-5))))
     np.testing.assert_allclose(bound.var_hat, exact.var_hat)
 
@@ -169,8 +169,8 @@ class KernelTest(parameterized.TestCase):
     q = q.reshape(batch, t, groups, d)
     kc = jax.random.normal(jax.random.PRNGKey(8), (batch, t, d))
     vc = jax.random.normal(jax.random.PRNGKey(9), (batch, t, d))
-    got = od.offset_chunk_attention(q, k, v, off, kc, vc, backend=self.backend,
-                                    interpret=self.INTERPRET)
+    got = od.offset_chunk_attention(q, k, v, off, od.ChunkKV(kc, vc), config=od.KernelConfig(
+        backend=self.backend, interpret=self.INTERPRET))
     for i in range(t):  # row i sees the cache and chunk tokens 0..i (certain)
       kk = jnp.concatenate([k, kc[:, :i + 1]], 1)
       vv = jnp.concatenate([v, vc[:, :i + 1]], 1)
@@ -189,9 +189,10 @@ class KernelTest(parameterized.TestCase):
     v = jax.random.normal(ks[2], (b, h_kv, 1, n, d))
     log_pi = -jax.random.exponential(ks[3], (b, h_kv, 1, n))
     mask = jax.random.bernoulli(ks[4], 0.8, (b, h_kv, 1, n))
-    xla = certkv_jax.offset_attention(q, k, v, log_pi, mask, implementation="xla")
-    pal = certkv_jax.offset_attention(q, k, v, log_pi, mask, implementation="pallas")
-    auto = certkv_jax.offset_attention(q, k, v, log_pi, mask, implementation="auto")
+    impl = lambda name: certkv_jax.attention.AttentionConfig(implementation=name)
+    xla = certkv_jax.offset_attention(q, k, v, log_pi, mask, config=impl("xla"))
+    pal = certkv_jax.offset_attention(q, k, v, log_pi, mask, config=impl("pallas"))
+    auto = certkv_jax.offset_attention(q, k, v, log_pi, mask, config=impl("auto"))
     for a, p, u in zip(xla, pal, auto):
       np.testing.assert_allclose(a, p, rtol=1e-4, atol=1e-5)
       np.testing.assert_allclose(a, u, rtol=1e-4, atol=1e-5)
@@ -212,7 +213,8 @@ class LoweringTest(parameterized.TestCase):
         ((4, groups, d), jnp.bfloat16), ((4, 4096, d), jnp.bfloat16),
         ((4, 4096, d), jnp.bfloat16), ((4, 4096), jnp.float32)))
     lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
-    f = functools.partial(od.offset_decode_attention, backend=backend, range_mode="bound")
+    f = functools.partial(od.offset_decode_attention,
+                          config=od.KernelConfig(backend=backend, range_mode="bound"))
     lowered = jax.jit(f).trace(q, k, v, off, lengths).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
     self.assertIn("certkv_offset_decode", text)
@@ -222,7 +224,9 @@ class LoweringTest(parameterized.TestCase):
     backend = "mosaic" if platform == "tpu" else "triton"
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in
             ((2, 8, 4, 64), (2, 1024, 64), (2, 1024, 64), (2, 1024), (2, 8, 64), (2, 8, 64))]
-    f = functools.partial(od.offset_chunk_attention, backend=backend, range_mode="bound")
+    f = lambda q, k, v, off, kc, vc: od.offset_chunk_attention(
+        q, k, v, off, od.ChunkKV(kc, vc),
+        config=od.KernelConfig(backend=backend, range_mode="bound"))
     jax.jit(f).trace(*args).lower(lowering_platforms=(platform,))
 
 
@@ -231,26 +235,29 @@ class KernelErrorTest(absltest.TestCase):
   def test_bad_block_sizes(self):
     q, k, v, off = _inputs(1, 4, 256, 64)
     with self.assertRaisesRegex(ValueError, "power of two >= 16"):
-      od.offset_decode_attention(q, k, v, off, backend="triton", interpret=True,
-                                 block_sizes=od.BlockSizes(24, 1))
+      od.offset_decode_attention(q, k, v, off, config=od.KernelConfig(
+          backend="triton", interpret=True, block_sizes=od.BlockSizes(24, 1)))
     with self.assertRaisesRegex(ValueError, "multiple of 128"):
-      od.offset_decode_attention(q, k, v, off, backend="mosaic", interpret=True,
-                                 block_sizes=od.BlockSizes(64, 1))
+      od.offset_decode_attention(q, k, v, off, config=od.KernelConfig(
+          backend="mosaic", interpret=True, block_sizes=od.BlockSizes(64, 1)))
     with self.assertRaisesRegex(ValueError, "num_splits"):
-      od.offset_decode_attention(q, k, v, off, backend="triton", interpret=True,
-                                 block_sizes=od.BlockSizes(32, 0))
+      od.offset_decode_attention(q, k, v, off, config=od.KernelConfig(
+          backend="triton", interpret=True, block_sizes=od.BlockSizes(32, 0)))
 
   def test_bad_shapes_and_backend(self):
     q, k, v, off = _inputs(2, 4, 256, 64)
     with self.assertRaisesRegex(ValueError, "offset must be"):
-      od.offset_decode_attention(q, k, v, off[:, :10], interpret=True)
+      od.offset_decode_attention(q, k, v, off[:, :10], config=od.KernelConfig(interpret=True))
     with self.assertRaisesRegex(ValueError, "lengths must be"):
-      od.offset_decode_attention(q, k, v, off, jnp.zeros(3, jnp.int32), interpret=True)
+      od.offset_decode_attention(q, k, v, off, jnp.zeros(3, jnp.int32),
+                                 config=od.KernelConfig(interpret=True))
     with self.assertRaisesRegex(ValueError, "backend"):
-      od.offset_decode_attention(q, k, v, off, backend="cuda", interpret=True)
+      od.offset_decode_attention(q, k, v, off,
+                                 config=od.KernelConfig(backend="cuda", interpret=True))
     with self.assertRaisesRegex(ValueError, "implementation"):
-      certkv_jax.offset_attention(q[0, 0], k[0], v[0], jnp.zeros(256), jnp.ones(256, bool),
-                                  implementation="triton")
+      certkv_jax.offset_attention(
+          q[0, 0], k[0], v[0], jnp.zeros(256), jnp.ones(256, bool),
+          config=certkv_jax.attention.AttentionConfig(implementation="triton"))
 
 
 if __name__ == "__main__":

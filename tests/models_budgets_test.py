@@ -11,7 +11,7 @@ import pytest
 
 import certkv_jax
 from certkv_jax import cache as cache_lib
-from models import budgets
+from certkv_jax import budgets
 from models import decode
 from models import hf_loader
 from tests import test_util
@@ -79,19 +79,19 @@ class LayerBudgetsDecodeTest(absltest.TestCase):
     design = certkv_jax.designs.snapkv(4, window=2)  # its budget (4) is replaced per layer
     caches = self._prefilled(design)
     key = jax.random.PRNGKey(0)
-    out, info = _evict(design, caches, key, layer_budgets=(6, 3))
+    out, _, info = _evict(design, caches, key, layer_budgets=(6, 3))
     n_valid = np.asarray(out.n_valid)  # [layers, batch, kv heads]
     np.testing.assert_array_equal(n_valid[0], 6)
     np.testing.assert_array_equal(n_valid[1], 3)
     np.testing.assert_array_equal(info.target[:, :, 0], [[6, 6], [3, 3]])
     # A uniform schedule equal to the design's own budget changes nothing.
-    same, _ = _evict(design, caches, key, layer_budgets=(4, 4))
-    plain, _ = _evict(design, caches, key)
+    same, _, _ = _evict(design, caches, key, layer_budgets=(4, 4))
+    plain, _, _ = _evict(design, caches, key)
     np.testing.assert_array_equal(same.pos, plain.pos)
     # Fractions per layer with a randomized design: Poisson keeps at most the
     # target floor(f n) and at least its certainty set.
     design = certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=1, overflow_prob=0.05)
-    out, info = _evict(design, self._prefilled(design), key, layer_budgets=(0.8, 0.3))
+    out, _, info = _evict(design, self._prefilled(design), key, layer_budgets=(0.8, 0.3))
     np.testing.assert_array_equal(info.target[:, :, 0], [[8, 5], [3, 2]])
     n_valid = np.asarray(out.n_valid)
     self.assertTrue((n_valid <= np.asarray(info.target)).all())
@@ -103,8 +103,10 @@ class LayerBudgetsDecodeTest(absltest.TestCase):
   def test_question_aware_generate_keeps_per_layer_counts(self):
     design = certkv_jax.designs.snapkv(4, window=2)
     gen = decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
-                          config=self.config, capacity=16, n_steps=N_STEPS, design=design,
-                          layer_budgets=(6, 3), evaluate=True)
+                          config=self.config,
+                          gen=decode.GenerationConfig(n_steps=N_STEPS, design=design,
+                                                      capacity=16, layer_budgets=(6, 3),
+                                                      evaluate=True))
     n_valid = np.asarray(gen.caches.n_valid)
     np.testing.assert_array_equal(n_valid[0], 6 + N_STEPS)
     np.testing.assert_array_equal(n_valid[1], 3 + N_STEPS)
@@ -115,8 +117,10 @@ class LayerBudgetsDecodeTest(absltest.TestCase):
     question = np.array([[5, 6, 7], [8, 9, 10]], np.int32)
     gen = decode.generate_streaming(
         self.params, self.tokens, self.mask, question, np.ones((2, 3), bool),
-        jax.random.PRNGKey(0), config=self.config, capacity=5 + 3 + 3 + N_STEPS,
-        n_steps=N_STEPS, chunk=3, design=design, layer_budgets=(5, 2))
+        jax.random.PRNGKey(0), config=self.config,
+        gen=decode.GenerationConfig(n_steps=N_STEPS, design=design,
+                                    capacity=5 + 3 + 3 + N_STEPS, chunk=3,
+                                    layer_budgets=(5, 2)))
     n_valid = np.asarray(gen.caches.n_valid)
     np.testing.assert_array_equal(n_valid[0], 5 + 3 + N_STEPS)
     np.testing.assert_array_equal(n_valid[1], 2 + 3 + N_STEPS)
@@ -125,7 +129,9 @@ class LayerBudgetsDecodeTest(absltest.TestCase):
   def test_layer_budgets_need_a_design(self):
     with self.assertRaisesRegex(ValueError, "needs a design"):
       decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
-                      config=self.config, capacity=16, n_steps=N_STEPS, layer_budgets=(4, 4))
+                      config=self.config,
+                      gen=decode.GenerationConfig(n_steps=N_STEPS, capacity=16,
+                                                  layer_budgets=(4, 4)))
 
 
 class BudgetSpellingTest(absltest.TestCase):
@@ -168,6 +174,37 @@ class MemorySummaryTest(absltest.TestCase):
     self.assertEqual(memory.format_bytes(512), "512 B")
     self.assertEqual(memory.format_bytes(1536), "1.5 KiB")
     self.assertEqual(memory.format_bytes(3 * 2**20), "3.0 MiB")
+
+
+
+class CapacityRuleTest(absltest.TestCase):
+  """``budgets.capacity`` against values worked out by hand (docs/method.md, section 9)."""
+
+  def test_values(self):
+    d = certkv_jax.designs
+    cap = budgets.capacity
+    h2o = d.h2o(0.25, n_sink=4, window=16)  # certainty set 20
+    # Question-aware: the 256-token prompt, then 64 kept + 8 decoded.
+    self.assertEqual(cap(h2o, n_context=256, n_steps=8), 256)
+    # Streaming: 64 kept + a 64-token chunk + 10 question + 8 decoded = 146 < 274 in all.
+    self.assertEqual(cap(h2o, n_context=256, n_question=10, n_steps=8, chunk=64), 146)
+    # A budget below the certainty set: the set (20) is kept whole.
+    self.assertEqual(cap(h2o, n_context=256, n_question=10, n_steps=8, chunk=64, budget=0.05),
+                     20 + 64 + 18)
+    # min_tail adds to the certainty set: 4 + 16 + 16 = 36.
+    floor = d.poisson_floor(0.05, n_sink=4, window=16)
+    self.assertEqual(cap(floor, n_context=256, n_question=10, n_steps=8, chunk=64), 36 + 82)
+    # Per-row fractions: the largest; per-layer schedules: the largest.
+    self.assertEqual(cap(h2o, n_context=256, n_steps=8, budget=np.array([0.25, 0.5])), 256)
+    self.assertEqual(cap(h2o, n_context=200, n_steps=8, layer_budgets=(0.5, 0.25)),
+                     max(200, 100 + 8))
+    # Tokens budget: 100 kept + 8 decoded exceed a 90-token prompt.
+    self.assertEqual(cap(d.h2o(100), n_context=90, n_steps=8), 108)
+    # No design: every token, the context padded to whole chunks.
+    self.assertEqual(cap(None, n_context=250, n_question=10, n_steps=8, chunk=64), 274)
+    # 0.3 * 10 is 3.0000000000000004 in floating point: still 3 kept.
+    self.assertEqual(cap(d.h2o(0.3), n_context=10, n_steps=1), 10)
+    self.assertEqual(cap(d.h2o(0.3), n_context=10, n_question=2, n_steps=1, chunk=4), 3 + 4 + 3)
 
 
 if __name__ == "__main__":

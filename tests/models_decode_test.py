@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 import certkv_jax
+from certkv_jax import budgets
+from certkv_jax.certified_attention import Subsample
 from models import decode
 from tests import test_util
 from models import llama
@@ -22,9 +24,12 @@ class DecodeTest(absltest.TestCase):
     super().setUpClass()
     cls.params, cls.config, cls.tokens, cls.mask = test_util.tiny_llama_prompts()
 
-  def _generate(self, **kw):
+  def _generate(self, budget=None, **kw):
+    """``generate`` with ``GenerationConfig(n_steps=N_STEPS, capacity=16, **kw)``."""
+    kw.setdefault("capacity", 16)
     return decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
-                           config=self.config, capacity=16, n_steps=N_STEPS, **kw)
+                           config=self.config,
+                           gen=decode.GenerationConfig(n_steps=N_STEPS, **kw), budget=budget)
 
   @pytest.mark.slow  # 40 s cold on the 2-core CI machine (2026-12-01)
   def test_streaming_without_eviction_equals_full_forward(self):
@@ -32,8 +37,9 @@ class DecodeTest(absltest.TestCase):
     q_mask = np.array([[True, True, True], [True, True, False]])
     gen = decode.generate_streaming(
         self.params, self.tokens, self.mask, question, q_mask, jax.random.PRNGKey(0),
-        config=self.config, capacity=16, n_steps=3, chunk=4, return_logits=True,
-        evaluate=True)
+        config=self.config,
+        gen=decode.GenerationConfig(n_steps=3, capacity=16, chunk=4, return_logits=True,
+                                    evaluate=True))
     seqs = np.zeros((2, 16), np.int32)
     lengths = []
     for b in range(2):
@@ -79,12 +85,15 @@ class DecodeTest(absltest.TestCase):
   def test_capacity_error_names_the_argument(self):
     with self.assertRaisesRegex(ValueError, r"capacity \(12\) must hold the prompt"):
       decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
-                      config=self.config, capacity=12, n_steps=N_STEPS)
+                      config=self.config,
+                      gen=decode.GenerationConfig(n_steps=N_STEPS, capacity=12))
 
   def test_question_aware_snapkv_keeps_budget_and_window(self):
     design = certkv_jax.designs.snapkv(4, window=2)
     gen = decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
-                          config=self.config, capacity=16, n_steps=N_STEPS, design=design)
+                          config=self.config,
+                          gen=decode.GenerationConfig(n_steps=N_STEPS, design=design,
+                                                      capacity=16))
     self.assertIsNone(gen.true_error)  # normal mode keeps no shadow cache
     caches = gen.caches
     np.testing.assert_array_equal(caches.n_valid, 4 + N_STEPS)  # budget, then decoded tokens
@@ -97,16 +106,60 @@ class DecodeTest(absltest.TestCase):
     np.testing.assert_array_equal(gen.var_hat, 0.0)
     self.assertTrue(np.isfinite(np.asarray(gen.logprobs)).all())
 
+  def test_design_state_counts_eviction_rounds(self):
+    # Budget 8 tokens, evicting after the prefill and after every decode step.
+    # Row 0 (10 tokens): over budget after the prefill and after each step (9
+    # tokens), so 1 + N_STEPS rounds. Row 1 (7 tokens): within budget after the
+    # prefill and step 0 (8 tokens), over it after steps 1..4: 4 rounds. A
+    # round within budget is no round.
+    self.assertEqual(N_STEPS, 5)
+    gen = self._generate(design=certkv_jax.designs.sink_window(8, n_sink=1),
+                         evict_each_step=True)
+    state = gen.design_state
+    rounds = np.asarray(state.rounds)
+    self.assertEqual(rounds.shape, (2, 2, 2))  # [layers, batch, kv heads]
+    np.testing.assert_array_equal(rounds[:, 0], 1 + N_STEPS)
+    np.testing.assert_array_equal(rounds[:, 1], 4)
+    for counter in (state.n_redraws, state.n_dropped, state.n_over_budget):
+      np.testing.assert_array_equal(counter, 0)  # deterministic, certainty set of 1
+    np.testing.assert_array_equal(gen.caches.n_valid, 8)
+
+  def test_capacity_none_is_sized_so_nothing_is_dropped(self):
+    # Question-aware: the 10-token prompt must fit, then the 6 kept tokens plus
+    # the N_STEPS decoded ones: max(10, 6 + 5) = 11 slots, all of them used.
+    design = certkv_jax.designs.sink_window(6, n_sink=1)
+    want = budgets.capacity(design, n_context=self.tokens.shape[1], n_steps=N_STEPS)
+    self.assertEqual(want, 11)
+    gen = self._generate(design=design, capacity=None)
+    self.assertEqual(gen.caches.capacity, want)
+    np.testing.assert_array_equal(gen.caches.n_dropped, 0)
+    np.testing.assert_array_equal(gen.n_dropped, [0, 0])
+    np.testing.assert_array_equal(gen.caches.n_valid, 6 + N_STEPS)  # full, none dropped
+
   @pytest.mark.slow  # 38 s cold on the 2-core CI machine (2026-12-01)
+  def test_decode_step_donates_the_caches_and_equals_forward_chunk(self):
+    caches = decode.init_caches(self.config, 2, 16)
+    _, caches, _, _ = decode.forward_chunk(self.params, self.config, self.tokens, self.mask,
+                                           caches, certificate=False)
+    token = jnp.asarray([3, 4], jnp.int32)
+    want, want_caches, want_stats, _ = decode.forward_chunk(
+        self.params, self.config, token[:, None], jnp.ones((2, 1), bool), caches, observe=False)
+    logits, got_caches, stats = decode.decode_step(self.params, caches, token,
+                                                   config=self.config)
+    np.testing.assert_array_equal(logits, want[:, 0])
+    np.testing.assert_array_equal(got_caches.k, want_caches.k)
+    np.testing.assert_array_equal(stats.var_hat, want_stats.var_hat[0])
+    self.assertTrue(caches.k.is_deleted())  # donated: updated in place
+
   def test_streaming_snapkv_scores_each_chunk_by_its_window(self):
     # Regression: the streaming regime fed its context chunks with no observation
     # window, so SnapKV's score was 0 everywhere and its kept set was the one a
     # constant score picks (slot order). The chunk's last queries must score it.
     question = np.array([[5, 6], [8, 9]], np.int32)
-    kw = dict(config=self.config, capacity=4 + 3 + 2 + N_STEPS, n_steps=N_STEPS, chunk=3)
+    gen = decode.GenerationConfig(n_steps=N_STEPS, capacity=4 + 3 + 2 + N_STEPS, chunk=3)
     run = lambda design: decode.generate_streaming(
         self.params, self.tokens, self.mask, question, np.ones((2, 2), bool),
-        jax.random.PRNGKey(0), design=design, **kw).caches
+        jax.random.PRNGKey(0), config=self.config, gen=gen.replace(design=design)).caches
     snap = run(certkv_jax.designs.snapkv(4, window=1, pool_size=1, observation_window=2))
     flat = run(certkv_jax.designs.top_k(4, certkv_jax.scores.Uniform(), window=1))
     kept = lambda c: np.sort(np.where(np.asarray(c.valid), np.asarray(c.pos), -1), axis=-1)
@@ -115,14 +168,14 @@ class DecodeTest(absltest.TestCase):
 
   @pytest.mark.slow  # 43 s cold on the 2-core CI machine (2026-12-01)
   def test_eager_evict_is_one_jitted_program(self):
-    from models import eviction  # pylint: disable=g-import-not-at-top
+    from certkv_jax import eviction  # pylint: disable=g-import-not-at-top
     design = certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=2)
     _, caches, _, _ = decode.forward_chunk(self.params, self.config, self.tokens, self.mask,
                                            decode.init_caches(self.config, 2, 12),
                                            design=design, certificate=False)
     before = eviction._evict_jit._cache_size()  # pylint: disable=protected-access
     for seed in (0, 1):
-      new, info = decode.evict(design, caches, jax.random.PRNGKey(seed), budget=0.5)
+      new, _, info = decode.evict(design, caches, jax.random.PRNGKey(seed), budget=0.5)
     self.assertEqual(eviction._evict_jit._cache_size(), before + 1)  # pylint: disable=protected-access
     self.assertTrue((np.asarray(new.n_valid) <= np.asarray(info.target)).all())
     with self.assertRaisesRegex(ValueError, r"budget must be a fraction in \(0, 1\]"):
@@ -138,7 +191,8 @@ class DecodeTest(absltest.TestCase):
       certkv_jax.designs.snapkv(0.5, observation_window=-1)
     self.assertEqual(certkv_jax.designs.snapkv(0.5, window=8).observation_window, 8)
     self.assertEqual(certkv_jax.designs.h2o(0.5, window=8).observation_window, 0)
-    self.assertEqual(certkv_jax.designs.by_name("poisson_envelope", 0.5).observation_window, 16)
+    envelope = certkv_jax.registry.make("poisson_envelope", 0.5, n_sink=4, window=16)
+    self.assertEqual(envelope.observation_window, 16)
 
   @pytest.mark.slow  # 56 s cold on the 2-core CI machine (2026-12-01)
   def test_streaming_poisson_design_evicts_with_offsets_and_certificate(self):
@@ -146,8 +200,9 @@ class DecodeTest(absltest.TestCase):
     question = np.array([[5, 6, 7], [8, 9, 10]], np.int32)
     gen = decode.generate_streaming(
         self.params, self.tokens, self.mask, question, np.ones((2, 3), bool),
-        jax.random.PRNGKey(0), config=self.config, capacity=6 + 3 + N_STEPS, n_steps=N_STEPS,
-        chunk=3, design=design, evaluate=True)
+        jax.random.PRNGKey(0), config=self.config,
+        gen=decode.GenerationConfig(n_steps=N_STEPS, design=design, capacity=6 + 3 + N_STEPS,
+                                    chunk=3, evaluate=True))
     caches = gen.caches
     np.testing.assert_array_equal(caches.n_seen[:, :, 0], [[10 + 3 + N_STEPS,
                                                             7 + 3 + N_STEPS]] * 2)
@@ -166,18 +221,18 @@ class DecodeTest(absltest.TestCase):
 
   @pytest.mark.slow  # 82 s cold on the 2-core CI machine (2026-12-01)
   def test_traced_budget_matches_static_budget_with_one_compile(self):
-    kw = dict(config=self.config, capacity=16, n_steps=N_STEPS,
-              evaluate=True)
+    gen = decode.GenerationConfig(n_steps=N_STEPS, capacity=16, evaluate=True)
     key = jax.random.PRNGKey(3)
     jitted = decode.generate.__wrapped__  # the jitted function under the budget check
     for frac in (0.5, 0.3):
-      static = decode.generate(self.params, self.tokens, self.mask, key,
-                               design=certkv_jax.designs.poisson_tail(frac, n_sink=1, window=2),
-                               **kw)
+      static = decode.generate(
+          self.params, self.tokens, self.mask, key, config=self.config,
+          gen=gen.replace(design=certkv_jax.designs.poisson_tail(frac, n_sink=1, window=2)))
       n_compiled = jitted._cache_size()
-      traced = decode.generate(self.params, self.tokens, self.mask, key,
-                               design=certkv_jax.designs.poisson_tail(0.9, n_sink=1, window=2),
-                               budget=frac, **kw)
+      traced = decode.generate(
+          self.params, self.tokens, self.mask, key, config=self.config,
+          gen=gen.replace(design=certkv_jax.designs.poisson_tail(0.9, n_sink=1, window=2)),
+          budget=frac)
       if frac == 0.3:  # the second budget reuses the first budget's compile
         self.assertEqual(jitted._cache_size(), n_compiled)
       for a, b in zip(jax.tree_util.tree_leaves(static), jax.tree_util.tree_leaves(traced)):
@@ -185,9 +240,9 @@ class DecodeTest(absltest.TestCase):
 
   def test_budget_errors_name_the_argument(self):
     design = certkv_jax.designs.poisson_tail(0.5)
-    call = lambda **kw: decode.generate(self.params, self.tokens, self.mask,
-                                        jax.random.PRNGKey(0), config=self.config,
-                                        capacity=16, n_steps=2, **kw)
+    call = lambda budget=None, **kw: decode.generate(
+        self.params, self.tokens, self.mask, jax.random.PRNGKey(0), config=self.config,
+        gen=decode.GenerationConfig(n_steps=2, capacity=16, **kw), budget=budget)
     with self.assertRaisesRegex(ValueError, r"budget must be a fraction in \(0, 1\].*1.5"):
       call(design=design, budget=1.5)
     with self.assertRaisesRegex(ValueError, r"budget must be a fraction in \(0, 1\].*0.0"):
@@ -212,7 +267,7 @@ class DecodeTest(absltest.TestCase):
                                                   design=design, certificate=False,
                                                   shadow=shadow)
       key, sub = jax.random.split(key)
-      caches, shadow = decode._evict(design, caches, shadow, sub, None, None)  # pylint: disable=protected-access
+      caches, shadow, _ = decode.evict_and_record(design, caches, shadow, sub)
     pos, valid = np.asarray(caches.pos), np.asarray(caches.valid)
     record = np.asarray(shadow.log_pi)
     np.testing.assert_array_equal(np.asarray(shadow.pos)[..., :7],
@@ -231,11 +286,10 @@ class DecodeTest(absltest.TestCase):
 
   @pytest.mark.slow  # 85 s cold on the 2-core CI machine (2026-12-01)
   def test_assumption2_ratio_in_evaluation_mode(self):
-    kw = dict(config=self.config, capacity=16, n_steps=N_STEPS,
-              evaluate=True)
-    poisson = decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
-                              design=certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=2),
-                              **kw)
+    gen = decode.GenerationConfig(n_steps=N_STEPS, capacity=16, evaluate=True)
+    poisson = decode.generate(
+        self.params, self.tokens, self.mask, jax.random.PRNGKey(0), config=self.config,
+        gen=gen.replace(design=certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=2)))
     ratio, m, n = (np.asarray(x) for x in (poisson.ratio, poisson.tail_m, poisson.tail_n))
     self.assertEqual(ratio.shape, (N_STEPS, 2, 2, 4))
     self.assertTrue(np.isfinite(ratio).all())
@@ -253,13 +307,14 @@ class DecodeTest(absltest.TestCase):
     self.assertTrue((ratio <= m / 1e-6 * (1 + 1e-4)).all())
     # Deterministic designs sample nothing: T is empty and R = 0.
     snap = decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
-                           design=certkv_jax.designs.snapkv(0.5, window=2), **kw)
+                           config=self.config,
+                           gen=gen.replace(design=certkv_jax.designs.snapkv(0.5, window=2)))
     np.testing.assert_array_equal(snap.ratio, 0.0)
     np.testing.assert_array_equal(snap.tail_n, 0.0)
     # Normal mode: no audit.
     self.assertIsNone(decode.generate(self.params, self.tokens, self.mask,
-                                      jax.random.PRNGKey(0), config=self.config, capacity=16,
-                                      n_steps=2).ratio)
+                                      jax.random.PRNGKey(0), config=self.config,
+                                      gen=decode.GenerationConfig(n_steps=2, capacity=16)).ratio)
 
 
   @pytest.mark.slow  # 177 s cold on the 2-core CI machine (2026-12-01)
@@ -268,17 +323,17 @@ class DecodeTest(absltest.TestCase):
     # every statistic equals the full certificate's; the rest are NaN.
     c = self.config
     self.assertEqual((c.n_layers, c.n_kv_heads, c.group_size), (2, 2, 2))
-    kw = dict(config=c, capacity=16, n_steps=N_STEPS, evaluate=True,
-              return_logits=True, evict_each_step=True,
-              design=certkv_jax.designs.poisson_tail(0.7, n_sink=1, window=1,
-                                                     overflow_prob=0.05))
+    gen = decode.GenerationConfig(
+        n_steps=N_STEPS, capacity=16, evaluate=True, return_logits=True, evict_each_step=True,
+        design=certkv_jax.designs.poisson_tail(0.7, n_sink=1, window=1, overflow_prob=0.05))
     key = jax.random.PRNGKey(3)  # a draw that keeps tail tokens in every (layer, KV head)
-    ref = decode.generate(self.params, self.tokens, self.mask, key, **kw)
+    ref = decode.generate(self.params, self.tokens, self.mask, key, config=c, gen=gen)
     self.assertTrue((np.asarray(ref.var_hat) > 0).any(axis=(0, 2)).all())  # to compare
     fields = ("var_hat", "range_hat", "true_error", "rel_error", "ratio", "tail_m", "tail_n")
     for layers, heads in (((1,), None), (None, (1,)), ((0,), (1, 0))):
-      sub = decode.generate(self.params, self.tokens, self.mask, key, certificate_layers=layers,
-                            certificate_heads=heads, **kw)
+      sub = decode.generate(self.params, self.tokens, self.mask, key, config=c,
+                            gen=gen.replace(certificate_layers=layers,
+                                            certificate_heads=heads))
       np.testing.assert_array_equal(sub.tokens, ref.tokens)
       np.testing.assert_allclose(sub.logits, ref.logits, atol=2e-6)
       chosen = np.zeros((c.n_layers, c.n_heads), bool)  # [layer, query head]
@@ -293,19 +348,23 @@ class DecodeTest(absltest.TestCase):
                                    err_msg=f"{f} {layers} {heads}")
 
   def test_certificate_subsample_errors_name_the_argument(self):
-    call = lambda **kw: decode.generate(self.params, self.tokens, self.mask,
-                                        jax.random.PRNGKey(0), config=self.config,
-                                        capacity=16, n_steps=2, **kw)
+    call = lambda **kw: decode.generate(
+        self.params, self.tokens, self.mask, jax.random.PRNGKey(0), config=self.config,
+        gen=decode.GenerationConfig(n_steps=2, capacity=16, **kw))
     with self.assertRaisesRegex(ValueError, r"certificate_layers must be .* in \[0, 2\).*5"):
       call(certificate_layers=(5,))
     with self.assertRaisesRegex(ValueError, r"certificate_heads must be .*KV head"):
       call(certificate_heads=(0, 0))
     with self.assertRaisesRegex(ValueError, "certificate_layers must be"):
       call(certificate_layers=())
+    # forward_chunk takes a subsample as certificate=Subsample(...), which
+    # certifies; the check itself still refuses heads without the certificate.
     with self.assertRaisesRegex(ValueError, "certificate_heads needs certificate=True"):
+      decode.check_certificate_subsample(self.config, False, None, (0,))
+    with self.assertRaisesRegex(ValueError, r"certificate_layers must be .* in \[0, 2\).*5"):
       decode.forward_chunk(self.params, self.config, self.tokens, self.mask,
-                           decode.init_caches(self.config, 2, 16), certificate=False,
-                           certificate_heads=(0,))
+                           decode.init_caches(self.config, 2, 16),
+                           certificate=Subsample(layers=(5,)))
 
 if __name__ == "__main__":
   absltest.main()

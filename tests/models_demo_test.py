@@ -49,10 +49,10 @@ class DemoTest(absltest.TestCase):
                          n_kv_heads=1, head_dim=16, ffn_dim=64, tie_embeddings=True)
     params = llama.init_params(config, jax.random.PRNGKey(0))
     out = self.create_tempdir().full_path
-    kw = dict(context_len=16, num_examples=1, delta=0.05, seed=0, n_sink=2, window=4,
-              chunk=32)
-    rows = demo.run_demo(params, config, tok, out, ["sink_window", "poisson_tail"],
-                         [0.5], "question_aware", **kw)
+    plan = demo.Plan(designs=("sink_window", "poisson_tail"), budgets=(0.5,),
+                     regime="question_aware", context_len=16, num_examples=1, delta=0.05,
+                     seed=0, n_sink=2, window=4, chunk=32)
+    rows = demo.run_demo(params, config, tok, out, plan)
     self.assertLen(rows, 2)
     for r in rows:
       self.assertEqual(set(r), KEYS)
@@ -76,8 +76,7 @@ class DemoTest(absltest.TestCase):
     self.assertGreater(by["poisson_tail"]["median_ratio"], 0.0)
     self.assertLen(results_io.read_rows(os.path.join(out, "rows.jsonl")), 2)
     # Resume: a rerun with the same output redoes nothing.
-    again = demo.run_demo(params, config, tok, out, ["sink_window", "poisson_tail"],
-                          [0.5], "question_aware", **kw)
+    again = demo.run_demo(params, config, tok, out, plan)
     self.assertEqual(again, rows)
     summary = demo.render_summary(rows, 0.05)
     self.assertIn("poisson_tail", summary)

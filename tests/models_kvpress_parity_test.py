@@ -5,8 +5,8 @@ with kvpress 0.5.5, transformers 5.2.0, torch 2.13.0+cpu (versions also in
 reference.json). kvpress prefilled one fixed 128-token random sequence through
 the tiny random Llama of tests/fixtures/tiny_llama (float32, eager attention)
 under StreamingLLMPress(n_sink=4), SnapKVPress(window_size=16, kernel_size=5),
-SnapKVPress() (defaults: window_size=64, kernel_size=5), TOVAPress, KnormPress and ObservedAttentionPress at compression ratios 0.5 and
-0.75; the fixture holds, per layer and KV head, the positions kept in the
+SnapKVPress() (defaults: window_size=64, kernel_size=5), TOVAPress, KnormPress, ObservedAttentionPress and KeyDiffPress at compression ratios 0.5
+and 0.75; the fixture holds, per layer and KV head, the positions kept in the
 compressed cache and the press's scores. No torch at test time.
 
 Here the same checkpoint and tokens are prefilled with ``models.decode``
@@ -40,6 +40,8 @@ Configurations (``kvpress`` press <-> ours) and the definitional differences:
   definition (4 sinks + most recent). Exact.
 * KnormPress <-> ``designs.key_norm(f)``: same definition (``-||k||`` of the
   post-RoPE key, float32). Exact.
+* KeyDiffPress <-> ``registry.make("keydiff", f)``: same definition (minus the
+  cosine of each key to the mean unit key of the head). Exact.
 * SnapKVPress(window_size=16, kernel_size=5) <-> ``designs.snapkv(f,
   window=16, pool_size=5)``. Same: window always kept; score = observation-
   window attention averaged over the GQA group, average-pooled (kernel 5, zero
@@ -94,6 +96,7 @@ import dataclasses
 import functools
 import json
 import os
+from typing import ClassVar
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -102,6 +105,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from certkv_jax import designs
+from certkv_jax import keydiff
+from certkv_jax import registry
 from certkv_jax import scores
 from models import decode
 from models import hf_loader
@@ -111,7 +116,8 @@ RATIOS = (0.5, 0.75)
 SNAPKV_WINDOW = 16
 SNAPKV_KERNEL = 5
 SNAPKV_DEFAULT_WINDOW = 64  # kvpress's and our default
-NAMES = ("streaming_llm", "snapkv", "snapkv_default", "tova", "knorm", "observed_attention")
+NAMES = ("streaming_llm", "snapkv", "snapkv_default", "tova", "knorm", "observed_attention",
+         "keydiff")
 TIE_RTOL = 1e-6
 
 
@@ -124,6 +130,7 @@ class _KvpressSnapKVScore:
 
   window: int
   pool_size: int
+  reads: ClassVar[frozenset] = frozenset({"obs", "pos"})  # scores.READS
 
   def __call__(self, cache):
     in_window = cache.pos >= cache.n_seen - self.window
@@ -135,6 +142,8 @@ class _KvpressSnapKVScore:
 class _MeanObservedAttention:
   """kvpress's ObservedAttention score: accumulated attention divided by the
   number of (causal) queries that could attend to the token."""
+
+  reads: ClassVar[frozenset] = frozenset({"acc", "pos"})  # scores.READS
 
   def __call__(self, cache):
     n_queries = jnp.maximum(cache.n_seen - cache.pos, 1).astype(jnp.float32)
@@ -154,14 +163,18 @@ def _kvpress_configured(name, fraction, n=128):
   if name == "snapkv_default":  # the window is clipped to the budget (see docstring)
     window = min(SNAPKV_DEFAULT_WINDOW, int(np.floor(fraction * n)))
     return designs.top_k(fraction, _KvpressSnapKVScore(SNAPKV_DEFAULT_WINDOW, SNAPKV_KERNEL),
-                         window=window, name="snapkv"), same
+                         window=window, name="snapkv",
+                         observation_window=SNAPKV_DEFAULT_WINDOW), same
   if name == "streaming_llm":
     return designs.sink_window(fraction, n_sink=4), same
   if name == "knorm":
     return designs.key_norm(fraction), same
+  if name == "keydiff":
+    return registry.make("keydiff", fraction), same
   if name == "snapkv":
     return designs.top_k(fraction, _KvpressSnapKVScore(SNAPKV_WINDOW, SNAPKV_KERNEL),
-                         window=SNAPKV_WINDOW, name="snapkv"), same
+                         window=SNAPKV_WINDOW, name="snapkv",
+                         observation_window=SNAPKV_WINDOW), same
   if name == "tova":
     return designs.tova(fraction, window=1), _mean_last_over_kv_heads
   if name == "observed_attention":
@@ -178,6 +191,7 @@ def _as_is(name, fraction):
       "snapkv_default": lambda: designs.snapkv(fraction),
       "tova": lambda: designs.tova(fraction, window=1),
       "observed_attention": lambda: designs.h2o(fraction),
+      "keydiff": lambda: registry.make("keydiff", fraction),
   }[name]()
 
 
@@ -215,7 +229,7 @@ def _evict(design, caches):
 
 def _kept_positions(design, caches):
   """[layers][kv_heads] sorted kept positions (batch row 0)."""
-  _, info = _evict(design, caches)
+  _, _, info = _evict(design, caches)
   kept = np.asarray(info.kept)[:, 0]
   pos = np.asarray(caches.pos)[:, 0]
   return [[np.sort(pos[l, h][kept[l, h]]) for h in range(kept.shape[1])]
@@ -310,6 +324,8 @@ class KvpressParityTest(parameterized.TestCase):
     lift = lambda f, cc: jax.vmap(jax.vmap(f))(cc)
     knorm = np.asarray(lift(scores.KeyNorm(), c))
     np.testing.assert_allclose(knorm, ref[f"knorm_{ratio}/scores"], rtol=1e-5, atol=0)
+    kd = np.asarray(lift(keydiff.KeyDiff(), c))
+    np.testing.assert_allclose(kd, ref[f"keydiff_{ratio}/scores"], rtol=1e-5, atol=1e-6)
     mean_obs = np.asarray(lift(_MeanObservedAttention(), c))
     np.testing.assert_allclose(mean_obs, ref[f"observed_attention_{ratio}/scores"], rtol=1e-5,
                                atol=0)
@@ -339,8 +355,9 @@ class KvpressParityTest(parameterized.TestCase):
     self.assertTrue((w.max(-1) - w.min(-1) <= TIE_RTOL * np.abs(w).max(-1)).all())
     design = designs.snapkv(0.25)  # window 64, pool 5: kvpress's defaults
     self.assertEqual(design.certain.window, SNAPKV_DEFAULT_WINDOW)
-    _, info = _evict(design, caches)
+    _, state, info = _evict(design, caches)
     self.assertTrue((np.asarray(info.target) == 32).all())
+    np.testing.assert_array_equal(state.n_over_budget, 1)  # counted as over budget
     self.assertTrue((np.asarray(info.certain).sum(-1) == SNAPKV_DEFAULT_WINDOW).all())
     for per_head in _kept_positions(design, caches):
       for mine in per_head:
@@ -372,6 +389,7 @@ class KvpressParityTest(parameterized.TestCase):
           f"(layer, KV head): {counts}")
     self.assertEqual(sum(counts["streaming_llm"]), 0)
     self.assertEqual(sum(counts["knorm"]), 0)
+    self.assertEqual(sum(counts["keydiff"]), 0)
     self.assertGreater(sum(counts["tova"]), 0)  # per-group vs all-heads average
     self.assertGreater(sum(counts["observed_attention"]), 0)  # sum vs mean
 

@@ -80,14 +80,17 @@ class SmolLM2DesignsTest(parameterized.TestCase):
       prompt = jnp.concatenate([ctx, q], axis=1)
       return decode.generate(self.params, prompt, jnp.ones(prompt.shape, bool),
                              jax.random.PRNGKey(0), config=self.config,
-                             capacity=prompt.shape[1] + N_STEPS, n_steps=N_STEPS,
-                             design=design, evaluate=True,
+                             gen=decode.GenerationConfig(
+                                 n_steps=N_STEPS, design=design,
+                                 capacity=prompt.shape[1] + N_STEPS, evaluate=True),
                              budget=budget)
     return decode.generate_streaming(
         self.params, ctx, jnp.ones(ctx.shape, bool), q, jnp.ones(q.shape, bool),
         jax.random.PRNGKey(0), config=self.config,
-        capacity=ctx.shape[1] // 2 + 16 + q.shape[1] + N_STEPS, n_steps=N_STEPS, chunk=16,
-        design=design, evaluate=True, budget=budget)
+        gen=decode.GenerationConfig(
+            n_steps=N_STEPS, design=design,
+            capacity=ctx.shape[1] // 2 + 16 + q.shape[1] + N_STEPS, chunk=16, evaluate=True),
+        budget=budget)
 
   @parameterized.parameters(*CASES)
   def test_design(self, name, regime):

@@ -73,7 +73,8 @@ class SmolLM2Test(absltest.TestCase):
     n = 8
     gen = decode.generate(self.params, jnp.asarray([prompt]), jnp.ones((1, len(prompt)), bool),
                           jax.random.PRNGKey(0), config=self.config,
-                          capacity=len(prompt) + n, n_steps=n, return_logits=True)
+                          gen=decode.GenerationConfig(n_steps=n, capacity=len(prompt) + n,
+                                                      return_logits=True))
     text = self.tok.decode(gen.tokens[0])
     self.assertIn("Paris", text)  # measured: " Paris.\n\nThe answer is:"
     # Cached decoding (certkv caches, offset attention) equals the full forward

@@ -39,13 +39,15 @@ TIMEOUT_S = 300
 def _problem():
   """The tiny model and prompts both sides run (deterministic)."""
   from certkv_jax import designs  # pylint: disable=import-outside-toplevel
+  from models import decode  # pylint: disable=import-outside-toplevel
   config = test_util.tiny_config()
   params = test_util.tiny_params(config, seed=1)
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, config.vocab_size, (2, 20)).astype(np.int32)
   mask = np.arange(20)[None] < np.array([[20], [15]])
-  kwargs = dict(config=config, capacity=24, n_steps=3, return_logits=True,
-                design=designs.poisson_tail(0.5, n_sink=2, window=3), evict_each_step=True)
+  kwargs = dict(config=config, gen=decode.GenerationConfig(
+      n_steps=3, design=designs.poisson_tail(0.5, n_sink=2, window=3), capacity=24,
+      evict_each_step=True, return_logits=True))
   return params, tokens, mask, kwargs
 
 

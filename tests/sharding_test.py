@@ -84,6 +84,8 @@ def _compare_generation(test, got, want, logits_atol=2e-5):
     np.testing.assert_allclose(np.asarray(getattr(gc, name)), np.asarray(getattr(wc, name)),
                                atol=2e-5, rtol=1e-5, err_msg=name)
   test.assertEqual(int(np.sum(np.asarray(wc.n_dropped))), 0)
+  for name, a, b in zip(want.design_state._fields, got.design_state, want.design_state):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)  # the counters
 
 
 def _check_cache_bytes(test, caches, mesh):
@@ -119,10 +121,13 @@ def _random_caches(seed, lead=(2, 2, 4), cap=16, d=8):
 
 
 class _SquaredKeySum:
-  """A score ``certkv_jax.distributed`` does not know: eviction gathers keys and
-  values whole. (Its values can then differ from one device's in the last bit --
-  the reduction is compiled for other shapes -- which moves a Poisson
-  probability by an ulp; with a top-k tail only exact ties could differ.)"""
+  """A score ``certkv_jax.distributed`` does not know, reading whole keys
+  (``reads``): eviction gathers keys and values whole. (Its values can then
+  differ from one device's in the last bit -- the reduction is compiled for
+  other shapes -- which moves a Poisson probability by an ulp; with a top-k
+  tail only exact ties could differ.)"""
+
+  reads = frozenset({"k"})  # scores.READS
 
   def __call__(self, cache):
     return jnp.sum(cache.k.astype(jnp.float32) ** 2, axis=-1)
@@ -223,9 +228,9 @@ class ShardedChildTest(parameterized.TestCase):
     assert jax.device_count() >= N_DEVICES, jax.devices()
     cls.params = llama.init_params(CONFIG, jax.random.PRNGKey(1))
     cls.tokens, cls.mask = _prompts(8, 20, CONFIG.vocab_size)
-    cls.kwargs = dict(config=CONFIG, capacity=24, n_steps=3, return_logits=True,
-                      design=designs.poisson_tail(0.5, n_sink=2, window=3),
-                      evict_each_step=True)
+    cls.kwargs = dict(config=CONFIG, gen=decode.GenerationConfig(
+        n_steps=3, design=designs.poisson_tail(0.5, n_sink=2, window=3), capacity=24,
+        evict_each_step=True, return_logits=True))
     cls.key = jax.random.PRNGKey(7)
     cls.ref = decode.generate(cls.params, cls.tokens, cls.mask, cls.key, **cls.kwargs)
 
@@ -272,13 +277,14 @@ class ShardedChildTest(parameterized.TestCase):
     caches = _random_caches(0)
     key = jax.random.PRNGKey(5)
     evict = jax.jit(decode.evict, static_argnums=0)
-    want_c, want_i = evict(design, caches, key)
+    want_c, want_s, want_i = evict(design, caches, key)
     sharded = distributed.shard_caches(caches, mesh)
     with jax.set_mesh(mesh):
-      got_c, got_i = evict(design, sharded, key)
+      got_c, got_s, got_i = evict(design, sharded, key)
     self.assertTrue(bool(jnp.any(want_i.evicted)))
-    for name, a, b in zip(want_c._fields + want_i._fields, tuple(got_c) + tuple(got_i),
-                          tuple(want_c) + tuple(want_i)):
+    for name, a, b in zip(want_c._fields + want_s._fields + want_i._fields,
+                          tuple(got_c) + tuple(got_s) + tuple(got_i),
+                          tuple(want_c) + tuple(want_s) + tuple(want_i)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
     self.assertEqual(got_c.k.sharding.spec, distributed.cache_specs(1).k)
     # Each device's slots stay on it: the shard of device (i, j, s) is the
@@ -291,10 +297,10 @@ class ShardedChildTest(parameterized.TestCase):
     caches = _random_caches(1)
     design = designs.h2o(0.9, window=2)
     evict = jax.jit(decode.evict, static_argnums=0)
-    want = evict(design, caches, jax.random.PRNGKey(2), None, 0.25)
+    want = evict(design, caches, jax.random.PRNGKey(2), budget=0.25)
     with jax.set_mesh(mesh):
-      got = evict(design, distributed.shard_caches(caches, mesh), jax.random.PRNGKey(2), None,
-                  0.25)
+      got = evict(design, distributed.shard_caches(caches, mesh), jax.random.PRNGKey(2),
+                  budget=0.25)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -332,8 +338,9 @@ class ShardedSmolLM2ChildTest(absltest.TestCase):
     mask = np.zeros((2, length), bool)
     for i, x in enumerate(ids):
       tokens[i, :len(x)], mask[i, :len(x)] = x, True
-    kwargs = dict(config=config, capacity=2 * length, n_steps=2, return_logits=True,
-                  design=designs.poisson_tail(0.75, n_sink=1, window=2), evict_each_step=True)
+    kwargs = dict(config=config, gen=decode.GenerationConfig(
+        n_steps=2, design=designs.poisson_tail(0.75, n_sink=1, window=2),
+        capacity=2 * length, evict_each_step=True, return_logits=True))
     gen = sharding.generate(mesh, params, tokens, mask, jax.random.PRNGKey(0), **kwargs)
     ref = decode.generate(full, tokens, mask, jax.random.PRNGKey(0), **kwargs)
     # 30 layers and a 49k vocabulary: logits are O(10), reordering grows with depth.

@@ -21,6 +21,7 @@ import pytest
 
 from certkv_jax import cache as cache_lib
 from certkv_jax import designs
+from certkv_jax import registry
 from certkv_jax import sampling
 from models import decode
 from models import hf_loader
@@ -172,7 +173,7 @@ class DesignParityTest(parameterized.TestCase):
     if name == "heavy":
       design = designs.poisson_tail(0.5, n_sink=2, window=3, heavy=5)
     else:
-      design = designs.by_name(name, 0.5, n_sink=2, window=3)
+      design = registry.make(name, 0.5, n_sink=2, window=3)
     for seed in range(3):
       c = _cache(seed)
       key = jax.random.PRNGKey(seed)
@@ -227,7 +228,7 @@ class DecodeStepSortsTest(absltest.TestCase):
       hlo = jax.jit(step).lower(params, caches, tok, jax.random.PRNGKey(0)).compile().as_text()
       return len(re.findall(r"\bsort\(", hlo))
 
-    got = {name: count(designs.by_name(name, 0.25)) for name in SORTS_AFTER}
+    got = {name: count(registry.make(name, 0.25, n_sink=4, window=16)) for name in SORTS_AFTER}
     self.assertEqual(got, SORTS_AFTER)
     for name in SORTS_AFTER:
       self.assertLess(SORTS_AFTER[name], SORTS_BEFORE[name])

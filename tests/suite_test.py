@@ -6,6 +6,7 @@ seconds (its accuracy is meaningless: the suite's numbers come from
 ``python -m experiments.run_all``).
 """
 
+import dataclasses
 import json
 import os
 
@@ -13,14 +14,11 @@ from absl.testing import absltest
 import numpy as np
 import pytest
 
+from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib import overhead
 from experiments.lib import results_io
 from experiments.lib import stats
-from experiments.lib import suite
-from experiments.lib import suite_report
-from experiments.lib import suite_runner
-from experiments.lib import suite_settings
 from experiments.lib import tasks
 from experiments.lib import theorem1
 from experiments.lib.analyses import assumption2
@@ -28,12 +26,16 @@ from experiments.lib.analyses import common
 from experiments.lib.analyses import coverage
 from experiments.lib.analyses import failures
 from experiments.lib.analyses import regimes
+from experiments.lib.suite import report as suite_report
+from experiments.lib.suite import rows as suite_rows
+from experiments.lib.suite import runner as suite_runner
+from experiments.lib.suite import settings as suite_settings
 from models import hf_loader
 from tests import test_util
 
 FIXTURE = test_util.TINY_LLAMA
 
-ROW_KEYS = set(suite.KEY_FIELDS) | {
+ROW_KEYS = set(suite_rows.KEY_FIELDS) | {
     "randomized", "n_steps", "n_prompt_tokens", "answer", "text", "tokens", "correct",
     "mean_logprob", "min_logprob", "unit_seconds", "batch_size", "n_calls", "coverage",
     "sharpness", "mean_err", "max_err", "mean_rel_err", "mean_radius", "err_step_sum_mean",
@@ -95,33 +97,35 @@ class SuiteTest(absltest.TestCase):
     plan["settings"] = {k: tuple(v) if isinstance(v, list) else v
                         for k, v in plan["settings"].items()}
     settings = suite_settings.Settings(model="tiny", **plan["settings"]).check()
-    n_units = len(suite._units(settings))  # pylint: disable=protected-access
+    n_units = len(suite_rows._units(settings))  # pylint: disable=protected-access
     self.assertEqual(n_units, 1 + 2 + 2)  # full; poisson_tail x2 in each regime
-    expected = suite.expected_row_count(settings)
+    expected = suite_rows.expected_row_count(settings)
     logs = []
     text = os.path.join(out, "text.txt")
     with open(text, "w") as f:
       f.write("The quick brown fox jumps over the lazy dog. " * 4)
-    kw = dict(model="tiny", command="test", examples_by_task=self._examples(),
-              log=logs.append, text=text)
+    run = suite_runner.Invocation(model="tiny", command="test", text=text,
+                                  examples_by_task=self._examples())
+    kw = dict(log=logs.append)
     # Interrupted after 2 units: partial rows, no report.
-    res = suite_runner.run_suite(self.params, self.config, self.tok, out, plan, max_units=2, **kw)
+    res = suite_runner.run_suite(self.params, self.config, self.tok, out, plan,
+                                 dataclasses.replace(run, max_units=2), **kw)
     self.assertFalse(res["complete"])
     partial = results_io.read_rows(os.path.join(out, "rows.jsonl"))
     self.assertTrue(0 < len(partial) < expected)
     # Drop the last row (a unit killed half-way), then resume.
     lines = open(os.path.join(out, "rows.jsonl")).read().splitlines(keepends=True)
     results_io.atomic_write_text(os.path.join(out, "rows.jsonl"), "".join(lines[:-1]))
-    res = suite_runner.run_suite(self.params, self.config, self.tok, out, plan, **kw)
+    res = suite_runner.run_suite(self.params, self.config, self.tok, out, plan, run, **kw)
     self.assertTrue(res["complete"])
     rows = results_io.read_rows(os.path.join(out, "rows.jsonl"))
     self.assertLen(rows, expected)
-    keys = [results_io.row_key(r, suite.KEY_FIELDS) for r in rows]
+    keys = [results_io.row_key(r, suite_rows.KEY_FIELDS) for r in rows]
     self.assertLen(set(keys), expected)  # no duplicates
     # The rows of the first run survived unchanged (same key, same draws).
     by_key = dict(zip(keys, rows))
     for r in partial[:-1]:
-      self.assertEqual(by_key[results_io.row_key(r, suite.KEY_FIELDS)], r)
+      self.assertEqual(by_key[results_io.row_key(r, suite_rows.KEY_FIELDS)], r)
     for r in rows:
       self.assertEqual(set(r), ROW_KEYS, r["design"])
       self.assertEqual(set(r["coverage"]), {str(d) for d in suite_settings.DELTAS})
@@ -133,7 +137,7 @@ class SuiteTest(absltest.TestCase):
         self.assertLess(r["mean_err"], 1e-5)
     # Every unit of the rerun was skipped on a third call.
     logs.clear()
-    suite_runner.run_suite(self.params, self.config, self.tok, out, plan, **kw)
+    suite_runner.run_suite(self.params, self.config, self.tok, out, plan, run, **kw)
     self.assertIn("0 of 5 units to run", logs[0])
     self.assertLen(results_io.read_rows(os.path.join(out, "rows.jsonl")), expected)
     report = open(os.path.join(out, "report.md")).read()
@@ -162,10 +166,10 @@ class SuiteTest(absltest.TestCase):
     rows = {}
     for mb in (0, 3):
       out = self.create_tempdir().full_path
-      got = suite.collect(self.params, self.config, self.tok,
-                          suite_settings.Settings(max_batch=mb, **kw), out,
-                          examples_by_task=self._examples(), log=lambda s: None)
-      rows[mb] = {results_io.row_key(r, suite.KEY_FIELDS): r for r in got}
+      got = suite_rows.collect(self.params, self.config, self.tok,
+                               suite_settings.Settings(max_batch=mb, **kw), out,
+                               examples_by_task=self._examples(), log=lambda s: None)
+      rows[mb] = {results_io.row_key(r, suite_rows.KEY_FIELDS): r for r in got}
     self.assertLen(rows[3], 2 * 2 * (1 + 2))
     self.assertEqual(set(rows[0]), set(rows[3]))
     for k, r in rows[0].items():
@@ -179,17 +183,17 @@ class SuiteTest(absltest.TestCase):
   def test_theorem1_deterministic_is_blind(self):
     out = self.create_tempdir().full_path
     exs = self._examples(1)["passkey"]
-    kw = dict(model="tiny", task="passkey", context_len=24, n_draws=1, n_steps=2, n_sink=2,
-              window=4, log=lambda s: None)
-    rows = theorem1.run_theorem1(self.params, self.config, exs, ["snapkv"], 0.5, out, **kw)
+    plan = theorem1.Plan(designs=("snapkv",), budget=0.5, model="tiny", task="passkey",
+                         context_len=24, n_draws=1, n_steps=2, n_sink=2, window=4)
+    rows = theorem1.run_theorem1(self.params, self.config, exs, out, plan, log=lambda s: None)
     self.assertLen(rows, 1)
     r = rows[0]
     self.assertGreater(r["n_perturbed"], 0)
     self.assertTrue(r["kept_set_identical"] and r["retained_identical"]
                     and r["tokens_identical"] and r["radius_identical"], r)
     self.assertNotEqual(r["err_orig"], r["err_pert"])  # ... while the truth moved
-    again = theorem1.run_theorem1(self.params, self.config, exs, ["snapkv"], 0.5, out,
-                                  **kw)
+    again = theorem1.run_theorem1(self.params, self.config, exs, out, plan,
+                                  log=lambda s: None)
     self.assertEqual(again, rows)  # resumed: nothing redone
     self.assertIn("snapkv", theorem1.summarize(rows)["md"])
 
@@ -197,11 +201,10 @@ class SuiteTest(absltest.TestCase):
   def test_overhead_rows(self):
     out = self.create_tempdir().full_path
     exs = self._examples(1)["passkey"]
-    rows = overhead.run_overhead(self.params, self.config, exs, out, model="tiny",
-                                 budget=0.5, n_steps=2, repeats=2,
-                                 configs=("full", "randomized+certificate",
-                                          "randomized+certificate/layers+heads"),
-                                 log=lambda s: None)
+    plan = overhead.Plan(model="tiny", budget=0.5, n_steps=2, repeats=2,
+                         configs=("full", "randomized+certificate",
+                                  "randomized+certificate/layers+heads"))
+    rows = overhead.run_overhead(self.params, self.config, exs, out, plan, log=lambda s: None)
     self.assertEqual([r["config"] for r in rows], ["full", "randomized+certificate",
                                                    "randomized+certificate/layers+heads"])
     full, cert, sub = rows
@@ -216,10 +219,11 @@ class SuiteTest(absltest.TestCase):
     self.assertLen({r["timing_session"] for r in rows}, 1)
     self.assertTrue(overhead.interleaved(cert, full))
     with self.assertRaisesRegex(ValueError, "configs"):
-      overhead.run_overhead(self.params, self.config, exs, out, model="tiny",
-                            configs=("nope",))
+      overhead.run_overhead(self.params, self.config, exs, out,
+                            overhead.Plan(model="tiny", configs=("nope",)))
     with self.assertRaisesRegex(ValueError, "repeats"):
-      overhead.run_overhead(self.params, self.config, exs, out, model="tiny", repeats=0)
+      overhead.run_overhead(self.params, self.config, exs, out,
+                            overhead.Plan(model="tiny", repeats=0))
 
   def test_script_flags_and_errors(self):
     with self.assertRaisesRegex(ValueError, "--designs"):
@@ -433,14 +437,14 @@ def _suite_rows(settings):
   """Hand-made rows of every (unit, budget, task, example) of ``settings``."""
   rng = np.random.default_rng(0)
   rows = []
-  for regime, design, run in suite._units(settings):  # pylint: disable=protected-access
-    for budget in suite.unit_budgets(settings, design):
+  for regime, design, run in suite_rows._units(settings):  # pylint: disable=protected-access
+    for budget in suite_rows.unit_budgets(settings, design):
       for task in settings.tasks:
         for ex in range(settings.num_examples):
           err = rng.uniform(0.0, 1.0, 5)
-          row = suite.row_fields(settings, task, regime, design, budget, run, ex)
+          row = suite_rows.row_fields(settings, task, regime, design, budget, run, ex)
           row.update(
-              randomized=suite.is_randomized(design), correct=bool((ex + run) % 2),
+              randomized=design_defaults.is_randomized(design), correct=bool((ex + run) % 2),
               tokens=[1, 2 + (ex + run) % 2], cert_score=float(ex), cert_sub_mean=float(ex),
               mean_logprob=-float(ex), err_step_sum_mean=float(ex),
               coverage={str(d): float(ex % 2) for d in settings.deltas}, sharpness=1.5,
@@ -467,11 +471,11 @@ class RerenderTest(absltest.TestCase):
                 validity=None, damage=None)
     settings = suite_settings.Settings(model="tiny", **plan["settings"]).check()
     rows = _suite_rows(settings)
-    self.assertLen(rows, suite.expected_row_count(settings))
+    self.assertLen(rows, suite_rows.expected_row_count(settings))
     with self.assertRaisesRegex(ValueError, r"rows.jsonl has 0 of \d+ suite rows.*overhead"):
       suite_runner.rerender_report(out, plan, model="tiny", log=lambda s: None)
     for r in rows:
-      results_io.JsonlResults(os.path.join(out, "rows.jsonl"), suite.KEY_FIELDS).add(r)
+      results_io.JsonlResults(os.path.join(out, "rows.jsonl"), suite_rows.KEY_FIELDS).add(r)
     ms = {c: np.arange(1.0, 8.0) * f for c, f in zip(overhead.ALL_CONFIGS,
                                                      (1.0, 1.0, 1.5, 1.2, 1.1, 1.1, 1.1))}
     for r in _timed_rows(ms):

@@ -45,7 +45,7 @@ def tiny_hf_dir(directory, chars=LOWER_CHARS, lowercase=False):
   """Writes the tiny Llama fixture with a character-level ``tokenizer.json`` to ``directory``.
 
   A Hugging Face-style model directory (config, weights, tokenizer, BOS added),
-  loadable by ``experiments.lib.suite.load_model`` like any real one.
+  loadable by ``experiments.lib.model_loading.load_model`` like any real one.
 
   Args:
     directory: an existing directory; the files are written into it.

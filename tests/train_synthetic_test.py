@@ -11,9 +11,10 @@ import pytest
 from experiments.lib import results_io
 from experiments.lib import train_synthetic
 
-SMALL = dict(batch=16, n_pairs=4, n_keys=16, n_values=16, layers=2, hidden=32, heads=4,
-             kv_heads=2, lr=1e-2, checkpoint_every=5, log_every=1, seed=3,
-             schedule_steps=40)  # one learning-rate schedule: one compile for all tests
+# One learning-rate schedule: one compile for all tests.
+SMALL = train_synthetic.Settings(batch=16, n_pairs=4, n_keys=16, n_values=16, layers=2,
+                                 hidden=32, heads=4, kv_heads=2, lr=1e-2, checkpoint_every=5,
+                                 log_every=1, seed=3, schedule_steps=40)
 
 
 class TrainSyntheticTest(absltest.TestCase):
@@ -35,7 +36,7 @@ class TrainSyntheticTest(absltest.TestCase):
 
   def test_loss_decreases(self):
     out = self.create_tempdir().full_path
-    train_synthetic.train(out, 40, **SMALL)
+    train_synthetic.train(out, 40, SMALL)
     rows = results_io.read_rows(os.path.join(out, "loss.jsonl"))
     self.assertEqual([r["step"] for r in rows], list(range(1, 41)))
     first = np.mean([r["loss"] for r in rows[:5]])
@@ -45,11 +46,11 @@ class TrainSyntheticTest(absltest.TestCase):
   @pytest.mark.slow  # 35 s cold on the 2-core CI machine (2026-12-01)
   def test_kill_and_resume_equals_one_run(self):
     n = 6
-    one = train_synthetic.train(self.create_tempdir().full_path, 2 * n, **SMALL)
+    one = train_synthetic.train(self.create_tempdir().full_path, 2 * n, SMALL)
     out = self.create_tempdir().full_path
-    half = train_synthetic.train(out, 2 * n, stop_after=n, **SMALL)  # "killed" after n steps
+    half = train_synthetic.train(out, 2 * n, SMALL, stop_after=n)  # "killed" after n steps
     self.assertEqual(int(half["step"]), n)
-    resumed = train_synthetic.train(out, 2 * n, **SMALL)  # restores step n, runs n more
+    resumed = train_synthetic.train(out, 2 * n, SMALL)  # restores step n, runs n more
     self.assertEqual(int(resumed["step"]), 2 * n)
     rows = results_io.read_rows(os.path.join(out, "loss.jsonl"))
     self.assertEqual([r["step"] for r in rows], list(range(1, 2 * n + 1)))  # none lost/repeated

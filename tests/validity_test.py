@@ -1,4 +1,4 @@
-"""The validity study (experiments.lib.validity*) and the calibrate command, on tiny models."""
+"""The validity study (experiments.lib.validity) and the calibrate command, on tiny models."""
 
 import json
 import os
@@ -14,10 +14,10 @@ import pytest
 from certkv_jax import robust_calibration
 from certkv_jax import signals as signals_lib
 from experiments.lib import model_loading
-from experiments.lib import validity
-from experiments.lib import validity_calls
-from experiments.lib import validity_collect
-from experiments.lib import validity_report
+from experiments.lib.validity import calls as validity_calls
+from experiments.lib.validity import collect as validity_collect
+from experiments.lib.validity import report as validity_report
+from experiments.lib.validity import run as validity_run
 from models import decode
 from tests import test_util
 
@@ -108,9 +108,9 @@ class SignalsInGenerationTest(absltest.TestCase):
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 40), 2, config.vocab_size)
     mask = np.ones((2, 40), bool)
     gen = decode.generate(params, tokens, mask, jax.random.PRNGKey(1), config=config,
-                          capacity=48, n_steps=3, design=designs.poisson_tail(0.5, n_sink=2,
-                                                                              window=4),
-                          evaluate=True)
+                          gen=decode.GenerationConfig(
+                              n_steps=3, design=designs.poisson_tail(0.5, n_sink=2, window=4),
+                              capacity=48, evaluate=True))
     shape = gen.var_hat.shape  # [steps, layers, batch, heads]
     for k in signals_lib.Signals._fields:
       if k in ("var_hat", "range_hat"):
@@ -122,8 +122,9 @@ class SignalsInGenerationTest(absltest.TestCase):
     self.assertTrue(np.all(ess >= 1.0 - 1e-4))
     self.assertTrue(np.all(np.asarray(gen.range_ratio) <= 1.0 + 1e-4))
     plain = decode.generate(params, tokens, mask, jax.random.PRNGKey(1), config=config,
-                            capacity=48, n_steps=3,
-                            design=designs.poisson_tail(0.5, n_sink=2, window=4))
+                            gen=decode.GenerationConfig(
+                                n_steps=3, design=designs.poisson_tail(0.5, n_sink=2, window=4),
+                                capacity=48))
     self.assertIsNone(plain.ess)  # normal mode computes no signals
     np.testing.assert_array_equal(plain.tokens, gen.tokens)
 
@@ -142,7 +143,7 @@ class ValidityEndToEndTest(absltest.TestCase):
     out = self.create_tempdir().full_path
     plan = _plan()
     logs = []
-    summary = validity.run(*self.model, plan, out, text=TEXT, log=logs.append)
+    summary = validity_run.run(*self.model, plan, out, text=TEXT, log=logs.append)
     with open(os.path.join(out, "summary.json")) as f:
       on_disk = json.load(f)
     self.assertEqual(on_disk["default"]["design"], "poisson_tail")
@@ -176,17 +177,17 @@ class ValidityEndToEndTest(absltest.TestCase):
                    regime="streaming", budget=0.25, delta=0.05)
     # A rerun resumes: nothing left to run, the same cells.
     logs.clear()
-    again = validity.run(*self.model, plan, out, text=TEXT, log=logs.append)
+    again = validity_run.run(*self.model, plan, out, text=TEXT, log=logs.append)
     self.assertIn("0 of 4 units to run", logs[0])
     self.assertEqual(again["cells"], summary["cells"])
     # Another plan in the same directory is an error, not a silent mix.
     with self.assertRaisesRegex(ValueError, "another plan"):
-      validity.run(*self.model, _plan(n_steps=3), out, text=TEXT, log=logs.append)
+      validity_run.run(*self.model, _plan(n_steps=3), out, text=TEXT, log=logs.append)
     # A pad group grows the run: only its units run, and the analysis takes them in.
     logs.clear()
-    grown = validity.run(*self.model, _plan(groups_at=((64, ("kv_retrieval",),
-                                                        ("poisson_tail",)),)),
-                         out, text=TEXT, log=logs.append)
+    grown = validity_run.run(*self.model, _plan(groups_at=((64, ("kv_retrieval",),
+                                                            ("poisson_tail",)),)),
+                             out, text=TEXT, log=logs.append)
     self.assertIn("2 of 6 units to run", logs[0])
     self.assertEqual(grown["default"]["calibrated_on"], ["kv_retrieval", "passkey", "text"])
     raw = lambda cells: [c for c in cells if c["radius"] == "raw" and c["data"] != "kv_retrieval"]

@@ -35,6 +35,7 @@ Rows go to ``--out/rows.jsonl`` atomically as they finish; a rerun skips them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
@@ -45,11 +46,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from certkv_jax import budgets as budgets_lib
+from certkv_jax import caches as caches_lib
 from certkv_jax import certificate
-from certkv_jax import designs
 from certkv_jax import diagnostics
+from certkv_jax import eviction
+from experiments.lib import design_defaults
 from experiments.lib import results_io
+from experiments.lib.suite import rows as suite_rows
 from models import decode
+from models import forward
 from models import gguf_loader
 from models import memory
 
@@ -64,18 +70,46 @@ INSTRUCTION = ("There is a pass key hidden inside a lot of irrelevant text. Find
                "remember it.\n\n")
 QUESTION = "\n\nWhat is the pass key?"
 ANSWER_PREFIX = "The pass key is"
-DESIGNS = ("full", "sink_window", "h2o", "tova", "snapkv", "key_norm", "uniform_random",
-           "poisson_tail", "attention_proportional")
+REGIMES = ("question_aware", "streaming")
 
 
-def make_design(name: str, budget: float, n_sink: int, window: int):
-  """None for 'full'; else the named design at a fractional budget."""
-  if name == "full":
-    return None
-  try:
-    return designs.by_name(name, budget, n_sink, window)
-  except ValueError as err:
-    raise ValueError(f"--designs: {err} (or 'full')") from err
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What the demo runs (the flags of ``experiments/demo_smollm2.py``)."""
+
+  designs: tuple = ("snapkv", "poisson_tail")  # names of design_defaults.names(); ("all",)
+  budgets: tuple = (0.125, 0.25, 0.5)
+  regime: str = "question_aware"  # a regime of REGIMES, or "both" (question_aware first)
+  context_len: int = 256
+  num_examples: int = 4
+  delta: float = 0.05
+  seed: int = 0
+  n_sink: int = design_defaults.N_SINK
+  window: int = design_defaults.WINDOW
+  chunk: int = 64
+
+  @property
+  def design_names(self) -> tuple:
+    """The designs to run (``("all",)``: every one of ``design_defaults.names()``)."""
+    return design_defaults.names() if list(self.designs) == ["all"] else tuple(self.designs)
+
+  @property
+  def regimes(self) -> tuple:
+    return REGIMES if self.regime == "both" else (self.regime,)
+
+  def check(self) -> "Plan":
+    known = design_defaults.names()
+    for d in self.design_names:
+      if d not in known:
+        raise ValueError(f"--designs: unknown design {d!r}; choose from {list(known)} "
+                         "(or 'all')")
+    for b in self.budgets:
+      if not 0.0 < float(b) <= 1.0:
+        raise ValueError(f"--budgets entries must be in (0, 1], got {b}")
+    if self.regime not in REGIMES + ("both",):
+      raise ValueError(f"--regime must be one of {list(REGIMES) + ['both']}, got "
+                       f"{self.regime!r}")
+    return self
 
 
 def make_examples(tok, n: int, context_len: int, seed: int):
@@ -117,11 +151,6 @@ def answer_correct(text: str, key: str) -> bool:
   return "".join(re.findall(r"\d", text))[:KEY_DIGITS] == key
 
 
-def _last_logits(logits, mask):
-  """[batch, vocab] logits at each row's last real token (as in ``generate``)."""
-  return logits[jnp.arange(logits.shape[0]), jnp.sum(mask, axis=1) - 1]
-
-
 def _timed(fn, *args):
   """(result, seconds) of a compiled call, blocking on the result."""
   t0 = time.perf_counter()
@@ -152,19 +181,21 @@ def ratio_summary(err, radius, ratio) -> dict:
               n_calls_r_gt_1=int(high.sum()))
 
 
-def run_one(params, config, tok, examples, design_name: str, budget: float, regime: str, *,
-            delta: float, seed: int, n_sink: int, window: int, chunk: int,
+def run_one(params, config, tok, examples, plan: Plan, design_name: str, budget: float,
             compiled: dict | None = None) -> dict:
-  """One (design, budget) over a batch of examples; returns the result row.
+  """One (design, budget) of ``plan.regime`` over a batch of examples; returns the row.
 
   The design is built at budget 1.0 and the run's budget is passed as the
   traced ``budget`` argument of ``models.decode``, so that the compiled
   programs (kept in ``compiled``, keyed by design, regime and capacity) serve
-  every budget of a design in the question-aware regime (its capacity does not
-  depend on the budget); streaming capacities are sized per budget.
+  every budget of a design whose caches have the same capacity
+  (``certkv_jax.budgets.capacity``: in the question-aware regime the prompt,
+  whatever the budget, unless the kept tokens plus the answer exceed it).
   """
-  design = make_design(design_name, 1.0, n_sink, window)
+  regime, delta, seed, chunk = plan.regime, plan.delta, plan.seed, plan.chunk
+  design = design_defaults.make_design(design_name, 1.0, plan.n_sink, plan.window)
   b_arg = None if design is None else jnp.float32(budget)
+  sizing = None if design is None else budget
   compiled = {} if compiled is None else compiled
   ctx, ctx_mask = _pad([c for c, _, _ in examples])
   qst, q_mask = _pad([q for _, q, _ in examples])
@@ -172,32 +203,36 @@ def run_one(params, config, tok, examples, design_name: str, budget: float, regi
   batch = len(examples)
   if regime == "question_aware":
     prompt, p_mask = _pad([c + q for c, q, _ in examples])
-    capacity = prompt.shape[1] + (N_STEPS if design is None else 0)
-    static = dict(config=config, capacity=capacity, n_steps=N_STEPS, design=design,
-                  evaluate=True)
-    gen_fn = jax.jit(lambda p, k, b: decode.generate(p, prompt, p_mask, k, budget=b, **static))
+    capacity = budgets_lib.capacity(design, n_context=prompt.shape[1], n_steps=N_STEPS,
+                                    budget=sizing)
+    gen_cfg = decode.GenerationConfig(n_steps=N_STEPS, design=design, evaluate=True,
+                                      capacity=capacity)
+    gen_fn = jax.jit(lambda p, k, b: decode.generate(p, prompt, p_mask, k, config=config,
+                                                     gen=gen_cfg, budget=b))
 
-    def prefill(p, k, b):
-      shadow = decode.init_caches(config, batch, prompt.shape[1] + N_STEPS)
-      logits, caches, _, shadow = decode.forward_chunk(
-          p, config, prompt, p_mask, decode.init_caches(config, batch, capacity),
+    def prefill(p, k, b):  # generate() up to the first decode step
+      shadow = caches_lib.init_caches(config, batch, prompt.shape[1] + N_STEPS)
+      logits, caches, _, shadow = forward.forward_chunk(
+          p, config, prompt, p_mask, caches_lib.init_caches(config, batch, capacity),
           design=design, certificate=False, shadow=shadow)
+      state = None
       if design is not None:
-        caches, shadow = decode._evict(design, caches, shadow, jax.random.split(k)[1], None, b)  # pylint: disable=protected-access
-      return _last_logits(logits, p_mask), caches, shadow
+        caches, shadow, state = eviction.evict_and_record(
+            design, caches, shadow, jax.random.split(k)[1], budget=b)
+      return suite_rows.last_logits(logits, p_mask), caches, shadow, state
     n_prompt = int(p_mask.sum())
     full_tokens = prompt.shape[1] + N_STEPS
   else:
     n_ctx = ctx.shape[1]
     n_chunks = -(-n_ctx // chunk)
-    if design is None:  # everything, nothing more
-      capacity = n_chunks * chunk + qst.shape[1] + N_STEPS
-    else:  # the kept tokens plus the next chunk (appended before it is evicted)
-      capacity = int(np.floor(budget * n_ctx)) + chunk + qst.shape[1] + N_STEPS
-    static = dict(config=config, capacity=capacity, n_steps=N_STEPS, chunk=chunk,
-                  design=design, evaluate=True)
-    gen_fn = jax.jit(lambda p, k, b: decode.generate_streaming(p, ctx, ctx_mask, qst, q_mask, k,
-                                                               budget=b, **static))
+    # the kept tokens plus the next chunk (appended before it is evicted), then the
+    # question and the answer; without a design, everything
+    capacity = budgets_lib.capacity(design, n_context=n_ctx, n_question=qst.shape[1],
+                                    n_steps=N_STEPS, chunk=chunk, budget=sizing)
+    gen_cfg = decode.GenerationConfig(n_steps=N_STEPS, design=design, evaluate=True,
+                                      capacity=capacity, chunk=chunk)
+    gen_fn = jax.jit(lambda p, k, b: decode.generate_streaming(
+        p, ctx, ctx_mask, qst, q_mask, k, config=config, gen=gen_cfg, budget=b))
 
     def prefill(p, k, b):  # generate_streaming up to the first decode step
       pad = n_chunks * chunk - n_ctx
@@ -205,29 +240,31 @@ def run_one(params, config, tok, examples, design_name: str, budget: float, regi
           batch, n_chunks, chunk).swapaxes(0, 1)
 
       def feed(carry, xs):
-        caches, shadow, k = carry
-        _, caches, _, shadow = decode.forward_chunk(p, config, xs[0], xs[1], caches,
-                                                    design=design, certificate=False,
-                                                    shadow=shadow)
+        caches, shadow, state, k = carry
+        _, caches, _, shadow = forward.forward_chunk(p, config, xs[0], xs[1], caches,
+                                                     design=design, certificate=False,
+                                                     shadow=shadow)
         k, sub = jax.random.split(k)
         if design is not None:
-          caches, shadow = decode._evict(design, caches, shadow, sub, None, b)  # pylint: disable=protected-access
-        return (caches, shadow, k), None
-      shadow = decode.init_caches(config, batch, n_chunks * chunk + qst.shape[1] + N_STEPS)
-      (caches, shadow, k), _ = jax.lax.scan(
-          feed, (decode.init_caches(config, batch, capacity), shadow, k),
-          (as_chunks(ctx), as_chunks(ctx_mask)))
-      logits, caches, _, shadow = decode.forward_chunk(
+          caches, shadow, state = eviction.evict_and_record(design, caches, shadow, sub,
+                                                            state=state, budget=b)
+        return (caches, shadow, state, k), None
+      caches = caches_lib.init_caches(config, batch, capacity)
+      state = None if design is None else eviction.init_state(design, caches)
+      shadow = caches_lib.init_caches(config, batch, n_chunks * chunk + qst.shape[1] + N_STEPS)
+      (caches, shadow, state, k), _ = jax.lax.scan(
+          feed, (caches, shadow, state, k), (as_chunks(ctx), as_chunks(ctx_mask)))
+      logits, caches, _, shadow = forward.forward_chunk(
           p, config, qst, q_mask, caches, design=design, certificate=False, shadow=shadow)
-      return _last_logits(logits, q_mask), caches, shadow
+      return suite_rows.last_logits(logits, q_mask), caches, shadow, state
     n_prompt = int(ctx_mask.sum() + q_mask.sum())
     full_tokens = n_chunks * chunk + qst.shape[1] + N_STEPS
 
-  def decode_steps(p, first_logits, caches, shadow, k):
-    # The decode loop generate() runs after its prefill (same arguments), timed
-    # on its own; k matches generate's key after the prefill's split.
-    return decode._decode_loop(p, config, caches, shadow, first_logits,  # pylint: disable=protected-access
-                               k, N_STEPS, design, False, False)
+  def decode_steps(p, first_logits, caches, shadow, state, k, b):
+    # The decode loop generate() runs after its prefill (same arguments), timed on its
+    # own; k matches generate's key after the prefill's split.
+    return decode.decode_from(p, decode.DecodeCarry(caches, shadow, state, k), first_logits,
+                              config=config, gen=gen_cfg, budget=b)
 
   t0 = time.perf_counter()
   slot = (design_name, regime, capacity, batch)
@@ -237,7 +274,7 @@ def run_one(params, config, tok, examples, design_name: str, budget: float, regi
   gen_c, prefill_c = compiled[slot]["gen"], compiled[slot]["prefill"]
   compile_s = time.perf_counter() - t0
   gen, t_gen = _timed(gen_c, params, key, b_arg)
-  (first_logits, caches, shadow), t_prefill = _timed(prefill_c, params, key, b_arg)
+  (first_logits, caches, shadow, state), t_prefill = _timed(prefill_c, params, key, b_arg)
   k_decode = jax.random.split(key)[0] if regime == "question_aware" else None
   if k_decode is None:  # streaming: one split per chunk
     k_decode = key
@@ -245,11 +282,12 @@ def run_one(params, config, tok, examples, design_name: str, budget: float, regi
       k_decode = jax.random.split(k_decode)[0]
   t0 = time.perf_counter()
   if "decode" not in compiled[slot]:
-    compiled[slot]["decode"] = jax.jit(decode_steps).lower(params, first_logits, caches,
-                                                           shadow, k_decode).compile()
+    compiled[slot]["decode"] = jax.jit(decode_steps).lower(
+        params, first_logits, caches, shadow, state, k_decode, b_arg).compile()
   decode_c = compiled[slot]["decode"]
   compile_s += time.perf_counter() - t0
-  split_gen, t_decode = _timed(decode_c, params, first_logits, caches, shadow, k_decode)
+  split_gen, t_decode = _timed(decode_c, params, first_logits, caches, shadow, state, k_decode,
+                               b_arg)
   # The separately timed prefill + decode reproduce generate()'s tokens.
   same_tokens = bool(np.array_equal(np.asarray(split_gen.tokens), np.asarray(gen.tokens)))
 
@@ -289,39 +327,39 @@ def run_one(params, config, tok, examples, design_name: str, budget: float, regi
   }
 
 
-def run_demo(params, config, tok, out: str, design_names, budgets, regime: str, *,
-             context_len: int, num_examples: int, delta: float, seed: int, n_sink: int = 4,
-             window: int = 16, chunk: int = 64) -> list[dict]:
-  """Runs every (design, budget) not yet in ``out/rows.jsonl``; returns all rows."""
-  if list(design_names) == ["all"]:
-    design_names = list(DESIGNS)
-  for d in design_names:
-    if d not in DESIGNS:
-      raise ValueError(f"--designs: unknown design {d!r}; choose from {list(DESIGNS)}")
+def run_demo(params, config, tok, out: str, plan: Plan) -> list[dict]:
+  """Runs every (regime, design, budget) of ``plan`` not yet in ``out/rows.jsonl``
+  (regimes in :attr:`Plan.regimes` order); returns the rows of ``plan``'s regimes."""
+  plan.check()
   results = results_io.JsonlResults(os.path.join(out, "rows.jsonl"),
                                     ("regime", "design", "budget", "context_len",
                                      "num_examples", "seed"))
-  examples = make_examples(tok, num_examples, context_len, seed)
-  units = [(d, b) for d in design_names for b in (budgets if d != "full" else [1.0])]
-  common = dict(regime=regime, context_len=context_len, num_examples=num_examples, seed=seed)
-  todo = [u for u in units if not results.has(design=u[0], budget=u[1], **common)]
-  progress = results_io.Progress(len(units), len(units) - len(todo))
-  logging.info("%d runs to do, %d already in %s", len(todo), len(units) - len(todo),
-               results.path)
+  examples = make_examples(tok, plan.num_examples, plan.context_len, plan.seed)
+  budgets = [float(b) for b in plan.budgets]
+  rows = []
   compiled = {}  # one set of compiled programs per (design, regime, capacity)
-  for design_name, budget in todo:
-    row = run_one(params, config, tok, examples, design_name, budget, regime, delta=delta,
-                  seed=seed, n_sink=n_sink, window=window, chunk=chunk, compiled=compiled)
-    row.update(context_len=context_len, seed=seed)
-    results.add(row)
-    msg = (f"{progress.step()} {regime}/{design_name}@{budget}: acc {row['accuracy']:.2f} "
-           f"err {row['mean_true_error']:.4f} cov {row['coverage']:.3f} "
-           f"median R {_fmt(row['median_ratio'], '.2f')} "
-           f"prefill {row['prefill_tokens_per_s']:.0f} tok/s decode "
-           f"{row['decode_tokens_per_s']:.1f} tok/s")
-    logging.info(msg)
-    print(msg, flush=True)
-  rows = [r for r in results.rows if all(r.get(k) == v for k, v in common.items())]
+  for regime in plan.regimes:
+    units = [(d, b) for d in plan.design_names
+             for b in (budgets if d != design_defaults.FULL else [1.0])]
+    common = dict(regime=regime, context_len=plan.context_len,
+                  num_examples=plan.num_examples, seed=plan.seed)
+    todo = [u for u in units if not results.has(design=u[0], budget=u[1], **common)]
+    progress = results_io.Progress(len(units), len(units) - len(todo))
+    logging.info("%d runs to do, %d already in %s", len(todo), len(units) - len(todo),
+                 results.path)
+    for design_name, budget in todo:
+      row = run_one(params, config, tok, examples, dataclasses.replace(plan, regime=regime),
+                    design_name, budget, compiled)
+      row.update(context_len=plan.context_len, seed=plan.seed)
+      results.add(row)
+      msg = (f"{progress.step()} {regime}/{design_name}@{budget}: acc {row['accuracy']:.2f} "
+             f"err {row['mean_true_error']:.4f} cov {row['coverage']:.3f} "
+             f"median R {_fmt(row['median_ratio'], '.2f')} "
+             f"prefill {row['prefill_tokens_per_s']:.0f} tok/s decode "
+             f"{row['decode_tokens_per_s']:.1f} tok/s")
+      logging.info(msg)
+      print(msg, flush=True)
+    rows += [r for r in results.rows if all(r.get(k) == v for k, v in common.items())]
   return rows
 
 
@@ -362,28 +400,16 @@ def render_summary(rows, delta: float) -> str:
   return "\n".join(lines) + "\n"
 
 
-def run_and_report(*, out: str, design_names, budgets, regime: str, context_len: int,
-                   num_examples: int, delta: float, seed: int, n_sink: int, window: int,
-                   chunk: int) -> str:
-  """The command: every (design, budget) of ``regime`` ('both': question_aware then
-  streaming) on SmolLM2; writes ``out/rows.jsonl`` and ``out/summary.md``, prints the
-  summary and the total time, and returns the summary."""
-  fractions = []
-  for v in budgets:
-    f = float(v)
-    if not 0.0 < f <= 1.0:
-      raise ValueError(f"--budgets entries must be in (0, 1], got {v}")
-    fractions.append(f)
+def run_and_report(plan: Plan, *, out: str) -> str:
+  """The command: every (design, budget) of ``plan`` in its regimes on SmolLM2; writes
+  ``out/rows.jsonl`` and ``out/summary.md``, prints the summary and the total time, and
+  returns the summary."""
+  plan.check()
   t0 = time.time()
   params, config, tok = gguf_loader.load_smollm2()
   logging.info("loaded SmolLM2 in %.1fs", time.time() - t0)
-  regimes = (["question_aware", "streaming"] if regime == "both" else [regime])
-  rows = []
-  for r in regimes:
-    rows += run_demo(params, config, tok, out, design_names, fractions, r,
-                     context_len=context_len, num_examples=num_examples, delta=delta,
-                     seed=seed, n_sink=n_sink, window=window, chunk=chunk)
-  summary = render_summary(rows, delta)
+  rows = run_demo(params, config, tok, out, plan)
+  summary = render_summary(rows, plan.delta)
   results_io.atomic_write_text(os.path.join(out, "summary.md"), summary)
   print(summary)
   print(f"total {time.time() - t0:.0f}s")

@@ -176,8 +176,8 @@ def load_longbench(path: str, tokenizer, *, max_examples: Optional[int] = None,
 
 def load_ruler(path: str, tokenizer, *, max_examples: Optional[int] = None,
                max_context_tokens: Optional[int] = None, truncate: Optional[str] = None,
-               metric: str = "all", question_sep: str = "\n", use_chat: bool = True,
-               task: str = "ruler") -> list[Example]:
+               metric: str = "all", question_sep: str = "\n",
+               use_chat: bool = True) -> list[Example]:
   """RULER-style JSONL as examples (see the module docstring).
 
   Args:
@@ -189,7 +189,8 @@ def load_ruler(path: str, tokenizer, *, max_examples: Optional[int] = None,
     metric: ``"all"`` (string_match_all) or ``"part"`` (string_match_part).
     question_sep: where an ``input``-only record is split (its last occurrence).
     use_chat: wrap the prompt in the tokenizer's chat template, if it has one.
-    task: the examples' task name.
+
+  The examples' task is ``"ruler"``.
   """
   _check_options(max_context_tokens, truncate)
   if metric not in ("all", "part"):
@@ -219,7 +220,7 @@ def load_ruler(path: str, tokenizer, *, max_examples: Optional[int] = None,
     q = query + suffix + answer_prefix
     meta = {"line": lineno, "index": rec["index"], "length": rec["length"], "split": split,
             "truncation": trunc, "n_context_tokens": len(ids)}
-    out.append(Example(ids, list(tokenizer.encode(q, add_bos=False)), outputs[0], task, meta,
+    out.append(Example(ids, list(tokenizer.encode(q, add_bos=False)), outputs[0], "ruler", meta,
                        outputs, "ruler_all" if metric == "all" else "ruler_part"))
   return out
 

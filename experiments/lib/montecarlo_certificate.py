@@ -12,20 +12,21 @@ The command: ``python -m experiments.montecarlo_certificate --out=/tmp/mc``.
 Rows are written atomically as they finish; a rerun skips finished rows.
 """
 
+import dataclasses
 import os
 import time
 
 from absl import logging
 import jax
 
-from certkv_jax import designs as designs_lib
 from certkv_jax import montecarlo
+from experiments.lib import design_defaults
 from experiments.lib import results_io
 
 
 def make_design(name: str, budget: int, n_sink: int, window: int):
   try:
-    return designs_lib.by_name(name, budget, n_sink, window)
+    return design_defaults.make_design(name, budget, n_sink, window)
   except ValueError as err:
     raise ValueError(f"--designs: {err}") from err
 
@@ -40,24 +41,41 @@ def _fractions(values, flag):
   return out
 
 
-def run_and_report(*, out: str, context_len: int, head_dim: int, budgets, deltas, designs,
-                   problems, regimes, num_trials: int, n_sink: int, window: int,
-                   seed: int) -> str:
-  """The command: one row per (problem, regime, design, budget) not yet in
-  ``out/rows.jsonl``, then ``out/summary.md``; prints and returns the summary.
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What :func:`run_and_report` runs (the flags of ``experiments/montecarlo_certificate.py``).
   ``budgets`` and ``deltas``: fractions in (0, 1) (strings or numbers)."""
-  budgets = _fractions(budgets, "budgets")
-  deltas = _fractions(deltas, "deltas")
-  for p in problems:
+
+  context_len: int = 512  # tokens in the synthetic context
+  head_dim: int = 16  # key and value dimension
+  budgets: tuple = (0.125, 0.25, 0.5)  # fractions of the context
+  deltas: tuple = (0.01, 0.05, 0.1, 0.2)  # certificate miss probabilities
+  designs: tuple = ("sink_window", "h2o", "tova", "snapkv", "key_norm", "uniform_random",
+                    "poisson_tail", "poisson_flat", "attention_proportional")
+  problems: tuple = ("gaussian", "spike")
+  regimes: tuple = ("question_aware", "streaming")
+  num_trials: int = 2000  # draws per randomized design
+  n_sink: int = design_defaults.N_SINK
+  window: int = design_defaults.WINDOW
+  seed: int = 0
+
+
+def run_and_report(plan: Plan, *, out: str) -> str:
+  """The command: one row per (problem, regime, design, budget) of ``plan`` not yet in
+  ``out/rows.jsonl``, then ``out/summary.md``; prints and returns the summary."""
+  budgets = _fractions(plan.budgets, "budgets")
+  deltas = _fractions(plan.deltas, "deltas")
+  context_len, head_dim, seed = plan.context_len, plan.head_dim, plan.seed
+  for p in plan.problems:
     if p not in ("gaussian", "spike"):
       raise ValueError(f"--problems: unknown problem {p!r}")
-  for r in regimes:
+  for r in plan.regimes:
     if r not in ("question_aware", "streaming"):
       raise ValueError(f"--regimes: unknown regime {r!r}")
   results = results_io.JsonlResults(os.path.join(out, "rows.jsonl"),
                                     ("problem", "regime", "design", "budget"))
-  units = [(p, r, d, b) for p in problems for r in regimes
-           for d in designs for b in budgets]
+  units = [(p, r, d, b) for p in plan.problems for r in plan.regimes
+           for d in plan.designs for b in budgets]
   todo = [u for u in units if not results.has(problem=u[0], regime=u[1], design=u[2],
                                               budget=u[3])]
   progress = results_io.Progress(len(units), len(units) - len(todo))
@@ -69,8 +87,8 @@ def run_and_report(*, out: str, context_len: int, head_dim: int, budgets, deltas
         jax.random.fold_in(key, 0), n=context_len, d=head_dim, dv=head_dim,
         q_scale=1.0, spikes=3 if problem_name == "spike" else 0, n_history=8)
     budget = int(frac * context_len)
-    design = make_design(design_name, budget, n_sink, window)
-    n = num_trials if design.randomized else 1
+    design = make_design(design_name, budget, plan.n_sink, plan.window)
+    n = plan.num_trials if design.randomized else 1
     keys = jax.random.split(jax.random.fold_in(key, 1), n)
     t0 = time.time()
     o, trials = montecarlo.run_trials(problem, design, keys,

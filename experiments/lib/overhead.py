@@ -14,20 +14,18 @@ rotated by r; ms/step is the median over rounds):
   per-call variance and range statistics and the per-step radius sum.
 
 The evicted caches are compacted to the capacity a deployment would allocate
-(``floor(budget n) + n_steps`` slots, the kept tokens gathered to the front by
-``certkv_jax.cache.compact``; before 2026-12-01 this cut slots [0, capacity)
-as if eviction packed the kept tokens there, which it does not: the timings of
-``experiments/results/overhead_long`` were of caches of the right size holding
-the wrong tokens). The caches come from one prefill
+(``certkv_jax.budgets.capacity(..., compacted=True)``: the kept tokens,
+gathered to the front by ``certkv_jax.cache.compact``, plus the decoded
+ones). The caches come from one prefill
 without design statistics, evicted by each design (its scores are then
 uninformative): what is kept does not change the cost of a step, only the
 capacity and the design's per-step work do.
 
 * ``randomized+certificate/layers``: the certificate on every 4th layer only
-  (``certificate_layers``; the other layers skip the second-order sums via a
+  (``certified_attention.Subsample(layers=...)``; the other layers skip the second-order sums via a
   ``lax.cond`` in the layer scan);
 * ``randomized+certificate/heads``: the certificate on the first KV head's
-  query heads only (``certificate_heads``);
+  query heads only (``Subsample(heads=...)``);
 * ``randomized+certificate/layers+heads``: both (about 1/12 of the calls on
   SmolLM2: 8 of 30 layers x 1 of 3 KV heads).
 
@@ -37,11 +35,11 @@ evicts with and which (layer, KV head) calls carry the certificate.
 A subsampled score is the Horvitz-Thompson sum of the computed radii (their
 sum divided by the fraction of calls computed). What such a subsample is
 worth as a failure score is measured on the collection side
-(``cert_sub_mean`` of ``experiments.lib.suite``).
+(``cert_sub_mean`` of ``experiments.lib.suite.rows``).
 
 Ratios (``summarize``): the median over rounds of the per-round ratio of two
 configurations' times, with its order-statistic interval
-(``stats.intervals.median_interval``, as ``experiments.lib.bench_kernels``):
+(``stats.intervals.median_interval``, as ``experiments.lib.bench.kernels``):
 a drift of the shared machine hits both sides of a round alike and cancels.
 Rows written before the rounds were interleaved (no ``timing_session``) timed
 one configuration after another; their ratios are ratios of medians with a
@@ -57,7 +55,6 @@ The command: ``python -m experiments.exp_overhead --out=/tmp/overhead``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from typing import Optional
@@ -67,16 +64,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from certkv_jax import budgets
 from certkv_jax import cache as cache_lib
+from certkv_jax import caches as caches_lib
 from certkv_jax import certificate
+from certkv_jax import certified_attention
+from certkv_jax import eviction
+from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib import plots
 from experiments.lib import results_io
-from experiments.lib import suite
-from experiments.lib import suite_settings
 from experiments.lib import tasks
 from experiments.lib.stats import intervals
-from models import decode
+from experiments.lib.suite import rows as suite_rows
+from models import forward
 from models import memory
 
 LAYER_STRIDE = 4  # the layer-subsampled certificate: layers 0, 4, 8, ...
@@ -106,7 +107,7 @@ class TimedConfig:
     return "poisson_tail" if self.randomized else deterministic
 
   def subsample(self, model_config):
-    """``(certificate_layers, certificate_heads, fraction of calls)`` on ``model_config``."""
+    """``(layers, KV heads, fraction of calls)`` certified on ``model_config`` (None: all)."""
     layers = heads = None
     frac = 1.0
     if self.layer_stride is not None:
@@ -137,58 +138,83 @@ ALL_CONFIGS = tuple(c.name for c in TIMED_CONFIGS)  # the names rows and ``confi
 BY_NAME = {c.name: c for c in TIMED_CONFIGS}
 
 
-def run_overhead(params, config, examples, out_dir: str, *, model: str, budget: float = 0.25,
-                 deterministic: str = "snapkv", n_steps: int = 16, repeats: int = 5,
-                 seed: int = 0, configs=ALL_CONFIGS, log=print) -> list[dict]:
-  """One row per configuration in ``configs`` (a subset of :data:`ALL_CONFIGS`; resumable)."""
-  bad = sorted(set(configs) - set(ALL_CONFIGS))
-  if bad:
-    raise ValueError(f"configs: unknown {bad}; choose from {list(ALL_CONFIGS)}")
-  if not isinstance(repeats, int) or repeats < 1:
-    raise ValueError(f"repeats (timed rounds) must be an int >= 1, got {repeats!r}")
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What :func:`run_overhead` times (and the rows' keys)."""
+
+  model: str = model_loading.DEFAULT_MODEL  # the name in rows (the command: the --model spec)
+  budget: float = 0.25
+  deterministic: str = "snapkv"  # the design of the ``deterministic`` configuration
+  n_steps: int = 16
+  repeats: int = 5
+  seed: int = 0
+  configs: tuple = ALL_CONFIGS  # a subset of ALL_CONFIGS
+
+  def check(self) -> "Plan":
+    bad = sorted(set(self.configs) - set(ALL_CONFIGS))
+    if bad:
+      raise ValueError(f"configs: unknown {bad}; choose from {list(ALL_CONFIGS)}")
+    if not isinstance(self.repeats, int) or self.repeats < 1:
+      raise ValueError(f"repeats (timed rounds) must be an int >= 1, got {self.repeats!r}")
+    if self.deterministic not in design_defaults.names(randomized=False):
+      raise ValueError(f"--deterministic must be a deterministic design, got "
+                       f"{self.deterministic!r}")
+    return self
+
+
+def run_overhead(params, config, examples, out_dir: str, plan: Plan, *,
+                 log=print) -> list[dict]:
+  """One row per configuration in ``plan.configs`` (resumable)."""
+  plan.check()
+  budget, n_steps, seed = plan.budget, plan.n_steps, plan.seed
   results = results_io.JsonlResults(os.path.join(out_dir, "overhead_rows.jsonl"), KEY_FIELDS)
-  prompt, mask = suite.pad_batch([e.context_ids + e.question_ids for e in examples])
+  prompt, mask = suite_rows.pad_batch([e.context_ids + e.question_ids for e in examples])
   batch, plen = prompt.shape
-  common = dict(model=model, budget=float(budget), batch=batch, prompt_len=plen,
+  common = dict(model=plan.model, budget=float(budget), batch=batch, prompt_len=plen,
                 n_steps=n_steps, seed=seed)
+  configs = plan.configs
   todo = [c for c in configs if not results.has(config=c, **common)]
   if not todo:
     return [r for r in results.rows if all(r.get(k) == v for k, v in common.items())]
-  full_cap = plen + n_steps
+  full_cap = budgets.capacity(None, n_context=plen, n_steps=n_steps)
 
   @jax.jit
   def prefill(p):
-    logits, caches, _, _ = decode.forward_chunk(
-        p, config, prompt, mask, decode.init_caches(config, batch, full_cap), certificate=False)
-    return decode._last_logits(logits, mask), caches  # pylint: disable=protected-access
+    logits, caches, _, _ = forward.forward_chunk(
+        p, config, prompt, mask, caches_lib.init_caches(config, batch, full_cap),
+        certificate=False)
+    return suite_rows.last_logits(logits, mask), caches
 
   first, full_caches = prefill(params)
-  small_cap = int(math.floor(budget * plen)) + n_steps
   progress = results_io.Progress(len(configs), len(configs) - len(todo))
   prepared = {}  # name -> (compiled, caches, row fields)
   for name in todo:
     timed = BY_NAME[name]
-    design_name = timed.design_name(deterministic)
-    design = suite.make_design(design_name, budget, 4, 16)
+    design_name = timed.design_name(plan.deterministic)
+    design = design_defaults.make_design(design_name, budget)
     with_cert = timed.certificate
     cert_layers, cert_heads, cert_frac = timed.subsample(config)
     caches = full_caches
     if design is not None:
-      caches, _ = jax.jit(lambda c, k, d=design: decode.evict(d, c, k))(
-          full_caches, jax.random.PRNGKey(seed))
+      caches, _, _ = eviction.evict(design, full_caches, jax.random.PRNGKey(seed))
+      # What a deployment allocates after eviction: the kept tokens, compacted
+      # to the front, plus the decoded ones (no prefill in this cache).
+      small_cap = budgets.capacity(design, n_context=plen, n_steps=n_steps, compacted=True)
       caches = cache_lib.compact(caches, small_cap)
+    certify = (certified_attention.Subsample(cert_layers, cert_heads) if with_cert
+               else False)
 
-    def steps(p, first_logits, caches, design=design, with_cert=with_cert,
-              sub=(cert_layers, cert_heads, cert_frac)):
+    def steps(p, first_logits, caches, design=design, certify=certify, with_cert=with_cert,
+              frac=cert_frac):
       def step(carry, _):
         caches, logits = carry
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        new_logits, caches, st, _ = decode.forward_chunk(
+        new_logits, caches, st, _ = forward.forward_chunk(
             p, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
-            certificate=with_cert, certificate_layers=sub[0], certificate_heads=sub[1])
+            certificate=certify)
         # Horvitz-Thompson: the computed radii (NaN elsewhere) over the fraction computed.
         score = (jnp.nansum(certificate.radius_from_stats(st.var_hat, st.range_hat, 0.05))
-                 / sub[2] if with_cert else jnp.float32(0.0))
+                 / frac if with_cert else jnp.float32(0.0))
         return (caches, new_logits[:, 0]), (token, score)
       (_, _), (toks, score) = jax.lax.scan(step, (caches, first_logits), None, length=n_steps)
       return toks, score
@@ -208,7 +234,7 @@ def run_overhead(params, config, examples, out_dir: str, *, model: str, budget: 
   # a drift of the machine hits every configuration of a round alike and the per-round
   # ratios (summarize) cancel it.
   times = {name: [] for name in todo}
-  for r in range(repeats):
+  for r in range(plan.repeats):
     for name in todo[r % len(todo):] + todo[:r % len(todo)]:
       compiled, caches, _ = prepared[name]
       t0 = time.perf_counter()
@@ -222,7 +248,7 @@ def run_overhead(params, config, examples, out_dir: str, *, model: str, budget: 
                timing_session=session)
     results.add(row)
     log(f"{progress.step()} overhead/{name}: {row['median_ms']:.1f} ms/step (median of "
-        f"{repeats} interleaved rounds), capacity {row['capacity']}")
+        f"{plan.repeats} interleaved rounds), capacity {row['capacity']}")
   return [r for r in results.rows if all(r.get(k) == v for k, v in common.items())]
 
 
@@ -333,21 +359,16 @@ def summarize(rows, plot_dir=None, seed: int = 0) -> dict:
   return out
 
 
-def run_and_report(*, out: str, model: str, task: str, context_len: int, budget: float,
-                   deterministic: str, num_examples: int, n_steps: int, repeats: int,
-                   seed: int) -> str:
-  """The command: times every configuration on ``num_examples`` prompts of ``task``,
-  writes ``out/overhead_rows.jsonl``, ``out/summary.md`` (and ``overhead.png``);
-  returns the summary's markdown."""
-  if deterministic not in suite_settings.DESIGNS or suite.is_randomized(deterministic) or \
-      deterministic == "full":
-    raise ValueError(f"--deterministic must be a deterministic design, got "
-                     f"{deterministic!r}")
-  params, config, tok = model_loading.load_model(model)
-  exs = tasks.make_task(task, tok, num_examples, context_len, seed)
-  rows = run_overhead(params, config, exs, out, model=model_loading.model_name(model),
-                      budget=budget, deterministic=deterministic, n_steps=n_steps,
-                      repeats=repeats, seed=seed)
+def run_and_report(plan: Plan, *, out: str, task: str, context_len: int,
+                   num_examples: int) -> str:
+  """The command: times every configuration of ``plan`` (``plan.model``: the ``--model``
+  spec) on ``num_examples`` prompts of ``task``, writes ``out/overhead_rows.jsonl``,
+  ``out/summary.md`` (and ``overhead.png``); returns the summary's markdown."""
+  plan.check()
+  params, config, tok = model_loading.load_model(plan.model)
+  exs = tasks.make_task(task, tok, num_examples, context_len, plan.seed)
+  rows = run_overhead(params, config, exs, out,
+                      dataclasses.replace(plan, model=model_loading.model_name(plan.model)))
   s = summarize(rows, out)
   results_io.atomic_write_text(os.path.join(out, "summary.md"), s["md"] + "\n")
   return s["md"]

@@ -9,6 +9,9 @@ from __future__ import annotations
 import random
 from typing import Callable, Optional, Sequence
 
+# The chat template split around the user turn (the generation library's own).
+from models.text.prompt_encoding import chat_parts  # pylint: disable=unused-import
+
 
 FILLER = (
     "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
@@ -21,22 +24,6 @@ NEEDLE_WORDS = (
 )
 SERVICES = ("staging", "billing", "analytics", "backup", "mail", "search", "payments",
             "inventory", "auth", "metrics")
-
-
-def chat_parts(tokenizer, use_chat: bool = True) -> tuple[str, str]:
-  """(prefix, suffix) of the tokenizer's chat template around a user message's
-  content; ``("", "\\n")`` when there is no template (plain text)."""
-  fn = getattr(tokenizer, "apply_chat_template", None) if use_chat else None
-  if fn is None:
-    return "", "\n"
-  try:
-    rendered = fn([{"role": "user", "content": "\x00"}])
-  except ValueError:  # e.g. models.tokenizer.Tokenizer without a template
-    return "", "\n"
-  if not isinstance(rendered, str) or rendered.count("\x00") != 1:
-    raise ValueError("apply_chat_template must return a str containing the user content once")
-  prefix, suffix = rendered.split("\x00")
-  return prefix, suffix
 
 
 class TokenLengths:

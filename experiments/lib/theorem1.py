@@ -26,6 +26,7 @@ The command: ``python -m experiments.exp_theorem1 --out=/tmp/thm1``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -33,13 +34,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from certkv_jax import budgets
+from certkv_jax import caches as caches_lib
 from certkv_jax import certificate
+from certkv_jax import eviction
+from certkv_jax import registry
+from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib import results_io
-from experiments.lib import suite
-from experiments.lib import suite_settings
 from experiments.lib import tasks
+from experiments.lib.suite import rows as suite_rows
 from models import decode
+from models import forward
 
 KEY_FIELDS = ("model", "task", "design", "budget", "example", "draw", "seed", "context_len")
 
@@ -64,49 +70,77 @@ def _rotate(caches, shadow, perturb, key):
   return caches._replace(v=new_v), shadow._replace(v=sh_v)
 
 
-def run_theorem1(params, config, examples, design_names, budget: float, out_dir: str, *,
-                 model: str, task: str, context_len: int, seed: int = 0, n_draws: int = 4,
-                 n_steps: int = 8, n_sink: int = 4, window: int = 16, log=print) -> list[dict]:
-  """Runs the experiment for every (design, example, draw) not yet in ``out_dir``."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What :func:`run_theorem1` runs (and the rows' keys)."""
+
+  designs: tuple = ("snapkv", "h2o", "poisson_tail")
+  budget: float = 0.25
+  model: str = model_loading.DEFAULT_MODEL  # the name in rows (the command: the --model spec)
+  task: str = "passkey"
+  context_len: int = 192
+  seed: int = 0
+  n_draws: int = 4
+  n_steps: int = 8
+  n_sink: int = design_defaults.N_SINK
+  window: int = design_defaults.WINDOW
+
+  def check(self) -> "Plan":
+    for d in self.designs:
+      if d not in registry.names():
+        raise ValueError(f"--designs: {d!r} is not an evicting design; choose from "
+                         f"{list(registry.names())}")
+    return self
+
+
+def run_theorem1(params, config, examples, out_dir: str, plan: Plan, *,
+                 log=print) -> list[dict]:
+  """Runs the experiment for every (design, example, draw) of ``plan`` not yet in
+  ``out_dir``; returns the rows of ``plan``."""
   results = results_io.JsonlResults(os.path.join(out_dir, "theorem1_rows.jsonl"), KEY_FIELDS)
-  prompt, mask = suite.pad_batch([e.context_ids + e.question_ids for e in examples])
+  prompt, mask = suite_rows.pad_batch([e.context_ids + e.question_ids for e in examples])
   batch, plen = prompt.shape
-  common = dict(model=model, task=task, budget=float(budget), seed=seed,
-                context_len=context_len)
-  progress = results_io.Progress(len(design_names))
-  for name in design_names:
-    design = suite.make_design(name, budget, n_sink, window)
-    draws = n_draws if design.randomized else 1
+  budget, n_steps = plan.budget, plan.n_steps
+  common = dict(model=plan.model, task=plan.task, budget=float(budget), seed=plan.seed,
+                context_len=plan.context_len)
+  progress = results_io.Progress(len(plan.designs))
+  for name in plan.designs:
+    design = design_defaults.make_design(name, budget, plan.n_sink, plan.window)
+    draws = plan.n_draws if design.randomized else 1
     if all(results.has(design=name, example=i, draw=k, **common)
            for i in range(batch) for k in range(draws)):
       log(f"{progress.step()} theorem1/{name}: already done")
       continue
     t0 = time.time()
+    capacity = budgets.capacity(design, n_context=plen, n_steps=n_steps, budget=budget)
 
     @jax.jit
     def prefill(p):
-      shadow = decode.init_caches(config, batch, plen + n_steps)
-      logits, caches, _, shadow = decode.forward_chunk(
-          p, config, prompt, mask, decode.init_caches(config, batch, plen), design=design,
-          certificate=False, shadow=shadow)
-      return decode._last_logits(logits, mask), caches, shadow  # pylint: disable=protected-access
+      shadow = caches_lib.init_caches(config, batch, plen + n_steps)
+      logits, caches, _, shadow = forward.forward_chunk(
+          p, config, prompt, mask, caches_lib.init_caches(config, batch, capacity),
+          design=design, certificate=False, shadow=shadow)
+      return suite_rows.last_logits(logits, mask), caches, shadow
 
     @jax.jit
     def evict(caches, shadow, key):
-      new, info = decode.evict(design, caches, key, budget=jnp.float32(budget))
-      return new, decode.record_inclusion(shadow, caches, info), info.evicted
+      new, _, info = eviction.evict(design, caches, key, budget=jnp.float32(budget))
+      return new, eviction.record_inclusion(shadow, caches, info), info.evicted
 
     @jax.jit
     def decode_from(p, first, caches, shadow, key):
-      loop = decode._decode_loop  # pylint: disable=protected-access
-      gen = loop(p, config, caches, shadow, first, key, n_steps, design, False, False)
+      gen = decode.decode_from(p, decode.DecodeCarry(caches, shadow, None, key), first,
+                               config=config,
+                               gen=decode.GenerationConfig(n_steps=n_steps, design=design))
       return gen.tokens, gen.var_hat, gen.range_hat, gen.true_error
 
     first, caches, shadow = prefill(params)
-    assert np.array_equal(np.asarray(caches.pos), np.asarray(shadow.pos[..., :plen]))
-    keys = [jax.random.fold_in(jax.random.PRNGKey(seed), k) for k in range(draws + 1)]
+    assert np.array_equal(np.asarray(caches.pos[..., :plen]),
+                          np.asarray(shadow.pos[..., :plen]))
+    keys = [jax.random.fold_in(jax.random.PRNGKey(plan.seed), k) for k in range(draws + 1)]
     _, _, evicted0 = evict(caches, shadow, keys[0])
-    pert_caches, pert_shadow = _rotate(caches, shadow, evicted0, jax.random.PRNGKey(seed + 1))
+    pert_caches, pert_shadow = _rotate(caches, shadow, evicted0,
+                                       jax.random.PRNGKey(plan.seed + 1))
     for k in range(draws):
       key = keys[k] if not design.randomized else keys[k + 1]
       kept_a, sh_a, _ = evict(caches, shadow, key)
@@ -134,7 +168,7 @@ def run_theorem1(params, config, examples, design_names, budget: float, out_dir:
             coverage_orig=float(np.mean(ea[:, :, i] <= rad_a[:, :, i])),
             coverage_pert=float(np.mean(eb[:, :, i] <= rad_a[:, :, i]))))
     log(f"{progress.step()} theorem1/{name}: {time.time() - t0:.0f}s")
-  want = set(design_names)
+  want = set(plan.designs)
   return [r for r in results.rows if r["design"] in want
           and all(r.get(k) == v for k, v in common.items())]
 
@@ -174,19 +208,15 @@ def summarize(rows) -> dict:
   return out
 
 
-def run_and_report(*, out: str, model: str, task: str, context_len: int, budget: float,
-                   designs, num_examples: int, n_draws: int, seed: int) -> str:
-  """The command: runs :func:`run_theorem1` on ``num_examples`` prompts of ``task``,
-  writes ``out/theorem1_rows.jsonl`` and ``out/summary.md``; returns the summary."""
-  for d in designs:
-    if d not in suite_settings.DESIGNS or d == "full":
-      raise ValueError(f"--designs: {d!r} is not an evicting design; choose from "
-                       f"{[x for x in suite_settings.DESIGNS if x != 'full']}")
-  params, config, tok = model_loading.load_model(model)
-  exs = tasks.make_task(task, tok, num_examples, context_len, seed)
-  rows = run_theorem1(params, config, exs, designs, budget, out,
-                      model=model_loading.model_name(model), task=task,
-                      context_len=context_len, seed=seed, n_draws=n_draws)
+def run_and_report(plan: Plan, *, out: str, num_examples: int) -> str:
+  """The command: runs :func:`run_theorem1` on ``num_examples`` prompts of ``plan.task``
+  (``plan.model``: the ``--model`` spec), writes ``out/theorem1_rows.jsonl`` and
+  ``out/summary.md``; returns the summary."""
+  plan.check()
+  params, config, tok = model_loading.load_model(plan.model)
+  exs = tasks.make_task(plan.task, tok, num_examples, plan.context_len, plan.seed)
+  rows = run_theorem1(params, config, exs, out,
+                      dataclasses.replace(plan, model=model_loading.model_name(plan.model)))
   s = summarize(rows)
   results_io.atomic_write_text(os.path.join(out, "summary.md"), s["md"] + "\n")
   return s["md"]

@@ -21,6 +21,7 @@ The command: ``python -m experiments.train_synthetic --out=/tmp/kv_train --steps
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -122,27 +123,47 @@ def make_train_step(config: LlamaConfig, optimizer, batch: int, n_pairs: int, n_
   return train_step
 
 
-def train(out: str, steps: int, *, batch: int = 32, n_pairs: int = 8, n_keys: int = 64,
-          n_values: int = 64, layers: int = 2, hidden: int = 64, heads: int = 4,
-          kv_heads: int = 2, lr: float = 3e-3, weight_decay: float = 0.01,
-          checkpoint_every: int = 200, log_every: int = 50, seed: int = 0,
-          schedule_steps: int | None = None, stop_after: int | None = None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The task, model and optimisation of :func:`train` (the flags of the same names)."""
+
+  batch: int = 32  # sequences per step
+  n_pairs: int = 8  # key-value pairs per sequence
+  n_keys: int = 64  # key vocabulary size
+  n_values: int = 64  # value vocabulary size
+  layers: int = 2
+  hidden: int = 64
+  heads: int = 4
+  kv_heads: int = 2
+  lr: float = 3e-3  # peak learning rate (adamw, warmup-cosine)
+  weight_decay: float = 0.01
+  checkpoint_every: int = 200
+  log_every: int = 50
+  seed: int = 0
+  # Length of the learning-rate schedule (None: the run's steps); must be the same across
+  # restarts for resumption to be exact.
+  schedule_steps: int | None = None
+
+
+def train(out: str, steps: int, settings: Settings = Settings(), *,
+          stop_after: int | None = None) -> dict:
   """Trains (or resumes) up to ``steps`` steps; returns the final state.
 
   Args:
     out: directory of the checkpoints and the loss log; rerunning with the
       same ``out`` resumes from its latest checkpoint.
     steps: total steps of the run.
-    schedule_steps: length of the learning-rate schedule (default ``steps``);
-      must be the same across restarts for resumption to be exact.
+    settings: the task, model and optimisation (:class:`Settings`).
     stop_after: stop (after checkpointing) once this step is reached, as if
       killed there; for tests of resumption.
-    Other arguments: the flags of the same names.
   """
-  config = task_config(n_keys, n_values, layers, hidden, heads, kv_heads)
-  init, train_step = compiled_step(config, lr, weight_decay, schedule_steps or steps,
+  s = settings
+  batch, n_pairs, n_keys, n_values = s.batch, s.n_pairs, s.n_keys, s.n_values
+  log_every, checkpoint_every = s.log_every, s.checkpoint_every
+  config = task_config(n_keys, n_values, s.layers, s.hidden, s.heads, s.kv_heads)
+  init, train_step = compiled_step(config, s.lr, s.weight_decay, s.schedule_steps or steps,
                                    batch, n_pairs, n_keys, n_values)
-  state = init(seed)
+  state = init(s.seed)
   os.makedirs(out, exist_ok=True)
   manager = ocp.CheckpointManager(
       os.path.abspath(os.path.join(out, "checkpoints")),
@@ -171,13 +192,13 @@ def train(out: str, steps: int, *, batch: int = 32, n_pairs: int = 8, n_keys: in
   return state
 
 
-def train_and_report(out: str, steps: int, *, n_values: int = 64, **kwargs) -> dict:
+def train_and_report(out: str, steps: int, settings: Settings = Settings()) -> dict:
   """The command: :func:`train` (or resume), then prints the loss curve and the chance
-  loss; returns the final state. ``kwargs``: :func:`train`'s other arguments."""
-  state = train(out, steps, n_values=n_values, **kwargs)
+  loss; returns the final state."""
+  state = train(out, steps, settings)
   rows = results_io.read_rows(os.path.join(out, "loss.jsonl"))
   print(f"trained to step {int(state['step'])}; loss curve (step, loss, accuracy):")
   for r in rows:
     print(f"  {r['step']:6d}  {r['loss']:.4f}  {r['accuracy']:.3f}")
-  print(f"chance loss: {np.log(n_values):.4f}")
+  print(f"chance loss: {np.log(settings.n_values):.4f}")
   return state

@@ -8,6 +8,7 @@ from typing import Optional
 
 import numpy as np
 
+from experiments.lib import design_defaults
 from experiments.lib import plots
 from experiments.lib import stats
 from experiments.lib.analyses import common
@@ -20,7 +21,10 @@ def assumption2_analysis(rows, plot_dir: Optional[str] = None) -> dict:
         "per-row samples of raw calls with a non-empty tail.", ""]
   out = {"designs": {}, "claims": [], "plots": []}
   body = []
-  for d in ("poisson_tail", "attention_proportional", "uniform_random", "poisson_flat"):
+  first = ("poisson_tail", "attention_proportional", "uniform_random", "poisson_flat")
+  randomized = first + tuple(d for d in design_defaults.names(randomized=True)
+                             if d not in first)  # every randomized design, these first
+  for d in randomized:
     sel = [r for r in rows if r["design"] == d and r["run"] == 0]
     if not sel:
       continue

@@ -10,8 +10,8 @@ from typing import Optional
 import numpy as np
 
 from experiments.lib import overhead as overhead_lib
-from experiments.lib import suite_report
 from experiments.lib.results_doc import markdown as fmt
+from experiments.lib.suite import report as suite_report
 
 def _loss_table(table, budgets, designs) -> list[list]:
   by = {(r["design"], r["budget"]): r for r in table}

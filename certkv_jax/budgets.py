@@ -1,0 +1,308 @@
+"""Eviction budgets: validated and resolved into each cache's target here.
+
+A design (``certkv_jax.EvictionDesign``) carries one static budget that
+``certkv_jax.eviction.evict`` applies to every (layer, row, KV head) cache. Two
+arguments replace it, and this module is the one place that checks them and
+turns them into targets (tokens kept after eviction):
+
+* ``layer_budgets`` -- a static per-layer schedule (PyramidKV, Cai et al.,
+  2024, gives lower layers more tokens than upper ones): a tuple with one
+  entry per layer, all ``int`` (tokens) or all ``float`` in (0, 1] (fraction
+  of the tokens seen, with the same ``floor(f * n_seen)`` rule as
+  ``certkv_jax.designs.Budget``); :func:`pyramid_budgets` makes one.
+* ``budget`` -- a fraction in (0, 1] of the tokens seen, possibly traced, a
+  scalar or one per batch row, so that one compile serves every budget.
+
+:func:`check_generation_budgets` validates the arguments of a generation
+call once (where a budget is still concrete); :func:`eviction_targets`
+resolves them, inside the jitted eviction, into an int32 target over
+``[n_layers, batch, n_kv_heads]``, vmapped together with the stacked caches;
+each cache then runs the design with its target through :func:`with_target`,
+which swaps the design's static budget for a traced one
+(:class:`TracedBudget`). Everything else about the design (certainty set,
+tail rule, scores) is unchanged, so the same design object serves every
+layer and row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from certkv_jax import designs
+
+Array = jax.Array
+LayerBudgets = tuple  # tuple[int, ...] or tuple[float, ...], one entry per layer
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TracedBudget(designs.Budget):
+  """A budget whose target is an int32 array (possibly traced), not static.
+
+  Only for use inside a trace (it is not hashable by value): ``tokens`` and
+  ``fraction`` are both None, so ``EvictionDesign.init`` skips its static
+  budget-vs-capacity check (:func:`check_layer_budgets` does it instead).
+  """
+
+  value: object = None
+
+  def __post_init__(self):  # the parent's static checks do not apply
+    if self.value is None:
+      raise ValueError("TracedBudget needs a value")
+
+  def target(self, cache) -> Array:
+    del cache
+    return jnp.asarray(self.value, jnp.int32)
+
+
+def with_target(design: designs.EvictionDesign, target) -> designs.EvictionDesign:
+  """``design`` with its budget replaced by the int32 ``target`` (tokens kept)."""
+  return dataclasses.replace(design, budget=TracedBudget(value=target))
+
+
+def check_layer_budgets(layer_budgets: Sequence[Union[int, float]], n_layers: int,
+                        capacity: int | None = None) -> LayerBudgets:
+  """Validates a per-layer schedule; returns it as a tuple.
+
+  Raises:
+    ValueError: wrong length, mixed kinds, an int < 1 or > ``capacity``, or a
+      float outside (0, 1].
+    TypeError: entries that are neither int nor float.
+  """
+  b = tuple(layer_budgets)
+  if len(b) != n_layers:
+    raise ValueError(f"layer_budgets needs one entry per layer ({n_layers}), got {len(b)}")
+  if all(isinstance(x, int) and not isinstance(x, bool) for x in b):
+    for x in b:
+      if x == 1:
+        raise ValueError(f"layer_budgets {b}: {designs.AMBIGUOUS_ONE}")
+      if x < 1:
+        raise ValueError(f"layer_budgets token counts must be >= 1, got {b}")
+      if capacity is not None and x > capacity:
+        raise ValueError(f"layer budget {x} tokens exceeds the cache capacity ({capacity})")
+    return b
+  if all(isinstance(x, float) for x in b):
+    for x in b:
+      if not 0.0 < x <= 1.0:
+        raise ValueError(f"layer_budgets fractions must be in (0, 1], got {b}")
+    return b
+  raise TypeError(f"layer_budgets must be all ints (tokens) or all floats (fractions), got {b}")
+
+
+def check_budget(budget, batch: Optional[int] = None):
+  """A traced-or-concrete budget fraction (scalar or ``[batch]``) as float32.
+
+  Checks the shape always and the range (0, 1] where the value is concrete.
+
+  Args:
+    budget: None, or a fraction of the tokens seen: a float, or float32
+      ``[]`` or ``[batch]`` (one per batch row).
+    batch: the batch size, if known.
+
+  Returns:
+    None, or the budget as a float32 array.
+
+  Raises:
+    ValueError: a wrong shape, an int (this argument is a fraction: ``budget=1``
+      would read as one token elsewhere; write 1.0), or a concrete value
+      outside (0, 1].
+  """
+  if budget is None:
+    return None
+  if (isinstance(budget, int) and not isinstance(budget, bool)) or (
+      hasattr(budget, "dtype") and jnp.issubdtype(budget.dtype, jnp.integer)):
+    raise ValueError(f"budget here is a fraction of the tokens seen (a float in (0, 1]), got "
+                     f"an int ({budget!r}): write it as a float (1.0 keeps everything); a "
+                     "token count goes in the design (e.g. designs.poisson_tail("
+                     "budget=designs.Budget(tokens=n))) or in layer_budgets")
+  b = jnp.asarray(budget, jnp.float32)
+  if b.ndim > 1 or (b.ndim == 1 and batch is not None and b.shape[0] != batch):
+    raise ValueError(f"budget must be a scalar fraction or one per batch row ([{batch}]), "
+                     f"got shape {b.shape}")
+  if not isinstance(b, jax.core.Tracer):
+    bad = [float(x) for x in np.ravel(np.asarray(b)) if not 0.0 < float(x) <= 1.0]
+    if bad:
+      raise ValueError(f"budget must be a fraction in (0, 1] of the tokens seen, got {bad}")
+  return b
+
+
+def check_generation_budgets(design, layer_budgets, budget, *, n_layers: int, capacity: int,
+                             batch: Optional[int] = None) -> Optional[LayerBudgets]:
+  """Validates the design and budget arguments of a generation call.
+
+  Args:
+    design: the eviction design, or None (nothing is evicted).
+    layer_budgets: None, or a per-layer schedule (:func:`check_layer_budgets`).
+    budget: None, or a fraction (:func:`check_budget`).
+    n_layers: the model's number of layers.
+    capacity: cache slots per (layer, row, KV head).
+    batch: the batch size, if known.
+
+  Returns:
+    ``layer_budgets`` as a tuple, or None.
+
+  Raises:
+    ValueError: a budget without a design, both ``layer_budgets`` and
+      ``budget``, or an invalid budget or schedule.
+    TypeError: a schedule with entries that are neither int nor float.
+  """
+  check_budget(budget, batch)
+  if budget is not None:
+    if design is None:
+      raise ValueError("budget needs a design (the design's budget is what it replaces)")
+    if layer_budgets is not None:
+      raise ValueError("give either layer_budgets or budget, not both")
+  if layer_budgets is None:
+    return None
+  if design is None:
+    raise ValueError("layer_budgets needs a design (the design's budget is what they replace)")
+  return check_layer_budgets(layer_budgets, n_layers, capacity)
+
+
+def eviction_targets(n_seen, layer_budgets: Optional[LayerBudgets] = None,
+                     budget=None) -> Optional[Array]:
+  """The target of every cache under ``layer_budgets`` or ``budget``.
+
+  Args:
+    n_seen: [n_layers, batch, n_kv_heads] int32 tokens seen by each cache.
+    layer_budgets: None, or a static per-layer schedule.
+    budget: None, or a (possibly traced) fraction, scalar or ``[batch]``.
+
+  Returns:
+    [n_layers, batch, n_kv_heads] int32 tokens to keep, or None when neither
+    is given (each design keeps its own budget).
+
+  Raises:
+    ValueError: both are given, or either is invalid.
+  """
+  if layer_budgets is None and budget is None:
+    return None
+  if layer_budgets is not None and budget is not None:
+    raise ValueError("give either layer_budgets or budget, not both")
+  n_layers, batch = n_seen.shape[:2]
+  if layer_budgets is not None:
+    return layer_targets(check_layer_budgets(layer_budgets, n_layers), n_seen)
+  frac = check_budget(budget, batch)
+  frac = frac if frac.ndim == 0 else frac[None, :, None]  # rows -> [layers, batch, kv]
+  return fraction_targets(frac, n_seen)
+
+
+def layer_targets(layer_budgets: LayerBudgets, n_seen) -> Array:
+  """int32 targets, shape of ``n_seen`` (``[n_layers, ...]``), from a schedule.
+
+  Fractions follow ``designs.Budget.target``: ``floor(f * n_seen)`` with the
+  same relative guard against float32 rounding.
+  """
+  n_seen = jnp.asarray(n_seen)
+  extra = (1,) * (n_seen.ndim - 1)
+  if isinstance(layer_budgets[0], int):
+    t = jnp.asarray(layer_budgets, jnp.int32).reshape((-1,) + extra)
+    return jnp.broadcast_to(t, n_seen.shape)
+  f = jnp.asarray(layer_budgets, jnp.float32).reshape((-1,) + extra)
+  return jnp.floor(f * n_seen.astype(jnp.float32) * (1.0 + 1e-6)).astype(jnp.int32)
+
+
+def fraction_targets(fraction, n_seen) -> Array:
+  """int32 targets ``floor(fraction * n_seen)`` (shape of ``n_seen``) for one
+  (possibly traced) fraction, with :func:`layer_targets`' rounding guard."""
+  f = jnp.asarray(fraction, jnp.float32)
+  n = jnp.asarray(n_seen).astype(jnp.float32)
+  return jnp.floor(f * n * (1.0 + 1e-6)).astype(jnp.int32)
+
+
+def pyramid_budgets(n_layers: int, mean: Union[int, float], beta: float = 20.0) -> LayerBudgets:
+  """PyramidKV's schedule: linearly decreasing from the first layer to the last.
+
+  The last layer gets ``mean / beta``, the first ``2 mean - mean / beta``, and
+  the layers in between are linear, so the schedule averages ``mean``
+  (PyramidKV's ``k^{L-1} = k_total / (beta L)``, ``k^0 = 2 k_total / L -
+  k^{L-1}``). ``mean`` is a fraction (float in (0, 1]) or a token count (int;
+  entries are rounded down, at least 1, so the mean can fall slightly short).
+
+  Args:
+    n_layers: number of layers (>= 1).
+    mean: the average budget per layer.
+    beta: top-to-mean ratio, > 1 (PyramidKV's default is 20). Larger is steeper.
+
+  Returns:
+    A tuple of ``n_layers`` floats (fractions) or ints (tokens).
+
+  Raises:
+    ValueError: if the first layer's budget would exceed 1 (fractions).
+  """
+  if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+    raise ValueError(f"n_layers must be a positive int, got {n_layers!r}")
+  if not (isinstance(beta, (int, float)) and beta > 1):
+    raise ValueError(f"beta must be > 1, got {beta!r}")
+  is_tokens = isinstance(mean, int) and not isinstance(mean, bool)
+  if is_tokens:
+    if mean < 1:
+      raise ValueError(f"mean token budget must be >= 1, got {mean}")
+  elif not (isinstance(mean, float) and 0.0 < mean <= 1.0):
+    raise ValueError(f"mean must be an int token count or a float fraction in (0, 1], "
+                     f"got {mean!r}")
+  if n_layers == 1:
+    return (mean,)
+  top = mean / beta
+  bottom = 2.0 * mean - top
+  if not is_tokens and bottom > 1.0:
+    raise ValueError(f"pyramid with mean {mean} and beta {beta} gives the first layer "
+                     f"{bottom:.3f} > 1; lower the mean or beta")
+  sched = [bottom - (bottom - top) * i / (n_layers - 1) for i in range(n_layers)]
+  if is_tokens:
+    return tuple(max(1, int(math.floor(x + 1e-9))) for x in sched)
+  return tuple(float(x) for x in sched)
+
+
+def capacity(design, *, n_context: int, n_question: int = 0, n_steps: int = 0,
+             chunk: Optional[int] = None, budget=None, layer_budgets=None,
+             compacted: bool = False) -> int:
+  """Cache slots per (layer, row, KV head) so that no token is dropped: the one
+  capacity rule every caller uses.
+
+  After an eviction at most ``kept = max(floor(b n), certainty set + min_tail)``
+  tokens stay (``b`` the largest budget in force, ``n`` the tokens seen).
+  Question-aware (``chunk`` None): the prompt (``n_context + n_question``)
+  must fit, then the kept tokens plus the decoded ones. Streaming: the kept
+  tokens plus one chunk, then the question and the decoded tokens, never more
+  than every token. Without a design: every token.
+
+  Args:
+    design: the eviction design, or None.
+    n_context: context (question-aware: prompt) tokens per row, padded length.
+    n_question, n_steps: question tokens (streaming) and decoded tokens.
+    chunk: the streaming chunk, or None for question-aware generation.
+    budget: a fraction (float or per-row values) replacing the design's budget.
+    layer_budgets: a per-layer schedule replacing it.
+    compacted: size a cache that holds only what an eviction kept
+      (``cache.compact``) plus the decoded tokens: the prompt need not fit.
+  """
+  n_padded = n_context if chunk is None else -(-n_context // chunk) * chunk
+  total = n_padded + n_question + n_steps
+  if design is None:
+    return total
+  if budget is not None:
+    fractions = [float(np.max(np.asarray(budget)))]
+  elif layer_budgets is not None:
+    fractions = list(layer_budgets)
+  else:
+    b = design.budget
+    fractions = [b.tokens if b.tokens is not None else b.fraction]
+  n_prompt = n_context + (n_question if chunk is None else 0)
+
+  def kept_after(x):
+    # The targets' own floor (designs.Budget.target, float32 with a 1e-6 guard),
+    # with a wider guard so that float64 is never below it.
+    return x if isinstance(x, int) else int(math.floor(x * n_prompt * (1.0 + 2e-6)))
+
+  kept = max(max(kept_after(x) for x in fractions), design.certain.size + design.min_tail)
+  if compacted:
+    return kept + n_question + n_steps
+  if chunk is None:
+    return max(n_prompt, kept + n_steps)
+  return min(total, kept + chunk + n_question + n_steps)

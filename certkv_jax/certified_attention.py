@@ -1,0 +1,269 @@
+"""One layer's attention over its caches, with certificate statistics.
+
+Attention is :func:`certkv_jax.offset_attention` over the kept slots (Hajek
+offsets; exactly softmax attention when nothing is evicted), so its
+certificate statistics (method, section 4's ``V_hat`` and ``b_hat``) come with
+every call. In evaluation mode the same queries also attend over a shadow
+full cache, which gives the truth (the realised error) and the Assumption-2
+audit (method, section 6).
+
+The certificate can be subsampled: by layer (a ``lax.cond`` switches a layer
+to the plain Hajek softmax, skipping the per-slot second-order sums) and by KV
+head. The attention outputs do not depend on the subsample; statistics that
+were not computed are NaN. :func:`attend` is the one entry point, for one
+layer's grouped queries ``[batch, n_kv_heads, group, t, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import certkv_jax
+from certkv_jax import diagnostics
+from certkv_jax import distributed
+from certkv_jax.cache import KVCache
+
+Array = jax.Array
+
+
+class ChunkStats(NamedTuple):
+  """Certificate statistics of one chunk's attention calls (and, in evaluation
+  mode, the truth from the shadow full cache).
+
+  ``certkv_jax.layer.attend`` returns them per layer as ``[batch, n_heads, t]``;
+  ``models.forward.forward_chunk`` returns every field as
+  ``[t, n_layers, batch, n_heads]`` (the axis order of ``Generation``'s
+  ``[n_steps, n_layers, batch, n_heads]``). The shapes below are forward_chunk's.
+  """
+
+  var_hat: Array  # [t, n_layers, batch, n_heads] float32 (method, section 4's V_hat)
+  range_hat: Array  # [t, n_layers, batch, n_heads] float32 (b_hat)
+  true_error: Optional[Array] = None  # [t, n_layers, batch, n_heads] ||o_hat - o||
+  rel_error: Optional[Array] = None  # [t, n_layers, batch, n_heads] ||o_hat - o|| / ||o||
+  # Assumption-2 audit (method, section 6), from the shadow cache's inclusion record:
+  ratio: Optional[Array] = None  # [t, n_layers, batch, n_heads] R = m max_T a_i/(pi_i sum a)
+  tail_m: Optional[Array] = None  # [t, n_layers, batch, n_heads] m = sum_T pi_i
+  tail_n: Optional[Array] = None  # [t, n_layers, batch, n_heads] |T| (tokens with 0<pi<1)
+  # Online warning signals (method, section 10; certkv_jax.signals): functions of the
+  # kept set alone, reported with the truth in evaluation mode so that their value as
+  # predictors of a miss can be measured. Each [t, n_layers, batch, n_heads].
+  ess: Optional[Array] = None  # 1 / sum_S p_i^2
+  max_tail_weight: Optional[Array] = None  # max over kept tail of (1 - pi_i) p_i
+  range_ratio: Optional[Array] = None  # b_hat / sqrt(V_hat)
+  entropy: Optional[Array] = None  # -sum_S p_i log p_i
+  r_hat: Optional[Array] = None  # (kept tail slots) * max over kept tail of p_i
+  tail_mass: Optional[Array] = None  # sum over kept tail of p_i
+
+
+SIGNAL_FIELDS = ("ess", "max_tail_weight", "range_ratio", "entropy", "r_hat", "tail_mass")
+
+
+@dataclasses.dataclass(frozen=True)
+class Subsample:
+  """Certify only these layer / KV-head indices (None = all): static tuples."""
+
+  layers: Optional[tuple] = None
+  heads: Optional[tuple] = None
+
+  def __bool__(self) -> bool:  # a subsample still certifies
+    return True
+
+
+def check_certificate_subsample(config, certificate: bool,
+                                certificate_layers: Optional[tuple],
+                                certificate_heads: Optional[tuple]):
+  """Checks the static certificate subsample.
+
+  Args:
+    config: the model config (its ``n_layers`` and ``n_kv_heads``).
+    certificate: whether the certificate is computed at all.
+    certificate_layers: None, or a non-empty tuple of distinct layer indices.
+    certificate_heads: None, or a non-empty tuple of distinct KV-head indices.
+
+  Returns:
+    The per-layer flags (``[n_layers]`` bool), or None when every layer is
+    certified.
+
+  Raises:
+    ValueError: a subsample without ``certificate``, or bad indices.
+  """
+  for name, value, n, what in (("certificate_layers", certificate_layers, config.n_layers,
+                                "layer"),
+                               ("certificate_heads", certificate_heads, config.n_kv_heads,
+                                "KV head")):
+    if value is None:
+      continue
+    if not certificate:
+      raise ValueError(f"{name} needs certificate=True")
+    if (not isinstance(value, tuple) or not value
+        or not all(isinstance(i, int) and 0 <= i < n for i in value)
+        or len(set(value)) != len(value)):
+      raise ValueError(f"{name} must be a non-empty tuple of distinct {what} indices in "
+                       f"[0, {n}), got {value!r}")
+  if certificate_layers is None:
+    return None
+  return jnp.asarray([i in certificate_layers for i in range(config.n_layers)])
+
+
+def _slots(a):
+  """[b, h_kv, cap, ...] -> [b, h_kv, 1, 1, cap, ...]: broadcast over group and queries."""
+  return a[:, :, None, None]
+
+
+def _mask(cache: KVCache, positions) -> Array:
+  """[b, h_kv, 1, t, cap] bool: valid slots at or before each query's position."""
+  return _slots(cache.valid) & (_slots(cache.pos) <= positions[:, None, None, :, None])
+
+
+def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certificate: bool,
+           with_probs: bool, layer_flag=None, heads: Optional[tuple] = None):
+  """Attention of one layer's grouped queries over its caches.
+
+  On sequence-sharded caches (traced under a mesh, ``certkv_jax.distributed``)
+  every device attends over its slots and the partials are merged with the
+  split-K combine; the certificate cannot be subsampled there.
+
+  Args:
+    qg: [b, h_kv, g, t, d] queries grouped by KV head.
+    cache: one layer's caches, leaves [b, h_kv, cap, ...], holding the chunk.
+    shadow: evaluation mode: the never-evicted caches (same layout), else None.
+    positions: [b, t] int32 positions of the queries.
+    certificate: compute the certificate statistics (``offset_attention``);
+      False computes the same Hajek softmax without them.
+    with_probs: also return the attention probabilities (a design folds them
+      into the slot statistics).
+    layer_flag: traced bool, or None (= True): certify this layer.
+    heads: static KV-head indices to certify, None = all.
+
+  Returns:
+    ``(out [b, h_kv, g, t, d], stats, probs)``: ``stats`` a :class:`ChunkStats`
+    of ``[b, h_kv, g, t]`` arrays (None without ``certificate``), ``probs``
+    ``[b, h_kv, g, t, cap]`` (None unless needed).
+  """
+  if distributed.cache_mesh() is not None:  # per-device partials, split-K combine
+    if certificate and (layer_flag is not None or heads is not None):
+      raise ValueError("certificate_layers / certificate_heads are not supported on a "
+                       "sequence-sharded cache")
+    res = distributed.cache_attention(qg, cache, positions, with_stats=certificate,
+                                      with_probs=with_probs or not certificate)
+    stats = None
+    if certificate:
+      stats = _truth_stats(qg, res.out, shadow, positions,
+                           ChunkStats(res.var_hat, res.range_hat))
+    return res.out, stats, res.probs
+  probs = None
+  if with_probs or not certificate:
+    probs = certkv_jax.attention_probs(qg, _slots(cache.k), _slots(cache.log_pi),
+                                       _mask(cache, positions))
+  if not certificate:  # the same Hajek softmax, without the per-slot statistics
+    return _plain_heads(qg, cache, positions, probs, None), None, probs
+  out, stats = _subsampled(qg, cache, shadow, positions, probs, layer_flag, heads)
+  return out, stats, probs
+
+
+def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, heads):
+  """Offset attention with certificate statistics on the KV heads ``heads`` (static).
+
+  Returns ``(out [b, h, g, t, d], stats)`` for those heads only; ``stats`` holds
+  ``[b, h, g, t]`` arrays (the truth and Assumption-2 audit too in evaluation
+  mode, from the shadow full cache).
+  """
+  take = lambda a: a[:, heads] if heads is not None else a
+  qg, cache = take(qg), jax.tree_util.tree_map(take, cache)
+  shadow = None if shadow is None else jax.tree_util.tree_map(take, shadow)
+  mask = _mask(cache, positions)
+  res = certkv_jax.offset_attention(
+      qg, _slots(cache.k), _slots(cache.v), _slots(cache.log_pi), mask,
+      value_sqnorm=_slots(cache.v_sq))  # out [b, h, g, t, d]
+  stats = _truth_stats(qg, res.out, shadow, positions, ChunkStats(res.var_hat, res.range_hat))
+  if shadow is not None:  # evaluation mode: the warning signals beside the truth
+    probs = certkv_jax.attention_probs(qg, _slots(cache.k), _slots(cache.log_pi), mask)
+    sig = certkv_jax.signals.signals_batched(
+        probs, _slots(jnp.exp(cache.log_pi)), mask, _slots(cache.v.astype(jnp.float32)),
+        res.out.astype(jnp.float32))
+    stats = stats._replace(**{k: getattr(sig, k) for k in SIGNAL_FIELDS})
+  return res.out, stats
+
+
+def _truth_stats(qg, out, shadow: Optional[KVCache], positions, stats: ChunkStats) -> ChunkStats:
+  """Evaluation mode: adds the true error of ``out`` and the Assumption-2 audit
+  (from the shadow full cache, same KV heads as ``qg``) to ``stats``."""
+  if shadow is None:
+    return stats
+  full_mask = _mask(shadow, positions)
+  full = diagnostics.full_attention(qg, _slots(shadow.k), _slots(shadow.v), full_mask)
+  err = diagnostics.attention_error(out, full)
+  # T: context tokens sampled with 0 < pi < 1 in some round (kept or not).
+  pi = _slots(jnp.exp(shadow.log_pi))
+  tail = full_mask & (pi > 0.0) & (pi < 1.0)  # [b, h, 1, t, cap]
+  tail_m = jnp.sum(jnp.where(tail, pi, 0.0), axis=-1)
+  tail_n = jnp.sum(tail, axis=-1).astype(jnp.float32)
+  ratio = diagnostics.assumption2_ratio(qg, _slots(shadow.k), full_mask, tail, pi, tail_m)
+  grouped = lambda a: jnp.broadcast_to(a, stats.var_hat.shape)
+  return stats._replace(true_error=err.abs, rel_error=err.rel, ratio=ratio,
+                        tail_m=grouped(tail_m), tail_n=grouped(tail_n))
+
+
+def _plain_heads(qg, cache: KVCache, positions, probs, heads):
+  """The same Hajek softmax output on KV heads ``heads`` without the certificate's
+  per-slot second-order sums (``probs``: all heads' probabilities, or None)."""
+  take = lambda a: a[:, heads] if heads is not None else a
+  if probs is None:
+    c = jax.tree_util.tree_map(take, cache)
+    probs = certkv_jax.attention_probs(take(qg), _slots(c.k), _slots(c.log_pi),
+                                       _mask(c, positions))
+  else:
+    probs = take(probs)
+  return jnp.einsum("bhgtn,bhnd->bhgtd", probs, take(cache.v).astype(jnp.float32))
+
+
+def _nan_stats(shape, evaluation: bool) -> ChunkStats:
+  """Statistics that were not computed: NaN of ``shape`` in every field in use."""
+  nan = jnp.full(shape, jnp.nan, jnp.float32)
+  if not evaluation:
+    return ChunkStats(nan, nan)
+  return ChunkStats(*([nan] * len(ChunkStats._fields)))
+
+
+def _subsampled(qg, cache, shadow, positions, probs, layer_flag, heads: Optional[tuple]):
+  """Attention output of every head, certificate statistics on a subset.
+
+  ``heads`` (static KV-head indices, None = all) get ``offset_attention`` with
+  its statistics, the others the plain Hajek softmax; ``layer_flag`` (traced
+  bool, or None = True) switches the whole layer between the two with
+  ``lax.cond``, so a skipped layer does no second-order work. Statistics that
+  were not computed are NaN. Returns ``(out [b, h_kv, g, t, d], stats
+  [b, h_kv, g, t])``.
+  """
+  n_kv = qg.shape[1]
+  shape = qg.shape[:-1]  # [b, h_kv, g, t]
+  evaluation = shadow is not None
+  rest = None if heads is None else tuple(h for h in range(n_kv) if h not in heads)
+
+  def certified():
+    out, stats = _certified_heads(qg, cache, shadow, positions, heads)
+    out = out.astype(jnp.float32)  # as the plain branch's
+    if heads is None:
+      return out, stats
+    order = np.argsort(np.asarray(heads + rest))  # back to head order
+    if rest:
+      out = jnp.concatenate([out, _plain_heads(qg, cache, positions, probs, rest)], axis=1)
+    out = out[:, order]
+    fill = _nan_stats(shape[:1] + (len(rest),) + shape[2:], evaluation)
+    stats = jax.tree_util.tree_map(
+        lambda a, f: jnp.concatenate([a, f], axis=1)[:, order], stats, fill)
+    return out, stats
+
+  def plain():
+    return _plain_heads(qg, cache, positions, probs, None), _nan_stats(shape, evaluation)
+
+  if layer_flag is None and heads is None:  # the unsubsampled certificate
+    return _certified_heads(qg, cache, shadow, positions, None)
+  if layer_flag is None:
+    return certified()
+  return jax.lax.cond(layer_flag, certified, plain)

@@ -1,0 +1,138 @@
+"""Eviction of a model's caches: a design applied to every (layer, row, KV head).
+
+:func:`evict` resolves the budget (``certkv_jax.budgets.eviction_targets``: the
+design's own, a per-layer schedule, or a traced fraction), then runs
+``design.evict`` on each cache with its own PRNG key, lifted with ``jax.vmap``
+over ``[n_layers, batch, n_kv_heads]``. On sequence-sharded caches (traced
+under a mesh) the same vmapped eviction runs through
+``certkv_jax.distributed_eviction.map_evict``, with the same result as one device.
+
+In evaluation mode :func:`record_inclusion` adds each round's inclusion
+probabilities to the shadow full cache (:func:`evict_and_record` does both).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from certkv_jax import distributed
+from certkv_jax import distributed_eviction
+from certkv_jax.cache import KVCache
+from certkv_jax import budgets as budgets_lib
+from certkv_jax.caches import over_heads
+
+
+def init_state(design, caches: KVCache):
+  """The design's state for every cache (zero counters), leaves
+  ``[n_layers, batch, n_kv_heads]``; the caller carries it from round to round."""
+  return jax.vmap(over_heads(design.init))(caches)
+
+
+def evict(design, caches: KVCache, key, *, state=None, layer_budgets=None, budget=None):
+  """Applies ``design.evict`` to every (layer, row, KV head) cache (jitted).
+
+  Called eagerly it checks ``budget`` where it is concrete and runs one jitted
+  program per (design, layer_budgets, shapes); inside an enclosing ``jit`` it
+  is inlined.
+
+  Args:
+    design: a ``certkv_jax.EvictionDesign``.
+    caches: stacked caches, leaves ``[n_layers, batch, n_kv_heads, ...]``.
+    key: PRNG key, split into one key per cache.
+    state: the design's state from :func:`init_state` or the previous round
+      (its counters: rounds, redraws, dropped tokens, rounds over budget);
+      None starts from zero.
+    layer_budgets: optional, static: one budget per layer, all ints (tokens)
+      or all floats (fractions), e.g. ``budgets.pyramid_budgets``; it
+      replaces the design's own budget, layer by layer.
+    budget: optional, may be traced: a fraction in (0, 1] of the tokens seen,
+      a scalar or one per batch row (``[batch]``), that replaces the design's
+      budget in every layer, so that one compiled program serves every
+      budget. Checked by ``budgets.check_budget`` where it is concrete.
+
+  Returns:
+    ``(caches, state, info)``: ``info`` the design's ``EvictionInfo`` of this
+    round, leaves ``[n_layers, batch, n_kv_heads, ...]``; ``state`` the
+    updated counters.
+  """
+  if layer_budgets is not None:
+    layer_budgets = tuple(layer_budgets)
+  if budget is not None:
+    budget = budgets_lib.check_budget(budget, caches.n_seen.shape[1])
+  if state is None:
+    state = init_state(design, caches)
+  if distributed.cache_mesh() is not None:  # sequence-sharded, inside its own jit
+    return _evict(design, caches, state, key, layer_budgets, budget)
+  return _evict_jit(design, caches, state, key, layer_budgets, budget)
+
+
+def _evict(design, caches: KVCache, state, key, layer_budgets, budget):
+  """:func:`evict`'s body (traced once per design, schedule and shapes)."""
+  lead = caches.n_seen.shape  # [n_layers, batch, n_kv_heads]
+  keys = jax.random.split(key, lead[0] * lead[1] * lead[2])
+  keys = keys.reshape(lead + keys.shape[1:])
+  targets = budgets_lib.eviction_targets(caches.n_seen, layer_budgets, budget)  # or None
+  per_cache = (state, keys) if targets is None else (state, keys, targets)
+
+  def one(cache, s, k, *target):  # one (layer, row, KV head); target [] int32, if any
+    d = budgets_lib.with_target(design, target[0]) if target else design
+    new, s, info = d.evict(cache, s, k)
+    return new, (s, info)
+
+  evict_all = jax.vmap(over_heads(one))  # over [n_layers, batch, n_kv_heads]
+  with jax.named_scope("eviction"):
+    if distributed.cache_mesh() is None:
+      new, (state, info) = evict_all(caches, *per_cache)
+    else:  # each device gathers its heads' slot metadata and keeps its own slots
+      new, (state, info) = distributed_eviction.map_evict(design, evict_all, caches,
+                                                          *per_cache)
+  return new, state, info
+
+
+_evict_jit = jax.jit(_evict, static_argnames=("design", "layer_budgets"))
+
+
+def record_inclusion(shadow: KVCache, before: KVCache, info) -> KVCache:
+  """Evaluation mode: adds one eviction round's ``log pi`` to the shadow cache's record.
+
+  The shadow cache holds every token at slot = position (it is never
+  evicted and padding takes no slot), and its ``log_pi`` accumulates each
+  token's log inclusion probability over the rounds it took part in: a kept
+  token's total equals its offset in the evicted cache; an evicted token's
+  total stops at the round that evicted it (the product up to that round is
+  all that is defined for it).
+
+  Args:
+    shadow: the shadow caches, leaves ``[n_layers, batch, n_kv_heads, ...]``.
+    before: the caches the round was applied to.
+    info: the round's ``EvictionInfo`` (per slot of ``before``).
+
+  Returns:
+    The shadow caches with the round's ``log pi`` added.
+  """
+  return _record_jit(shadow, before, info.pi)
+
+
+def _record_one(sh, cache, pi):  # one (layer, row, KV head)
+  log_pi = jnp.log(jnp.where(cache.valid, pi, 1.0))
+  idx = jnp.where(cache.valid, cache.pos, sh.log_pi.shape[0])  # invalid -> dropped
+  return sh._replace(log_pi=sh.log_pi.at[idx].add(log_pi, mode="drop"))
+
+
+@jax.jit
+def _record_jit(shadow, before, pi):
+  return jax.vmap(over_heads(_record_one))(shadow, before, pi)
+
+
+def evict_and_record(design, caches: KVCache, shadow: Optional[KVCache], key, *,
+                     state=None, layer_budgets=None, budget=None):
+  """:func:`evict`, and in evaluation mode (``shadow`` not None) the shadow's
+  inclusion record (:func:`record_inclusion`). Returns ``(caches, shadow, state)``."""
+  new, state, info = evict(design, caches, key, state=state, layer_budgets=layer_budgets,
+                           budget=budget)
+  if shadow is not None:
+    shadow = record_inclusion(shadow, caches, info)
+  return new, shadow, state

@@ -1,0 +1,40 @@
+"""KeyDiff (Park et al., 2025; kvpress's ``KeyDiffPress``): keep distinctive keys.
+
+A token scores minus the cosine similarity of its key to the anchor, the mean
+of the unit-normalised keys of the head's valid slots: keys that point away
+from the common direction are kept. It reads the keys only (no attention
+statistics), so it works with any attention implementation and in streaming.
+This file and one line in ``registry.py`` are the whole design.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax.numpy as jnp
+
+from certkv_jax import designs
+from certkv_jax.cache import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyDiff:
+  """``-cos(k_i, mean_valid(k / ||k||))`` (torch's ``normalize`` and
+  ``cosine_similarity`` guards: eps 1e-12 and 1e-8 on the norms)."""
+
+  reads: ClassVar[frozenset] = frozenset({"k"})
+
+  def __call__(self, cache: KVCache):
+    k = cache.k.astype(jnp.float32)
+    norm = jnp.linalg.norm(k, axis=-1, keepdims=True)
+    unit = jnp.where(cache.valid[:, None], k / jnp.maximum(norm, 1e-12), 0.0)
+    anchor = jnp.sum(unit, axis=0) / jnp.maximum(jnp.sum(cache.valid), 1)
+    cos = (k / jnp.maximum(norm, 1e-8)) @ (anchor / jnp.maximum(jnp.linalg.norm(anchor), 1e-8))
+    return -cos
+
+
+def keydiff(budget, *, n_sink: int = 0, window: int = 0, value_aware: bool = False):
+  """KeyDiff: sinks + recent window + the keys least similar to the mean key."""
+  return designs.top_k(budget, KeyDiff(), n_sink=n_sink, window=window,
+                       value_aware=value_aware, name="keydiff")

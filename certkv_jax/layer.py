@@ -1,0 +1,129 @@
+"""The drop-in attention: what a model's attention layer calls to use a design.
+
+A decoder layer computes its q, k, v (with its own positional encoding) and
+calls :func:`attend` with its layer's caches (``certkv_jax.caches``, leaves
+``[batch, n_kv_heads, cap, ...]``). In one pass it appends the new keys and
+values, attends over the kept slots with Hajek offsets (returning the
+certificate statistics), and folds the attention into the statistics the
+design scores. Between chunks or decode steps the caller evicts with
+``certkv_jax.eviction.evict`` and turns the statistics into a radius with
+``certkv_jax.certificate_radius``. ``models/forward.py`` (Llama) and the GPT-2
+example (``examples/gpt2``) both use exactly this path::
+
+    cache = caches.layer(all_caches, i)              # this layer's caches
+    pos = layer.positions(cache, valid)              # [b, t], for RoPE / learned
+    out, cache, _, stats = layer.attend(q, k, v, cache, valid=valid, design=design)
+    all_caches = caches.with_layer(all_caches, i, cache)
+
+Call it inside ``jax.jit`` (unjitted, every small operation compiles apart).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from certkv_jax import cache as cache_lib
+from certkv_jax import caches as caches_lib
+from certkv_jax import certified_attention
+from certkv_jax.cache import KVCache
+
+Array = jax.Array
+
+
+def positions(cache: KVCache, valid) -> Array:
+  """[batch, t] positions of a chunk's tokens: each row continues from its
+  cache's ``n_seen``; padding (``valid`` False) takes no position."""
+  start = cache.n_seen[:, 0]  # [batch], equal across KV heads
+  return start[:, None] + jnp.cumsum(valid, axis=1).astype(jnp.int32) - 1
+
+
+def attend(q, k, v, cache: KVCache, *, valid=None, design=None, observe: bool = True,
+           certificate=True, shadow: Optional[KVCache] = None):
+  """Appends a chunk to one layer's caches and attends over them.
+
+  Args:
+    q: [batch, t, n_heads, head_dim] queries (positional encoding applied).
+    k, v: [batch, t, n_kv_heads, head_dim] the chunk's keys and values;
+      ``n_heads`` is a multiple of ``n_kv_heads`` (grouped-query attention).
+    cache: this layer's caches, leaves ``[batch, n_kv_heads, cap, ...]``.
+    valid: [batch, t] bool, False on right padding (no slot, no position);
+      None = all real.
+    design: an ``EvictionDesign`` whose statistics are folded, or None.
+    observe: the chunk's last ``design.observation_window`` real queries are
+      the observation window (a prompt chunk); decode steps pass False.
+    certificate: True returns the certificate statistics; False the same
+      Hajek softmax without the per-slot second-order sums (``stats`` None);
+      ``(layer_flag, heads)`` a subsample: a traced bool that switches this
+      layer's certificate off and a static tuple of KV heads to certify
+      (None = all), statistics not computed being NaN.
+    shadow: evaluation mode: a never-evicted cache of the same layer; the
+      truth and the Assumption-2 audit join the statistics.
+
+  Returns:
+    ``(out [batch, t, n_heads, head_dim] float32, cache, shadow, stats)`` with
+    ``stats`` a ``ChunkStats`` of ``[batch, n_heads, t]`` arrays or None.
+  """
+  b, t, n_heads, d = q.shape
+  n_kv = k.shape[2]
+  if n_heads % n_kv:
+    raise ValueError(f"q has {n_heads} heads, not a multiple of the {n_kv} KV heads of k")
+  if valid is None:
+    valid = jnp.ones((b, t), bool)
+  pos = positions(cache, valid)
+  new_kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+            jnp.repeat(valid[:, None], n_kv, axis=1))
+  with jax.named_scope("append"):
+    cache = caches_lib.append(cache, *new_kv)
+    if shadow is not None:  # never sharded
+      shadow = caches_lib.over_heads(cache_lib.append)(shadow, *new_kv)
+  qg = q.reshape(b, t, n_kv, n_heads // n_kv, d).transpose(0, 2, 3, 1, 4)
+  layer_flag, heads = certificate if isinstance(certificate, tuple) else (None, None)
+  certificate = certificate is not False
+  with jax.named_scope("attention_statistics"):
+    out, stats, probs = certified_attention.attend(
+        qg, cache, shadow, pos, certificate=certificate, with_probs=design is not None,
+        layer_flag=layer_flag, heads=heads)  # out [b, h_kv, g, t, d]
+  if stats is not None:  # [b, h_kv, g, t] -> [b, n_heads, t]
+    stats = jax.tree_util.tree_map(lambda a: a.reshape(b, n_heads, t), stats)
+  if design is not None:
+    with jax.named_scope("fold"):
+      window = design.observation_window if observe else 0
+      cache = fold_statistics(design, cache, probs, valid, window)
+  out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, n_heads, d)
+  return out, cache, shadow, stats
+
+
+def fold_statistics(design, cache: KVCache, probs, valid, observation_window: int) -> KVCache:
+  """Folds a chunk's attention probabilities [b, h_kv, g, t, cap] into the slot
+  statistics with ``design.update`` (per KV head).
+
+  In order: the non-window real queries, then the last ``observation_window``
+  real queries as the observation window, so that the last real query is the
+  latest (``last``, TOVA) and ``obs`` holds this window only (SnapKV). With a
+  window, ``obs`` is reset before the window is folded, so in streaming each
+  chunk's window replaces the previous one; a row whose chunk is all padding
+  keeps its statistics.
+  """
+  probs = jnp.where(valid[:, None, None, :, None], probs, 0.0)  # padded queries count 0
+  t = valid.shape[1]
+  n_real = jnp.sum(valid, axis=1).astype(jnp.int32)
+  # Right-aligns each row's real queries, so that the last one is at t - 1.
+  probs = jax.vmap(lambda p, n: jnp.roll(p, t - n, axis=-2))(probs, n_real)
+  in_window = jnp.arange(t) >= t - observation_window  # [t]
+
+  def fold(cache_h, p, has_real):  # p [g, t, cap]
+    state = design.init(cache_h)
+    if observation_window == 0:
+      new = design.update(cache_h, state, p)[0]
+    else:
+      w = in_window[None, :, None]
+      new, state = design.update(cache_h, state, jnp.where(w, 0.0, p))
+      new = new._replace(obs=jnp.zeros_like(new.obs))
+      new = design.update(new, state, jnp.where(w, p, 0.0), observation=True)[0]
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(has_real, a, b), new, cache_h)
+
+  per_head = jax.vmap(fold, in_axes=(0, 0, None))  # over KV heads; one flag per row
+  return jax.vmap(per_head)(cache, probs, n_real > 0)

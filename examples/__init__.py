@@ -1,0 +1,1 @@
+"""Models of one's own that compose certkv_jax's eviction designs."""

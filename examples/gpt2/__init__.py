@@ -1,0 +1,1 @@
+"""A GPT-2-style decoder that uses certkv_jax through its drop-in attention."""

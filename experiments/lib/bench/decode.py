@@ -1,0 +1,451 @@
+r"""Decode benchmark: ms per decode step of the full cache and of each design.
+
+For every (batch, context) cell, side by side in one run:
+
+* ``full``: no eviction, the whole prompt in the cache, no certificate (nothing to certify);
+* each design at each budget, with and without the certificate statistics
+  (``forward_chunk(certificate=...)``; for a deterministic design the
+  statistics certify nothing, only their cost is measured);
+* the prefill: the model's cached prefill (``forward_chunk`` into empty caches,
+  ``certificate=False``, as ``models.decode.generate`` prefills) against the
+  plain one-shot forward ``models.llama.LlamaModel(config).apply(params, tokens)``.
+  Both return the last position's logits (the cached one also its caches).
+  The plain forward attends with ``models.llama.grouped_attention``: a dense
+  float32 einsum softmax that materializes the ``[batch, heads, seq, seq]``
+  logits under a causal mask (no flash attention, no Pallas kernel); the cached
+  prefill attends over its cache slots with ``certkv_jax.attention_probs``,
+  likewise materialized (``[batch, heads, seq, capacity]``).
+
+The step's attention is ``certkv_jax.offset_attention`` with its default
+``implementation='xla'`` (with the certificate) or ``certkv_jax.attention_probs``
+(without): the jnp path on every backend, not the Pallas kernel.
+
+How a decode step is timed (as ``models.decode.generate`` decodes, and as
+``experiments.lib.overhead`` times them): a random prompt of ``context`` tokens
+is prefilled with the design (its statistics folded, SnapKV's observation
+window observed), the design evicts once to the budget (``certkv_jax.eviction.evict``
+with the budget as a traced argument), and one jitted call -- ``S`` decode
+steps, each the argmax token through ``forward_chunk``, the design evicting
+(``evict`` with the traced budget) after every ``k``-th step -- is called again
+and again on its own output (the caches donated, so that they are updated in
+place as in the ``lax.scan`` loop), ``block_until_ready`` after each call.
+``k`` is the configuration's ``--evict_every`` (1: after every step; more:
+amortized eviction into ``k`` slack slots) and ``S`` the largest
+``--evict_every`` for every configuration, the full cache's included, so that
+all decode the same tokens and the kept sets grow alike; a call's time divided
+by ``S`` is the time per step. The first call (compile + run) minus a steady
+call is the compile time. ``--repeats`` timed calls follow two warm-up calls;
+the configurations of a cell are interleaved round-robin (one call of each per
+round, the starting configuration rotating), so machine noise hits all alike,
+and each ratio to ``full`` is the median of the per-round ratios. The timed
+calls decode at positions ``context``, ``context + 1``, ... (at most
+``S (2 + repeats)`` past the prompt, beyond the model's context at the largest
+one: it changes no cost).
+
+Cache layout (``--capacity``): ``compact`` (default) allocates what a deployment
+would: the most tokens the design keeps during the timed calls plus ``k``
+slack slots (:func:`compact_capacity`; kept slots gathered to the front,
+``certkv_jax.cache.compact``); budgets then have different shapes, so each
+budget is its own executable even though the budget is traced. ``full`` keeps the
+``generate`` layout (capacity of the whole prompt, evicted slots masked): one
+executable per design then serves every budget (the budget is traced), and a
+step costs about the same at every budget.
+
+Intervals: the median's distribution-free order-statistic interval (its level
+is >= 95% from 6 repeats on; below that the [min, max] interval and its level
+``1 - 2^(1 - n)`` are reported).
+
+The command: ``python -m experiments.bench_decode --out=/tmp/bench_decode``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import platform
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from certkv_jax import cache as cache_lib
+from certkv_jax import caches as caches_lib
+from certkv_jax import eviction
+from certkv_jax import registry
+from experiments.lib import design_defaults
+from experiments.lib import model_loading
+from experiments.lib.bench import decode_report as report_lib
+from experiments.lib.stats import intervals
+from models import forward
+from models import llama
+from models import memory
+
+DESIGNS = ("poisson_tail", "snapkv", "h2o")
+BUDGETS = (0.125, 0.25, 0.5)
+CONTEXTS = (1024, 2048, 4096, 8192)
+BATCHES = (1, 8)
+EVICT_EVERY = (1, 16)
+CERTIFICATE = ("both", "with", "without")
+CAPACITY = ("compact", "full")
+QUICK = dict(contexts=(256, 512), batches=(1,), repeats=5, designs=("poisson_tail",),
+             budgets=(0.25,), evict_every=(1, 4))
+WARMUP = 2  # the first call (compile) and one more before the timed calls
+LEVEL = 0.95
+# The design's own static budget is replaced by the traced one in every call.
+_STATIC_BUDGET = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What to time (the command's flags)."""
+
+  designs: tuple = DESIGNS
+  budgets: tuple = BUDGETS
+  contexts: tuple = CONTEXTS
+  batches: tuple = BATCHES
+  evict_every: tuple = EVICT_EVERY
+  repeats: int = 11
+  certificate: str = "both"
+  capacity: str = "compact"
+  n_sink: int = design_defaults.N_SINK
+  window: int = design_defaults.WINDOW
+  seed: int = 0
+  max_seconds: float = 0.0
+
+  @property
+  def certificate_modes(self) -> tuple:
+    return {"both": (False, True), "with": (True,), "without": (False,)}[self.certificate]
+
+  @property
+  def n_calls(self) -> int:
+    return WARMUP + self.repeats
+
+  @property
+  def steps_per_call(self) -> int:
+    """Decode steps in one timed call of every configuration: the largest ``evict_every``
+    (the same horizon for all, so that the kept set grows alike)."""
+    return max(self.evict_every)
+
+  def check(self, max_positions: Optional[int] = None) -> "Plan":
+    """Raises ValueError naming the flag and its allowed values; returns the plan."""
+    known = list(registry.names())
+    for flag, vals in (("designs", self.designs), ("budgets", self.budgets),
+                       ("contexts", self.contexts), ("batches", self.batches),
+                       ("evict_every", self.evict_every)):
+      if not vals:
+        raise ValueError(f"--{flag} must not be empty")
+      if len(set(vals)) != len(vals):
+        raise ValueError(f"--{flag} has duplicates: {list(vals)}")
+    for d in self.designs:
+      if d not in known:
+        raise ValueError(f"--designs: unknown design {d!r}; choose from {known} (the full "
+                         "cache is always timed)")
+    if not all(isinstance(b, float) and 0.0 < b < 1.0 for b in self.budgets):
+      raise ValueError(f"--budgets must be fractions in (0, 1), got {list(self.budgets)}")
+    _check_int("n_sink", self.n_sink, 0)
+    _check_int("window", self.window, 1)
+    lo, hi = self.n_sink + self.window + 1, max_positions
+    for c in self.contexts:
+      if not isinstance(c, int) or c < lo or (hi is not None and c > hi):
+        raise ValueError(f"--contexts must be ints in [n_sink + window + 1 = {lo}, "
+                         f"{hi if hi is not None else 'inf'}] (the model's context), got "
+                         f"{list(self.contexts)}")
+    for b in self.batches:
+      _check_int("batches", b, 1, 4096)
+    for k in self.evict_every:
+      _check_int("evict_every", k, 1, 4096)
+      if self.steps_per_call % k:
+        raise ValueError(f"--evict_every values must divide the largest "
+                         f"({self.steps_per_call}), got {list(self.evict_every)}")
+    _check_int("repeats", self.repeats, 1, 10000)
+    _check_int("seed", self.seed, 0)
+    if self.certificate not in CERTIFICATE:
+      raise ValueError(f"--certificate must be one of {list(CERTIFICATE)}, got "
+                       f"{self.certificate!r}")
+    if self.capacity not in CAPACITY:
+      raise ValueError(f"--capacity must be one of {list(CAPACITY)}, got {self.capacity!r}")
+    if not (isinstance(self.max_seconds, (int, float)) and self.max_seconds >= 0):
+      raise ValueError(f"--max_seconds must be >= 0 (0: no limit), got {self.max_seconds!r}")
+    return self
+
+
+def _check_int(flag, value, lo, hi=None):
+  if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
+      hi is not None and value > hi):
+    raise ValueError(f"--{flag} must be an int in [{lo}, {hi if hi is not None else 'inf'}], "
+                     f"got {value!r}")
+
+
+def _parse(flag, values, kind):
+  try:
+    return tuple(kind(v) for v in values)
+  except ValueError as err:
+    raise ValueError(f"--{flag} must be {kind.__name__}s, got {list(values)}") from err
+
+
+def plan_from_flags(fv) -> Plan:
+  """The checked :class:`Plan` of the flags (``--quick`` replaces the defaults of the flags
+  not given)."""
+  kw = dict(designs=tuple(fv.designs), budgets=_parse("budgets", fv.budgets, float),
+            contexts=_parse("contexts", fv.contexts, int),
+            batches=_parse("batches", fv.batches, int),
+            evict_every=_parse("evict_every", fv.evict_every, int), repeats=fv.repeats,
+            certificate=fv.certificate, capacity=fv.capacity, n_sink=fv.n_sink,
+            window=fv.window, seed=fv.seed, max_seconds=fv.max_seconds)
+  if fv.quick:
+    kw.update({k: v for k, v in QUICK.items() if not fv[k].present})
+  return Plan(**kw).check()
+
+
+def median_interval(samples) -> dict:
+  """Median of ``samples`` and its order-statistic interval at ``LEVEL``:
+  ``{median, lo, hi, level}`` (``experiments.lib.stats.intervals.median_interval``)."""
+  return intervals.median_interval(samples, LEVEL)
+
+
+def _step_fn(config, design, certificate: bool, every: int = 1, steps: int = 1):
+  """One jitted call on a donated ``(caches, logits, key)`` carry: ``steps`` decode steps,
+  the design evicting after every ``every``-th (``every = 1``: after each step, as
+  ``GenerationConfig(evict_each_step=True)``; more: amortized eviction,
+  ``evict_every``). ``steps`` is a multiple of ``every``."""
+
+  def one(params, carry, budget, evicts: bool):
+    caches, logits, key = carry
+    batch = logits.shape[0]
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    new_logits, caches, stats, _ = forward.forward_chunk(
+        params, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
+        observe=False, certificate=certificate)
+    key, sub = jax.random.split(key)
+    if design is not None and evicts:
+      caches, _, _ = eviction.evict(design, caches, sub, budget=budget)
+    out = () if stats is None else (stats.var_hat, stats.range_hat)  # kept: not dead code
+    return (caches, new_logits[:, 0], key), out
+
+  def period(params, carry, budget):
+    if every > 1:
+      carry, _ = jax.lax.scan(lambda c, _: one(params, c, budget, False), carry, None,
+                              length=every - 1)
+    return one(params, carry, budget, True)
+
+  def call(params, carry, budget):
+    if steps == every:
+      return period(params, carry, budget)
+    return jax.lax.scan(lambda c, _: period(params, c, budget), carry, None,
+                        length=steps // every)
+
+  return jax.jit(call, donate_argnums=1)
+
+
+def compact_capacity(kept: int, budget: float, every: int, appended: int, context: int) -> int:
+  """Slots of a compacted cache: what the timed calls need and a deployment would allocate.
+
+  The timed calls append ``appended`` tokens in all, and the design evicts to
+  ``budget`` of the tokens seen after every ``every``-th: a design keeps at
+  most ``floor(budget n_seen)`` (or its certainty set when that is larger,
+  which ``kept`` includes), so the cache peaks at that target after the last
+  call plus ``every`` slack slots.
+  """
+  return max(kept, math.floor(budget * (context + appended))) + every
+
+
+def _prefill_fn(config, design, capacity: int):
+  """Jitted cached prefill ``(params, tokens, mask) -> (last logits, caches)``."""
+
+  def prefill(params, tokens, mask):
+    caches = caches_lib.init_caches(config, tokens.shape[0], capacity)
+    logits, caches, _, _ = forward.forward_chunk(params, config, tokens, mask, caches,
+                                                 design=design, certificate=False)
+    return logits[:, -1], caches
+  return jax.jit(prefill)
+
+
+def _plain_fn(config):
+  model = llama.LlamaModel(config)
+  return jax.jit(lambda params, tokens: model.apply(params, tokens)[:, -1])
+
+
+def _memo(cache: dict, key, make):
+  """``cache[key]``, made by ``make()`` the first time (one jitted function per key: jax
+  keeps its executables per argument shape)."""
+  if key not in cache:
+    cache[key] = make()
+  return cache[key]
+
+
+@dataclasses.dataclass
+class _Timed:
+  """One timed configuration of a cell and its measurements."""
+
+  row: dict
+  call: object  # () -> seconds of one call (a call updates its own carry)
+  steps: int = 1  # decode steps per call (evict_every): times are per step
+  first_s: Optional[float] = None  # the first call: compile + run
+  samples: list = dataclasses.field(default_factory=list)
+
+
+def _timed_call(fn, *args):
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  return out, time.perf_counter() - t0
+
+
+def _stepper(fn, params, carry, budget):
+  state = {"carry": carry}
+
+  def call():
+    (state["carry"], _), dt = _timed_call(fn, params, state["carry"], budget)
+    return dt
+  return call, state
+
+
+def _round_robin(timed: list, repeats: int, warm: int = WARMUP - 1):
+  """The first call (unless made already), ``warm`` more, then ``repeats`` rounds of one
+  call of each configuration, the first of a round rotating."""
+  for t in timed:
+    if t.first_s is None:
+      t.first_s = t.call()
+    for _ in range(warm):
+      t.call()
+  for r in range(repeats):
+    for i in range(len(timed)):
+      t = timed[(i + r) % len(timed)]
+      t.samples.append(t.call())
+
+
+def _finish(t: _Timed, scale: float) -> dict:
+  """The row of ``t``: samples and median per step (a call's time / ``t.steps``) times
+  ``scale``, and the compile time (the first call minus a steady call) in seconds."""
+  per = scale / t.steps
+  ci = median_interval([s * per for s in t.samples])
+  return dict(t.row, samples=[s * per for s in t.samples], median=ci["median"],
+              ci=[ci["lo"], ci["hi"]], ci_level=ci["level"], first_call=t.first_s * scale,
+              compile_s=max(t.first_s - ci["median"] / per, 0.0))
+
+
+def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
+              executables: set) -> tuple[list, list]:
+  """Decode rows and prefill rows of one (context, batch) cell."""
+  key = jax.random.PRNGKey(plan.seed)
+  tokens = jax.random.randint(jax.random.fold_in(key, context * 131 + batch), (batch, context),
+                              0, config.vocab_size, jnp.int32)
+  mask = jnp.ones((batch, context), bool)
+  per_call = plan.steps_per_call
+  cap_full = context + plan.n_calls * per_call  # the full cache keeps every token
+  param_bytes = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(params))
+  base = dict(context=context, batch=batch)
+  full_prefill = _memo(steps, ("prefill", None, cap_full),
+                       lambda: _prefill_fn(config, None, cap_full))
+  (logits, full_caches), prefill_first = _timed_call(full_prefill, params, tokens, mask)
+  timed = []
+
+  def add(design_name, design, cert, budget, caches, first_logits, kept, every=1):
+    fn = _memo(steps, (design_name, cert, every, per_call),
+               lambda: _step_fn(config, design, cert, every, per_call))
+    cap = int(caches.k.shape[-2])
+    shape_key = (design_name, cert, every, context, batch, cap)
+    row = dict(base, design=design_name, certificate=cert, budget=budget, evict_every=every,
+               capacity=cap, kept_tokens=kept, new_executable=shape_key not in executables,
+               step_bytes=param_bytes + memory.caches_bytes(caches)["total"])
+    executables.add(shape_key)
+    carry = jax.tree_util.tree_map(jnp.copy, (caches, first_logits, key))  # donated: own copy
+    call, state = _stepper(fn, params, carry, jnp.float32(1.0 if budget is None else budget))
+    timed.append(_Timed(row, call, steps=per_call))
+    return state
+
+  states = [add("full", None, False, None, full_caches, logits, context)]
+  del full_caches
+  for name in plan.designs:
+    design = design_defaults.make_design(name, _STATIC_BUDGET, plan.n_sink, plan.window)
+    prefill = _memo(steps, ("prefill", name, cap_full),
+                    lambda: _prefill_fn(config, design, cap_full))
+    d_logits, d_caches = prefill(params, tokens, mask)
+    for b in plan.budgets:
+      evicted, _, _ = eviction.evict(design, d_caches, jax.random.fold_in(key, 7), budget=b)
+      kept = int(jnp.max(evicted.valid.sum(-1)))
+      for every in plan.evict_every:
+        caches = evicted
+        if plan.capacity == "compact":
+          caches = cache_lib.compact(
+              evicted, compact_capacity(kept, b, every, plan.n_calls * per_call, context))
+        for cert in plan.certificate_modes:
+          states.append(add(name, design, cert, b, caches, d_logits, kept, every))
+    del d_caches
+  _round_robin(timed, plan.repeats)
+  dropped = [int(jnp.sum(s["carry"][0].n_dropped)) for s in states]
+  if any(dropped):
+    raise RuntimeError(f"decode benchmark bug: tokens found no cache slot ({dropped}); the "
+                       "capacity must hold every appended token")
+  rows = [_finish(t, 1e3) for t in timed]
+  full = rows[0]
+  for r in rows:
+    ratio = median_interval(np.asarray(r["samples"]) / np.asarray(full["samples"]))
+    r["ratio_vs_full"] = ratio["median"]
+    r["ratio_vs_full_ci"] = [ratio["lo"], ratio["hi"]]
+    # The bytes ratio: a step that reads every weight and cache byte once at one bandwidth.
+    r["bytes_ratio_vs_full"] = r["step_bytes"] / full["step_bytes"]
+  plain = _memo(steps, ("plain",), lambda: _plain_fn(config))
+  pre = [_Timed(dict(base, method="cached", tokens=batch * context),
+                lambda: _timed_call(full_prefill, params, tokens, mask)[1], prefill_first),
+         _Timed(dict(base, method="plain", tokens=batch * context),
+                lambda: _timed_call(plain, params, tokens)[1])]
+  _round_robin(pre, plan.repeats)
+  prefill_rows = []
+  for t in pre:
+    r = _finish(t, 1.0)
+    r["tokens_per_s"] = r["tokens"] / r["median"]
+    r["tokens_per_s_ci"] = [r["tokens"] / r["ci"][1], r["tokens"] / r["ci"][0]]
+    prefill_rows.append(r)
+  return rows, prefill_rows
+
+
+def device_name() -> str:
+  d = jax.devices()[0]
+  return (f"{d.device_kind} ({jax.default_backend()}), {platform.machine()}, "
+          f"jax {jax.__version__}")
+
+
+def run(params, config, plan: Plan, out: Optional[str], *, model: str, log=print) -> dict:
+  """Times every cell of ``plan`` (batches outer, contexts inner) and writes the outputs
+  under ``out`` after each cell; returns the results dict (``results.json``)."""
+  plan.check(config.max_positions)
+  results = dict(model=model, device=device_name(), plan=dataclasses.asdict(plan),
+                 units=dict(decode="ms per step", prefill="seconds"), warmup_calls=WARMUP,
+                 decode=[], prefill=[],
+                 cells_done=[], cells_skipped=[], complete=False)
+  steps, executables = {}, set()
+  t_start = time.perf_counter()
+  cells = [(c, b) for b in plan.batches for c in plan.contexts]
+  for i, (context, batch) in enumerate(cells):
+    if plan.max_seconds and time.perf_counter() - t_start > plan.max_seconds:
+      results["cells_skipped"] = [list(c) for c in cells[i:]]
+      log(f"--max_seconds={plan.max_seconds} reached: skipping {len(cells) - i} cells")
+      break
+    t0 = time.perf_counter()
+    rows, pre = time_cell(params, config, plan, context, batch, steps, executables)
+    results["decode"] += rows
+    results["prefill"] += pre
+    results["cells_done"].append([context, batch])
+    results["executables"] = len(executables)
+    full = rows[0]["median"]
+    log(f"[{i + 1}/{len(cells)}] context {context} batch {batch}: full {full:.3f} ms/step; "
+        + ", ".join(f"{r['design']}{'+cert' if r['certificate'] else ''}@{r['budget']} "
+                    f"{r['ratio_vs_full']:.2f}x" for r in rows[1:])
+        + f" ({time.perf_counter() - t0:.0f} s)")
+    if out:
+      report_lib.write_outputs(results, out)
+  else:
+    results["complete"] = True
+  if out:
+    report_lib.write_outputs(results, out)
+  return results
+
+
+def run_and_report(*, plan: Plan, model: str, out: str, log=print) -> dict:
+  """The command: loads ``--model`` and runs :func:`run`; returns the summary."""
+  params, config, _ = model_loading.load_model(model)
+  log(device_name())
+  results = run(params, config, plan, out, model=model_loading.model_name(model), log=log)
+  return report_lib.summarize(results)

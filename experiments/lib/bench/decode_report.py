@@ -1,0 +1,243 @@
+"""The decode benchmark's outputs: ``summary.json``, ``report.md``, ``decode_ms.png``.
+
+:func:`summarize` condenses the results of ``experiments.lib.bench.decode.run``
+(``results.json``: every measurement) into the ratios to the full cache per
+budget and context, :func:`render` writes the tables, and :func:`write_outputs`
+writes all four files atomically (after every cell, so that a stopped run
+leaves the cells it finished).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from experiments.lib import plots
+from experiments.lib import results_io
+
+HEADLINE_DESIGN = "poisson_tail"
+CERT_KEYS = {True: "with_certificate", False: "without_certificate"}
+
+
+def key(x) -> str:
+  """JSON key of a budget (``0.125`` -> "0.125") or a context (``1024`` -> "1024")."""
+  return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def every(row: dict) -> int:
+  """Decode steps per eviction of a row (1 in results from before amortized eviction)."""
+  return row.get("evict_every", 1)
+
+
+def label(row: dict) -> str:
+  """``full``, ``design`` or ``design+certificate``, then `` every k`` for amortized eviction."""
+  k = every(row)
+  return (row["design"] + ("+certificate" if row["certificate"] else "")
+          + (f" every {k}" if k > 1 else ""))
+
+
+def headline(results: dict) -> dict:
+  """The design, certificate setting and batch of ``ratio_vs_full``, and why."""
+  rows = results["decode"]
+  batches = sorted({r["batch"] for r in rows})
+  batch = 1 if 1 in batches else batches[0]
+  designs = [d for d in results["plan"]["designs"]]
+  design = HEADLINE_DESIGN if HEADLINE_DESIGN in designs else designs[0]
+  cert = any(r["certificate"] for r in rows if r["design"] == design)
+  note = (f"design {design} {'with' if cert else 'without'} the certificate at batch {batch}"
+          + ("" if batch == 1 else " (batch 1 not measured: the smallest batch measured)")
+          + ("" if design == HEADLINE_DESIGN else f" ({HEADLINE_DESIGN} not in --designs)"))
+  return dict(design=design, certificate=cert, batch=batch, note=note)
+
+
+def _table(rows, design, cert, batch, field, k=1):
+  """``{budget: {context: row[field]}}`` of one design / certificate setting / batch /
+  steps per eviction ``k``."""
+  out = {}
+  for r in rows:
+    if (r["design"] == design and r["certificate"] == cert and r["batch"] == batch
+        and every(r) == k):
+      out.setdefault(key(r["budget"]), {})[key(r["context"])] = r[field]
+  return out
+
+
+def summarize(results: dict) -> dict:
+  """The summary (``summary.json``): ratios to the full cache, compile times, prefill."""
+  rows, pre = results["decode"], results["prefill"]
+  base = dict(model=results["model"], device=results["device"],
+              capacity_layout=results["plan"]["capacity"], complete=results["complete"],
+              cells_done=results["cells_done"], cells_skipped=results["cells_skipped"])
+  if not rows:
+    return dict(base, ratio_vs_full={}, note="no cell finished")
+  h = headline(results)
+  b = h["batch"]
+  designs = results["plan"]["designs"]
+  at_b = [r for r in rows if r["batch"] == b]
+  by_design = {d: {CERT_KEYS[c]: _table(rows, d, c, b, "ratio_vs_full")
+                   for c in (False, True) if any(r["design"] == d and r["certificate"] == c
+                                                 for r in at_b)} for d in designs}
+  compile_s = {"full": {key(r["context"]): r["compile_s"] for r in at_b if r["design"] == "full"}}
+  for r in at_b:
+    if r["design"] != "full":
+      compile_s.setdefault(label(r), {}).setdefault(key(r["budget"]), {})[
+          key(r["context"])] = r["compile_s"]
+  ks = sorted({every(r) for r in at_b if r["design"] == h["design"]} - {1})
+  amortized = {f"every_{k}": _table(rows, h["design"], h["certificate"], b, "ratio_vs_full", k)
+               for k in ks}
+  prefill = {}
+  for r in pre:
+    if r["batch"] == b:
+      prefill.setdefault(f"{r['method']}_tokens_per_s", {})[key(r["context"])] = \
+          r["tokens_per_s"]
+  cached, plain = prefill.get("cached_tokens_per_s", {}), prefill.get("plain_tokens_per_s", {})
+  prefill["cached_vs_plain"] = {c: cached[c] / plain[c] for c in cached if c in plain}
+  return dict(
+      base, headline=h, design=h["design"], certificate=h["certificate"], batch=b,
+      ratio_vs_full=_table(rows, h["design"], h["certificate"], b, "ratio_vs_full"),
+      ratio_vs_full_ci=_table(rows, h["design"], h["certificate"], b, "ratio_vs_full_ci"),
+      ratio_vs_full_by_design=by_design,
+      # The headline's design and certificate evicting every k decode steps (amortized).
+      ratio_vs_full_amortized=amortized,
+      # The bytes ratio: (weight bytes + the design's cache bytes) / (weight bytes + the full
+      # cache's bytes), the ratio of a step that reads every byte once at one bandwidth.
+      bytes_ratio_vs_full=_table(rows, h["design"], h["certificate"], b, "bytes_ratio_vs_full")
+      if all("bytes_ratio_vs_full" in r for r in at_b) else None,
+      full_ms={key(r["context"]): r["median"] for r in at_b if r["design"] == "full"},
+      compile_s=compile_s, executables=results.get("executables"), prefill=prefill,
+      budgets_traced=("every step passes the budget as a traced argument; with "
+                      f"--capacity={results['plan']['capacity']} "
+                      + ("each budget's compacted caches have their own shape, so each "
+                         "budget compiles its own executable"
+                         if results["plan"]["capacity"] == "compact" else
+                         "one executable per design serves every budget")))
+
+
+def _cell(median, ci, digits=3) -> str:
+  return f"{median:.{digits}f} [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+
+
+def render(results: dict, summary: dict) -> str:
+  """``report.md``: the tables of every batch, the notes on method and attention."""
+  plan = results["plan"]
+  rows, pre = results["decode"], results["prefill"]
+  levels = sorted({r["ci_level"] for r in rows + pre})
+  md = ["# Decode benchmark", "",
+        f"Model {results['model']}; device {results['device']}. Designs {plan['designs']}, "
+        f"budgets {plan['budgets']}, certificate {plan['certificate']}, cache layout "
+        f"--capacity={plan['capacity']}, {plan['repeats']} timed calls per configuration "
+        f"after {results['warmup_calls']} warm-up calls, interleaved round-robin within "
+        "each (batch, context) cell.",
+        "",
+        "- A step: the argmax token through `forward_chunk` plus `evict` with the traced "
+        "budget, on caches prefilled with the design from a random prompt of `context` "
+        "tokens and evicted once to the budget; the carry is donated (updated in place). "
+        f"A timed call is {max(plan.get('evict_every', [1]))} decode steps for every "
+        "configuration (the largest `--evict_every`: the same horizon for all), its time "
+        "divided by that; `every k`: amortized eviction, the design evicts after every k-th "
+        "step (`models.decode.generate(evict_every=k)`), otherwise after each.",
+        "- Attention in a step: `forward_chunk` calls `certkv_jax.offset_attention` with its "
+        "default `implementation='xla'` (the jnp reference, not the Pallas kernel, on every "
+        "backend) with the certificate, `certkv_jax.attention_probs` without it.",
+        f"- Cells: [median, interval] over the timed calls; interval levels {levels} "
+        "(order statistics; >= 0.95 from 6 repeats on). Ratios: median of the per-round "
+        "ratios to `full` (same round of the round-robin).",
+        f"- Budgets: {summary.get('budgets_traced', '')}.",
+        "- Prefill: `cached` is `forward_chunk` into empty caches of `context` + the timed "
+        "calls' slots (as `generate` prefills, without the certificate); `plain` is "
+        "`LlamaModel(config).apply(params, tokens)`, whose attention is "
+        "`models.llama.grouped_attention`: a dense float32 "
+        "einsum softmax materializing the [batch, heads, seq, seq] logits under a causal "
+        "mask (no flash attention, no Pallas kernel).",
+        "- Headline (`summary.json` `ratio_vs_full`): "
+        f"{summary.get('headline', {}).get('note')}.",
+        ""]
+  if not results["complete"]:
+    md += [f"**Incomplete**: cells done {results['cells_done']}, skipped "
+           f"{results['cells_skipped']}.", ""]
+  contexts = sorted({r["context"] for r in rows})
+  for batch in sorted({r["batch"] for r in rows}):
+    at = [r for r in rows if r["batch"] == batch]
+    configs = list(dict.fromkeys((label(r), r["budget"]) for r in at))
+    head = "| config | budget | " + " | ".join(f"n={c}" for c in contexts) + " |"
+    rule = "|---|---|" + "---|" * len(contexts)
+
+    def lines(fmt):
+      out = [head, rule]
+      for lab, bud in configs:
+        cells = []
+        for c in contexts:
+          r = [x for x in at if label(x) == lab and x["budget"] == bud and x["context"] == c]
+          cells.append(fmt(r[0]) if r else "")
+        out.append(f"| {lab} | {'' if bud is None else key(bud)} | " + " | ".join(cells) + " |")
+      return out
+    md += [f"## Batch {batch}", "", "ms per decode step:", ""]
+    md += lines(lambda r: _cell(r["median"], r["ci"]))
+    md += ["", "Ratio to the full cache:", ""]
+    md += lines(lambda r: _cell(r["ratio_vs_full"], r["ratio_vs_full_ci"], 2))
+    if all("bytes_ratio_vs_full" in r for r in at):
+      md += ["", "Bytes ratio: (weight bytes + the step's cache bytes) / (weight bytes + the "
+             "full cache's bytes), the ratio of a decode step that reads every weight and "
+             "cache byte once at one bandwidth. Where the weights dominate it stays far above "
+             "the budget b; a measured ratio below it means the full cache's step spends more "
+             "time per cache byte than per weight byte (slicing, write-back and layout copies "
+             "of the cache around the attention einsums), i.e. part of the measured gain is "
+             "that overhead, which an attention kernel reading the cache once would remove:",
+             ""]
+      md += lines(lambda r: f"{r['bytes_ratio_vs_full']:.2f}")
+    md += ["", "Compile seconds (first call minus steady state; * marks a new executable) "
+           "and kept tokens after the first eviction / cache capacity:", ""]
+    md += lines(lambda r: f"{r['compile_s']:.2f}{'*' if r['new_executable'] else ''} "
+                f"({r['kept_tokens']}/{r['capacity']})")
+    md += [""]
+    p_at = [r for r in pre if r["batch"] == batch]
+    if p_at:
+      md += ["Prefill tokens/s:", "", "| context | cached | plain | cached/plain |",
+             "|---|---|---|---|"]
+      for c in contexts:
+        got = {r["method"]: r for r in p_at if r["context"] == c}
+        if len(got) == 2:
+          cr, pr = got["cached"], got["plain"]
+          md.append(f"| {c} | {_cell(cr['tokens_per_s'], cr['tokens_per_s_ci'], 0)} | "
+                    f"{_cell(pr['tokens_per_s'], pr['tokens_per_s_ci'], 0)} | "
+                    f"{cr['tokens_per_s'] / pr['tokens_per_s']:.2f} |")
+      md.append("")
+  if rows:
+    md += ["![decode_ms.png](decode_ms.png)", ""]
+  return "\n".join(md)
+
+
+def plot(results: dict, summary: dict, path: str) -> str:
+  """ms per step vs context, one panel per budget, at the headline batch."""
+  b = summary["batch"]
+  at = [r for r in results["decode"] if r["batch"] == b]
+  full = sorted((r for r in at if r["design"] == "full"), key=lambda r: r["context"])
+
+  def line(rs):
+    rs = sorted(rs, key=lambda r: r["context"])
+    return ([r["context"] for r in rs], [r["median"] for r in rs],
+            ([r["ci"][0] for r in rs], [r["ci"][1] for r in rs]))
+  panels = {}
+  for bud in results["plan"]["budgets"]:
+    lines = {"full": line(full)}
+    for lab in dict.fromkeys(label(r) for r in at if r["design"] != "full"):
+      rs = [r for r in at if label(r) == lab and r["budget"] == bud]
+      if rs:
+        lines[lab] = line(rs)
+    panels[f"budget {key(bud)}"] = lines
+  return plots.plot_panels(panels, path, xlabel="context (tokens)", ylabel="ms per decode step",
+                           title=f"{results['model']}, batch {b}, {results['device']}",
+                           logx=True)
+
+
+def write_outputs(results: dict, out: str) -> dict:
+  """Writes ``results.json``, ``summary.json``, ``report.md`` and (with at least one cell)
+  ``decode_ms.png`` under ``out``, each atomically; returns the summary."""
+  summary = summarize(results)
+  results_io.atomic_write_text(os.path.join(out, "results.json"),
+                               json.dumps(results_io.json_safe(results), indent=1))
+  results_io.atomic_write_text(os.path.join(out, "summary.json"),
+                               json.dumps(results_io.json_safe(summary), indent=1))
+  results_io.atomic_write_text(os.path.join(out, "report.md"), render(results, summary))
+  if results["decode"]:
+    plot(results, summary, os.path.join(out, "decode_ms.png"))
+  return summary

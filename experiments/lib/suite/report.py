@@ -1,0 +1,132 @@
+"""``report.md`` of the experiment suite: the claims table of method, section 7, then
+every analysis' section (:mod:`experiments.lib.analyses`); and the
+``summary.md`` of a single analysis script.
+
+Choices the paper leaves open, fixed here (and printed in the report):
+
+* the certificate's per-example score is the per-step sum of radii at
+  ``delta = 0.05`` over layers and heads, averaged over a moving window of 6
+  decode steps, maximised over the steps (``cert_score``);
+* confidence is the mean log-probability of the generated tokens (its
+  suspicion score is its negative);
+* two-run disagreement is the fraction of decode positions at which two
+  independent ``poisson_tail`` runs (different PRNG keys) generate different
+  tokens;
+* gating is scored at a recompute budget of 25% of the examples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from typing import Callable, Optional, Sequence
+
+from experiments.lib import model_loading
+from experiments.lib import overhead as overhead_lib
+from experiments.lib import results_io
+from experiments.lib.analyses import common
+from experiments.lib.suite import rows as suite_rows
+from experiments.lib.suite import settings as suite_settings
+
+VERDICT_RULE = (
+    "Verdict rule (`experiments.lib.stats.verdict`): each claim holds on a region: "
+    "[paper lo, +inf) for an \"at least\" claim (coverage, the certificate's attribution "
+    "AUC, the gating claims, \"> 0\"), (-inf, paper hi] for an \"at most\" claim (\"~0 "
+    "damage\", \"< 1\"), [paper lo, paper hi] for a point claim with a band (the two-run "
+    "disagreement's AUC, the overhead's \"about 2x\"). Reproduced if our whole 95% interval "
+    "lies in the region, refuted if it lies wholly outside it, inconclusive if it spans a "
+    "boundary of the region (part in, part out); inconclusive (not estimable) when there is "
+    "no interval. Small samples give wide intervals, hence inconclusive verdicts.")
+
+
+def overhead_claims(overhead: Optional[dict]) -> list[dict]:
+  """The claim row of the measured overhead (``overhead``: ``overhead_lib.summarize``).
+
+  "About 2x" is a point claim: judged two-sided on its band, so a cheaper
+  certificate refutes it as much as a dearer one (the note says which side,
+  and how noisy the ratio is and how it was timed)."""
+  if not overhead or "ratio_cert_vs_deterministic" not in overhead:
+    return []
+  key = "ratio_cert_vs_deterministic"
+  ci = overhead[key]
+  ci = None if ci is None else tuple(ci)
+  lo, hi = common.PAPER["overhead"]
+  v = common.verdict_of(common.PAPER["overhead"], ci, "two_sided")
+  note = []
+  if v == "refuted":
+    note.append(f"cheaper than claimed (whole CI below {lo:g})" if ci[2] < lo else
+                f"dearer than claimed (whole CI above {hi:g})")
+  info = overhead.get("timing", {}).get(key)
+  if v != common.NOT_ESTIMABLE and info:
+    note.append(f"noise: +-{100 * overhead_lib.half_width(ci):.0f}% (CI half-width / "
+                f"estimate); {overhead_lib.describe_ratio(info)}")
+  else:
+    note.append("CI over repeated timings")
+  return [common.claim("measured overhead: randomized + certificate vs deterministic, per "
+                       "decode step", f"about 2x (band {lo:g}-{hi:g})", ci, v, "; ".join(note))]
+
+
+def render_report(*, sections: Sequence[dict], theorem1: Optional[dict],
+                  overhead: Optional[dict], command: str, wall_s: float, settings,
+                  extra: Sequence[str] = (), machine: Optional[str] = None) -> str:
+  """``report.md``: the claims table, then each section. ``machine``: the Machine line's
+  text (default: this machine's)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if machine is None:
+    machine = (f"{platform.platform()}, {os.cpu_count()} CPUs, jax {jax.__version__}, "
+               f"python {platform.python_version()}")
+  claims = [c for s in sections for c in s.get("claims", [])] + overhead_claims(overhead)
+  lines = ["# certkv_jax: the paper's claims (method, section 7) on this setup", "",
+           f"Command: `{command}`  ", f"Wall time: {wall_s:.0f} s  ",
+           f"Machine: {machine}  ",
+           f"Settings: model {settings.model}, tasks {list(settings.tasks)}, context_len "
+           f"{settings.context_len}, {settings.num_examples} examples per task, budgets "
+           f"{list(settings.budgets)}, designs {list(settings.designs)}, regimes "
+           f"{list(settings.regimes)} ({list(settings.question_aware_only)} question-aware "
+           f"only; 'full' once), {settings.n_runs} runs of {list(settings.multi_run_designs)}, "
+           f"{settings.n_steps} decode steps, seed {settings.seed}"
+           + (f", at most {settings.max_batch} rows per call" if settings.max_batch else ""),
+           "", VERDICT_RULE, ""]
+  lines += common.table(["claim", "paper", "ours (95% CI)", "verdict", "note"],
+                        [[c["claim"], c["paper"], c["ours"], c["verdict"], c["note"]]
+                         for c in claims])
+  lines += ["", __doc__.split("Choices the paper leaves open, fixed here (and printed in the "
+                              "report):")[1].strip().replace("\n\n", "\n"), ""]
+  if theorem1:
+    lines += [theorem1.get("md", ""), ""]
+  if overhead:
+    lines += [overhead.get("md", ""), ""]
+  for s in sections:
+    lines += [s["md"], ""]
+  lines += list(extra)
+  return "\n".join(lines) + "\n"
+
+
+def write_summary(out_dir: str, sections: Sequence[dict], title: str) -> str:
+  """``out_dir/summary.md`` (the sections and a claims table) and ``summary.json``."""
+  claims = [c for s in sections for c in s.get("claims", [])]
+  lines = [f"# {title}", ""]
+  if claims:
+    lines += common.table(["claim", "paper", "ours (95% CI)", "verdict"],
+                          [[c["claim"], c["paper"], c["ours"], c["verdict"]]
+                           for c in claims]) + ["", VERDICT_RULE, ""]
+  lines += [s["md"] for s in sections]
+  text = "\n".join(lines) + "\n"
+  results_io.atomic_write_text(os.path.join(out_dir, "summary.md"), text)
+  blob = [{k: v for k, v in s.items() if k != "md"} for s in sections]
+  results_io.atomic_write_text(os.path.join(out_dir, "summary.json"),
+                               json.dumps(results_io.json_safe(blob), indent=1, default=float))
+  return text
+
+
+def run_analyses(flag_values, analyses: Sequence[Callable[..., dict]], title: str,
+                 **settings_overrides) -> str:
+  """What a suite analysis script does on its parsed flags
+  (:func:`experiments.lib.suite.settings.define_common_flags`): collect the rows,
+  run ``analyses``, write ``--out/summary.md`` and ``summary.json``; returns the summary."""
+  settings = suite_settings.settings_from_flags(flag_values, **settings_overrides)
+  params, config, tok = model_loading.load_model(flag_values.model)
+  rows = suite_rows.collect(params, config, tok, settings, flag_values.out,
+                            max_units=None if flag_values.max_units < 0 else flag_values.max_units)
+  return write_summary(flag_values.out, [fn(rows, flag_values.out) for fn in analyses], title)

@@ -1,0 +1,166 @@
+r"""What a generate run's radii mean: their summary, whether they are a
+certificate, and the calibrated radius where the shipped calibration applies.
+
+:func:`models.text.generate.generate_text` computes, for every decode step,
+the raw Bernstein radius of every (layer, query head) attention call (method,
+section 5). This module summarizes those radii per step (:func:`summarize`),
+says whether the design makes them a certificate (:func:`certificate_status`,
+:func:`no_sample_note`: only a Poisson tail with Hajek offsets that sampled
+some token does; Theorem 1, method, section 2) and maps them to the calibrated
+radius of a :mod:`certkv_jax.robust_calibration` artifact (method, section 10)
+where it was made for the model, design, regime, budget and delta, or says why
+not (:func:`calibrated`). A prompt whose length is outside the context range the
+artifact was fitted on still gets the calibrated radius, with a note that starts
+with "WARNING:" (its coverage is not established at that length).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from certkv_jax import designs
+from certkv_jax import robust_calibration
+
+# The settings of the validity study (experiments.lib.validity.collect.Plan), which
+# the shipped calibration was fitted with; tests/generate_test.py checks they agree.
+N_SINK = 4
+WINDOW = 16
+CHUNK = 64
+# The shipped calibration: the validity study's artifact in this repository
+# (models/text/certificate.py -> the repository root -> experiments/results/...).
+DEFAULT_CALIBRATION = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "experiments", "results", "validity", "calibration")
+
+
+class RadiusSummary(NamedTuple):
+  """Per-step summary over the (layer, query head) calls of a decode step."""
+
+  median: np.ndarray  # [steps] median over layers x heads
+  max: np.ndarray  # [steps] max over layers x heads
+
+
+def summarize(radius) -> RadiusSummary:
+  """Median and max over (layer, head) of ``radius [steps, layers, heads]``."""
+  r = np.asarray(radius, np.float64)
+  flat = r.reshape(r.shape[0], -1)
+  if flat.shape[0] == 0:
+    return RadiusSummary(median=np.zeros(0), max=np.zeros(0))
+  return RadiusSummary(median=np.median(flat, axis=1), max=np.max(flat, axis=1))
+
+
+def certificate_status(design_name: str, design) -> tuple[bool, str]:
+  """``(certified, note)``: only a Poisson tail with Hajek offsets yields a radius
+  that is a certificate (method, sections 3-5)."""
+  if design is None:
+    return False, ("design 'full' evicts nothing: o_hat = o exactly, so there is no error to "
+                   "certify (the radius is 0)")
+  if isinstance(design.tail, designs.PoissonTail):
+    return True, (f"design {design_name!r} samples its tail (Poisson, Hajek offsets): the "
+                  "radius bounds ||o_hat - o|| of each call with probability about 1 - delta "
+                  "(method, section 5)")
+  kind = ("a uniform random tail with no Hajek offset" if design.randomized
+          else "deterministic")
+  return False, (f"design {design_name!r} is {kind}: its radius is 0 by construction and is "
+                 "NOT a certificate -- it does not mean there is no error (Theorem 1, method, "
+                 "section 2); use poisson_tail for a certificate")
+
+
+def no_sample_note(design, budget: float, n_context: int, regime: str) -> str:
+  """Why a randomized design sampled no tail token (its radius is then 0)."""
+  target = int(math.floor(budget * n_context))
+  size = design.certain.size
+  where = "context" if regime == "streaming" else "prompt"
+  if target >= n_context:
+    return (f"design {design.name!r} evicted nothing (the budget keeps all {n_context} "
+            f"{where} tokens): o_hat = o exactly, so there is no error to certify")
+  if target <= size:
+    why = (f"the budget keeps floor({budget:g} x {n_context}) = {target} tokens, no more "
+           f"than the certainty set of {size} (n_sink + window), so only the certainty set "
+           "was kept: no slot was left for a sampled tail")
+  else:
+    why = "no sampled tail token remained in any cache"
+  need = size + 1
+  hint = (f"--budget={math.ceil(1000.0 * need / n_context) / 1000.0:g} or more"
+          if need < n_context else f"a {where} longer than {need} tokens")
+  return (f"design {design.name!r} sampled no tail token: {why}. The radius is 0 and is NOT "
+          f"a certificate here. For one: {hint} (or a longer {where}, or a smaller "
+          "n_sink / window)")
+
+
+class Run(NamedTuple):
+  """What a calibration must have been made for: the run's model and settings."""
+
+  model_name: Optional[str]  # as the calibration records it ('smollm2'); None: unknown
+  design_name: str
+  regime: str
+  budget: float
+  delta: float
+  # Must be the validity study's (the calibration was fitted with them; it does not
+  # record them).
+  n_sink: int = N_SINK
+  window: int = WINDOW
+  chunk: int = CHUNK
+
+
+def calibrated(raw, run: Run, *, calibration: Optional[str], context_tokens: int
+               ) -> tuple[Optional[np.ndarray], str, Optional[bool]]:
+  """``(radius, note, in_range)``: the calibrated radius of ``raw``, or None.
+
+  ``in_range`` is None when no radius is returned (the note says why not),
+  True when the prompt's ``context_tokens`` lie in the context range the
+  calibration was fitted on, and False when they do not: the radius is still
+  returned, but the note starts with "WARNING:" (fitted on contexts of A-B
+  tokens from its sources; this prompt has N tokens, so its coverage is not
+  established here) and the caller must show it to the user.
+
+  Args:
+    raw: [...] raw radii at ``run.delta``.
+    run: the run's model, design, regime, budget and delta (each must be in
+      the calibration: a model name of None matches nothing) and its n_sink,
+      window and chunk (the validity study's).
+    calibration: path of a :mod:`certkv_jax.robust_calibration` artifact
+      (method, section 10), or None.
+    context_tokens: the run's prompt tokens (context + question), compared
+      with the calibration's ``context_range``.
+  """
+  if calibration is None:
+    return None, "not requested (no calibration path)", None
+  if not os.path.isdir(calibration):
+    return None, (f"no calibration artifact at {calibration} (written by "
+                  "python -m experiments.validity --out=DIR, in DIR/calibration)"), None
+  if run.model_name is None:
+    return None, ("the model's name was not given (model_name), so no calibration can match "
+                  "it"), None
+  if (isinstance(context_tokens, (bool, np.bool_))
+      or not isinstance(context_tokens, (int, np.integer)) or context_tokens < 1):
+    raise ValueError(f"context_tokens must be a positive int (the prompt's tokens), got "
+                     f"{context_tokens!r}")
+  used = dict(n_sink=run.n_sink, window=run.window, chunk=run.chunk)
+  fitted = dict(n_sink=N_SINK, window=WINDOW, chunk=CHUNK)
+  if run.regime == "question_aware":
+    del used["chunk"], fitted["chunk"]
+  if used != fitted:
+    return None, (f"the calibration was fitted with {fitted}, this run uses {used}"), None
+  try:
+    cal = robust_calibration.load(calibration)
+    out = cal.radius(raw, model=run.model_name, design=run.design_name, regime=run.regime,
+                     budget=float(run.budget), delta=float(run.delta),
+                     context_len=int(context_tokens), outside_range="warn")
+  except ValueError as err:
+    return None, str(err), None
+  radius = np.asarray(out, np.float64)
+  if not cal.covers_context(int(context_tokens)):
+    return radius, (
+        f"WARNING: the calibration {calibration} was fitted on {cal.fitted_on()}; this "
+        f"prompt has {int(context_tokens)} tokens, so its coverage is not established here "
+        "(context length is a shift like another source: the calibrated radius can "
+        "under-cover; method, section 10)"), False
+  return radius, (
+      f"{calibration} (model {cal.model}, design {cal.design}, fitted on "
+      f"{cal.fitted_on()}): valid marginally per radius bin for calls like its "
+      "calibration sources (method, section 10)"), True
