@@ -30,17 +30,11 @@ def _cache(n=N, cap=CAP, seed=0):
   return cache_lib.observe(c, probs, observation=True)
 
 
-ALL = {
-    "sink_window": lambda b: designs.sink_window(b, n_sink=4),
-    "h2o": lambda b: designs.h2o(b, n_sink=2, window=4),
-    "tova": lambda b: designs.tova(b, window=4),
-    "snapkv": lambda b: designs.snapkv(b, window=8, pool_size=5),
-    "key_norm": lambda b: designs.key_norm(b, n_sink=1),
-    "h2o_value_aware": lambda b: designs.h2o(b, window=4, value_aware=True),
-    "uniform_random": lambda b: designs.uniform_random(b, n_sink=2, window=4),
-    "poisson_tail": lambda b: designs.poisson_tail(b, n_sink=2, window=4),
-    "attention_proportional": lambda b: designs.attention_proportional(b, n_sink=2, window=4),
-}
+# Every registered design (so a new one is tested here without editing this
+# file), plus a value-aware variant.
+ALL = {name: (lambda b, n=name: registry.make(n, b, n_sink=2, window=4))
+       for name in registry.names()}
+ALL["h2o_value_aware"] = lambda b: designs.h2o(b, window=4, value_aware=True)
 
 
 def _evict(design, c, seed=0):

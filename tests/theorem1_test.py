@@ -21,18 +21,16 @@ import certkv_jax
 from certkv_jax import designs
 from certkv_jax import diagnostics
 from certkv_jax import montecarlo
+from certkv_jax import registry
 
 BUDGET = 64
 
-DETERMINISTIC = {
-    "sink_window": designs.sink_window(BUDGET, n_sink=4),
-    "h2o": designs.h2o(BUDGET, n_sink=4, window=8),
-    "tova": designs.tova(BUDGET, window=8),
-    "snapkv": designs.snapkv(BUDGET, window=8, pool_size=5),
-    "key_norm": designs.key_norm(BUDGET, n_sink=4),
-    "h2o_value_aware": designs.h2o(BUDGET, window=8, value_aware=True),
-    "tova_value_aware": designs.tova(BUDGET, window=8, value_aware=True),
-}
+# Every registered deterministic design (a new one is covered without editing
+# this file), plus value-aware variants.
+DETERMINISTIC = {name: registry.make(name, BUDGET, n_sink=4, window=8)
+                 for name in registry.names(randomized=False)}
+DETERMINISTIC["h2o_value_aware"] = designs.h2o(BUDGET, window=8, value_aware=True)
+DETERMINISTIC["tova_value_aware"] = designs.tova(BUDGET, window=8, value_aware=True)
 
 
 def _pipeline(problem, design, key):
