@@ -31,11 +31,12 @@ from models.llama import LlamaModel
 Array = jax.Array
 
 
-def _layer(config: LlamaConfig, design, observe: bool, certificate: bool, x, valid,
-           layer_params, cache: KVCache, shadow: Optional[KVCache], subsample=(None, None)):
+def _layer(config: LlamaConfig, design, observe: bool, certificate, x, valid,
+           layer_params, cache: KVCache, shadow: Optional[KVCache]):
   """One decoder layer on a chunk: q, k, v, the drop-in attention
   (``certkv_jax.layer.attend``: append, offset attention with the certificate
   statistics, the design's statistics folded), then the output projection and MLP.
+  ``certificate`` is ``attend``'s: a bool or ``(layer_flag, heads)``.
 
   Returns:
     ``(x [b, t, hidden], cache, stats [b, n_heads, t] or None, shadow)``.
@@ -44,8 +45,6 @@ def _layer(config: LlamaConfig, design, observe: bool, certificate: bool, x, val
   variables = {"params": layer_params}
   with jax.named_scope("qkv"):
     q, k, v = block.apply(variables, x, layer.positions(cache, valid), method=Block.qkv)
-  if certificate and any(x is not None for x in subsample):
-    certificate = tuple(subsample)
   out, cache, shadow, stats = layer.attend(
       q, k, v, cache, valid=valid, design=design, observe=observe, certificate=certificate,
       shadow=shadow)
@@ -103,9 +102,11 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
     layer_params, flag, i = layer
     cache = caches_lib.layer(caches, i)
     shadow_cache = None if shadow is None else caches_lib.layer(shadow, i)
-    x, cache, stats, shadow_cache = _layer(config, design, observe, certificate, x,
-                                           valid, layer_params, cache, shadow_cache,
-                                           (flag, certificate_heads))
+    cert = certificate
+    if certificate and (flag is not None or certificate_heads is not None):
+      cert = (flag, certificate_heads)  # this layer's subsample
+    x, cache, stats, shadow_cache = _layer(config, design, observe, cert, x, valid,
+                                           layer_params, cache, shadow_cache)
     caches = caches_lib.with_layer(caches, i, cache)
     if shadow is not None:
       shadow = caches_lib.with_layer(shadow, i, shadow_cache)

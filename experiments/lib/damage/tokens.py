@@ -28,6 +28,7 @@ from certkv_jax import certificate
 from certkv_jax import eviction
 from certkv_jax.certified_attention import SIGNAL_FIELDS
 from experiments.lib.streaming_loss.core import StreamConfig
+from experiments.lib.streaming_loss.core import chunked_targets
 from models import forward
 
 
@@ -50,12 +51,7 @@ def _token_damage(params, tokens, mask, key, budget, *, config,
                   stream: StreamConfig) -> TokenDamage:
   chunk, design, delta = stream.chunk, stream.design, stream.delta
   b, n = tokens.shape
-  targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-  scored = mask & jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
-  n_chunks = -(-n // chunk)
-  pad = ((0, 0), (0, n_chunks * chunk - n))
-  as_chunks = lambda x: jnp.pad(x, pad).reshape(b, n_chunks, chunk).swapaxes(0, 1)
-  xs = tuple(as_chunks(x) for x in (tokens, mask, targets, scored))
+  xs, scored, n_chunks = chunked_targets(tokens, mask, chunk)
 
   def step(carry, x):
     caches, full, shadow, state, key = carry

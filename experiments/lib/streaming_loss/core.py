@@ -117,18 +117,29 @@ class StreamingNLL(NamedTuple):
   n_dropped: jax.Array  # [b] int32 tokens that found no free slot (should be 0)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "stream"))
-def _streaming_nll(params, tokens, mask, key, budget, *, config,
-                   stream: StreamConfig) -> StreamingNLL:
-  chunk, design, delta = stream.chunk, stream.design, stream.delta
+def chunked_targets(tokens, mask, chunk: int):
+  """A sequence cut for a scan over chunks, with its next-token targets.
+
+  Position i predicts token i + 1; it is scored when both are real (the last
+  real token has no target). Returns ``(xs, scored, n_chunks)``: ``xs`` is
+  ``(tokens, mask, targets, scored)``, each ``[n_chunks, b, chunk]`` (padded
+  to whole chunks), and ``scored`` is ``[b, n]``.
+  """
   b, n = tokens.shape
-  # Targets up front: position i predicts token i + 1; the last real token has none.
   targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
   scored = mask & jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
   n_chunks = -(-n // chunk)
   pad = ((0, 0), (0, n_chunks * chunk - n))
   as_chunks = lambda x: jnp.pad(x, pad).reshape(b, n_chunks, chunk).swapaxes(0, 1)
-  xs = tuple(as_chunks(x) for x in (tokens, mask, targets, scored))
+  return tuple(as_chunks(x) for x in (tokens, mask, targets, scored)), scored, n_chunks
+
+
+@functools.partial(jax.jit, static_argnames=("config", "stream"))
+def _streaming_nll(params, tokens, mask, key, budget, *, config,
+                   stream: StreamConfig) -> StreamingNLL:
+  chunk, design, delta = stream.chunk, stream.design, stream.delta
+  b, n = tokens.shape
+  xs, scored, n_chunks = chunked_targets(tokens, mask, chunk)
   with_cert = design is not None
 
   def step(carry, x):

@@ -179,24 +179,13 @@ class Plan:
 
   def units(self) -> list[tuple[int, str, str, str]]:
     """(context_len, regime, design, data) in run order (short contexts first)."""
-    out = []
-    for c in sorted(self.context_lens):
-      designs = dict(self.designs_at).get(c, self.designs)
-      data = dict(self.data_at).get(c, self.data)
-      for regime in self.regimes:
-        for d in designs:
-          if regime != "question_aware" and d in self.question_aware_only:
-            continue
-          for s in data:
-            out.append((c, regime, d, s))
-    for c, data, designs in sorted(self.groups_at, key=lambda g: g[0]):
-      for regime in self.regimes:
-        for d in designs:
-          if regime != "question_aware" and d in self.question_aware_only:
-            continue
-          for s in data:
-            out.append((c, regime, d, s))
-    return out
+    groups = [(c, dict(self.data_at).get(c, self.data), dict(self.designs_at).get(c, self.designs))
+              for c in sorted(self.context_lens)]
+    groups += sorted(self.groups_at, key=lambda g: g[0])
+    return [(c, regime, d, s) for c, data, designs in groups for regime in self.regimes
+            for d in designs
+            if regime == "question_aware" or d not in self.question_aware_only
+            for s in data]
 
 
 def text_examples(tok, text: str, num_examples: int, context_len: int, question_len: int,
