@@ -261,7 +261,8 @@ def pyramid_budgets(n_layers: int, mean: Union[int, float], beta: float = 20.0) 
 
 def capacity(design, *, n_context: int, n_question: int = 0, n_steps: int = 0,
              chunk: Optional[int] = None, budget=None, layer_budgets=None,
-             compacted: bool = False) -> int:
+             compacted: bool = False, allocation=None, n_heads: int = 1,
+             n_layers: int = 1) -> int:
   """Cache slots per (layer, row, KV head) so that no token is dropped: the one
   capacity rule every caller uses.
 
@@ -281,6 +282,9 @@ def capacity(design, *, n_context: int, n_question: int = 0, n_steps: int = 0,
     layer_budgets: a per-layer schedule replacing it.
     compacted: size a cache that holds only what an eviction kept
       (``cache.compact``) plus the decoded tokens: the prompt need not fit.
+    allocation: a per-head allocation (``certkv_jax.allocation``): the kept
+      tokens of one head may reach its ``max_target`` for ``n_heads`` KV
+      heads and ``n_layers`` layers (never more than the prompt).
   """
   n_padded = n_context if chunk is None else -(-n_context // chunk) * chunk
   total = n_padded + n_question + n_steps
@@ -301,6 +305,8 @@ def capacity(design, *, n_context: int, n_question: int = 0, n_steps: int = 0,
     return x if isinstance(x, int) else int(math.floor(x * n_prompt * (1.0 + 2e-6)))
 
   kept = max(max(kept_after(x) for x in fractions), design.certain.size + design.min_tail)
+  if allocation is not None:
+    kept = min(max(allocation.max_target(kept, n_heads, n_layers), kept), n_prompt)
   if compacted:
     return kept + n_question + n_steps
   if chunk is None:

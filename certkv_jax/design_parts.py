@@ -3,7 +3,8 @@
 :class:`CertaintySet` says which tokens are kept with probability 1 (sinks,
 the recent window, heavy hitters); a tail rule (:class:`TopK`,
 :class:`UniformTail`, :class:`PoissonTail`) chooses among the rest for the
-remaining slots and returns a :class:`TailChoice`. :func:`certkv_jax.designs.compose`
+remaining slots and returns a :class:`TailChoice`; :class:`PriorityTail`
+is the fixed-size randomized tail (method, section 3, "Fixed-size tail"). :func:`certkv_jax.designs.compose`
 puts them together under a budget (method, section 3).
 """
 
@@ -228,3 +229,44 @@ class PoissonTail:
     draw = sampling.poisson_draw(key, pi, tail, slots, self.max_redraws)
     log_pi = jnp.where(draw.keep, jnp.log(jnp.where(draw.keep, pi, 1.0)), 0.0)
     return TailChoice(draw.keep, log_pi, pi, m, draw.n_redraws, draw.n_dropped)
+
+
+@dataclasses.dataclass(frozen=True)
+class PriorityTail:
+  """Fixed-size randomized tail: priority sampling (method, section 3, "Fixed-size tail").
+
+  Duffield, Lund and Thorup (2007): each tail token gets the priority
+  ``q_i = w_i / u_i`` (``u_i`` uniform on (0, 1]) and the ``slots`` highest
+  priorities are kept, so every slot is used. With ``tau`` the largest
+  priority left out, a kept token's inclusion probability given the other
+  tokens' priorities is ``pi_i = min(1, w_i / tau)``; the Horvitz-Thompson
+  terms ``1{kept} / pi_i`` are unbiased with zero covariance, so the Hajek
+  offset ``-log pi_i`` (cumulative across rounds) and the variance estimator
+  keep their Poisson form. ``w_i`` is the score plus ``eps`` times its tail
+  mean, so that no tail token is excluded with certainty.
+
+  Attributes:
+    score: non-negative importance score (default accumulated attention).
+    eps: relative floor of the weights in (0, 1].
+  """
+
+  score: scores.Score = scores.AccumulatedAttention()
+  eps: float = 1e-6
+  randomized = True
+
+  def __post_init__(self):
+    sampling.check_eps(self.eps)
+
+  def select(self, cache, tail, slots, key) -> TailChoice:
+    s = jnp.where(tail, self.score(cache).astype(jnp.float32), 0.0)
+    s_conc = _checks.concrete_array(s)
+    if s_conc is not None:
+      _checks.check_finite("score", s_conc)
+      if (s_conc < 0).any():
+        raise ValueError(f"PriorityTail needs a non-negative score; {self.score} gave "
+                         f"min {s_conc.min()} on the tail")
+    draw = sampling.priority_draw(key, s, tail, slots, self.eps)
+    log_pi = jnp.where(draw.keep, jnp.log(jnp.where(draw.keep, draw.pi, 1.0)), 0.0)
+    zero = jnp.zeros((), jnp.int32)
+    m = jnp.sum(draw.keep).astype(jnp.float32)
+    return TailChoice(draw.keep, log_pi, draw.pi, m, zero, zero)

@@ -51,6 +51,7 @@ from certkv_jax.design_parts import as_budget
 from certkv_jax.design_parts import Budget
 from certkv_jax.design_parts import CertaintySet  # pylint: disable=unused-import
 from certkv_jax.design_parts import PoissonTail  # pylint: disable=unused-import
+from certkv_jax.design_parts import PriorityTail
 from certkv_jax.design_parts import TailChoice  # pylint: disable=unused-import
 from certkv_jax.design_parts import TailRule
 from certkv_jax.design_parts import TopK  # pylint: disable=unused-import
@@ -311,6 +312,25 @@ def _poisson(name, budget, *, score, n_sink=0, window=0, heavy=0, eps=1e-6,
       CertaintySet(n_sink=n_sink, window=window, heavy=heavy),
       PoissonTail(score=score, eps=eps, overflow_prob=overflow_prob, max_redraws=max_redraws),
       budget, name, min_tail=min_tail)
+
+
+def priority_tail(budget, *, score=scores.AccumulatedAttention(), n_sink: int = 0,
+                  window: int = 0, heavy: int = 0, eps: float = 1e-6,
+                  min_tail: int = 0) -> EvictionDesign:
+  """The certified design with a fixed-size tail: the certainty set of
+  :func:`poisson_tail` and a priority-sampled tail (:class:`PriorityTail`) that
+  fills every slot the certainty set leaves (method, section 3, "Fixed-size
+  tail")."""
+  return compose(CertaintySet(n_sink=n_sink, window=window, heavy=heavy),
+                 PriorityTail(score=score, eps=eps), budget, "priority_tail",
+                 min_tail=min_tail)
+
+
+def priority_floor(budget, *, min_tail: int = 16, **kwargs) -> EvictionDesign:
+  """:func:`priority_tail` with at least ``min_tail`` sampled tail tokens beside the
+  certainty set (:class:`EvictionDesign`'s ``min_tail``), as :func:`poisson_floor`."""
+  return dataclasses.replace(priority_tail(budget, min_tail=min_tail, **kwargs),
+                             name="priority_floor")
 
 
 def poisson_floor(budget, *, min_tail: int = 16, **kwargs) -> EvictionDesign:

@@ -31,7 +31,8 @@ def init_state(design, caches: KVCache):
   return jax.vmap(over_heads(design.init))(caches)
 
 
-def evict(design, caches: KVCache, key, *, state=None, layer_budgets=None, budget=None):
+def evict(design, caches: KVCache, key, *, state=None, layer_budgets=None, budget=None,
+          allocation=None, gains=None):
   """Applies ``design.evict`` to every (layer, row, KV head) cache (jitted).
 
   Called eagerly it checks ``budget`` where it is concrete and runs one jitted
@@ -52,6 +53,12 @@ def evict(design, caches: KVCache, key, *, state=None, layer_budgets=None, budge
       a scalar or one per batch row (``[batch]``), that replaces the design's
       budget in every layer, so that one compiled program serves every
       budget. Checked by ``budgets.check_budget`` where it is concrete.
+    allocation: optional, static: a per-head allocation
+      (``certkv_jax.allocation``: AdaKV, CertificateTargeted, TargetRadius,
+      Pyramid) that redistributes the targets among heads; the caches must
+      be sized for its ``max_target`` (``budgets.capacity(allocation=...)``).
+    gains: [n_layers, n_kv_heads] output-projection gains, for the
+      allocations that need them (``allocation.kv_head_gains``).
 
   Returns:
     ``(caches, state, info)``: ``info`` the design's ``EvictionInfo`` of this
@@ -65,16 +72,24 @@ def evict(design, caches: KVCache, key, *, state=None, layer_budgets=None, budge
   if state is None:
     state = init_state(design, caches)
   if distributed.cache_mesh() is not None:  # sequence-sharded, inside its own jit
+    if allocation is not None:
+      raise ValueError("allocation is not supported on sequence-sharded caches: it pools "
+                       "scores across heads that live on other devices")
     return _evict(design, caches, state, key, layer_budgets, budget)
-  return _evict_jit(design, caches, state, key, layer_budgets, budget)
+  return _evict_jit(design, caches, state, key, layer_budgets, budget, allocation, gains)
 
 
-def _evict(design, caches: KVCache, state, key, layer_budgets, budget):
+def _evict(design, caches: KVCache, state, key, layer_budgets, budget, allocation=None,
+           gains=None):
   """:func:`evict`'s body (traced once per design, schedule and shapes)."""
   lead = caches.n_seen.shape  # [n_layers, batch, n_kv_heads]
   keys = jax.random.split(key, lead[0] * lead[1] * lead[2])
   keys = keys.reshape(lead + keys.shape[1:])
   targets = budgets_lib.eviction_targets(caches.n_seen, layer_budgets, budget)  # or None
+  if allocation is not None:
+    if targets is None:
+      targets = jax.vmap(over_heads(design.budget.target))(caches)
+    targets = allocation(design, caches, targets, gains)
   per_cache = (state, keys) if targets is None else (state, keys, targets)
 
   def one(cache, s, k, *target):  # one (layer, row, KV head); target [] int32, if any
@@ -92,7 +107,7 @@ def _evict(design, caches: KVCache, state, key, layer_budgets, budget):
   return new, state, info
 
 
-_evict_jit = jax.jit(_evict, static_argnames=("design", "layer_budgets"))
+_evict_jit = jax.jit(_evict, static_argnames=("design", "layer_budgets", "allocation"))
 
 
 def record_inclusion(shadow: KVCache, before: KVCache, info) -> KVCache:
@@ -128,11 +143,12 @@ def _record_jit(shadow, before, pi):
 
 
 def evict_and_record(design, caches: KVCache, shadow: Optional[KVCache], key, *,
-                     state=None, layer_budgets=None, budget=None):
+                     state=None, layer_budgets=None, budget=None, allocation=None,
+                     gains=None):
   """:func:`evict`, and in evaluation mode (``shadow`` not None) the shadow's
   inclusion record (:func:`record_inclusion`). Returns ``(caches, shadow, state)``."""
   new, state, info = evict(design, caches, key, state=state, layer_budgets=layer_budgets,
-                           budget=budget)
+                           budget=budget, allocation=allocation, gains=gains)
   if shadow is not None:
     shadow = record_inclusion(shadow, caches, info)
   return new, shadow, state

@@ -37,6 +37,8 @@ _FACTORIES: dict[str, Callable[..., EvictionDesign]] = {
     "poisson_defensive": designs.poisson_defensive,
     "poisson_envelope": designs.poisson_envelope,
     "poisson_floor": designs.poisson_floor,
+    "priority_tail": designs.priority_tail,
+    "priority_floor": designs.priority_floor,
 }
 
 # A budget that any design accepts, to read a design's static properties.

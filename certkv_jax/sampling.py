@@ -233,6 +233,47 @@ def poisson_draw(key, pi, mask, slots, max_redraws: int = 3) -> Draw:
   return Draw(keep, n_redraws.astype(jnp.int32), n_dropped.astype(jnp.int32))
 
 
+class PriorityDraw(NamedTuple):
+  keep: Array  # [..., n] bool, the kept tail tokens (exactly min(slots, |T|))
+  pi: Array  # [..., n] float32 inclusion probability given the other priorities (0 off T)
+  tau: Array  # [...] float32 the largest priority left out (0 when all of T is kept)
+
+
+def priority_draw(key, score, mask, slots, eps: float = 1e-6) -> PriorityDraw:
+  """Priority sampling of ``min(slots, |T|)`` tail tokens (Duffield et al., 2007).
+
+  Weights ``w = score + eps * mean_T(score)`` (all 1 when every score is 0),
+  priorities ``q = w / u`` with ``u`` uniform on (0, 1], the ``slots`` highest
+  priorities kept. A kept token's inclusion probability given the others'
+  priorities is ``min(1, w / tau)`` with ``tau`` the largest priority left
+  out; a token left out was beaten by the smallest kept priority, so its
+  probability is ``min(1, w / q_min_kept)`` (what the shadow record of
+  ``certkv_jax.eviction.record_inclusion`` needs for evicted tokens).
+
+  Args:
+    key: PRNG key.
+    score: [..., n] non-negative scores (read on ``mask`` only).
+    mask: [..., n] bool, the tail T.
+    slots: int, scalar or [...] (may be traced): tokens to keep.
+    eps: relative weight floor in (0, 1].
+  """
+  eps = check_eps(eps)
+  s = jnp.where(mask, score.astype(jnp.float32), 0.0)
+  n_t = jnp.sum(mask, axis=-1, keepdims=True).astype(jnp.float32)
+  mean = jnp.sum(s, axis=-1, keepdims=True) / jnp.maximum(n_t, 1.0)
+  w = jnp.where(mean > 0, s + eps * mean, 1.0)
+  u = 1.0 - jax.random.uniform(key, s.shape)  # (0, 1]
+  q = jnp.where(mask, w / u, -jnp.inf)
+  keep = mask & top_k_mask(q, slots)
+  tau = jnp.max(jnp.where(mask & ~keep, q, 0.0), axis=-1)
+  q_min = jnp.min(jnp.where(keep, q, jnp.inf), axis=-1, keepdims=True)
+  t = tau[..., None]
+  pi_kept = jnp.where(t > 0, jnp.minimum(1.0, w / jnp.where(t > 0, t, 1.0)), 1.0)
+  pi_out = jnp.where(jnp.isfinite(q_min), jnp.minimum(1.0, w / q_min), 0.0)
+  pi = jnp.where(keep, pi_kept, jnp.where(mask, pi_out, 0.0))
+  return PriorityDraw(keep, pi.astype(jnp.float32), tau)
+
+
 def _sort_key(x) -> Array:
   """Unsigned integers in the order of ``jnp.sort(x)``.
 

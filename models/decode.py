@@ -52,6 +52,7 @@ from certkv_jax.eviction import evict
 from certkv_jax.eviction import evict_and_record
 from certkv_jax.eviction import init_state
 from certkv_jax.eviction import record_inclusion
+from models.forward import allocation_args
 from models.forward import forward_chunk
 
 Array = jax.Array
@@ -95,6 +96,9 @@ class GenerationConfig:
       call's true error and Assumption-2 audit.
     layer_budgets: one budget per layer (all ints or all floats; PyramidKV),
       replacing the design's budget layer by layer.
+    allocation: a per-head allocation (``certkv_jax.allocation``: AdaKV,
+      CertificateTargeted, TargetRadius, Pyramid) applied at every eviction;
+      capacities are sized for its largest per-head target.
     certificate_layers, certificate_heads: layer / KV-head indices whose decode
       steps are certified (None = all); the rest report NaN, the tokens do not
       change.
@@ -111,6 +115,7 @@ class GenerationConfig:
   return_logits: bool = False
   evaluate: bool = False
   layer_budgets: Optional[tuple] = None
+  allocation: object = None
   certificate_layers: Optional[tuple] = None
   certificate_heads: Optional[tuple] = None
   on_token: Optional[Callable] = None
@@ -204,7 +209,8 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
 
   def evict_now(caches, shadow, state, sub):
     return evict_and_record(design, caches, shadow, sub, state=state,
-                            layer_budgets=gen.layer_budgets, budget=budget)
+                            layer_budgets=gen.layer_budgets, budget=budget,
+                            **allocation_args(params, config, gen.allocation))
 
   def step(carry, i):
     caches, shadow, state, step_logits, key = carry
@@ -295,8 +301,10 @@ def _sized(gen: GenerationConfig, given: dict) -> GenerationConfig:
     sizes = dict(n_context=jnp.shape(given["context"])[1],
                  n_question=jnp.shape(given["question"])[1], n_steps=gen.n_steps,
                  chunk=gen.chunk)
+  config = given["config"]
   return gen.replace(capacity=budgets_lib.capacity(
-      gen.design, budget=budget, layer_budgets=gen.layer_budgets, **sizes))
+      gen.design, budget=budget, layer_budgets=gen.layer_budgets, allocation=gen.allocation,
+      n_heads=config.n_kv_heads, n_layers=config.n_layers, **sizes))
 
 
 def _raise_on_overflow(gen: "Generation", given: dict) -> None:
@@ -385,7 +393,8 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, gen: GenerationC
   key, sub = jax.random.split(key)
   if design is not None:
     caches, shadow, state = evict_and_record(design, caches, shadow, sub, state=state,
-                                             layer_budgets=gen.layer_budgets, budget=budget)
+                                             layer_budgets=gen.layer_budgets, budget=budget,
+                                             **allocation_args(params, config, gen.allocation))
   return _decode_loop(params, config, gen, (caches, shadow, state, key),
                       _last_logits(logits, mask), budget)
 
@@ -441,7 +450,9 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
     if design is not None:
       caches, shadow, state = evict_and_record(design, caches, shadow, sub, state=state,
                                                layer_budgets=gen.layer_budgets,
-                                               budget=budget)
+                                               budget=budget,
+                                               **allocation_args(params, config,
+                                                                 gen.allocation))
     return (caches, shadow, state, key), None
 
   caches = init_caches(config, batch, capacity)

@@ -20,6 +20,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from certkv_jax import allocation as allocation_lib
 from certkv_jax import caches as caches_lib
 from certkv_jax import certified_attention
 from certkv_jax import layer
@@ -51,6 +52,17 @@ def _layer(config: LlamaConfig, design, observe: bool, certificate, x, valid,
   with jax.named_scope("mlp"):
     x = block.apply(variables, x, out, method=Block.finish)
   return x, cache, stats, shadow
+
+
+def allocation_args(params, config: LlamaConfig, allocation) -> dict:
+  """``eviction.evict``'s ``allocation`` and ``gains`` for this model: the gains
+  (``certkv_jax.allocation.kv_head_gains`` of the ``o_proj`` kernel) only for
+  an allocation that needs them."""
+  gains = None
+  if allocation is not None and allocation.needs_gains:
+    gains = allocation_lib.kv_head_gains(params["params"]["layers"]["o_proj"]["kernel"],
+                                         config.n_heads, config.n_kv_heads, config.head_dim)
+  return dict(allocation=allocation, gains=gains)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "design", "observe", "certificate"))

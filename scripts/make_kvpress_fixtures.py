@@ -45,13 +45,47 @@ Presses and their settings (kvpress defaults unless stated):
 * ``ObservedAttentionPress()``
 * ``KeyDiffPress()`` (cosine distance of each key to the mean unit key)
 
+AdaKV cases (per-head budgets), case ``adakv_{inner}_{ratio}``:
+``AdaKVPress(press, alpha_safeguard=0.2)`` (the default) around
+``SnapKVPress(window_size=16, kernel_size=5)`` (``adakv_snapkv``),
+``TOVAPress()`` (``adakv_tova``; TOVA is a ``ScorerPress``, so AdaKV accepts
+it), ``KnormPress()`` (``adakv_knorm``) and ``KeyDiffPress()``
+(``adakv_keydiff``), at ratios 0.5 and 0.75; and ``AdaKVPress(KnormPress(),
+alpha_safeguard=0.9)`` (``adakv_knorm_alpha0.9``), where the safeguard binds
+(some heads keep exactly ``n_safe``; with 0.2 every head here keeps far more
+than ``n_safe``, which then only protects window tokens). ``AdaKVPress`` refuses eager
+attention ("eager mode not supported"), so these cases run on the same
+checkpoint loaded with sdpa attention (SnapKV and TOVA then recompute the
+window attention from the queries themselves). Per (layer, batch row) AdaKV
+keeps, for every KV head, its ``n_safe = int(n_kept * alpha_safeguard)`` (at
+least 1) highest scores (set to the dtype's max), then prunes the
+``n_kv_heads * (n - n_kept)`` lowest scores of all heads flattened. It does
+not shrink the cache: it stores the pruned positions in
+``module.masked_key_indices = (batch, head, seq)``, read here right after
+``compress`` returns. Per AdaKV case the script records:
+
+* ``kept_mask`` [n_layers, n_kv_heads, n] bool (True = kept), the complement
+  of ``masked_key_indices``;
+* ``scores`` [n_layers, n_kv_heads, n] float32: what the inner press's
+  ``score`` returned (sdpa attention), copied before AdaKV's in-place
+  ``scatter_`` of the safeguard maxima;
+
+and checks that the pruned indices are distinct, that each layer keeps
+``n_kv_heads * n_kept`` positions, each head at least ``n_safe``, and that
+apart from each head's ``n_safe`` highest kept scores no pruned position
+scores above a kept one (the selection is a flattened top-k up to ties).
+
 Output: ``tests/fixtures/kvpress/reference.npz`` (``tokens`` [1, n] int32 and,
 per case ``{press}_{ratio}``, ``{case}/kept`` [n_layers, n_kv_heads, n_kept]
-int32 sorted and ``{case}/scores`` [n_layers, n_kv_heads, n] float32) and
+int32 sorted and ``{case}/scores`` [n_layers, n_kv_heads, n] float32; per
+AdaKV case ``{case}/kept_mask`` and ``{case}/scores`` as above) and
 ``reference.json`` (versions, settings, budgets, and per case
 ``sdpa_same_kept``: whether the same press on the same model with sdpa
 attention, where SnapKV and TOVA recompute the window attention themselves,
-kept the same positions).
+kept the same positions; per AdaKV case ``attn_implementation`` "sdpa",
+``alpha_safeguard``, ``n_safe``, ``kept_per_head`` [n_layers][n_kv_heads]
+and ``scores_max_abs_diff_vs_eager``: the largest difference between the
+inner press's sdpa scores and its eager scores of the single-press case).
 """
 
 from __future__ import annotations
@@ -65,6 +99,7 @@ import numpy as np
 import torch
 import transformers
 import kvpress
+from kvpress.utils import compute_n_kept
 from importlib import metadata
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -77,6 +112,9 @@ RATIOS = (0.5, 0.75)
 SNAPKV_WINDOW = 16
 SNAPKV_KERNEL = 5
 STREAMING_N_SINK = 4
+ADAKV_INNER = ("snapkv", "tova", "knorm", "keydiff")  # the inner presses of AdaKVPress
+ADAKV_ALPHA = 0.2  # kvpress's default alpha_safeguard
+ADAKV_BINDING_ALPHA = 0.9  # case adakv_knorm_alpha0.9: a safeguard that binds
 
 
 def presses(ratio):
@@ -92,6 +130,19 @@ def presses(ratio):
       "observed_attention": kvpress.ObservedAttentionPress(compression_ratio=ratio),
       "keydiff": kvpress.KeyDiffPress(compression_ratio=ratio),
   }
+
+
+def adakv_presses(ratio):
+  """{case name: (inner press name, AdaKVPress)}."""
+  out = {f"adakv_{name}": (name, kvpress.AdaKVPress(presses(ratio)[name],
+                                                    alpha_safeguard=ADAKV_ALPHA))
+         for name in ADAKV_INNER}
+  # A safeguard that binds: with alpha 0.2 every head keeps far more than its
+  # n_safe here, so the safeguard only ever protects window tokens; with 0.9
+  # (n_safe 57 of 64, 28 of 32) some Knorm heads keep exactly n_safe.
+  out["adakv_knorm_alpha0.9"] = ("knorm", kvpress.AdaKVPress(
+      presses(ratio)["knorm"], alpha_safeguard=ADAKV_BINDING_ALPHA))
+  return out
 
 
 def _match_rows(full, kept):
@@ -140,6 +191,65 @@ def run_press(model, tokens, press):
   return np.stack(kept_all), np.stack(scores_all)
 
 
+def run_adakv(model, tokens, press):
+  """(kept_mask [L, H, n] bool, scores [L, H, n] float32, n_safe) of an AdaKVPress."""
+  n_layers = model.config.num_hidden_layers
+  captured = {}
+  inner = press.press
+  orig_score = inner.score
+  orig_compress = press.compress
+
+  def score(module, hidden_states, keys, values, attentions, kwargs):
+    s = orig_score(module, hidden_states, keys, values, attentions, kwargs)
+    # a copy: AdaKVPress scatters the safeguard maxima into s in place afterwards
+    captured.setdefault(module.layer_idx, {})["scores"] = s.detach().clone()
+    return s
+
+  def compress(module, hidden_states, keys, values, attentions, kwargs):
+    out = orig_compress(module, hidden_states, keys, values, attentions, kwargs)
+    b, h, q = module.masked_key_indices
+    captured.setdefault(module.layer_idx, {})["masked"] = (b.clone(), h.clone(), q.clone())
+    captured[module.layer_idx]["shape"] = tuple(keys.shape[:3])
+    return out
+
+  inner.score = score
+  press.compress = compress
+  cache = transformers.DynamicCache(config=model.config)
+  with torch.no_grad(), press(model):
+    model(input_ids=tokens, past_key_values=cache, use_cache=True)
+  ratio = press.compression_ratio
+  masks, scores_all = [], []
+  n_safe = None
+  for layer in range(n_layers):
+    bsz, h_kv, n = captured[layer]["shape"]
+    n_kept = compute_n_kept(n, ratio)
+    n_safe = max(1, int(n_kept * press.alpha_safeguard)) if n_kept > 0 else 0
+    b, h, q = captured[layer]["masked"]
+    if bsz != 1 or not (b == 0).all():
+      raise RuntimeError(f"layer {layer}: expected one batch row")
+    mask = torch.ones(h_kv, n, dtype=torch.bool)
+    mask[h, q] = False
+    scores = captured[layer]["scores"][0].float()  # [h_kv, n]
+    n_pruned = h_kv * (n - n_kept)
+    if h.numel() != n_pruned or int((~mask).sum()) != n_pruned:
+      raise RuntimeError(f"layer {layer}: pruned indices are not {n_pruned} distinct positions")
+    per_head = mask.sum(-1)
+    if int(per_head.sum()) != h_kv * n_kept or (per_head < n_safe).any():
+      raise RuntimeError(f"layer {layer}: kept per head {per_head.tolist()}")
+    # Up to ties, a flattened top-k after each head's n_safe safeguard: apart
+    # from each head's n_safe highest kept scores, no pruned score is above a kept one.
+    rest = []
+    for hh in range(h_kv):
+      kept_s = scores[hh][mask[hh]].sort(descending=True).values
+      rest.append(kept_s[n_safe:])
+    rest = torch.cat(rest)
+    if rest.numel() and scores[~mask].numel() and scores[~mask].max() > rest.min():
+      raise RuntimeError(f"layer {layer}: a pruned score is above a non-safeguard kept score")
+    masks.append(mask.numpy())
+    scores_all.append(scores.numpy().astype(np.float32))
+  return np.stack(masks), np.stack(scores_all), n_safe
+
+
 def load(attn_implementation):
   model = transformers.AutoModelForCausalLM.from_pretrained(
       CHECKPOINT, dtype=torch.float32, attn_implementation=attn_implementation)
@@ -181,6 +291,27 @@ def main():
         kept_sdpa, _ = run_press(sdpa, tokens, presses(ratio)[name])
         cases[case]["sdpa_same_kept"] = bool(np.array_equal(kept, kept_sdpa))
       print(case, "kept per head:", kept.shape[-1], cases[case].get("sdpa_same_kept"))
+  # AdaKV (per-head budgets): sdpa only (AdaKVPress refuses eager attention).
+  for ratio in RATIOS:
+    for name, (inner_name, press) in adakv_presses(ratio).items():
+      case = f"{name}_{ratio}"
+      kept_mask, scores, n_safe = run_adakv(sdpa, tokens, press)
+      arrays[f"{case}/kept_mask"] = kept_mask
+      arrays[f"{case}/scores"] = scores
+      inner = press.press
+      eager_scores = arrays[f"{inner_name}_{ratio}/scores"]
+      cases[case] = {"press": type(press).__name__, "inner_press": type(inner).__name__,
+                     "compression_ratio": ratio, "attn_implementation": "sdpa",
+                     "alpha_safeguard": press.alpha_safeguard,
+                     "settings": {k: v for k, v in vars(inner).items()
+                                  if isinstance(v, (int, float, str))},
+                     "n_kept": compute_n_kept(scores.shape[-1], ratio),
+                     "n_safe": n_safe,
+                     "kept_per_head": kept_mask.sum(-1).tolist(),
+                     "scores_max_abs_diff_vs_eager":
+                         float(np.abs(scores - eager_scores).max())}
+      print(case, "kept per head:", cases[case]["kept_per_head"], "n_safe", n_safe,
+            "scores vs eager", cases[case]["scores_max_abs_diff_vs_eager"])
   os.makedirs(OUT, exist_ok=True)
   np.savez_compressed(os.path.join(OUT, "reference.npz"), **arrays)
   meta = {

@@ -32,7 +32,8 @@ Scores. Where ours is the same quantity (Knorm; the configured SnapKV score /
 configured ObservedAttention score), it equals kvpress's to 1e-5 relative
 (measured max 4.5e-7), checked in ``test_scores_agree``.
 
-Runtime: 18-30 s on 2 shared CPU cores (two prefills, eager evictions).
+Runtime: 18-30 s on 2 shared CPU cores (two prefills, eager evictions; the AdaKV
+cases add one jitted program, ~5 s; the whole file measured 14 s here).
 
 Configurations (``kvpress`` press <-> ours) and the definitional differences:
 
@@ -90,6 +91,24 @@ Configurations (``kvpress`` press <-> ours) and the definitional differences:
 The as-is numbers above are printed by the test (they depend on near-exact
 float agreement and are not asserted, except the structure of the SnapKV
 boundary difference and that the TOVA/H2O definitions do differ).
+
+AdaKV (per-head budgets). ``AdaKVPress(press)`` (alpha_safeguard 0.2) around
+SnapKVPress(window_size=16, kernel_size=5), TOVAPress, KnormPress and
+KeyDiffPress, and ``AdaKVPress(KnormPress(), alpha_safeguard=0.9)`` (a
+safeguard that binds: with 0.2 no head here keeps as few as ``n_safe``, so the
+safeguard only protects window tokens), at ratios 0.5 and 0.75; kvpress ran
+them with sdpa attention (AdaKVPress refuses eager) and the fixture holds each
+case's ``kept_mask`` (from ``masked_key_indices``) and the inner press's scores.
+Ours: the configured design of the same inner press above (same scores, same
+certainty set: kvpress's window tokens score max + 1 above every other token,
+ours score above everything in ``allocation.AdaKV``), evicted by
+``eviction.evict(..., allocation=allocation.AdaKV(alpha))`` on the same
+prefilled caches. Measured: all 10 (case, ratio) x 2 layers x 2 KV heads keep
+the same positions and per-head counts, except one tie swap: Knorm at 0.5,
+layer 0, where the flattened boundary is an exact 3-way tie (one token id three
+times; ``test_adakv_boundary``) and kvpress's ``topk`` kept a different one of
+the three than ours with alpha 0.9 (the same one with 0.2). kvpress's sdpa
+scores equal ours to 4.2e-7 relative (KeyDiff: 6.3e-7 absolute).
 """
 
 import dataclasses
@@ -104,7 +123,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from certkv_jax import allocation
 from certkv_jax import designs
+from certkv_jax import eviction
 from certkv_jax import keydiff
 from certkv_jax import registry
 from certkv_jax import scores
@@ -119,6 +140,20 @@ SNAPKV_DEFAULT_WINDOW = 64  # kvpress's and our default
 NAMES = ("streaming_llm", "snapkv", "snapkv_default", "tova", "knorm", "observed_attention",
          "keydiff")
 TIE_RTOL = 1e-6
+# AdaKV cases: fixture case -> (the inner press's configuration above, alpha_safeguard)
+ADAKV_CASES = {
+    "adakv_snapkv": ("snapkv", 0.2),
+    "adakv_tova": ("tova", 0.2),
+    "adakv_knorm": ("knorm", 0.2),
+    "adakv_keydiff": ("keydiff", 0.2),
+    "adakv_knorm_alpha0.9": ("knorm", 0.9),  # a safeguard that binds
+}
+# The only (case, ratio, layer) whose flattened AdaKV boundary is an exact score
+# tie (see test_adakv_boundary): KV head 0's positions ADAKV_TIED, of which one is kept.
+ADAKV_TIES = {("adakv_knorm", 0.5, 0), ("adakv_knorm_alpha0.9", 0.5, 0)}
+ADAKV_TIED = (5, 69, 125)
+# Measured tie swaps (ours keeps 5, kvpress's topk kept 125): the only ones.
+ADAKV_TIE_SWAPS = {("adakv_knorm_alpha0.9", 0.5): 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +260,34 @@ def _prefill_cached(window):
 def _evict(design, caches):
   # Eager (not jitted): one compile per design would dominate the test's time.
   return decode.evict(design, caches, jax.random.PRNGKey(0))
+
+
+@functools.lru_cache(maxsize=None)
+def _adakv_kept():
+  """{case: (kept [ratios, layers, kv_heads, n] bool, targets [ratios, layers,
+  kv_heads])}: every AdaKV case evicted once by ``eviction.evict`` with
+  ``allocation=AdaKV(alpha)``. The ratios are the batch rows of one eviction
+  (the prefill's caches repeated, ``budget=`` one fraction per row), and all
+  cases run in one jitted program: one compile instead of ten (~5 s)."""
+  caches, _, _ = _prefill()
+  rows = jax.tree_util.tree_map(lambda a: jnp.concatenate([a] * len(RATIOS), axis=1), caches)
+  budget = jnp.asarray([1 - r for r in RATIOS], jnp.float32)
+
+  @jax.jit
+  def run(rows):
+    out = {}
+    for case, (name, alpha) in ADAKV_CASES.items():
+      design, transform = _kvpress_configured(name, 1 - RATIOS[0])
+      c = transform(rows)
+      _, _, info = eviction.evict(design, c, jax.random.PRNGKey(0), budget=budget,
+                                  allocation=allocation.AdaKV(alpha_safeguard=alpha))
+      # kept slots -> kept positions (slot = position after the prefill)
+      mask = jax.vmap(jax.vmap(jax.vmap(
+          lambda pos, kept: jnp.zeros(kept.shape, bool).at[pos].set(kept))))(c.pos, info.kept)
+      out[case] = (jnp.swapaxes(mask, 0, 1), jnp.swapaxes(info.target, 0, 1))
+    return out
+
+  return jax.tree_util.tree_map(np.asarray, run(rows))
 
 
 def _kept_positions(design, caches):
@@ -338,6 +401,130 @@ class KvpressParityTest(parameterized.TestCase):
     tova = np.asarray(_mean_last_over_kv_heads(caches).last)[:, 0]
     np.testing.assert_allclose(tova[..., :n - 1], ref[f"tova_{ratio}/scores"][..., :n - 1],
                                rtol=1e-5, atol=0)
+
+  def test_adakv_fixture(self):
+    """The AdaKV cases: sdpa attention (AdaKVPress refuses eager), kvpress's
+    ``n_safe = max(1, int(n_kept * alpha))``, ``n_kv_heads * n_kept`` kept per
+    layer, each head at least ``n_safe``. With alpha 0.2 no head is held at its
+    safeguard (the safeguard only protects window tokens, already kept); with
+    alpha 0.9 some Knorm heads are (layer 1: 57 of 64, 28 of 32)."""
+    _, ref, meta = _prefill()
+    n = ref["tokens"].shape[1]
+    for case, (name, alpha) in ADAKV_CASES.items():
+      for ratio in RATIOS:
+        m = meta["cases"][f"{case}_{ratio}"]
+        mask = ref[f"{case}_{ratio}/kept_mask"]
+        n_kept = int(n * (1 - ratio))
+        n_safe = max(1, int(n_kept * alpha))
+        self.assertEqual((m["press"], m["attn_implementation"], m["alpha_safeguard"],
+                          m["n_kept"], m["n_safe"]), ("AdaKVPress", "sdpa", alpha, n_kept, n_safe))
+        self.assertEqual(mask.dtype, np.bool_)
+        self.assertEqual(mask.shape, ref[f"{name}_{ratio}/scores"].shape)
+        per_head = mask.sum(-1)
+        self.assertEqual(per_head.tolist(), m["kept_per_head"])
+        np.testing.assert_array_equal(per_head.sum(-1), mask.shape[1] * n_kept)
+        self.assertTrue((per_head >= n_safe).all())
+        self.assertEqual(bool((per_head == n_safe).any()), alpha == 0.9, case)
+
+  @parameterized.product(case=tuple(ADAKV_CASES), ratio=RATIOS)
+  def test_adakv_same_kept_as_kvpress(self, case, ratio):
+    """AdaKV's per-head budgets: the same kept positions on every (layer, KV head)."""
+    _, ref, _ = _prefill()
+    n = ref["tokens"].shape[1]
+    n_kept = int(n * (1 - ratio))
+    kept, targets = _adakv_kept()[case]
+    r = RATIOS.index(ratio)
+    theirs = ref[f"{case}_{ratio}/kept_mask"]
+    n_swaps = 0
+    for l in range(theirs.shape[0]):
+      tied = np.zeros(theirs.shape[1:], bool)
+      if (case, ratio, l) in ADAKV_TIES:
+        # A free choice among equal scores (test_adakv_boundary): the kept sets
+        # may differ only there, with as many of the tied positions kept; ours
+        # breaks the tie to the lowest position (top_k_mask), kvpress's topk not always.
+        tied[0, list(ADAKV_TIED)] = True
+        self.assertEqual(kept[r, l][tied].sum(), theirs[l][tied].sum())
+        np.testing.assert_array_equal(kept[r, l, 0, list(ADAKV_TIED)], [True, False, False])
+        n_swaps += int((kept[r, l] & ~theirs[l]).sum())
+      for h in range(theirs.shape[1]):
+        np.testing.assert_array_equal(
+            kept[r, l, h][~tied[h]], theirs[l, h][~tied[h]],
+            f"{case} {ratio} layer {l} KV head {h}: only ours "
+            f"{np.flatnonzero(kept[r, l, h] & ~theirs[l, h])}, only kvpress "
+            f"{np.flatnonzero(theirs[l, h] & ~kept[r, l, h])}")
+    self.assertEqual(n_swaps, ADAKV_TIE_SWAPS.get((case, ratio), 0))
+    np.testing.assert_array_equal(targets[r], theirs.sum(-1))  # AdaKV's per-head targets
+    np.testing.assert_array_equal(kept[r].sum(-1), targets[r])  # top-k keeps its target
+    np.testing.assert_array_equal(kept[r].sum((-2, -1)), theirs.shape[1] * n_kept)
+    print(f"kvpress AdaKV parity {case} {ratio}: {theirs.shape[0]} layers x {theirs.shape[1]} "
+          f"KV heads, tie swaps {n_swaps}; per-head kept {targets[r].tolist()}")
+
+  def test_adakv_boundary(self):
+    """Where kvpress's AdaKV selection is decided, its scores are apart.
+
+    Per (layer): apart from each head's ``n_safe`` highest kept scores, the
+    lowest kept and the highest pruned score of all heads (the flattened top-k
+    boundary) are apart by more than 50 x TIE_RTOL relative (measured minimum
+    9.5e-5, SnapKV at 0.5), and where a head keeps exactly ``n_safe``, its
+    ``n_safe``-th and next scores are too (measured 1.5e-3 and 6.8e-3). One
+    exception, ``ADAKV_TIES``: Knorm at 0.5, layer 0, where the boundary falls
+    in an exact tie of KV head 0's positions 5, 69 and 125 (the same token id
+    12 three times: layer-0 keys of one token differ only by RoPE, which keeps
+    the norm; equal in float32 on both sides), and one of the three is kept.
+    kvpress's ``topk`` of the negated scores kept 5 with alpha 0.2 but 125
+    with alpha 0.9 (torch does not order ties); ours (``top_k_mask``: ties to
+    the lower index) keeps 5 in both: one tie swap, ``ADAKV_TIE_SWAPS``."""
+    _, ref, meta = _prefill()
+    for case in ADAKV_CASES:
+      for ratio in RATIOS:
+        mask = ref[f"{case}_{ratio}/kept_mask"]
+        s = ref[f"{case}_{ratio}/scores"].astype(np.float64)
+        n_safe = meta["cases"][f"{case}_{ratio}"]["n_safe"]
+        for l in range(mask.shape[0]):
+          rest = np.concatenate([np.sort(s[l, h][mask[l, h]])[::-1][n_safe:]
+                                 for h in range(mask.shape[1])])
+          lo, hi = rest.min(), s[l][~mask[l]].max()
+          gap = (lo - hi) / abs(lo)
+          if (case, ratio, l) in ADAKV_TIES:
+            self.assertEqual(gap, 0.0)
+            tied = np.flatnonzero(s[l, 0] == lo)
+            np.testing.assert_array_equal(tied, ADAKV_TIED)
+            self.assertEqual(mask[l, 0, tied].sum(), 1)
+            self.assertFalse((s[l, 1] == lo).any())
+            self.assertTrue((ref["tokens"][0, tied] == 12).all())
+            continue
+          self.assertGreater(gap, 50 * TIE_RTOL, f"{case} {ratio} layer {l}")
+          for h in range(mask.shape[1]):
+            if mask[l, h].sum() == n_safe:
+              d = np.sort(s[l, h])[::-1]
+              self.assertGreater((d[n_safe - 1] - d[n_safe]) / abs(d[n_safe - 1]),
+                                 50 * TIE_RTOL, f"{case} {ratio} layer {l} head {h}")
+
+  @parameterized.parameters(*RATIOS)
+  def test_adakv_scores_agree(self, ratio):
+    """kvpress's sdpa scores of the AdaKV cases equal ours as in
+    test_scores_agree (measured max relative difference 4.2e-7; KeyDiff, whose
+    scores cross zero, 6.3e-7 absolute). AdaKV compares
+    scores across KV heads: our SnapKV score is kvpress's times the window (16)
+    on every head, so the flattened order is the same."""
+    caches, ref, _ = _prefill()
+    n = caches.pos.shape[-1]
+    c = jax.tree_util.tree_map(lambda a: a[:, 0], caches)
+    lift = lambda f, cc: np.asarray(jax.vmap(jax.vmap(f))(cc))
+    snap = lift(_KvpressSnapKVScore(SNAPKV_WINDOW, SNAPKV_KERNEL), c) / SNAPKV_WINDOW
+    tova = np.asarray(_mean_last_over_kv_heads(caches).last)[:, 0]
+    ours = {"adakv_knorm": lift(scores.KeyNorm(), c),
+            "adakv_knorm_alpha0.9": lift(scores.KeyNorm(), c),
+            "adakv_keydiff": lift(keydiff.KeyDiff(), c),
+            "adakv_snapkv": snap[..., :n - SNAPKV_WINDOW],
+            "adakv_tova": tova[..., :n - 1]}
+    for case, mine in ours.items():
+      theirs = ref[f"{case}_{ratio}/scores"][..., :mine.shape[-1]]
+      np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6 if "keydiff" in case else 0,
+                                 err_msg=case)
+      rel = np.abs(mine - theirs) / np.maximum(np.abs(theirs), 1e-30)
+      print(f"AdaKV {case} {ratio}: max |ours - kvpress| {np.abs(mine - theirs).max():.2e}, "
+            f"max relative {rel.max():.2e}")
 
   def test_snapkv_budget_smaller_than_window(self):
     """kvpress's default SnapKV (window 64) at ratio 0.75 keeps 32 tokens: all

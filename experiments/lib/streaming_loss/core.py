@@ -76,20 +76,30 @@ class StreamConfig:
       ``certkv_jax.budgets.capacity`` from the design and the budget. Tokens
       that find no slot are counted in ``n_dropped``.
     delta: miss probability of the per-call radius, in (0, 1).
+    allocation: optional per-head allocation (``certkv_jax.allocation``),
+      applied at every eviction; capacities are sized for its largest target.
+    evaluate: evaluation mode: a never-evicted shadow cache gives every
+      attention call's true error beside its radius (``StreamingNLL.calls``).
   """
 
   chunk: int
   design: object = None
   capacity: Optional[int] = None
   delta: float = DELTA
+  allocation: object = None
+  evaluate: bool = False
 
-  def sized(self, n: int, budget=None) -> "StreamConfig":
+  def sized(self, n: int, budget=None, config=None) -> "StreamConfig":
     """This config with its capacity set (``certkv_jax.budgets.capacity`` for ``n``
-    tokens at the largest of ``budget``) where it is None."""
+    tokens at the largest of ``budget``; with an allocation, for its largest
+    per-head target under ``config``'s heads and layers) where it is None."""
     if self.capacity is not None:
       return self
+    shape = {} if config is None else dict(n_heads=config.n_kv_heads,
+                                           n_layers=config.n_layers)
     cap = budgets.capacity(self.design, n_context=n, chunk=self.chunk,
-                           budget=None if self.design is None else budget)
+                           budget=None if self.design is None else budget,
+                           allocation=self.allocation, **shape)
     return dataclasses.replace(self, capacity=cap)
 
   def check(self, tokens) -> None:
@@ -115,6 +125,14 @@ class StreamingNLL(NamedTuple):
   radius: jax.Array  # [b, n] float32 sum over layers, heads of the radius at delta; 0 unscored
   kept: jax.Array  # [b, n_chunks] float32 mean kept slots (layers, KV heads) after each chunk
   n_dropped: jax.Array  # [b] int32 tokens that found no free slot (should be 0)
+  calls: Optional["Calls"] = None  # evaluation mode only
+
+
+class Calls(NamedTuple):
+  """Every attention call of a stream in evaluation mode, ``[b, n, n_layers, n_heads]``."""
+
+  radius: jax.Array  # float32 raw radius at delta (0 for the first chunk's calls)
+  error: jax.Array  # float32 true error ||o_hat - o|| against the shadow full cache
 
 
 def chunked_targets(tokens, mask, chunk: int):
@@ -141,34 +159,44 @@ def _streaming_nll(params, tokens, mask, key, budget, *, config,
   b, n = tokens.shape
   xs, scored, n_chunks = chunked_targets(tokens, mask, chunk)
   with_cert = design is not None
+  per_head = forward.allocation_args(params, config, stream.allocation)
 
   def step(carry, x):
-    caches, key = carry
+    caches, shadow, key = carry
     toks, valid, tgt, sc = x
     # With a design that has an observation window (SnapKV), the chunk's last
     # design.observation_window queries replace its statistic: the window before
     # this eviction, not every earlier chunk's (models.forward.forward_chunk).
-    logits, caches, st, _ = forward.forward_chunk(
-        params, config, toks, valid, caches, design=design, certificate=with_cert)
+    logits, caches, st, shadow = forward.forward_chunk(
+        params, config, toks, valid, caches, design=design, certificate=with_cert,
+        shadow=shadow)
     logp = jax.nn.log_softmax(logits, axis=-1)
     lp = jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
     lp = jnp.where(sc, lp, 0.0)
+    calls = None
     if with_cert:  # [t, layers, b, heads] -> [b, t]
-      r = certificate.radius_from_stats(st.var_hat, st.range_hat, delta)
-      r = jnp.where(sc, jnp.sum(r, axis=(1, 3)).T, 0.0)
+      r_call = certificate.radius_from_stats(st.var_hat, st.range_hat, delta)
+      r = jnp.where(sc, jnp.sum(r_call, axis=(1, 3)).T, 0.0)
+      if shadow is not None:  # [t, layers, b, heads] -> [b, t, layers, heads]
+        calls = Calls(jnp.transpose(r_call, (2, 0, 1, 3)),
+                      jnp.transpose(st.true_error, (2, 0, 1, 3)))
     else:
       r = jnp.zeros(lp.shape, jnp.float32)
     if design is not None:
       key, sub = jax.random.split(key)
-      caches, _, _ = eviction.evict(design, caches, sub, budget=budget)
+      caches, shadow, _ = eviction.evict_and_record(design, caches, shadow, sub, budget=budget,
+                                                    **per_head)
     kept = jnp.mean(jnp.sum(caches.valid, axis=-1).astype(jnp.float32), axis=(0, 2))  # [b]
-    return (caches, key), (lp, r, kept)
+    return (caches, shadow, key), (lp, r, kept, calls)
 
   caches = caches_lib.init_caches(config, b, stream.capacity)
-  (caches, _), (lp, r, kept) = jax.lax.scan(step, (caches, key), xs)
-  unchunk = lambda a: a.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :n]
+  shadow = caches_lib.init_caches(config, b, n_chunks * chunk) if stream.evaluate else None
+  (caches, _, _), (lp, r, kept, calls) = jax.lax.scan(step, (caches, shadow, key), xs)
+  unchunk = lambda a: a.swapaxes(0, 1).reshape((b, n_chunks * chunk) + a.shape[3:])[:, :n]
   n_dropped = jnp.sum(caches.n_dropped, axis=(0, 2)).astype(jnp.int32)
-  return StreamingNLL(unchunk(lp), scored, unchunk(r), kept.T, n_dropped)
+  if calls is not None:
+    calls = Calls(*(unchunk(a) for a in calls))
+  return StreamingNLL(unchunk(lp), scored, unchunk(r), kept.T, n_dropped, calls)
 
 
 def streaming_nll(params, tokens, mask, key, *, config, stream: StreamConfig,
@@ -205,8 +233,10 @@ def streaming_nll(params, tokens, mask, key, *, config, stream: StreamConfig,
   if budget is not None and stream.design is None:
     raise ValueError("budget needs a design (without one nothing is evicted)")
   budget = budgets.check_budget(budget, tokens.shape[0])
+  if stream.evaluate and stream.design is None:
+    raise ValueError("evaluate needs a design (the full cache has no error to measure)")
   if isinstance(stream.chunk, int) and stream.chunk >= 1:
-    stream = stream.sized(tokens.shape[1], budget)
+    stream = stream.sized(tokens.shape[1], budget, config)
   stream.check(tokens)
   return _streaming_nll(params, tokens, mask, key, budget, config=config,
                         stream=dataclasses.replace(stream, delta=float(stream.delta)))

@@ -1,0 +1,411 @@
+"""Per-head budgets: one memory total shared unequally among KV heads.
+
+A design's budget gives every (layer, row, KV head) cache the same target.
+An allocation turns those equal targets into unequal ones with the same sum
+over its pool (method, section 12):
+
+* :class:`AdaKV` -- kvpress's ``AdaKVPress``: per layer, a top-k over the
+  design's scores of all KV heads flattened, after each head keeps a
+  safeguard share of its own top tokens.
+* :class:`CertificateTargeted` -- the allocation that minimises the summed
+  projected variance of the Hajek estimator, estimated per head from the
+  observation-window attention and projected through the head's output
+  projection (``gains``); pooled per layer or over the whole model.
+* :class:`TargetRadius` -- per head, the smallest budget whose estimated
+  projected radius meets a target: memory follows the error, not a total.
+* :class:`Pyramid` -- PyramidKV's layer schedule (more in lower layers),
+  optionally followed by another allocation within each layer.
+
+An allocation is a static, hashable object called inside the jitted
+eviction (``certkv_jax.eviction.evict(..., allocation=, gains=)``)::
+
+    targets = allocation(design, caches, targets, gains)   # [L, B, H] int32
+
+Shapes stay static: the caches must be sized for the largest target an
+allocation can give (:meth:`max_target`, used by ``budgets.capacity``); the
+memory a design holds is its kept slots, not its buffer (``memory.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from certkv_jax import damage
+from certkv_jax import sampling
+from certkv_jax.cache import KVCache
+from certkv_jax.caches import over_heads
+
+Array = jax.Array
+
+SCOPES = ("layer", "model")
+_BIG = 3.0e38  # certain tokens: above every score (kvpress uses finfo.max)
+
+
+def _per_head(fn, caches: KVCache):
+  """``fn(cache)`` for every (layer, row, KV head) cache."""
+  return jax.vmap(over_heads(fn))(caches)
+
+
+def _pools(x, scope: str):
+  """[L, B, H, ...] -> [pools, members, ...]: per (layer, row) or per row."""
+  L, B, H = x.shape[:3]
+  if scope == "layer":
+    return x.reshape((L * B, H) + x.shape[3:])
+  return jnp.swapaxes(x, 0, 1).reshape((B, L * H) + x.shape[3:])
+
+
+def _unpool(x, shape, scope: str):
+  L, B, H = shape
+  if scope == "layer":
+    return x.reshape(L, B, H)
+  return jnp.swapaxes(x.reshape(B, L, H), 0, 1)
+
+
+def _check_scope(scope):
+  if scope not in SCOPES:
+    raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+
+
+def _check_share(name, x, lo):
+  if isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= lo:
+    raise ValueError(f"{name} must be a number >= {lo}, got {x!r}")
+
+
+# --------------------------------------------------------------------------- AdaKV
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaKV:
+  """kvpress's ``AdaKVPress`` (Feng et al., 2024) over any design with a score.
+
+  Per (layer, row): each KV head first keeps ``floor(alpha_safeguard * t)``
+  (at least 1 when ``alpha_safeguard > 0``) of its own highest-scoring tokens (``t`` its uniform target); the rest of
+  the layer's total ``sum_h t`` goes to the highest scores of all heads
+  flattened. Certain tokens (sinks, window) score above everything, as
+  kvpress's window tokens do. A head's target is the number of its tokens
+  chosen; the design then keeps its certainty set and its tail rule's choice
+  under that target (for a top-k design: exactly AdaKV's kept set).
+  """
+
+  alpha_safeguard: float = 0.2
+  needs_gains = False
+
+  def __post_init__(self):
+    a = self.alpha_safeguard
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
+      raise ValueError(f"alpha_safeguard must be in [0, 1], got {a!r}")
+
+  def max_target(self, target: int, n_heads: int, n_layers: int) -> int:
+    """The largest per-head target for uniform targets ``target``."""
+    del n_layers
+    n_safe = int(math.floor(self.alpha_safeguard * target))
+    if self.alpha_safeguard > 0 and target > 0:
+      n_safe = max(n_safe, 1)
+    return n_heads * target - (n_heads - 1) * n_safe
+
+  def __call__(self, design, caches: KVCache, targets, gains=None) -> Array:
+    del gains
+    score = _design_score(design)
+
+    def head_scores(cache):
+      s = score(cache).astype(jnp.float32)
+      s = jnp.where(design.certain(cache) & cache.valid, _BIG, s)
+      return jnp.where(cache.valid, s, -jnp.inf)
+
+    s = _pools(_per_head(head_scores, caches), "layer")  # [L*B, H, cap]
+    t = _pools(targets, "layer")  # [L*B, H]
+    # kvpress: int(n_kept * alpha) in float64 (0.7 * 90 -> 62, not 63); exact
+    # for t <= capacity by a static table (= max_target's math.floor).
+    cap = s.shape[-1]
+    table = jnp.asarray(np.floor(np.arange(cap + 1) * float(self.alpha_safeguard)), jnp.int32)
+    n_safe = jnp.where(t <= cap, table[jnp.clip(t, 0, cap)],
+                       jnp.floor(self.alpha_safeguard * t.astype(jnp.float32)).astype(jnp.int32))
+    if self.alpha_safeguard > 0:  # kvpress: at least one safe token per head that keeps any
+      n_safe = jnp.where(t > 0, jnp.maximum(n_safe, 1), 0)
+    valid = jnp.isfinite(s)
+    safe = sampling.top_k_mask(s, n_safe) & valid
+    rest = jnp.sum(t, axis=-1) - jnp.sum(n_safe, axis=-1)  # [pools]
+    flat = jnp.where(safe, -jnp.inf, s).reshape(s.shape[0], -1)
+    chosen = sampling.top_k_mask(flat, rest) & (valid & ~safe).reshape(flat.shape)
+    counts = jnp.sum(chosen.reshape(s.shape), axis=-1) + jnp.sum(safe, axis=-1)
+    return _unpool(counts.astype(jnp.int32), targets.shape, "layer")
+
+
+def _design_score(design):
+  score = getattr(design.tail, "score", None)
+  if score is None:
+    raise ValueError(f"design {design.name!r} has a tail rule without a score "
+                     f"({type(design.tail).__name__}): a score-based allocation needs one")
+  return score
+
+
+# --------------------------------------------------------------------------- certificate-targeted
+
+
+def _window_costs(design, cache: KVCache, step, n_grid: int, eps: float):
+  """``(costs [n_grid + 1], n_certain, n_tail, informed)`` of one head.
+
+  ``costs[j]`` estimates the squared attention error of the observation
+  window's mean query when the tail gets ``j * step`` slots: the Hajek
+  variance ``sum_T (1 / pi_i - 1) a_i^2 ||v_i - o||^2`` with ``pi`` the
+  design's tail weights scaled to sum to the slots (Eq. 2 with capping),
+  ``a`` the window's mean attention and ``o`` its output; ``costs[0]`` is
+  the squared error of deleting the whole tail (renormalised over the
+  certain set). ``informed`` is False before any window query was folded
+  (``obs`` all zero): then there is nothing to allocate by.
+  """
+  valid = cache.valid
+  certain = design.certain(cache) & valid
+  tail = valid & ~certain
+  obs = jnp.where(valid, cache.obs, 0.0)
+  total = jnp.sum(obs)
+  a = obs / jnp.where(total > 0, total, 1.0)
+  v = cache.v.astype(jnp.float32)
+  o = a @ v
+  d2 = jnp.maximum(cache.v_sq - 2.0 * (v @ o) + o @ o, 0.0)
+  x = jnp.where(tail, a * a * d2, 0.0)
+  w = jnp.where(tail, _design_score(design)(cache).astype(jnp.float32), 0.0)
+  w = jnp.where(jnp.sum(w) > 0, w, tail.astype(jnp.float32))
+  n_tail = jnp.sum(tail).astype(jnp.int32)
+  slots = jnp.arange(1, n_grid + 1, dtype=jnp.float32) * step  # [n_grid]
+  m = jnp.minimum(slots, n_tail.astype(jnp.float32))
+  pi = jax.vmap(lambda mm: sampling.solve_inclusion(w, jnp.maximum(mm, 1e-30), eps, tail))(m)
+  var = jnp.sum(jnp.where(tail, (1.0 / jnp.maximum(pi, 1e-30) - 1.0) * x, 0.0), axis=-1)
+  var = jnp.where(m > 0, var, 0.0)
+  # deleting the tail renormalises over the certain set: e = -sum_T a_i (v_i - o) / a(H)
+  a_certain = jnp.sum(jnp.where(certain, a, 0.0))
+  deleted = jnp.sum(jnp.where(tail, a, 0.0)[:, None] * (v - o), axis=0)
+  deleted = deleted / jnp.maximum(a_certain, 1e-6)
+  costs = jnp.concatenate([jnp.sum(deleted * deleted)[None], var])
+  return costs, jnp.sum(certain).astype(jnp.int32), n_tail, total > 0
+
+
+def _grid_step(targets, steps: int):
+  """Slots per grid step of a pool: the mean uniform target over ``steps``."""
+  mean = jnp.mean(targets.astype(jnp.float32), axis=-1)
+  return jnp.maximum(jnp.ceil(mean / steps), 1.0)
+
+
+def _greedy(costs, n_certain, limit, pool, step):
+  """Targets of the members of one pool minimising the summed cost.
+
+  ``costs`` [M, J + 1] (non-increasing in j, ideally convex), ``limit`` [M]
+  the most tail slots a member can take (its tail, within its largest
+  target), ``pool`` the total target. Each member keeps its certainty set;
+  the remaining slots go ``step`` at a time to the largest marginal decreases
+  (a top-k over all marginals), and the remainder to the members with the
+  largest next decrease that have room. The sum is ``pool`` unless every
+  member reaches its limit, or the certainty sets alone exceed it (then
+  each member keeps its certainty set and the sum is above ``pool``).
+  """
+  M, J1 = costs.shape
+  J = J1 - 1
+  gain = costs[:, :-1] - costs[:, 1:]  # [M, J]
+  j = jnp.arange(J)
+  useful = (j[None, :] * step) < limit[:, None]
+  gain = jnp.where(useful, gain, -jnp.inf)
+  rest = jnp.maximum(pool - jnp.sum(n_certain), 0)
+  n_steps = (rest.astype(jnp.float32) // step).astype(jnp.int32)
+  pick = sampling.top_k_mask(gain.reshape(-1), n_steps).reshape(M, J) & useful
+  tail = jnp.minimum(jnp.sum(pick, axis=-1).astype(jnp.int32) * step.astype(jnp.int32), limit)
+  left = rest - jnp.sum(tail)
+  nxt = jnp.take_along_axis(gain, jnp.minimum(jnp.sum(pick, axis=-1), J - 1)[:, None],
+                            axis=-1)[:, 0]
+  order = jnp.argsort(-jnp.where(limit > tail, nxt, -jnp.inf))
+  room = (limit - tail)[order]
+  before = jnp.cumsum(room) - room
+  extra_sorted = jnp.clip(left - before, 0, room)
+  extra = jnp.zeros_like(tail).at[order].set(extra_sorted)
+  return n_certain + tail + extra
+
+
+@dataclasses.dataclass(frozen=True)
+class CertificateTargeted:
+  """Memory where the certificate's variance is: minimise the summed projected variance.
+
+  At each eviction, each (layer, KV head)'s squared error is estimated on a
+  grid of tail sizes (``steps`` grid points per uniform share, up to
+  ``max_share`` shares) from its observation window (the design needs
+  ``observation_window >= 1``) and multiplied by ``gains`` [L, H] (the
+  squared output-projection gains of the head's query heads,
+  :func:`kv_head_gains`); the pool's total (per layer or model-wide) then
+  goes greedily to the largest decreases of the summed cost.
+
+  Attributes:
+    scope: "layer" (each layer keeps its total) or "model" (a row's total
+      moves between layers too).
+    steps: grid points per uniform share (>= 1).
+    max_share: the largest target, in uniform shares (>= 1).
+    eps: the inclusion-probability floor of the variance formula.
+  """
+
+  scope: str = "layer"
+  steps: int = 8
+  max_share: float = 4.0
+  eps: float = 1e-6
+  needs_gains = True
+
+  def __post_init__(self):
+    _check_scope(self.scope)
+    if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+      raise ValueError(f"steps must be an int >= 1, got {self.steps!r}")
+    _check_share("max_share", self.max_share, 1.0)
+    sampling.check_eps(self.eps)
+
+  def max_target(self, target: int, n_heads: int, n_layers: int) -> int:
+    del n_heads, n_layers
+    return _largest(self.max_share, self.steps, target)
+
+  def __call__(self, design, caches: KVCache, targets, gains=None) -> Array:
+    _check_window(design, self)
+    gains = _check_gains(gains, targets.shape)
+    shape = targets.shape
+    largest = _largest(self.max_share, self.steps, targets)
+    pooled_t = _pools(targets, self.scope)  # [P, M]
+    step = _grid_step(pooled_t, self.steps)  # [P]
+    n_grid = int(math.ceil(self.max_share * self.steps))
+    step_per_head = jnp.broadcast_to(
+        _unpool(jnp.broadcast_to(step[:, None], pooled_t.shape), shape, self.scope), shape)
+    costs, n_certain, n_tail, informed = jax.vmap(over_heads(
+        lambda c, s: _window_costs(design, c, s, n_grid, self.eps)))(caches, step_per_head)
+    costs = costs * jnp.broadcast_to(gains[:, None, :, None], costs.shape)
+    limit = jnp.maximum(jnp.minimum(n_tail, largest - n_certain), 0)
+    out = jax.vmap(_greedy)(_pools(costs, self.scope), _pools(n_certain, self.scope),
+                            _pools(limit, self.scope), jnp.sum(pooled_t, axis=-1), step)
+    # a pool with a head that has seen no window query keeps its uniform targets
+    ok = jnp.all(_pools(informed, self.scope), axis=-1, keepdims=True)
+    out = jnp.where(ok, out, pooled_t)
+    return _unpool(out.astype(jnp.int32), shape, self.scope)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetRadius:
+  """Per head, the smallest target whose estimated projected radius meets ``radius``.
+
+  The estimate is the variance term of the Bernstein radius at ``delta``,
+  ``gain * sqrt(2 V log(2 / delta))``, with ``V`` the observation-window
+  variance of :class:`CertificateTargeted` on the same grid; no pool, so the
+  memory used is whatever the targets add up to (read it from the kept
+  slots). A head whose grid never meets the target gets ``max_share`` shares.
+  """
+
+  radius: float = 1.0
+  delta: float = 0.05
+  steps: int = 8
+  max_share: float = 4.0
+  eps: float = 1e-6
+  needs_gains = True
+
+  def __post_init__(self):
+    r = self.radius
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r < math.inf:
+      raise ValueError(f"radius must be a positive finite number, got {r!r}")
+    if not 0.0 < self.delta < 1.0:
+      raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
+    if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+      raise ValueError(f"steps must be an int >= 1, got {self.steps!r}")
+    _check_share("max_share", self.max_share, 1.0)
+    sampling.check_eps(self.eps)
+
+  def max_target(self, target: int, n_heads: int, n_layers: int) -> int:
+    del n_heads, n_layers
+    return _largest(self.max_share, self.steps, target)
+
+  def __call__(self, design, caches: KVCache, targets, gains=None) -> Array:
+    _check_window(design, self)
+    gains = _check_gains(gains, targets.shape)
+    step = jnp.maximum(jnp.ceil(targets.astype(jnp.float32) / self.steps), 1.0)
+    n_grid = int(math.ceil(self.max_share * self.steps))
+    costs, n_certain, n_tail, informed = jax.vmap(over_heads(
+        lambda c, s: _window_costs(design, c, s, n_grid, self.eps)))(caches, step)
+    est = jnp.sqrt(gains[:, None, :, None] * costs * 2.0 * math.log(2.0 / self.delta))
+    meets = est <= self.radius
+    j = jnp.where(jnp.any(meets, axis=-1), jnp.argmax(meets, axis=-1), n_grid)
+    tail = jnp.minimum(j.astype(jnp.float32) * step, n_tail.astype(jnp.float32))
+    out = jnp.where(informed, n_certain + tail.astype(jnp.int32), targets)  # no window: uniform
+    return jnp.minimum(out, jnp.maximum(_largest(self.max_share, self.steps, targets),
+                                        n_certain)).astype(jnp.int32)
+
+
+def _largest(max_share, steps, target):
+  """The largest target a head may get: ``ceil(max_share * t) + steps`` (int or array)."""
+  if isinstance(target, int):
+    return int(math.ceil(max_share * target)) + steps
+  t = jnp.asarray(target, jnp.float32)
+  return (jnp.ceil(max_share * t) + steps).astype(jnp.int32)
+
+
+def _check_window(design, allocation):
+  if not design.randomized:
+    raise ValueError(f"{type(allocation).__name__} allocates by the Hajek variance of a "
+                     f"sampled tail: design {design.name!r} is deterministic (use AdaKV)")
+  if design.observation_window < 1:
+    raise ValueError(f"{type(allocation).__name__} estimates each head's error from the "
+                     f"observation window: design {design.name!r} needs observation_window "
+                     ">= 1 (dataclasses.replace(design, observation_window=16)), got 0")
+
+
+def _check_gains(gains, shape):
+  if gains is None:
+    raise ValueError("this allocation needs gains [n_layers, n_kv_heads] (kv_head_gains)")
+  gains = jnp.asarray(gains, jnp.float32)
+  if gains.shape != (shape[0], shape[2]):
+    raise ValueError(f"gains must be [n_layers={shape[0]}, n_kv_heads={shape[2]}], "
+                     f"got {gains.shape}")
+  return gains
+
+
+def kv_head_gains(w_o, n_heads: int, n_kv_heads: int, head_dim: int) -> Array:
+  """[L, n_kv_heads] summed squared RMS gains of each KV head's query heads.
+
+  ``w_o`` [L, n_heads * head_dim, hidden] (the model's ``o_proj`` kernel);
+  a KV head's error reaches the residual stream through its group's query
+  heads, each with ``damage.head_output_norms(kind="frobenius_rms")``.
+  """
+  if n_heads % n_kv_heads:
+    raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+  g = damage.head_output_norms(w_o, n_heads, head_dim, kind="frobenius_rms")
+  g = g.reshape(g.shape[:-1] + (n_kv_heads, n_heads // n_kv_heads))
+  return jnp.sum(g * g, axis=-1)
+
+
+# --------------------------------------------------------------------------- PyramidKV
+
+
+@dataclasses.dataclass(frozen=True)
+class Pyramid:
+  """PyramidKV's layer schedule (``budgets.pyramid_budgets``' shape): layer ``l``
+  of ``L`` gets ``floor(r_l t)`` with ``r`` linear from ``2 - 1/beta`` down to
+  ``1/beta`` (mean 1), then ``within`` (e.g. :class:`AdaKV`) shares each layer's
+  total among its heads."""
+
+  beta: float = 20.0
+  within: Optional[object] = None
+
+  def __post_init__(self):
+    if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or self.beta <= 1:
+      raise ValueError(f"beta must be > 1, got {self.beta!r}")
+
+  @property
+  def needs_gains(self) -> bool:
+    return bool(self.within is not None and self.within.needs_gains)
+
+  def ratios(self, n_layers: int) -> np.ndarray:
+    if n_layers == 1:
+      return np.ones(1)
+    return np.linspace(2.0 - 1.0 / self.beta, 1.0 / self.beta, n_layers)
+
+  def max_target(self, target: int, n_heads: int, n_layers: int) -> int:
+    top = int(math.floor(float(self.ratios(n_layers)[0]) * target * (1 + 2e-6)))
+    return top if self.within is None else self.within.max_target(top, n_heads, n_layers)
+
+  def __call__(self, design, caches: KVCache, targets, gains=None) -> Array:
+    r = jnp.asarray(self.ratios(targets.shape[0]), jnp.float32)[:, None, None]
+    t = jnp.floor(r * targets.astype(jnp.float32) * (1.0 + 1e-6)).astype(jnp.int32)
+    return t if self.within is None else self.within(design, caches, t, gains)

@@ -1,0 +1,74 @@
+"""What a kept token costs: key/value bytes plus the per-slot metadata a design needs.
+
+Designs are compared at equal memory (method, section 12): the bytes their
+kept tokens hold, not their nominal budgets. A slot holds its key and value
+(``head_dim`` and ``value_dim`` entries of ``dtype``) and the metadata its
+design reads (``certkv_jax.cache.KVCache``'s per-slot fields):
+
+* every design: ``pos`` (int32: sinks, the recent window, RoPE bookkeeping)
+  and ``valid`` (1 byte);
+* the statistics its scores read (``design.reads``: ``acc``, ``last``,
+  ``obs``, 4 bytes each), and ``obs`` for an allocation that reads the
+  observation window (``certkv_jax.allocation.CertificateTargeted``);
+* a randomized design: ``log_pi`` (its offset) and ``v_sq`` (the certificate's
+  stored value norms), 4 bytes each.
+
+This is the layout a serving system would store; our caches carry every
+field for every design (``cache.cache_bytes``), which costs the same for all
+designs and is left out of the comparison. A static buffer sized for a
+per-head maximum (``budgets.capacity(allocation=...)``) is counted by the
+slots its kept tokens fill: a paged or ragged layout holds only those.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from certkv_jax import _checks
+
+STAT_FIELDS = ("acc", "last", "obs")
+BASE_BYTES = 4 + 1  # pos (int32) + valid
+CERTIFICATE_BYTES = 4 + 4  # log_pi + v_sq (float32)
+STAT_BYTES = 4
+
+
+def metadata_bytes(design, allocation=None) -> int:
+  """Per-slot metadata bytes ``design`` (and ``allocation``) need; None = full cache (0)."""
+  if design is None:
+    return 0
+  stats = set(design.reads) & set(STAT_FIELDS)
+  if getattr(allocation, "needs_gains", False):  # reads the observation window
+    stats.add("obs")
+  return BASE_BYTES + STAT_BYTES * len(stats) + (CERTIFICATE_BYTES if design.randomized else 0)
+
+
+def slot_bytes(design, head_dim: int, value_dim: int | None = None, dtype=jnp.float32,
+               allocation=None) -> int:
+  """Bytes one kept token costs in one KV head: key + value + metadata."""
+  head_dim = _checks.check_positive_int("head_dim", head_dim)
+  value_dim = head_dim if value_dim is None else _checks.check_positive_int("value_dim",
+                                                                            value_dim)
+  kv = (head_dim + value_dim) * np.dtype(dtype).itemsize
+  return kv + metadata_bytes(design, allocation)
+
+
+def token_fraction(memory: float, design, head_dim: int, value_dim: int | None = None,
+                   dtype=jnp.float32, allocation=None) -> float:
+  """The budget (fraction of tokens) whose kept bytes equal ``memory`` times the
+  full cache's key/value bytes: ``memory * kv_bytes / slot_bytes(design)``.
+
+  Raises:
+    ValueError unless ``memory`` is in (0, 1].
+  """
+  if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory <= 1:
+    raise ValueError(f"memory must be a fraction in (0, 1] of the full cache, got {memory!r}")
+  full = slot_bytes(None, head_dim, value_dim, dtype)
+  return float(memory) * full / slot_bytes(design, head_dim, value_dim, dtype, allocation)
+
+
+def kept_bytes(n_kept, design, head_dim: int, value_dim: int | None = None,
+               dtype=jnp.float32, allocation=None):
+  """Bytes held by ``n_kept`` kept tokens (any shape; summed by the caller)."""
+  return np.asarray(n_kept, np.float64) * slot_bytes(design, head_dim, value_dim, dtype,
+                                                     allocation)

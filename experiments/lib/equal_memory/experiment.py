@@ -1,0 +1,276 @@
+r"""Designs compared at equal memory: streaming loss, coverage, kept bytes.
+
+Every variant (a registered design with an allocation: uniform, ``adakv``,
+``cert``, or PyramidKV's layer schedule) runs at the same memory: kept key,
+value and per-slot metadata bytes equal to a fraction of the full cache's key
+and value bytes (``certkv_jax.memory.token_fraction``; a design that stores
+more metadata per slot keeps fewer tokens). Each text segment streams through
+the model in chunks, evicted after every chunk
+(:func:`experiments.lib.streaming_loss.core.streaming_nll`), and each token's
+NLL increase over the full cache on the same segment is measured; randomized
+variants run in evaluation mode, so every attention call's true error sits
+beside its radius.
+
+Segments: one per source file, its first ``context_len`` tokens, in file
+order; the first ``n_eval`` files are the evaluation segments, the next
+``n_calib`` the calibration segments (conformal scales are fitted on those
+only, per (layer, KV head), and applied to the evaluation segments: held-out
+sources).
+
+Rows (``rows.jsonl``, atomic, resumable): one per (context_len, variant,
+memory, split, segment). Per-call conformity scores ``||e|| / r`` of the
+randomized variants go to ``calls/*.npz`` (float16, not committed: the
+report reads them to fit and apply the calibration).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import os
+import time
+import zlib
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from certkv_jax import allocation as allocation_lib
+from certkv_jax import calibration
+from certkv_jax import memory
+from experiments.lib import design_defaults
+from experiments.lib import results_io
+from experiments.lib.streaming_loss import core as streaming_loss_core
+
+ROWS_FILE = "rows.jsonl"
+KEY_FIELDS = ("context_len", "variant", "memory", "split", "segment", "seed")
+ALLOCATIONS = {
+    "uniform": None,
+    "adakv": allocation_lib.AdaKV(),
+    "cert": allocation_lib.CertificateTargeted(scope="layer"),
+    "cert_model": allocation_lib.CertificateTargeted(scope="model"),
+    "pyramid": allocation_lib.Pyramid(),
+    "pyramid_adakv": allocation_lib.Pyramid(within=allocation_lib.AdaKV()),
+}
+# PyramidKV = SnapKV's scores under the pyramid layer schedule (Cai et al., 2024).
+ALIASES = {"pyramidkv": "snapkv+pyramid", "pyramidkv+adakv": "snapkv+pyramid_adakv"}
+DEFAULT_VARIANTS = ("snapkv", "tova", "h2o", "pyramidkv", "snapkv+adakv", "tova+adakv",
+                    "h2o+adakv", "pyramidkv+adakv", "priority_tail", "priority_tail+adakv",
+                    "priority_tail+cert", "poisson_tail", "poisson_tail+adakv",
+                    "poisson_tail+cert", "poisson_floor", "poisson_floor+adakv",
+                    "poisson_floor+cert")
+OBSERVATION_WINDOW = 16  # the window a cert allocation reads (SnapKV's is its own)
+
+
+def parse_variant(variant: str) -> tuple[str, str]:
+  """``"design+allocation"`` (allocation default ``uniform``) -> (design, allocation).
+
+  Raises:
+    ValueError naming the unknown design or allocation.
+  """
+  variant = ALIASES.get(variant, variant)
+  design, _, alloc = variant.partition("+")
+  alloc = alloc or "uniform"
+  if design not in design_defaults.names() or design == design_defaults.FULL:
+    raise ValueError(f"--variants: unknown design {design!r} in {variant!r}; choose from "
+                     f"{list(design_defaults.names()[1:])}")
+  if alloc not in ALLOCATIONS:
+    raise ValueError(f"--variants: unknown allocation {alloc!r} in {variant!r}; choose from "
+                     f"{list(ALLOCATIONS)}")
+  return design, alloc
+
+
+def make_variant(variant: str, head_dim: int, memory_fraction: float, n_sink: int,
+                 window: int):
+  """(design, allocation, budget fraction) of ``variant`` at ``memory_fraction``."""
+  name, alloc_name = parse_variant(variant)
+  allocation = ALLOCATIONS[alloc_name]
+  design = design_defaults.make_design(name, 0.5, n_sink, window)
+  if allocation is not None and allocation.needs_gains and design.observation_window < 1:
+    design = dataclasses.replace(design, observation_window=OBSERVATION_WINDOW)
+  b = memory.token_fraction(memory_fraction, design, head_dim, allocation=allocation)
+  return design, allocation, b
+
+
+def source_segments(tok, paths: Sequence[str], context_len: int, n_needed: int):
+  """``(names, segments)``: the first ``context_len`` tokens (BOS first) of each
+  file with enough tokens, in order, ``n_needed`` of them.
+
+  Raises:
+    ValueError naming --sources when fewer files are long enough.
+  """
+  names, segs = [], []
+  prefix = list(tok.encode(""))
+  for p in paths:
+    body = list(tok.encode(open(p, encoding="utf-8").read(), add_bos=False))
+    if len(prefix) + len(body) >= context_len:
+      names.append(os.path.basename(p))
+      segs.append(prefix + body[:context_len - len(prefix)])
+    if len(segs) == n_needed:
+      return names, segs
+  raise ValueError(f"--sources: {len(segs)} files have >= {context_len} tokens, "
+                   f"{n_needed} needed (--n_eval + --n_calib)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What :func:`run` runs (validated by :meth:`check`; errors name the flag)."""
+
+  sources: tuple
+  context_lens: tuple = (1024,)
+  variants: tuple = DEFAULT_VARIANTS
+  memories: tuple = (0.125, 0.25, 0.5)
+  n_eval: int = 16
+  n_calib: int = 4
+  chunk: int = 64
+  seed: int = 0
+  n_sink: int = design_defaults.N_SINK
+  window: int = design_defaults.WINDOW
+  group: int = 8
+  max_units: Optional[int] = None
+
+  def check(self) -> "Plan":
+    if not self.sources:
+      raise ValueError("--sources: no files")
+    for v in self.variants:
+      parse_variant(v)
+    for m in self.memories:
+      if isinstance(m, bool) or not isinstance(m, float) or not 0.0 < m <= 1.0:
+        raise ValueError(f"--memories entries must be fractions in (0, 1], got {m!r}")
+    for name, v, lo in (("n_eval", self.n_eval, 2), ("n_calib", self.n_calib, 0),
+                        ("chunk", self.chunk, 1), ("group", self.group, 1)):
+      if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"--{name} must be an int >= {lo}, got {v!r}")
+    for c in self.context_lens:
+      if isinstance(c, bool) or not isinstance(c, int) or c <= self.chunk:
+        raise ValueError(f"--context_lens entries must be ints > --chunk, got {c!r}")
+    return self
+
+
+def units(plan: Plan, randomized: Callable[[str], bool]) -> list[tuple]:
+  """(context_len, variant, split, first segment) units: the full cache first."""
+  out = []
+  for c in plan.context_lens:
+    for v in ("full",) + tuple(plan.variants):
+      splits = ["eval"] + (["calib"] if v != "full" and randomized(v) and plan.n_calib else [])
+      if v == "full":
+        splits = ["eval", "calib"] if plan.n_calib else ["eval"]
+      for split in splits:
+        n = plan.n_eval if split == "eval" else plan.n_calib
+        out += [(c, v, split, s) for s in range(0, n, plan.group)]
+  return out
+
+
+def _is_randomized(variant: str) -> bool:
+  return variant != "full" and design_defaults.is_randomized(parse_variant(variant)[0])
+
+
+def _sha(paths) -> str:
+  h = hashlib.sha256()
+  for p in paths:
+    h.update(open(p, "rb").read())
+  return h.hexdigest()
+
+
+def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
+        log: Callable[[str], None] = print) -> list[dict]:
+  """Runs every unit of ``plan`` with missing rows; returns the rows on file."""
+  plan = plan.check()
+  os.makedirs(os.path.join(out_dir, "calls"), exist_ok=True)
+  results = results_io.JsonlResults(os.path.join(out_dir, ROWS_FILE), KEY_FIELDS)
+  todo_all = units(plan, _is_randomized)
+  segs = {c: source_segments(tok, plan.sources, c, plan.n_eval + plan.n_calib)
+          for c in plan.context_lens}
+  head_dim = config.head_dim
+  full_slot = memory.slot_bytes(None, head_dim)
+
+  def rows_of(unit):
+    c, v, split, start = unit
+    n = plan.n_eval if split == "eval" else plan.n_calib
+    seg_ids = range(start, min(start + plan.group, n))
+    mems = (1.0,) if v == "full" else plan.memories
+    return [(m, s) for m in mems for s in seg_ids]
+
+  def done(unit):
+    c, v, split, _ = unit
+    return all(results.has(context_len=c, variant=v, memory=m, split=split, segment=s,
+                           seed=plan.seed) for m, s in rows_of(unit))
+
+  todo = [u for u in todo_all if not done(u)]
+  progress = results_io.Progress(len(todo_all), len(todo_all) - len(todo))
+  log(f"{len(todo)} of {len(todo_all)} units to run; rows in {results.path}")
+  for n_done, unit in enumerate(todo):
+    if plan.max_units is not None and n_done >= plan.max_units:
+      log(f"stopping after {plan.max_units} units (--max_units); rerun to resume")
+      break
+    c, v, split, start = unit
+    names, all_segs = segs[c]
+    offset = 0 if split == "eval" else plan.n_eval
+    batch = rows_of(unit)
+    toks = jnp.asarray(np.asarray([all_segs[offset + s] for _, s in batch], np.int32))
+    t0 = time.time()
+    if v == "full":
+      design, allocation, fractions = None, None, [1.0] * len(batch)
+      stream = streaming_loss_core.StreamConfig(chunk=plan.chunk)
+      budget = None
+    else:
+      made = {m: make_variant(v, head_dim, m, plan.n_sink, plan.window)
+              for m in plan.memories}
+      design, allocation = made[plan.memories[0]][:2]
+      fractions = [made[m][2] for m, _ in batch]
+      stream = streaming_loss_core.StreamConfig(chunk=plan.chunk, design=design,
+                                                allocation=allocation,
+                                                evaluate=_is_randomized(v))
+      budget = jnp.asarray(fractions, jnp.float32)
+    unit_id = zlib.crc32(f"{c}/{v}/{split}/{start}".encode()) % 2**31
+    key = jax.random.fold_in(jax.random.PRNGKey(plan.seed), unit_id)
+    res = streaming_loss_core.streaming_nll(params, toks, jnp.ones(toks.shape, bool), key,
+                                            config=config, stream=stream, budget=budget)
+    res = jax.tree_util.tree_map(np.asarray, res)
+    seconds = time.time() - t0
+    slot = memory.slot_bytes(design, head_dim, allocation=allocation)
+    full_rows = {r["segment"]: r for r in results.rows if r["variant"] == "full"
+                 and r["context_len"] == c and r["split"] == split and r["seed"] == plan.seed}
+    late = np.arange(c) >= plan.chunk
+    calls = {}
+    for j, (m, s) in enumerate(batch):
+      summary = streaming_loss_core.row_summary(
+          res.logprob[j], res.scored[j], res.radius[j], res.kept[j], res.n_dropped[j],
+          plan.chunk, None if v == "full" else full_rows[s]["token_nll"])
+      # time-averaged bytes held over the full cache's: after chunk k the cache holds
+      # kept[k] of (k + 1) * chunk tokens seen (the last eviction serves no token)
+      seen = plan.chunk * np.arange(1, len(res.kept[j]))
+      held = float(np.sum(res.kept[j][:-1]) / np.sum(seen)) * slot / full_slot
+      row = dict(context_len=c, variant=v, memory=m, split=split, segment=s, seed=plan.seed,
+                 source=names[offset + s], model=model, chunk=plan.chunk,
+                 budget_fraction=fractions[j], slot_bytes=slot,
+                 held_memory=held,
+                 randomized=_is_randomized(v), unit_seconds=round(seconds, 2),
+                 **{k: summary[k] for k in ("n_scored", "mean_nll", "delta_nll",
+                                            "delta_nll_after_first_chunk", "n_dropped",
+                                            "kept_per_chunk", "mean_radius")})
+      if v == "full":
+        row["token_nll"] = summary["token_nll"]
+      if res.calls is not None:
+        sc = res.scored[j] & late
+        e = res.calls.error[j][sc]  # [calls, layers, heads]
+        r = res.calls.radius[j][sc]
+        score = calibration.conformity_scores(e.ravel(), r.ravel()).reshape(e.shape)
+        calls[f"m{m}_s{s}"] = score.astype(np.float16)
+        row.update(coverage=float(np.mean(score <= 1.0)),
+                   median_radius=float(np.median(r)), median_error=float(np.median(e)))
+      results.add(row)
+    if calls:
+      path = os.path.join(out_dir, "calls", f"{c}_{v}_{split}_{start}_seed{plan.seed}.npz")
+      results_io.atomic_write(path, lambda f: np.savez_compressed(f, **calls), binary=True)
+    nll = np.mean([results.rows[-k]["mean_nll"] for k in range(1, len(batch) + 1)])
+    log(f"{progress.step()} {c} {v} {split} segs {start}+: {len(batch)} rows in "
+        f"{seconds:.0f}s, mean NLL {nll:.3f}")
+  return results.rows
+
+
+def default_sources(pattern: str) -> tuple:
+  paths = tuple(sorted(glob.glob(pattern)))
+  return tuple(p for p in paths if "toc" not in os.path.basename(p))

@@ -1,0 +1,233 @@
+"""The equal-memory comparison: paired differences, coverage, the table and the plot.
+
+Per context length and memory, over the evaluation segments:
+
+* ``delta_nll[variant][memory]``: mean NLL increase over the full cache, 95%
+  bootstrap interval over segments;
+* ``best_deterministic[memory]``: the deterministic variant with uniform
+  budgets and the lowest mean (picked on the same segments, which favours it);
+* ``paired_vs_best_deterministic[variant][memory]``: the mean over segments of
+  the variant's minus the best deterministic variant's NLL increase on the
+  same segment, with a 95% cluster bootstrap over segments (a segment is one
+  cluster: one row per segment and variant);
+* for randomized variants, raw coverage of the per-call radius at delta 0.05
+  and calibrated coverage with per-(layer, KV head) split-conformal scales
+  fitted on the calibration segments (other source files), each with its
+  sharpness (median radius / error over covered calls with error > 0), and
+  the share of calls with radius 0 but a nonzero error (deletions the
+  certificate cannot see).
+
+Only variants with every row present are reported; the others are listed as
+not run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Sequence
+
+import matplotlib
+matplotlib.use("Agg")
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+from certkv_jax import calibration
+from experiments.lib import plots
+from experiments.lib import results_io
+from experiments.lib import stats
+from experiments.lib.equal_memory import experiment
+
+DELTA = 0.05
+N_BOOT = 2000
+
+
+def _ci(values, seed) -> dict:
+  v = np.asarray(values, np.float64)
+  iv = stats.bootstrap_ci(np.mean, v, n_boot=N_BOOT, seed=seed)
+  return {"value": float(np.mean(v)), "ci": [float(iv.lo), float(iv.hi)], "n": int(v.size)}
+
+
+def _scores(out_dir, c, variant, split, memory, plan) -> Optional[np.ndarray]:
+  """All conformity scores ``[calls, layers, heads]`` of a split at one memory."""
+  n = plan.n_eval if split == "eval" else plan.n_calib
+  parts = []
+  for start in range(0, n, plan.group):
+    path = os.path.join(out_dir, "calls", f"{c}_{variant}_{split}_{start}_seed{plan.seed}.npz")
+    if not os.path.exists(path):
+      return None
+    with np.load(path) as z:
+      parts += [z[k].astype(np.float64) for k in z.files if k.startswith(f"m{memory}_")]
+  return np.concatenate(parts) if parts else None
+
+
+def _sharpness(scores, scale) -> Optional[float]:
+  covered = scores[(scores > 0) & (scores <= scale)]
+  return float(np.median(scale / covered)) if covered.size else None
+
+
+def coverage(calib, evals, n_kv_heads: int) -> dict:
+  """Raw and calibrated coverage of the evaluation calls (scores ``e / r``)."""
+  L, H = evals.shape[1:]
+  group = H // n_kv_heads
+  scales = np.empty((L, n_kv_heads))
+  pooled = calibration.conformal_quantile(calib.ravel(), DELTA)
+  need = calibration.min_finite_calls(DELTA)
+  for layer in range(L):
+    for g in range(n_kv_heads):
+      s = calib[:, layer, g * group:(g + 1) * group].ravel()
+      scales[layer, g] = calibration.conformal_quantile(s, DELTA) if s.size >= need else pooled
+  per_call = np.repeat(scales, group, axis=1)[None]  # [1, L, H]
+  raw_cov = float(np.mean(evals <= 1.0))
+  cal_cov = float(np.mean(evals <= per_call))
+  # sharpness over calls whose calibrated radius is finite (an infinite scale is
+  # no guarantee, and its calls are covered trivially)
+  covered = (evals > 0) & (evals <= per_call) & np.isfinite(per_call)
+  ratio = np.broadcast_to(per_call, evals.shape)[covered] / evals[covered]
+  cal_sharp = float(np.median(ratio)) if ratio.size else None
+  return {"raw": raw_cov, "raw_sharpness": _sharpness(evals, 1.0),
+          "calibrated": cal_cov, "calibrated_sharpness": cal_sharp,
+          "median_scale": float(np.median(scales)),
+          "infinite_scales": float(np.mean(np.isinf(scales))),
+          "unseen_deletions": float(np.mean(np.isinf(evals))),
+          "n_calls": int(evals.size), "n_calib_calls": int(calib.size)}
+
+
+def _complete(rows, c, variant, plan) -> bool:
+  mems = (1.0,) if variant == "full" else plan.memories
+  have = {(r["memory"], r["segment"]) for r in rows
+          if r["context_len"] == c and r["variant"] == variant and r["split"] == "eval"}
+  return all((m, s) in have for m in mems for s in range(plan.n_eval))
+
+
+def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> dict:
+  """summary.json's dict (one entry per context length) and the markdown report."""
+  rows = [r for r in rows if r["seed"] == plan.seed]
+  out = {"plan": {"context_lens": list(plan.context_lens), "memories": list(plan.memories),
+                  "n_eval": plan.n_eval, "n_calib": plan.n_calib, "chunk": plan.chunk,
+                  "seed": plan.seed, "sources": [os.path.basename(p) for p in plan.sources]},
+         "delta": DELTA, "contexts": {}}
+  md = []
+  for c in plan.context_lens:
+    ran = [v for v in plan.variants if _complete(rows, c, v, plan)]
+    missing = [v for v in plan.variants if v not in ran]
+    ev = [r for r in rows if r["context_len"] == c and r["split"] == "eval"]
+    by = lambda v, m: {r["segment"]: r for r in ev if r["variant"] == v and r["memory"] == m}
+    ctx = {"delta_nll": {}, "held_memory": {}, "best_deterministic": {},
+           "paired_vs_best_deterministic": {}, "coverage": {}, "not_run": missing,
+           "seconds": float(sum(r["unit_seconds"] / max(1, _unit_rows(r, plan))
+                                for r in rows if r["context_len"] == c))}
+    for v in ran:
+      for m in plan.memories:
+        seg = by(v, m)
+        vals = [seg[s]["delta_nll"] for s in range(plan.n_eval)]
+        ctx["delta_nll"].setdefault(v, {})[str(m)] = _ci(vals, seed=plan.seed)
+        ctx["held_memory"].setdefault(v, {})[str(m)] = float(
+            np.mean([seg[s]["held_memory"] for s in range(plan.n_eval)]))
+    uniform_det = [v for v in ran if experiment.parse_variant(v)[1] == "uniform"
+                   and not experiment._is_randomized(v)]  # pylint: disable=protected-access
+    for m in plan.memories:
+      if not uniform_det:
+        break
+      best = min(uniform_det, key=lambda v: ctx["delta_nll"][v][str(m)]["value"])
+      ctx["best_deterministic"][str(m)] = best
+      ref = by(best, m)
+      for v in ran:
+        seg = by(v, m)
+        diffs = [seg[s]["delta_nll"] - ref[s]["delta_nll"] for s in range(plan.n_eval)]
+        entry = _ci(diffs, seed=plan.seed + 1)
+        entry["wins"] = int(np.sum(np.asarray(diffs) < 0))
+        ctx["paired_vs_best_deterministic"].setdefault(v, {})[str(m)] = entry
+    for v in ran:
+      if not experiment._is_randomized(v):  # pylint: disable=protected-access
+        continue
+      for m in plan.memories:
+        cal = _scores(out_dir, c, v, "calib", m, plan)
+        evs = _scores(out_dir, c, v, "eval", m, plan)
+        if cal is not None and evs is not None:
+          ctx["coverage"].setdefault(v, {})[str(m)] = coverage(cal, evs, n_kv_heads)
+    out["contexts"][str(c)] = ctx
+    md += _markdown(ctx, c, plan)
+  first = out["contexts"][str(plan.context_lens[0])]
+  for k in ("delta_nll", "best_deterministic", "paired_vs_best_deterministic"):
+    out[k] = first[k]  # the first context length at the top level
+  out["md"] = "\n".join(md)
+  return out
+
+
+def _unit_rows(row, plan) -> int:
+  n = plan.n_eval if row["split"] == "eval" else plan.n_calib
+  segs = min(plan.group, n - (row["segment"] // plan.group) * plan.group)
+  return segs * (1 if row["variant"] == "full" else len(plan.memories))
+
+
+def _fmt_ci(e, spec="+.3f") -> str:
+  return f"{e['value']:{spec}} [{e['ci'][0]:{spec}}, {e['ci'][1]:{spec}}]"
+
+
+def _markdown(ctx, c, plan) -> list[str]:
+  lines = [f"## {c} tokens: {plan.n_eval} evaluation segments, chunks of {plan.chunk}", "",
+           "| variant | memory | held memory | delta NLL [95% CI] | vs best deterministic "
+           "(paired) [95% CI] | segments better | raw coverage (sharpness) | calibrated "
+           "coverage (sharpness) | unseen deletions |", "|---" * 9 + "|"]
+  for m in plan.memories:
+    best = ctx["best_deterministic"].get(str(m))
+    for v in ctx["delta_nll"]:
+      d = ctx["delta_nll"][v][str(m)]
+      p = ctx["paired_vs_best_deterministic"].get(v, {}).get(str(m))
+      cov = ctx["coverage"].get(v, {}).get(str(m))
+      f = lambda x: "-" if x is None else f"{x:.2f}"
+      raw = "-" if cov is None else f"{cov['raw']:.3f} ({f(cov['raw_sharpness'])})"
+      cal = "-" if cov is None else f"{cov['calibrated']:.3f} ({f(cov['calibrated_sharpness'])})"
+      unseen = "-" if cov is None else f"{cov['unseen_deletions']:.3f}"
+      name = f"**{v}**" if v == best else v
+      lines.append(f"| {name} | {m} | {ctx['held_memory'][v][str(m)]:.3f} | {_fmt_ci(d)} | "
+                   f"{'-' if p is None else _fmt_ci(p)} | "
+                   f"{'-' if p is None else str(p['wins']) + '/' + str(p['n'])} | {raw} | {cal} "
+                   f"| {unseen} |")
+  if ctx["not_run"]:
+    lines += ["", f"Not run (no complete rows): {', '.join(ctx['not_run'])}."]
+  return lines + [""]
+
+
+def write(rows, out_dir: str, plan, n_kv_heads: int = 3) -> Optional[dict]:
+  """Writes report.md, summary.json and delta_nll.png; None if no variant is complete."""
+  s = summarize(rows, out_dir, plan, n_kv_heads)
+  if not any(ctx["delta_nll"] for ctx in s["contexts"].values()):
+    return None
+  body = {k: v for k, v in s.items() if k != "md"}
+  results_io.atomic_write_text(os.path.join(out_dir, "summary.json"),
+                               json.dumps(results_io.json_safe(body), indent=1, sort_keys=True))
+  results_io.atomic_write_text(os.path.join(out_dir, "report.md"), HEADER + s["md"])
+  panels = {}
+  for c, ctx in s["contexts"].items():
+    lines = {}
+    for v, per in ctx["delta_nll"].items():
+      ms = sorted(per, key=float)
+      lines[v] = ([ctx["held_memory"][v][m] for m in ms], [per[m]["value"] for m in ms])
+    if lines:
+      panels[f"{c} tokens"] = lines
+  plots.plot_panels(panels, os.path.join(out_dir, "delta_nll.png"),
+                    xlabel="held memory (fraction of the full cache's K/V bytes)",
+                    ylabel="delta NLL vs full (nats/token)",
+                    title="Streaming NLL increase at equal memory")
+  return s
+
+
+HEADER = """# Eviction designs at equal memory
+
+Generated by `python -m experiments.equal_memory` (`experiments/lib/equal_memory`).
+Memory = kept key/value bytes plus the per-slot metadata each design needs
+(`certkv_jax.memory`), as a fraction of the full cache's key/value bytes;
+*held memory* is the time-averaged bytes the kept slots actually held over
+the stream (above the nominal memory where the certainty set or a tail floor
+exceeds an early chunk's budget; below it for the Poisson tail, whose slots
+stay partly empty). Delta NLL is per token against the full cache on the same
+segment. The paired column is the variant minus the best deterministic
+variant with uniform budgets (bold) on the same segments, with a 95%
+bootstrap over segments. Coverage: the per-call radius at delta 0.05 over
+every attention call after the first chunk; calibrated with per-(layer, KV
+head) conformal scales fitted on the calibration segments (other source
+files); sharpness = median radius / error over covered calls; unseen
+deletions = calls with radius 0 and a nonzero error.
+
+"""

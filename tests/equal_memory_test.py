@@ -1,0 +1,137 @@
+"""The equal-memory experiment (experiments/equal_memory.py) on the tiny Llama fixture.
+
+Three source files of a character-level text, segments of 32 tokens in chunks
+of 8; a deterministic variant, a certified variant with the
+certificate-targeted allocation and one with AdaKV. Checks the rows (equal
+memory, nothing dropped, evaluation-mode calls), resuming, the report's
+paired differences and calibrated coverage, and the streaming core's
+evaluation mode (no eviction, no error).
+"""
+
+import json
+import os
+import shutil
+import tempfile
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from certkv_jax import memory
+from experiments.lib import design_defaults
+from experiments.lib import model_loading
+from experiments.lib.equal_memory import experiment
+from experiments.lib.equal_memory import report
+from experiments.lib.streaming_loss import core as streaming_loss_core
+from tests import test_util
+
+CHARS = "abcdefghijklmnopqrstuvwxyz .,\n"
+TEXT = ("it was the best of times, it was the worst of times, it was the age of wisdom, "
+        "it was the age of foolishness.\n")
+VARIANTS = ("snapkv", "priority_floor+cert", "priority_tail+adakv")
+
+
+@pytest.mark.slow
+class EqualMemoryTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    test_util.ensure_flags_parsed()
+    cls.root = tempfile.mkdtemp()
+    model_dir = os.path.join(cls.root, "tiny_char")
+    os.makedirs(model_dir)
+    test_util.tiny_hf_dir(model_dir, CHARS)
+    cls.params, cls.config, cls.tok = model_loading.load_model(model_dir)
+    sources = []
+    for i in range(3):
+      sources.append(os.path.join(cls.root, f"src_{i}.txt"))
+      with open(sources[-1], "w", encoding="utf-8") as f:
+        f.write(TEXT[i:] + TEXT)
+    cls.plan = experiment.Plan(sources=tuple(sources), context_lens=(32,), variants=VARIANTS,
+                               memories=(0.5,), n_eval=2, n_calib=1, chunk=8, group=2,
+                               n_sink=1, window=2)
+    cls.out = os.path.join(cls.root, "out")
+    cls.logs = []
+    cls.rows = experiment.run(cls.params, cls.config, cls.tok, cls.out, cls.plan,
+                              model="tiny", log=cls.logs.append)
+
+  @classmethod
+  def tearDownClass(cls):
+    shutil.rmtree(cls.root, ignore_errors=True)
+    super().tearDownClass()
+
+  def test_rows(self):
+    # full: 2 eval + 1 calib; each variant 2 eval; randomized ones 1 calib more
+    self.assertLen(self.rows, 3 + 2 + 3 + 3)
+    head_dim = self.config.head_dim
+    for r in self.rows:
+      self.assertEqual(r["n_dropped"], 0)
+      if r["variant"] == "full":
+        self.assertEqual(r["delta_nll"], 0.0)
+        continue
+      design, alloc, frac = experiment.make_variant(r["variant"], head_dim, 0.5, 1, 2)
+      self.assertAlmostEqual(r["budget_fraction"], frac)
+      self.assertEqual(r["slot_bytes"], memory.slot_bytes(design, head_dim, allocation=alloc))
+      # equal memory: kept bytes per token seen = 0.5 x the full cache's K/V bytes
+      self.assertAlmostEqual(frac * r["slot_bytes"], 0.5 * 2 * head_dim * 4, places=6)
+      self.assertEqual("coverage" in r, r["randomized"])
+      if r["variant"] == "priority_tail+adakv":  # fixed size, no floor: held <= nominal
+        self.assertLessEqual(r["held_memory"], 0.5 + 1e-9)
+
+  def test_resume_runs_nothing(self):
+    logs = []
+    rows = experiment.run(self.params, self.config, self.tok, self.out, self.plan,
+                          model="tiny", log=logs.append)
+    self.assertEqual(len(rows), len(self.rows))
+    self.assertIn("0 of", logs[0])
+
+  def test_report(self):
+    s = report.write(self.rows, self.out, self.plan, n_kv_heads=self.config.n_kv_heads)
+    with open(os.path.join(self.out, "summary.json")) as f:
+      disk = json.load(f)
+    self.assertTrue(os.path.exists(os.path.join(self.out, "delta_nll.png")))
+    self.assertEqual(disk["best_deterministic"], {"0.5": "snapkv"})
+    paired = s["paired_vs_best_deterministic"]
+    self.assertEqual(paired["snapkv"]["0.5"]["value"], 0.0)
+    for v in VARIANTS:
+      d = s["delta_nll"][v]["0.5"]
+      self.assertLessEqual(d["ci"][0], d["value"])
+      self.assertLessEqual(d["value"], d["ci"][1])
+      by_seg = {r["segment"]: r["delta_nll"] for r in self.rows
+                if r["variant"] == v and r["split"] == "eval"}
+      ref = {r["segment"]: r["delta_nll"] for r in self.rows
+             if r["variant"] == "snapkv" and r["split"] == "eval"}
+      want = np.mean([by_seg[k] - ref[k] for k in ref])
+      self.assertAlmostEqual(paired[v]["0.5"]["value"], want, places=12)
+    for v in VARIANTS[1:]:
+      cov = s["contexts"]["32"]["coverage"][v]["0.5"]
+      for k in ("raw", "calibrated"):
+        self.assertTrue(0.0 <= cov[k] <= 1.0)
+      self.assertGreater(cov["n_calls"], 0)
+    self.assertNotIn("snapkv", s["contexts"]["32"]["coverage"])
+
+  def test_bad_variant(self):
+    with self.assertRaisesRegex(ValueError, "unknown allocation 'nope'"):
+      experiment.parse_variant("snapkv+nope")
+    with self.assertRaisesRegex(ValueError, "unknown design 'nope'"):
+      experiment.parse_variant("nope")
+
+  def test_evaluation_mode_without_eviction_has_no_error(self):
+    toks = jnp.asarray(np.asarray([experiment.source_segments(
+        self.tok, self.plan.sources, 32, 1)[1][0]], np.int32))
+    design = design_defaults.make_design("priority_tail", 1.0, 1, 2)
+    stream = streaming_loss_core.StreamConfig(chunk=8, design=design, evaluate=True)
+    res = streaming_loss_core.streaming_nll(self.params, toks, jnp.ones(toks.shape, bool),
+                                            jax.random.PRNGKey(0), config=self.config,
+                                            stream=stream)
+    L, H = self.config.n_layers, self.config.n_heads
+    self.assertEqual(res.calls.error.shape, (1, 32, L, H))
+    np.testing.assert_allclose(np.asarray(res.calls.error), 0.0, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(res.calls.radius), 0.0)
+
+
+if __name__ == "__main__":
+  absltest.main()
