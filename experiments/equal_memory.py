@@ -14,6 +14,7 @@ design with uniform budgets, and the randomized variants' raw and calibrated
       --n_eval=2 --n_calib=1 --variants=snapkv,priority_tail+cert --memories=0.25
 """
 
+import os
 import time
 
 from absl import app
@@ -45,6 +46,8 @@ flags.DEFINE_integer("chunk", 64, "Tokens per streaming chunk (evict after each)
 flags.DEFINE_integer("group", 8, "Segments per unit (one jitted call per memory x group).")
 flags.DEFINE_integer("seed", 0, "Seed of the randomized designs.")
 flags.DEFINE_integer("max_units", -1, "Stop after this many units (-1: all); rerun resumes.")
+flags.DEFINE_bool("report_only", False, "Write the report from the rows on file; run nothing "
+                  "(variants without every row are listed as not run).")
 
 
 def main(argv):
@@ -58,9 +61,12 @@ def main(argv):
       group=FLAGS.group, max_units=None if FLAGS.max_units < 0 else FLAGS.max_units).check()
   t0 = time.time()
   params, config, tok = model_loading.load_model(FLAGS.model)
-  rows = experiment.run(params, config, tok, FLAGS.out, plan,
-                        model=model_loading.model_name(FLAGS.model))
-  summary = report.write(rows, FLAGS.out, plan)
+  if FLAGS.report_only:
+    rows = results_io.read_rows(os.path.join(FLAGS.out, experiment.ROWS_FILE))
+  else:
+    rows = experiment.run(params, config, tok, FLAGS.out, plan,
+                          model=model_loading.model_name(FLAGS.model))
+  summary = report.write(rows, FLAGS.out, plan, n_kv_heads=config.n_kv_heads)
   if summary is None:
     print("rows incomplete; rerun to finish (no report yet)")
   else:

@@ -16,6 +16,7 @@ from absl.testing import absltest
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from certkv_jax import attention
 from certkv_jax import cache as cache_lib
@@ -264,6 +265,7 @@ def _ratio_se(x, y):
   return math.sqrt(var / len(x))
 
 
+@pytest.mark.slow  # 17 s cold on the 2-core CI machine (2026-12-01)
 class CoverageTest(absltest.TestCase):
 
   def test_radius_miss_rate(self):

@@ -3,7 +3,7 @@ r"""Streaming language-model loss under eviction: the jitted core.
 :func:`streaming_nll` streams a batch of token sequences through the model
 ``chunk`` tokens at a time (one jitted ``lax.scan`` over chunks): every chunk
 is run with the kept cache (``models.forward.forward_chunk``, certificate
-statistics on), each token's log-probability of the NEXT token of the stream
+statistics on for a randomized design), each token's log-probability of the NEXT token of the stream
 is scored, and then the design evicts down to its budget
 (``certkv_jax.eviction.evict``) before the next chunk arrives. So the first chunk
 never sees eviction, and every later token is predicted from a cache that has
@@ -158,7 +158,9 @@ def _streaming_nll(params, tokens, mask, key, budget, *, config,
   chunk, design, delta = stream.chunk, stream.design, stream.delta
   b, n = tokens.shape
   xs, scored, n_chunks = chunked_targets(tokens, mask, chunk)
-  with_cert = design is not None
+  # A deterministic design has no offsets: its radius is 0 (Theorem 1), and the plain
+  # softmax path gives the same logits without the certificate's per-slot work.
+  with_cert = design is not None and design.randomized
   per_head = forward.allocation_args(params, config, stream.allocation)
 
   def step(carry, x):
@@ -206,7 +208,7 @@ def streaming_nll(params, tokens, mask, key, *, config, stream: StreamConfig,
 
   One jitted ``lax.scan`` over chunks. Each chunk runs through
   ``models.forward.forward_chunk`` with the caches so far (with
-  ``certificate=True`` when there is a design), every real token's
+  ``certificate=True`` when the design is randomized), every real token's
   log-probability of the next real token is taken from its logits, and then
   ``stream.design`` (if any) evicts every (layer, row, KV head) cache down to
   its budget with an independent PRNG key. Without a design nothing is evicted
