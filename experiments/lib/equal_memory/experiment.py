@@ -154,20 +154,21 @@ def units(plan: Plan, randomized: Callable[[str], bool]) -> list[tuple]:
   out = []
   for c in plan.context_lens:
     for v in ("full",) + tuple(plan.variants):
-      splits = ["eval"] + (["calib"] if v != "full" and randomized(v) and plan.n_calib else [])
-      if v == "full":
-        splits = ["eval", "calib"] if plan.n_calib else ["eval"]
-      for split in splits:
+      # calibration rows: the randomized variants', and the full cache's beside them
+      calib = plan.n_calib > 0 and (v == "full" or randomized(v))
+      for split in ("eval", "calib") if calib else ("eval",):
         n = plan.n_eval if split == "eval" else plan.n_calib
         out += [(c, v, split, s) for s in range(0, n, plan.group)]
   return out
 
 
-def _is_randomized(variant: str) -> bool:
+def is_randomized(variant: str) -> bool:
+  """Whether ``variant``'s design samples its tail (False for the full cache)."""
   return variant != "full" and design_defaults.is_randomized(parse_variant(variant)[0])
 
 
-def _sha(paths) -> str:
+def sources_sha256(paths) -> str:
+  """One sha256 over the source files' bytes, in order (the report's provenance)."""
   h = hashlib.sha256()
   for p in paths:
     h.update(open(p, "rb").read())
@@ -180,7 +181,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
   plan = plan.check()
   os.makedirs(os.path.join(out_dir, "calls"), exist_ok=True)
   results = results_io.JsonlResults(os.path.join(out_dir, ROWS_FILE), KEY_FIELDS)
-  todo_all = units(plan, _is_randomized)
+  todo_all = units(plan, is_randomized)
   segs = {c: source_segments(tok, plan.sources, c, plan.n_eval + plan.n_calib)
           for c in plan.context_lens}
   head_dim = config.head_dim
@@ -222,7 +223,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
       fractions = [made[m][2] for m, _ in batch]
       stream = streaming_loss_core.StreamConfig(chunk=plan.chunk, design=design,
                                                 allocation=allocation,
-                                                evaluate=_is_randomized(v))
+                                                evaluate=is_randomized(v))
       budget = jnp.asarray(fractions, jnp.float32)
     unit_id = zlib.crc32(f"{c}/{v}/{split}/{start}".encode()) % 2**31
     key = jax.random.fold_in(jax.random.PRNGKey(plan.seed), unit_id)
@@ -247,7 +248,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
                  source=names[offset + s], model=model, chunk=plan.chunk,
                  budget_fraction=fractions[j], slot_bytes=slot,
                  held_memory=held,
-                 randomized=_is_randomized(v), unit_seconds=round(seconds, 2),
+                 randomized=is_randomized(v), unit_seconds=round(seconds, 2),
                  **{k: summary[k] for k in ("n_scored", "mean_nll", "delta_nll",
                                             "delta_nll_after_first_chunk", "n_dropped",
                                             "kept_per_chunk", "mean_radius")})

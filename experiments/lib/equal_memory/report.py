@@ -104,7 +104,8 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
   rows = [r for r in rows if r["seed"] == plan.seed]
   out = {"plan": {"context_lens": list(plan.context_lens), "memories": list(plan.memories),
                   "n_eval": plan.n_eval, "n_calib": plan.n_calib, "chunk": plan.chunk,
-                  "seed": plan.seed, "sources": [os.path.basename(p) for p in plan.sources]},
+                  "seed": plan.seed, "sources": [os.path.basename(p) for p in plan.sources],
+                  "sources_sha256": experiment.sources_sha256(plan.sources)},
          "delta": DELTA, "contexts": {}}
   md = []
   for c in plan.context_lens:
@@ -124,7 +125,7 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
         ctx["held_memory"].setdefault(v, {})[str(m)] = float(
             np.mean([seg[s]["held_memory"] for s in range(plan.n_eval)]))
     uniform_det = [v for v in ran if experiment.parse_variant(v)[1] == "uniform"
-                   and not experiment._is_randomized(v)]  # pylint: disable=protected-access
+                   and not experiment.is_randomized(v)]
     for m in plan.memories:
       if not uniform_det:
         break
@@ -138,7 +139,7 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
         entry["wins"] = int(np.sum(np.asarray(diffs) < 0))
         ctx["paired_vs_best_deterministic"].setdefault(v, {})[str(m)] = entry
     for v in ran:
-      if not experiment._is_randomized(v):  # pylint: disable=protected-access
+      if not experiment.is_randomized(v):
         continue
       for m in plan.memories:
         cal = _scores(out_dir, c, v, "calib", m, plan)

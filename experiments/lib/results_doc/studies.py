@@ -343,3 +343,39 @@ def damage(root: str) -> list[str]:
 
 
 # --- benchmarks ---------------------------------------------------------------------------
+
+
+def equal_memory(root: str) -> list[str]:
+  """Designs at equal kept bytes, paired against the best deterministic design."""
+  s = fmt.read_json(root, "equal_memory/summary.json")
+  out = ["## Designs at equal memory", ""]
+  out += fmt.source(["equal_memory/summary.json", "equal_memory/report.md",
+                     "equal_memory/COMMAND.md"], fmt.command(root, "equal_memory/COMMAND.md"))
+  plan = s["plan"]
+  for c, ctx in s["contexts"].items():
+    out += [f"{plan['n_eval']} natural-text segments of {int(c):,} tokens, chunks of "
+            f"{plan['chunk']}; memory = kept key/value bytes plus per-slot metadata as a "
+            "fraction of the full cache's key/value bytes; delta NLL in nats/token against "
+            "the full cache with a 95% bootstrap over segments; 'paired' = minus the best "
+            "deterministic design with uniform budgets on the same segments; coverage per "
+            f"call at delta {s['delta']} (raw / calibrated on {plan['n_calib']} other "
+            "sources, sharpness in parentheses):", ""]
+    body = []
+    for m in plan["memories"]:
+      best = ctx["best_deterministic"].get(str(m))
+      for v, per in ctx["delta_nll"].items():
+        d, p = per[str(m)], ctx["paired_vs_best_deterministic"][v][str(m)]
+        cov = ctx["coverage"].get(v, {}).get(str(m))
+        cov_s = "-" if cov is None else (
+            f"{cov['raw']:.3f} ({fmt.num(cov['raw_sharpness'], '.2f')}) / "
+            f"{cov['calibrated']:.3f} ({fmt.num(cov['calibrated_sharpness'], '.2f')})")
+        body.append([fmt.pct(m), f"**{v}**" if v == best else v,
+                     f"{ctx['held_memory'][v][str(m)]:.3f}",
+                     fmt.ci((d["value"], *d["ci"]), "+.3f"),
+                     fmt.ci((p["value"], *p["ci"]), "+.3f") + f" ({p['wins']}/{p['n']})",
+                     cov_s])
+    out += fmt.table(["memory", "design", "held memory", "delta NLL", "paired vs best",
+                      "coverage raw / calibrated"], body)
+    if ctx["not_run"]:
+      out += ["", f"Not run: {', '.join(ctx['not_run'])}."]
+  return out
