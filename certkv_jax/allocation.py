@@ -72,9 +72,14 @@ def _check_scope(scope):
     raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
 
 
-def _check_share(name, x, lo):
-  if isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= lo:
-    raise ValueError(f"{name} must be a number >= {lo}, got {x!r}")
+def _check_grid(allocation):
+  """The grid settings the variance-based allocations share: steps, max_share, eps."""
+  steps, share = allocation.steps, allocation.max_share
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+  if isinstance(share, bool) or not isinstance(share, (int, float)) or not share >= 1.0:
+    raise ValueError(f"max_share must be a number >= 1.0, got {share!r}")
+  sampling.check_eps(allocation.eps)
 
 
 # --------------------------------------------------------------------------- AdaKV
@@ -278,10 +283,7 @@ class CertificateTargeted:
 
   def __post_init__(self):
     _check_scope(self.scope)
-    if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-      raise ValueError(f"steps must be an int >= 1, got {self.steps!r}")
-    _check_share("max_share", self.max_share, 1.0)
-    sampling.check_eps(self.eps)
+    _check_grid(self)
 
   def max_target(self, target: int, n_heads: int, n_layers: int) -> int:
     del n_heads, n_layers
@@ -333,10 +335,7 @@ class TargetRadius:
       raise ValueError(f"radius must be a positive finite number, got {r!r}")
     if not 0.0 < self.delta < 1.0:
       raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
-    if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-      raise ValueError(f"steps must be an int >= 1, got {self.steps!r}")
-    _check_share("max_share", self.max_share, 1.0)
-    sampling.check_eps(self.eps)
+    _check_grid(self)
 
   def max_target(self, target: int, n_heads: int, n_layers: int) -> int:
     del n_heads, n_layers

@@ -261,8 +261,7 @@ def pyramid_budgets(n_layers: int, mean: Union[int, float], beta: float = 20.0) 
 
 def capacity(design, *, n_context: int, n_question: int = 0, n_steps: int = 0,
              chunk: Optional[int] = None, budget=None, layer_budgets=None,
-             compacted: bool = False, allocation=None, n_heads: int = 1,
-             n_layers: int = 1) -> int:
+             compacted: bool = False, allocation=None, config=None) -> int:
   """Cache slots per (layer, row, KV head) so that no token is dropped: the one
   capacity rule every caller uses.
 
@@ -283,8 +282,9 @@ def capacity(design, *, n_context: int, n_question: int = 0, n_steps: int = 0,
     compacted: size a cache that holds only what an eviction kept
       (``cache.compact``) plus the decoded tokens: the prompt need not fit.
     allocation: a per-head allocation (``certkv_jax.allocation``): the kept
-      tokens of one head may reach its ``max_target`` for ``n_heads`` KV
-      heads and ``n_layers`` layers (never more than the prompt).
+      tokens of one head may reach its ``max_target`` (never more than the
+      prompt) for ``config``'s ``n_kv_heads`` and ``n_layers`` (a model
+      config or ``caches.CacheSpec``; needed with an allocation).
   """
   n_padded = n_context if chunk is None else -(-n_context // chunk) * chunk
   total = n_padded + n_question + n_steps
@@ -306,7 +306,10 @@ def capacity(design, *, n_context: int, n_question: int = 0, n_steps: int = 0,
 
   kept = max(max(kept_after(x) for x in fractions), design.certain.size + design.min_tail)
   if allocation is not None:
-    kept = min(max(allocation.max_target(kept, n_heads, n_layers), kept), n_prompt)
+    if config is None:
+      raise ValueError("capacity with an allocation needs config (n_layers, n_kv_heads)")
+    top = allocation.max_target(kept, config.n_kv_heads, config.n_layers)
+    kept = min(max(top, kept), n_prompt)
   if compacted:
     return kept + n_question + n_steps
   if chunk is None:

@@ -146,6 +146,19 @@ class TailRule(Protocol):
     ...
 
 
+def _tail_score(rule, cache, tail) -> Array:
+  """A sampled tail rule's score on the tail (0 elsewhere), float32; where it is
+  concrete, checked finite and non-negative (ValueError naming the rule)."""
+  s = jnp.where(tail, rule.score(cache).astype(jnp.float32), 0.0)
+  s_conc = _checks.concrete_array(s)
+  if s_conc is not None:
+    _checks.check_finite("score", s_conc)
+    if (s_conc < 0).any():
+      raise ValueError(f"{type(rule).__name__} needs a non-negative score; {rule.score} gave "
+                       f"min {s_conc.min()} on the tail")
+  return s
+
+
 def _no_random(keep, pi, m):
   zero = jnp.zeros((), jnp.int32)
   return TailChoice(keep, jnp.zeros(keep.shape, jnp.float32), pi, m, zero, zero)
@@ -213,14 +226,7 @@ class PoissonTail:
     _checks.check_nonneg_int("max_redraws", self.max_redraws)
 
   def select(self, cache, tail, slots, key) -> TailChoice:
-    s = self.score(cache).astype(jnp.float32)
-    s_tail = jnp.where(tail, s, 0.0)
-    s_conc = _checks.concrete_array(s_tail)
-    if s_conc is not None:
-      _checks.check_finite("score", s_conc)
-      if (s_conc < 0).any():
-        raise ValueError(f"PoissonTail needs a non-negative score; {self.score} gave "
-                         f"min {s_conc.min()} on the tail")
+    s_tail = _tail_score(self, cache, tail)
     n_tail = jnp.sum(tail).astype(jnp.float32)
     m = jnp.minimum(sampling.expected_tail_count(slots, self.overflow_prob), n_tail)
     m_pos = jnp.maximum(m, 1e-30)
@@ -258,13 +264,7 @@ class PriorityTail:
     sampling.check_eps(self.eps)
 
   def select(self, cache, tail, slots, key) -> TailChoice:
-    s = jnp.where(tail, self.score(cache).astype(jnp.float32), 0.0)
-    s_conc = _checks.concrete_array(s)
-    if s_conc is not None:
-      _checks.check_finite("score", s_conc)
-      if (s_conc < 0).any():
-        raise ValueError(f"PriorityTail needs a non-negative score; {self.score} gave "
-                         f"min {s_conc.min()} on the tail")
+    s = _tail_score(self, cache, tail)
     draw = sampling.priority_draw(key, s, tail, slots, self.eps)
     log_pi = jnp.where(draw.keep, jnp.log(jnp.where(draw.keep, draw.pi, 1.0)), 0.0)
     zero = jnp.zeros((), jnp.int32)

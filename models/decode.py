@@ -304,7 +304,7 @@ def _sized(gen: GenerationConfig, given: dict) -> GenerationConfig:
   config = given["config"]
   return gen.replace(capacity=budgets_lib.capacity(
       gen.design, budget=budget, layer_budgets=gen.layer_budgets, allocation=gen.allocation,
-      n_heads=config.n_kv_heads, n_layers=config.n_layers, **sizes))
+      config=config, **sizes))
 
 
 def _raise_on_overflow(gen: "Generation", given: dict) -> None:

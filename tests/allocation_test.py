@@ -354,9 +354,8 @@ def _stream(design, alloc, gains):
   sized by ``budgets.capacity(allocation=...)``: append, fold the chunk's
   window attention, evict with the allocation. Returns (caches, capacity,
   largest kept count of a head after any eviction)."""
-  cap = budgets.capacity(design, **STREAM, allocation=alloc, n_heads=STREAM_H,
-                         n_layers=STREAM_L)
   spec = caches_lib.CacheSpec(n_layers=STREAM_L, n_kv_heads=STREAM_H, head_dim=STREAM_D)
+  cap = budgets.capacity(design, **STREAM, allocation=alloc, config=spec)
   chunk = STREAM["chunk"]
   rng = np.random.default_rng(5)
 

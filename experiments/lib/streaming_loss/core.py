@@ -95,11 +95,9 @@ class StreamConfig:
     per-head target under ``config``'s heads and layers) where it is None."""
     if self.capacity is not None:
       return self
-    shape = {} if config is None else dict(n_heads=config.n_kv_heads,
-                                           n_layers=config.n_layers)
     cap = budgets.capacity(self.design, n_context=n, chunk=self.chunk,
                            budget=None if self.design is None else budget,
-                           allocation=self.allocation, **shape)
+                           allocation=self.allocation, config=config)
     return dataclasses.replace(self, capacity=cap)
 
   def check(self, tokens) -> None:
