@@ -295,6 +295,7 @@ class CoverageTest(absltest.TestCase):
       self.assertLess(abs(ratio - 1.0), Z * _ratio_se(vhat, err2) + 0.05, ratio)
 
 
+@pytest.mark.slow  # shares CoverageTest's Monte Carlo runs (slow tier)
 class FillTest(absltest.TestCase):
 
   def test_priority_fills_every_slot_poisson_does_not(self):
