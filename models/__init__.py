@@ -8,6 +8,7 @@
   eviction, ``lax.scan`` decode) under a frozen ``GenerationConfig``;
   ``decode_step`` for a caller's own loop (caches donated).
 * :mod:`models.forward` -- a chunk of tokens through the model and its caches.
+* :mod:`models.prefill` -- a long prompt into the caches chunk by chunk, in bounded memory.
 * :mod:`models.memory` -- bytes of a run's caches (K/V, metadata) vs. the full cache.
 * :mod:`models.param_tree` -- the parameter tree from per-layer tensors (loaders).
 * :mod:`models.hf_loader` -- Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2).
@@ -26,6 +27,7 @@ from models import hf_loader
 from models import llama
 from models import memory
 from models import param_tree
+from models import prefill
 from models import rope
 from models import tokenizer
 from certkv_jax.budgets import pyramid_budgets
@@ -57,6 +59,7 @@ __all__ = [
     "llama",
     "memory",
     "param_tree",
+    "prefill",
     "pyramid_budgets",
     "load_gguf",
     "load_hf_checkpoint",

@@ -119,6 +119,7 @@ FILE_SECONDS = {
     "tests/equal_memory_test.py": 65,
     "tests/allocation_test.py": 60,
     "tests/priority_sampling_test.py": 25,
+    "tests/leaderboard_test.py": 80,
 }
 
 

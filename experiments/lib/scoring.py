@@ -111,3 +111,8 @@ METRICS: dict[str, Callable[[str, Sequence[str]], bool]] = {
     "ruler_all": lambda t, a: string_match_all(t, a) == 1.0,
     "ruler_part": lambda t, a: string_match_part(t, a) == 1.0,
 }
+# Rules with a graded per-sample score in [0, 1] (RULER averages these, not the pass/fail).
+GRADED: dict[str, Callable[[str, Sequence[str]], float]] = {
+    "ruler_all": string_match_all,
+    "ruler_part": string_match_part,
+}

@@ -68,6 +68,7 @@ from experiments.lib.prompts import random_uuid
 from experiments.lib.prompts import SERVICES
 from experiments.lib.prompts import TokenLengths
 # Scoring rules live in experiments.lib.scoring; re-exported here for task users.
+from experiments.lib.scoring import GRADED
 from experiments.lib.scoring import METRICS
 from experiments.lib.scoring import VAR_NAME_LEN
 from experiments.lib.scoring import contains_match  # pylint: disable=unused-import
@@ -104,6 +105,14 @@ class Example:
   def score(self, generated_text: str) -> bool:
     """Whether ``generated_text`` (the text after the answer prefix) is correct."""
     return bool(METRICS[self.metric](generated_text, self.answers))
+
+  def grade(self, generated_text: str) -> float:
+    """The per-sample score in [0, 1]: RULER's string match for ``ruler_all`` /
+    ``ruler_part`` (the fraction of the answers found / whether any is), else
+    :meth:`score` as 1.0 or 0.0."""
+    if self.metric in GRADED:
+      return float(GRADED[self.metric](generated_text, self.answers))
+    return float(self.score(generated_text))
 
 
 # ----------------------------------------------------------------------------- tasks

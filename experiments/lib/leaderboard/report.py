@@ -1,0 +1,310 @@
+r"""The leaderboard's report: scores per design, task and ratio; coverage; the plot.
+
+From the rows of :mod:`experiments.lib.leaderboard.experiment`, per (context
+length, regime), a *cell*:
+
+* ``score[design][ratio]``: RULER's task score (percent: the mean over
+  examples of string_match_all), averaged over the tasks, the full cache at
+  ratio 0 as the reference; ``score_by_task[design][ratio][task]``.
+* for randomized designs, ``coverage[design][ratio]``: raw coverage of the
+  per-call radius at delta 0.05 (every decode call up to the answer's end),
+  median radius and true error; calibrated coverage with per-(layer, KV head)
+  split-conformal scales fitted leave-one-task-out (for each task, on the
+  other tasks' calls of the same design, ratio and regime;
+  ``experiments.lib.equal_memory.report.coverage``), over the calls kept in
+  ``calls/`` (:data:`experiment.CALL_STEPS` steps per row); and the shipped
+  calibration's coverage (``models.text.certificate.calibrated``) where it was
+  made for the cell, or the reason it was not.
+
+Only designs with every row of a cell are reported; the others are listed as
+not run. summary.json holds every cell under ``cells`` and, at the top level,
+the first context length's first regime (``headline``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Optional, Sequence
+
+import matplotlib
+matplotlib.use("Agg")
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+from certkv_jax import calibration
+from certkv_jax import robust_calibration
+from experiments.lib import design_defaults
+from experiments.lib import plots
+from experiments.lib import results_io
+from experiments.lib import ruler
+from experiments.lib.equal_memory import report as equal_memory_report
+from experiments.lib.leaderboard import experiment
+from models.text import certificate as certificate_lib
+
+SHIPPED_REGIME = {"query_aware": "question_aware", "streaming": "streaming"}
+
+
+def _key(ratio) -> str:
+  return str(float(ratio))
+
+
+def _complete(rows, plan, c, regime, design) -> bool:
+  have = {(r["task"], r["ratio"], r["example"]) for r in rows
+          if r["context_len"] == c and r["regime"] == regime and r["design"] == design}
+  return all((t, r, e) in have for t in plan.tasks_for(c) for r in plan.ratios_for(design)
+             for e in range(plan.n_examples))
+
+
+def _load_calls(out_dir, plan, c, task, regime, design, ratio) -> Optional[tuple]:
+  """``(errors, radii)`` ``[calls, layers, heads]`` kept for one task's rows, or None."""
+  errs, rads = [], []
+  for start in range(0, plan.n_examples, plan.group):
+    path = experiment.calls_path(out_dir, (c, task, regime, start, design), plan.seed)
+    if not os.path.exists(path):
+      continue
+    with np.load(path) as z:
+      for e in range(start, min(start + plan.group, plan.n_examples)):
+        k = f"e{e}_r{ratio}_"
+        if k + "error" in z.files:
+          errs.append(z[k + "error"].astype(np.float64))
+          rads.append(z[k + "radius"].astype(np.float64))
+  if not errs:
+    return None
+  return np.concatenate(errs), np.concatenate(rads)
+
+
+def _scores(calls) -> np.ndarray:
+  e, r = calls
+  return calibration.conformity_scores(e.ravel(), r.ravel()).reshape(e.shape)
+
+
+def coverage_cell(out_dir, plan, c, regime, design, ratio, rows, n_kv_heads: int,
+                  model: Optional[str]) -> dict:
+  """Raw, leave-one-task-out calibrated and shipped-calibration coverage of one cell."""
+  sel = [r for r in rows if r.get("n_calls")]
+  n = sum(r["n_calls"] for r in sel)
+  out = {"n_calls": n, "n_rows": len(rows)}
+  if not n:
+    return out
+  out["raw"] = float(sum(r["raw_coverage"] * r["n_calls"] for r in sel) / n)
+  out["unseen_deletions"] = float(sum(r["unseen_deletions"] * r["n_calls"] for r in sel) / n)
+  calls = {t: _load_calls(out_dir, plan, c, t, regime, design, ratio)
+           for t in plan.tasks_for(c)}
+  calls = {t: v for t, v in calls.items() if v is not None}
+  if calls:
+    e = np.concatenate([v[0].ravel() for v in calls.values()])
+    r = np.concatenate([v[1].ravel() for v in calls.values()])
+    out.update(median_radius=float(np.median(r)), median_error=float(np.median(e)),
+               n_kept_calls=int(e.size))
+  if len(calls) >= 2:
+    hits, total = 0.0, 0
+    for t, v in calls.items():
+      calib = np.concatenate([_scores(w) for u, w in calls.items() if u != t])
+      ev = _scores(v)
+      hits += equal_memory_report.coverage(calib, ev, n_kv_heads)["calibrated"] * ev.size
+      total += ev.size
+    out["calibrated"] = hits / total
+  else:
+    out["calibrated_note"] = "needs the calls of >= 2 tasks (leave-one-task-out)"
+  out.update(_shipped(calls, plan, c, regime, design, ratio, rows, model))
+  return out
+
+
+def _shipped(calls, plan, c, regime, design, ratio, rows, model) -> dict:
+  """Coverage under the shipped calibration, or why it does not apply."""
+  path = certificate_lib.DEFAULT_CALIBRATION
+  if not calls:
+    return {"shipped_note": "no calls kept"}
+  if not os.path.isdir(path):
+    return {"shipped_note": f"no calibration artifact at {path}"}
+  fitted = _shipped_design(path)
+  if fitted != design:
+    return {"shipped_note": f"the shipped calibration is for design {fitted!r} only"}
+  e = np.concatenate([v[0].ravel() for v in calls.values()])
+  r = np.concatenate([v[1].ravel() for v in calls.values()])
+  run = certificate_lib.Run(model_name=model, design_name=design,
+                            regime=SHIPPED_REGIME[regime], budget=1.0 - ratio, delta=experiment.DELTA,
+                            n_sink=plan.n_sink, window=plan.window,
+                            chunk=plan.chunk or c)  # chunk 0: the whole context at once
+  tokens = max(row["n_prompt_tokens"] for row in rows)
+  radius, note, in_range = certificate_lib.calibrated(r, run, calibration=path,
+                                                      context_tokens=int(tokens))
+  if radius is None:
+    return {"shipped_note": note}
+  return {"shipped": float(np.mean(e <= radius)), "shipped_in_range": in_range,
+          "shipped_note": note}
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped_design(path: str) -> Optional[str]:
+  """The design a calibration artifact was fitted for (None: unreadable)."""
+  try:
+    return robust_calibration.load(path).design
+  except (OSError, ValueError):
+    return None
+
+
+def summarize(rows: Sequence[dict], out_dir: str, plan, *, n_kv_heads: int = 3,
+              model: Optional[str] = None) -> dict:
+  """summary.json's dict and the markdown report (``md``)."""
+  rows = [r for r in rows if r["seed"] == plan.seed]
+  out = {"plan": {"tasks": list(plan.tasks), "context_lens": list(plan.context_lens),
+                  "tasks_at": {str(c): list(t) for c, t in plan.tasks_at},
+                  "ratios": list(plan.ratios), "regimes": list(plan.regimes),
+                  "designs": list(plan.all_designs), "n_examples": plan.n_examples,
+                  "chunk": plan.chunk, "seed": plan.seed, "n_sink": plan.n_sink,
+                  "window": plan.window, "use_chat": plan.use_chat,
+                  "max_new_tokens": {t: plan.max_new_tokens or ruler.tokens_to_generate(t)
+                                     for t in plan.tasks},
+                  "haystack": os.path.basename(plan.haystack or ruler.DEFAULT_HAYSTACK),
+                  "haystack_sha256": experiment.haystack_sha256(plan)},
+         "metric": "string_match_all (RULER), percent", "delta": experiment.DELTA,
+         "left_out": dict(ruler.LEFT_OUT), "cells": {}}
+  md = []
+  for c in plan.context_lens:
+    tasks = plan.tasks_for(c)
+    for regime in plan.regimes:
+      cell_rows = [r for r in rows if r["context_len"] == c and r["regime"] == regime]
+      ran = [d for d in plan.all_designs if _complete(cell_rows, plan, c, regime, d)]
+      cell = {"score": {}, "score_by_task": {}, "coverage": {},
+              "not_run": [d for d in plan.all_designs if d not in ran],
+              "n_examples": {t: plan.n_examples for t in tasks},
+              "seconds_per_row": {}, "prefill_seconds": 0.0}
+      for d in ran:
+        mine = [r for r in cell_rows if r["design"] == d]
+        for ratio in plan.ratios_for(d):
+          at = [r for r in mine if r["ratio"] == ratio]
+          by_task = {t: round(100.0 * float(np.mean([r["score"] for r in at if r["task"] == t])),
+                              2) for t in tasks}
+          cell["score_by_task"].setdefault(d, {})[_key(ratio)] = by_task
+          cell["score"].setdefault(d, {})[_key(ratio)] = round(float(np.mean(list(
+              by_task.values()))), 2)
+          if experiment.is_randomized(d):
+            cell["coverage"].setdefault(d, {})[_key(ratio)] = coverage_cell(
+                out_dir, plan, c, regime, d, ratio, at, n_kv_heads, model)
+        cell["seconds_per_row"][d] = float(np.median([r["unit_seconds"] / r["unit_rows"]
+                                                      for r in mine]))  # past compiles
+        cell["prefill_seconds"] += float(sum(r["prefill_seconds"] / r["unit_rows"]
+                                             for r in mine))
+      out["cells"][f"{c}/{regime}"] = cell
+      md += _markdown(cell, c, regime, tasks, plan)
+  first = out["cells"][f"{plan.context_lens[0]}/{plan.regimes[0]}"]
+  out["headline"] = {"context_len": plan.context_lens[0], "regime": plan.regimes[0]}
+  for k in ("score", "score_by_task", "n_examples", "not_run"):
+    out[k] = first[k]
+  out["md"] = "\n".join(md)
+  return out
+
+
+def _fmt(x, spec=".3f") -> str:
+  return "-" if x is None else f"{x:{spec}}"
+
+
+_REGIME_TEXT = {"streaming": "question after the compressed context (kvpress's default)",
+                "query_aware": "question inside the compressed context (query_aware)"}
+
+
+def _markdown(cell, c, regime, tasks, plan) -> list[str]:
+  what = _REGIME_TEXT[regime]
+  if regime == "streaming" and plan.chunk:
+    what = f"question after the context, evicted every {plan.chunk} tokens"
+  lines = [f"## {c} tokens, {regime}: {what}", "",
+           f"Average RULER score (%) over {len(tasks)} task{'s' * (len(tasks) > 1)}, "
+           f"{plan.n_examples} examples each, "
+           "by compression ratio (the share of the cache removed):", "",
+           "| design | " + " | ".join(str(r) for r in plan.ratios) + " | s/row |",
+           "|---" * (len(plan.ratios) + 2) + "|"]
+  full = cell["score"].get(design_defaults.FULL, {}).get(_key(experiment.FULL_RATIO))
+  for d, per in cell["score"].items():
+    if d == design_defaults.FULL:
+      vals = [_fmt(full, ".1f")] * len(plan.ratios)
+      name = "full (reference)"
+    else:
+      vals = [_fmt(per.get(_key(r)), ".1f") for r in plan.ratios]
+      name = d
+    lines.append(f"| {name} | " + " | ".join(vals) +
+                 f" | {cell['seconds_per_row'][d]:.2f} |")
+  for ratio in plan.ratios:
+    lines += ["", f"Per task at ratio {ratio} (full cache: no compression):", "",
+              "| design | " + " | ".join(tasks) + " | average |", "|---" * (len(tasks) + 2) + "|"]
+    for d, per in cell["score_by_task"].items():
+      k = _key(experiment.FULL_RATIO if d == design_defaults.FULL else ratio)
+      if k not in per:
+        continue
+      lines.append(f"| {d} | " + " | ".join(_fmt(per[k][t], ".1f") for t in tasks) +
+                   f" | {_fmt(cell['score'][d][k], '.1f')} |")
+  if cell["coverage"]:
+    lines += ["", f"Certificate of the randomized designs (delta {experiment.DELTA}; calls of "
+              "every decode step up to the answer's end):", "",
+              "| design | ratio | calls | raw coverage | calibrated (leave-one-task-out) | "
+              "shipped calibration | median radius | median error | unseen deletions |",
+              "|---" * 9 + "|"]
+    for d, per in cell["coverage"].items():
+      for ratio in plan.ratios:
+        v = per.get(_key(ratio), {})
+        shipped = _fmt(v.get("shipped")) if "shipped" in v else "-"
+        if "shipped" in v and v.get("shipped_in_range") is False:
+          shipped += " (outside its context range)"
+        lines.append(f"| {d} | {ratio} | {v.get('n_calls', 0)} | {_fmt(v.get('raw'))} | "
+                     f"{_fmt(v.get('calibrated'))} | {shipped} | "
+                     f"{_fmt(v.get('median_radius'), '.3g')} | "
+                     f"{_fmt(v.get('median_error'), '.3g')} | "
+                     f"{_fmt(v.get('unseen_deletions'))} |")
+    notes = sorted({f"{d}: {v['shipped_note']}" for d, per in cell["coverage"].items()
+                    for v in per.values() if "shipped_note" in v and "shipped" not in v})
+    if notes:
+      lines += ["", "Shipped calibration not applied:", ""] + [f"* {n}" for n in notes]
+  if cell["not_run"]:
+    lines += ["", f"Not run (no complete rows): {', '.join(cell['not_run'])}."]
+  return lines + [""]
+
+
+def write(rows, out_dir: str, plan, *, n_kv_heads: int = 3,
+          model: Optional[str] = None) -> Optional[dict]:
+  """Writes report.md, summary.json and score.png; None if no design is complete."""
+  s = summarize(rows, out_dir, plan, n_kv_heads=n_kv_heads, model=model)
+  if not any(cell["score"] for cell in s["cells"].values()):
+    return None
+  body = {k: v for k, v in s.items() if k != "md"}
+  results_io.atomic_write_text(os.path.join(out_dir, "summary.json"),
+                               json.dumps(results_io.json_safe(body), indent=1, sort_keys=True))
+  results_io.atomic_write_text(os.path.join(out_dir, "report.md"), _header(plan) + s["md"])
+  panels = {}
+  for name, cell in s["cells"].items():
+    lines = {}
+    for d, per in cell["score"].items():
+      if d == design_defaults.FULL:
+        lines[d] = (list(plan.ratios), [per[_key(experiment.FULL_RATIO)]] * len(plan.ratios))
+      else:
+        lines[d] = (list(plan.ratios), [per[_key(r)] for r in plan.ratios])
+    if lines:
+      panels[name.replace("/", " tokens, ")] = lines
+  plots.plot_panels(panels, os.path.join(out_dir, "score.png"),
+                    xlabel="compression ratio (share of the cache removed)",
+                    ylabel="RULER score (%, mean over tasks)",
+                    title="RULER tasks: score against compression ratio")
+  return s
+
+
+def _header(plan) -> str:
+  left = "; ".join(f"{k} ({v})" for k, v in ruler.LEFT_OUT.items())
+  return f"""# RULER-style leaderboard of the eviction designs
+
+Generated by `python -m experiments.leaderboard` (`experiments/lib/leaderboard`).
+Tasks: RULER's synthetic tasks generated with no outside data
+(`experiments/lib/ruler.py`; the essay haystack and the word lists come from
+the built-in text {os.path.basename(plan.haystack or ruler.DEFAULT_HAYSTACK)}), scored as RULER scores them
+(string_match_all, percent) with RULER's maximum generation lengths, greedy.
+Left out: {left}. Compression ratio = the share of the cache removed
+(kvpress's convention; budget = 1 - ratio of the tokens seen). Streaming:
+the context is {"evicted after every " + str(plan.chunk) + " tokens" if plan.chunk else "prefilled and evicted once"} before the question is seen;
+query_aware: context and question are prefilled and evicted together.
+Coverage: the raw radius (Bernstein, delta {experiment.DELTA}) against the true error of
+every decode call (a shadow full cache); calibrated = per-(layer, KV head)
+split-conformal scales fitted on the other tasks' calls (leave-one-task-out)
+over {experiment.CALL_STEPS} decode steps kept per row; shipped = the validity study's
+calibration where it was made for the cell. s/row = the median decode seconds
+per row (the shared prefill not included).
+
+"""

@@ -1,0 +1,208 @@
+"""The RULER leaderboard (experiments/leaderboard.py) on the tiny Llama fixture.
+
+A character-level tokenizer, two tasks at 1,024 characters, the full cache and
+one randomized design at one ratio, both regimes: the rows, resuming, the
+report and summary.json; that the shared prefill gives what the design's own
+``generate`` / ``generate_streaming`` call gives; and the plan's checks.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+
+from absl.testing import absltest
+import jax
+import numpy as np
+import pytest
+
+from experiments.lib import design_defaults
+from experiments.lib import model_loading
+from experiments.lib.leaderboard import experiment
+from experiments.lib.leaderboard import report
+from models import decode
+from tests import test_util
+
+TASKS = ("niah_single_1", "fwe")
+PLAN = dict(tasks=TASKS, context_lens=(1024,), n_examples=2, designs=("poisson_tail",),
+            ratios=(0.5,), group=2, max_new_tokens=4, n_sink=1, window=2)
+
+
+def _tiny_model(root):
+  model_dir = os.path.join(root, "tiny_char")
+  os.makedirs(model_dir)
+  test_util.tiny_hf_dir(model_dir, test_util.MIXED_CASE_CHARS)
+  return model_loading.load_model(model_dir)
+
+
+@pytest.mark.slow  # compiles the tiny model's prefill, eviction and decode (~1 min on CPU)
+class LeaderboardTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    test_util.ensure_flags_parsed()
+    cls.root = tempfile.mkdtemp()
+    cls.params, cls.config, cls.tok = _tiny_model(cls.root)
+    cls.plan = experiment.Plan(**PLAN)
+    cls.out = os.path.join(cls.root, "out")
+    cls.logs = []
+    cls.rows = experiment.run(cls.params, cls.config, cls.tok, cls.out, cls.plan, model="tiny",
+                              log=cls.logs.append)
+
+  @classmethod
+  def tearDownClass(cls):
+    shutil.rmtree(cls.root, ignore_errors=True)
+    super().tearDownClass()
+
+  def test_rows(self):
+    # 2 tasks x 2 regimes x (full at ratio 0, poisson_tail at 0.5) x 2 examples
+    self.assertLen(self.rows, 16)
+    for r in self.rows:
+      self.assertBetween(r["score"], 0.0, 1.0)
+      self.assertLessEqual(r["n_prompt_tokens"] + r["max_new_tokens"], 1024)
+      self.assertEqual(r["max_new_tokens"], 4)
+      self.assertNotEmpty(r["answers"])
+      if r["design"] == "full":
+        self.assertEqual((r["ratio"], r["kept"], r["randomized"]), (0.0, 1.0, False))
+        self.assertNotIn("radius_steps", r)
+        continue
+      self.assertEqual((r["ratio"], r["budget"], r["randomized"]), (0.5, 0.5, True))
+      self.assertBetween(r["kept"], 0.4, 0.55)
+      used = min(r["n_generated"] + r["stopped"], 4) - 1
+      self.assertLen(r["radius_steps"], used)
+      self.assertLen(r["error_steps"], used)
+      self.assertEqual(r["n_calls"], used * self.config.n_layers * self.config.n_heads)
+      self.assertBetween(r["raw_coverage"], 0.0, 1.0)
+    calls = os.listdir(os.path.join(self.out, "calls"))
+    self.assertLen(calls, 4)  # poisson_tail: one file per (task, regime)
+    self.assertTrue(any("full" in line for line in self.logs))
+    self.assertIn("prefill", self.logs[1])  # poisson_tail paid the prefill, full reused it
+
+  def test_resume_runs_nothing(self):
+    logs = []
+    rows = experiment.run(self.params, self.config, self.tok, self.out, self.plan, model="tiny",
+                          log=logs.append)
+    self.assertEqual(logs, [f"0 of 8 units to run; rows in "
+                            f"{os.path.join(self.out, experiment.ROWS_FILE)}"])
+    self.assertLen(rows, 16)
+
+  def test_report(self):
+    s = report.write(self.rows, self.out, self.plan, n_kv_heads=self.config.n_kv_heads,
+                     model="tiny")
+    for f in ("report.md", "summary.json", "score.png"):
+      self.assertTrue(os.path.exists(os.path.join(self.out, f)), f)
+    with open(os.path.join(self.out, "summary.json")) as f:
+      summary = json.load(f)
+    self.assertEqual(summary["headline"], {"context_len": 1024, "regime": "streaming"})
+    self.assertEqual(set(summary["score"]), {"full", "poisson_tail"})
+    self.assertEqual(set(summary["score"]["poisson_tail"]), {"0.5"})
+    self.assertEqual(set(summary["score"]["full"]), {"0.0"})
+    self.assertEqual(set(summary["score_by_task"]["poisson_tail"]["0.5"]), set(TASKS))
+    self.assertEqual(summary["n_examples"], {t: 2 for t in TASKS})
+    self.assertEqual(summary["not_run"], [])
+    self.assertIn("qa_1", summary["left_out"])
+    self.assertEqual(set(summary["cells"]), {"1024/streaming", "1024/query_aware"})
+    for name, cell in summary["cells"].items():
+      rows = [r for r in self.rows if f"{r['context_len']}/{r['regime']}" == name
+              and r["design"] == "poisson_tail"]
+      want = round(np.mean([round(100 * np.mean([r["score"] for r in rows if r["task"] == t]), 2)
+                            for t in TASKS]), 2)
+      self.assertAlmostEqual(cell["score"]["poisson_tail"]["0.5"], want)
+      cov = cell["coverage"]["poisson_tail"]["0.5"]
+      self.assertEqual(cov["n_calls"], sum(r["n_calls"] for r in rows))
+      self.assertBetween(cov["calibrated"], 0.0, 1.0)  # leave-one-task-out: 2 tasks
+      self.assertIn("n_sink", cov["shipped_note"])  # fitted with other settings
+    self.assertIn("| full (reference) |", s["md"])
+    self.assertIn("poisson_tail", s["md"])
+
+  def test_incomplete_designs_are_not_run(self):
+    plan = experiment.Plan(**dict(PLAN, designs=("poisson_tail", "h2o")))
+    s = report.summarize(self.rows, self.out, plan, n_kv_heads=self.config.n_kv_heads)
+    self.assertEqual(s["not_run"], ["h2o"])
+    self.assertNotIn("h2o", s["score"])
+
+
+@pytest.mark.slow  # compiles generate and generate_streaming besides the shared path
+class SharedPrefillTest(absltest.TestCase):
+  """The shared prefill, one eviction per design and the design-free decode give what
+  the design's own generation call gives (the whole context as one chunk)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    test_util.ensure_flags_parsed()
+    cls.root = tempfile.mkdtemp()
+    cls.params, cls.config, cls.tok = _tiny_model(cls.root)
+    cls.plan = experiment.Plan(**PLAN)
+    from experiments.lib import ruler  # pylint: disable=g-import-not-at-top
+    cls.examples = ruler.make_examples("niah_single_1", cls.tok, 2, 1024, 0, max_new_tokens=4)
+
+  @classmethod
+  def tearDownClass(cls):
+    shutil.rmtree(cls.root, ignore_errors=True)
+    super().tearDownClass()
+
+  def _compare(self, name, regime):
+    batch = experiment._Batch(self.examples, regime, 1024, 4)  # pylint: disable=protected-access
+    ratios = (0.25, 0.75)
+    key = jax.random.PRNGKey(3)
+    got, _, _ = experiment.run_design(self.params, self.config, batch, name, ratios, key,
+                                      self.plan, {})
+    design = design_defaults.make_design(name, 0.5, self.plan.n_sink, self.plan.window)
+    budget = np.tile([0.75, 0.25], 2).astype(np.float32)
+    rep = lambda x: np.repeat(np.asarray(x), 2, axis=0)
+    gen = decode.GenerationConfig(n_steps=4, design=design, capacity=batch.capacity,
+                                  evaluate=design.randomized)
+    if regime == "query_aware":
+      want = decode.generate(self.params, *map(rep, batch.prompt), key, config=self.config,
+                             gen=gen, budget=budget)
+    else:
+      want = decode.generate_streaming(
+          self.params, *map(rep, batch.prompt + batch.question), key, config=self.config,
+          gen=gen.replace(chunk=batch.prompt[0].shape[1]), budget=budget)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.var_hat, want.var_hat, rtol=1e-4, atol=1e-7)
+    if design.randomized:
+      np.testing.assert_allclose(got.true_error, want.true_error, rtol=1e-4, atol=1e-6)
+
+  def test_snapkv_streaming(self):
+    self._compare("snapkv", "streaming")
+
+  def test_poisson_tail_query_aware(self):
+    self._compare("poisson_tail", "query_aware")
+
+
+class PlanTest(absltest.TestCase):
+
+  def test_prefill_groups(self):
+    keys = {experiment.stats_key(design_defaults.make_design(d, 0.5))
+            for d in design_defaults.names()}
+    self.assertEqual(keys, {("sum", 0), ("sum", 16), ("peak", 16)})
+
+  def test_units(self):
+    plan = experiment.Plan(tasks=("vt",), n_examples=3, group=2, designs=("h2o", "full"),
+                           regimes=("streaming",))
+    self.assertEqual(plan.units(), [(4096, "vt", "streaming", 0, "h2o"),
+                                    (4096, "vt", "streaming", 0, "full"),
+                                    (4096, "vt", "streaming", 2, "h2o"),
+                                    (4096, "vt", "streaming", 2, "full")])
+    sub = experiment.Plan(tasks=("vt", "cwe"), context_lens=(4096, 8192),
+                          tasks_at=((8192, ("vt",)),)).check()
+    self.assertEqual(sub.tasks_for(8192), ("vt",))
+    self.assertEqual(sub.tasks_for(4096), ("vt", "cwe"))
+
+  def test_checks(self):
+    for kw, msg in ((dict(tasks=("qa_1",)), "SQuAD"), (dict(designs=("nope",)), "--designs"),
+                    (dict(ratios=(1.0,)), r"--ratios entries must be fractions in \(0, 1\)"),
+                    (dict(regimes=("aware",)), "--regimes"),
+                    (dict(group=0), "--group must be an int >= 1"),
+                    (dict(context_lens=(32,)), "--context_lens"),
+                    (dict(tasks_at=((8192, ("vt",)),)), "--tasks_at")):
+      with self.assertRaisesRegex(ValueError, msg):
+        experiment.Plan(**kw).check()
+
+
+if __name__ == "__main__":
+  absltest.main()
