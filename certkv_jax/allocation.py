@@ -180,7 +180,7 @@ def _window_costs(design, cache: KVCache, step, n_grid: int, eps: float):
   n_tail = jnp.sum(tail).astype(jnp.int32)
   slots = jnp.arange(1, n_grid + 1, dtype=jnp.float32) * step  # [n_grid]
   m = jnp.minimum(slots, n_tail.astype(jnp.float32))
-  pi = inclusion_grid(w, tail, m, eps)
+  pi = inclusion_grid(w, tail, m, eps, getattr(design.tail, "heavy_share", 0.0))
   var = jnp.sum(jnp.where(tail, (1.0 / jnp.maximum(pi, 1e-30) - 1.0) * x, 0.0), axis=-1)
   var = jnp.where(m > 0, var, 0.0)
   # deleting the tail renormalises over the certain set: e = -sum_T a_i (v_i - o) / a(H)
@@ -191,7 +191,7 @@ def _window_costs(design, cache: KVCache, step, n_grid: int, eps: float):
   return costs, jnp.sum(certain).astype(jnp.int32), n_tail, total > 0
 
 
-def inclusion_grid(w, tail, ms, eps: float):
+def inclusion_grid(w, tail, ms, eps: float, heavy_share: float = 0.0):
   """Eq. 2's capped inclusion probabilities for several tail sizes at once.
 
   ``pi_i = clip(c w_i, eps, 1)`` with ``c`` such that ``sum_T min(1, c w_i) =
@@ -200,6 +200,8 @@ def inclusion_grid(w, tail, ms, eps: float):
   weights for the smallest ``j`` with ``c_j w_(j+1) < 1``, ``c_j = (m - j) /
   (sum of the rest)``. One sort instead of a bisection per size: this runs at
   every eviction for every head and grid point. ``m >= |T|`` gives 1 on T.
+  ``heavy_share`` (:class:`design_parts.PriorityTail`'s) first gives ``pi = 1``
+  to the ``floor(heavy_share * m)`` largest weights: then ``j`` starts there.
 
   Returns:
     [J, n] float32, 0 off ``tail``.
@@ -208,10 +210,15 @@ def inclusion_grid(w, tail, ms, eps: float):
   ws = -jnp.sort(-jnp.where(tail, w, 0.0))  # descending
   rest = jnp.cumsum(ws[::-1])[::-1]  # weight of all but the j largest (no cancellation)
   j = jnp.arange(n, dtype=jnp.float32)
+  h = jnp.floor(heavy_share * ms)  # [J] top weights kept with certainty
   c = (ms[:, None] - j[None, :]) / jnp.where(rest > 0, rest, 1.0)[None, :]  # [J, n]
-  ok = (c * ws[None, :] < 1.0) & (j[None, :] <= ms[:, None]) & (rest > 0)[None, :]
+  ok = ((c * ws[None, :] < 1.0) & (j[None, :] <= ms[:, None]) & (j[None, :] >= h[:, None])
+        & (rest > 0)[None, :])
   c_star = jnp.take_along_axis(c, jnp.argmax(ok, axis=1)[:, None], axis=1)  # [J, 1]
   pi = jnp.clip(c_star * w[None, :], eps, 1.0)
+  if heavy_share:
+    cut = ws[jnp.clip(h.astype(jnp.int32) - 1, 0, n - 1)]  # the h-th largest weight
+    pi = jnp.where((h[:, None] > 0) & (w[None, :] >= cut[:, None]), 1.0, pi)
   pi = jnp.where((ms >= jnp.sum(tail))[:, None], 1.0, pi)
   return jnp.where(tail[None, :], pi, 0.0).astype(jnp.float32)
 

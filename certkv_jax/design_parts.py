@@ -251,22 +251,42 @@ class PriorityTail:
   keep their Poisson form. ``w_i`` is the score plus ``eps`` times its tail
   mean, so that no tail token is excluded with certainty.
 
+  ``heavy_share`` in [0, 1) keeps the ``floor(heavy_share * slots)``
+  highest-scored tail tokens with certainty (``pi = 1``, no offset) and
+  samples the other slots among the rest: between a pure sample (0) and the
+  deterministic top-k it approaches as the share grows (method, section 3,
+  "Deterministic share"). The certificate still covers what is sampled.
+
   Attributes:
     score: non-negative importance score (default accumulated attention).
     eps: relative floor of the weights in (0, 1].
+    heavy_share: fraction of the slots filled by score, in [0, 1).
   """
 
   score: scores.Score = scores.AccumulatedAttention()
   eps: float = 1e-6
+  heavy_share: float = 0.0
   randomized = True
 
   def __post_init__(self):
     sampling.check_eps(self.eps)
+    h = self.heavy_share
+    if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0.0 <= h < 1.0:
+      raise ValueError(f"heavy_share must be a float in [0, 1), got {h!r}")
 
   def select(self, cache, tail, slots, key) -> TailChoice:
     s = _tail_score(self, cache, tail)
-    draw = sampling.priority_draw(key, s, tail, slots, self.eps)
+    sampled = tail
+    top = jnp.zeros_like(tail)
+    if self.heavy_share:
+      n_top = jnp.floor(self.heavy_share * jnp.asarray(slots, jnp.float32)).astype(jnp.int32)
+      top = tail & sampling.top_k_mask(jnp.where(tail, s, -jnp.inf), n_top)
+      sampled = tail & ~top
+      slots = slots - n_top
+    draw = sampling.priority_draw(key, s, sampled, slots, self.eps)
+    keep = draw.keep | top
+    pi = jnp.where(top, 1.0, draw.pi)
     log_pi = jnp.where(draw.keep, jnp.log(jnp.where(draw.keep, draw.pi, 1.0)), 0.0)
     zero = jnp.zeros((), jnp.int32)
-    m = jnp.sum(draw.keep).astype(jnp.float32)
-    return TailChoice(draw.keep, log_pi, draw.pi, m, zero, zero)
+    m = jnp.sum(keep).astype(jnp.float32)
+    return TailChoice(keep, log_pi, pi, m, zero, zero)

@@ -316,14 +316,14 @@ def _poisson(name, budget, *, score, n_sink=0, window=0, heavy=0, eps=1e-6,
 
 def priority_tail(budget, *, score=scores.AccumulatedAttention(), n_sink: int = 0,
                   window: int = 0, heavy: int = 0, eps: float = 1e-6,
-                  min_tail: int = 0) -> EvictionDesign:
+                  min_tail: int = 0, heavy_share: float = 0.0) -> EvictionDesign:
   """The certified design with a fixed-size tail: the certainty set of
   :func:`poisson_tail` and a priority-sampled tail (:class:`PriorityTail`) that
   fills every slot the certainty set leaves (method, section 3, "Fixed-size
-  tail")."""
+  tail"); ``heavy_share`` of those slots go to the top-scored tail tokens."""
   return compose(CertaintySet(n_sink=n_sink, window=window, heavy=heavy),
-                 PriorityTail(score=score, eps=eps), budget, "priority_tail",
-                 min_tail=min_tail)
+                 PriorityTail(score=score, eps=eps, heavy_share=heavy_share), budget,
+                 "priority_tail", min_tail=min_tail)
 
 
 def priority_floor(budget, *, min_tail: int = 16, **kwargs) -> EvictionDesign:

@@ -46,6 +46,12 @@ flags.DEFINE_integer("chunk", 64, "Tokens per streaming chunk (evict after each)
 flags.DEFINE_integer("group", 8, "Segments per unit (one jitted call per memory x group).")
 flags.DEFINE_integer("seed", 0, "Seed of the randomized designs.")
 flags.DEFINE_integer("max_units", -1, "Stop after this many units (-1: all); rerun resumes.")
+flags.DEFINE_integer("skip_sources", 0, lower_bound=0, help="Leave out the first this many files of --sources "
+                     "(a tuning run on files the default evaluation and calibration never "
+                     "read: --skip_sources=20).")
+flags.DEFINE_bool("coverage", True, "Run the randomized variants with their certificate in "
+                  "evaluation mode (true error beside every radius: coverage); without it "
+                  "only the streaming loss is measured (the same losses, much faster).")
 flags.DEFINE_bool("report_only", False, "Write the report from the rows on file; run nothing "
                   "(variants without every row are listed as not run).")
 
@@ -54,11 +60,12 @@ def main(argv):
   del argv
   results_io.quiet_library_logs(FLAGS)
   plan = experiment.Plan(
-      sources=experiment.default_sources(FLAGS.sources),
+      sources=experiment.default_sources(FLAGS.sources)[FLAGS.skip_sources:],
       context_lens=tuple(int(c) for c in FLAGS.context_lens),
       variants=tuple(FLAGS.variants), memories=tuple(float(m) for m in FLAGS.memories),
       n_eval=FLAGS.n_eval, n_calib=FLAGS.n_calib, chunk=FLAGS.chunk, seed=FLAGS.seed,
-      group=FLAGS.group, max_units=None if FLAGS.max_units < 0 else FLAGS.max_units).check()
+      group=FLAGS.group, max_units=None if FLAGS.max_units < 0 else FLAGS.max_units,
+      coverage=FLAGS.coverage).check()
   t0 = time.time()
   params, config, tok = model_loading.load_model(FLAGS.model)
   if FLAGS.report_only:

@@ -27,6 +27,7 @@ from certkv_jax import designs
 from certkv_jax import eviction
 from certkv_jax import memory
 from certkv_jax import registry
+from certkv_jax import sampling
 from certkv_jax.caches import over_heads
 from models import decode
 from tests import test_util
@@ -231,6 +232,29 @@ class GreedyTest(absltest.TestCase):
     self.assertEqual(t_a.sum(), 2 * T_UNIFORM)
     np.testing.assert_array_equal(t_a, t_b[::-1])  # symmetric
     np.testing.assert_array_equal(kept_a.reshape(2), t_a)
+
+
+class InclusionGridTest(absltest.TestCase):
+  """The cost grid's inclusion probabilities against the bisection solver."""
+
+  def test_matches_solve_inclusion_with_and_without_heavy_share(self):
+    rng = np.random.default_rng(11)
+    w = jnp.asarray(rng.gamma(0.4, size=60), jnp.float32)
+    tail = jnp.asarray(rng.random(60) < 0.8)
+    ms = jnp.asarray([1.0, 4.0, 9.0, 20.0, 33.0], jnp.float32)
+    eps = 1e-6
+    for share in (0.0, 0.5):
+      grid = np.asarray(allocation.inclusion_grid(w, tail, ms, eps, share))
+      ws = np.sort(np.asarray(w)[np.asarray(tail)])[::-1]
+      for j, m in enumerate(np.asarray(ms)):
+        h = int(np.floor(share * m))
+        top = np.asarray(tail) & (np.asarray(w) >= ws[h - 1]) if h else np.zeros(60, bool)
+        rest = np.asarray(tail) & ~top
+        want = np.asarray(sampling.solve_inclusion(w, jnp.float32(m - h), eps, rest))
+        want = np.where(top, 1.0, want)
+        # 1e-5: the grid's closed form and the solver's bisection in float32
+        np.testing.assert_allclose(grid[j], want, atol=1e-5, err_msg=f"{share} {m}")
+        self.assertAlmostEqual(float(grid[j].sum()), float(m), delta=1e-3 + eps * 60)
 
 
 class TargetRadiusTest(absltest.TestCase):

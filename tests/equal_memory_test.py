@@ -8,6 +8,7 @@ paired differences and calibrated coverage, and the streaming core's
 evaluation mode (no eviction, no error).
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -118,6 +119,21 @@ class EqualMemoryTest(absltest.TestCase):
       experiment.parse_variant("snapkv+nope")
     with self.assertRaisesRegex(ValueError, "unknown design 'nope'"):
       experiment.parse_variant("nope")
+    with self.assertRaisesRegex(ValueError, "'heavy_share' in .* must be name=number"):
+      experiment.variant_settings("priority_floor:heavy_share+cert")
+    with self.assertRaisesRegex(ValueError, "heavy_share must be a float in"):
+      dataclasses.replace(self.plan, variants=("priority_floor:heavy_share=1.5",)).check()
+    with self.assertRaisesRegex(ValueError, "takes no setting 'nope'"):
+      dataclasses.replace(self.plan, variants=("h2o:nope=1",)).check()
+
+  def test_variant_settings(self):
+    v = "priority_floor:heavy_share=0.5:min_tail=8+cert"
+    self.assertEqual(experiment.parse_variant(v), ("priority_floor", "cert"))
+    self.assertEqual(experiment.variant_settings(v), {"heavy_share": 0.5, "min_tail": 8})
+    design, alloc, _ = experiment.make_variant(v, 64, 0.25, 4, 16)
+    self.assertEqual((design.tail.heavy_share, design.min_tail), (0.5, 8))
+    self.assertIs(alloc, experiment.ALLOCATIONS["cert"])
+    self.assertTrue(experiment.is_randomized(v))
 
   def test_evaluation_mode_without_eviction_has_no_error(self):
     toks = jnp.asarray(np.asarray([experiment.source_segments(
@@ -131,6 +147,25 @@ class EqualMemoryTest(absltest.TestCase):
     self.assertEqual(res.calls.error.shape, (1, 32, L, H))
     np.testing.assert_allclose(np.asarray(res.calls.error), 0.0, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(res.calls.radius), 0.0)
+
+  def test_loss_only_run_has_the_same_losses(self):
+    # certificate=False (--nocoverage) drops the certificate statistics, not the
+    # offsets: a randomized design's losses equal the certified run's.
+    toks = jnp.asarray(np.asarray([experiment.source_segments(
+        self.tok, self.plan.sources, 32, 1)[1][0]], np.int32))
+    design = design_defaults.make_design("priority_tail", 0.25, 1, 2, heavy_share=0.5)
+    out = {}
+    for cert in (True, False):
+      stream = streaming_loss_core.StreamConfig(chunk=8, design=design, certificate=cert)
+      out[cert] = streaming_loss_core.streaming_nll(
+          self.params, toks, jnp.ones(toks.shape, bool), jax.random.PRNGKey(0),
+          config=self.config, stream=stream)
+    np.testing.assert_allclose(out[False].logprob, out[True].logprob, atol=1e-5)
+    self.assertGreater(float(np.asarray(out[True].radius).max()), 0.0)
+    np.testing.assert_array_equal(np.asarray(out[False].radius), 0.0)
+    with self.assertRaisesRegex(ValueError, "evaluate needs certificate=True"):
+      streaming_loss_core.StreamConfig(chunk=8, design=design, capacity=16, evaluate=True,
+                                       certificate=False).check(toks)
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ N_STREAM_DRAWS = 3000
 
 
 @functools.lru_cache(maxsize=None)
-def _two_rounds():
+def _two_rounds(heavy_share=0.0):
   """Two evictions of priority_tail with an append in between, N draws."""
   s = STREAM
   rng = np.random.default_rng(3)
@@ -184,7 +184,8 @@ def _two_rounds():
   k_all = jnp.asarray(rng.normal(size=(n_total, s["d"])), jnp.float32)
   v_all = jnp.asarray(rng.normal(size=(n_total, s["d"])), jnp.float32)
   queries = jnp.asarray(rng.normal(size=(2, s["d"])), jnp.float32)
-  design = designs.priority_tail(s["budget"], n_sink=s["n_sink"], window=s["window"])
+  design = designs.priority_tail(s["budget"], n_sink=s["n_sink"], window=s["window"],
+                                 heavy_share=heavy_share)
 
   def fold(c, st, q):  # the query's attention over the kept slots, with offsets
     probs = attention.attention_probs(q, c.k, c.log_pi, c.valid)
@@ -225,6 +226,28 @@ class CompositionTest(absltest.TestCase):
     # the k-th instead of the (k+1)-th priority z_n = 19.3.
     self.assertLess(abs(z_g), Z, (est_g.mean(), g.sum()))
     self.assertLess(abs(z_n), Z, (est_n.mean(), n_total))
+
+  def test_heavy_share_keeps_the_top_and_stays_unbiased(self):
+    # heavy_share 0.5: of the 12 tail slots (16 minus 2 sinks and 2 recent),
+    # 6 go to the top-scored tail tokens with pi = 1, 6 are priority-sampled
+    # among the rest; the two-round Hajek weights must stay unbiased.
+    c, triggered, pi1, _, n_total = _two_rounds(0.5)
+    self.assertTrue(triggered.all())
+    np.testing.assert_array_equal(c.valid.sum(-1), STREAM["budget"])
+    certain_pi1 = (pi1 == 1.0).sum(-1)  # sinks, recent and the top share (and ties)
+    self.assertTrue((certain_pi1 >= STREAM["n_sink"] + STREAM["window"] + 6).all())
+    w = np.where(c.valid, np.exp(-c.log_pi.astype(np.float64)), 0.0)
+    g = np.random.default_rng(5).normal(size=n_total) + 0.5  # a fixed f(pos)
+    est_g = (w * np.where(c.valid, g[np.maximum(c.pos, 0)], 0.0)).sum(-1)
+    z_g, z_n = _z(est_g, g.sum()), _z(w.sum(-1), float(n_total))
+    # Two statistics, 4.5 SEs each. Measured: z = 0.61 (f = g), 0.88 (f = 1).
+    self.assertLess(abs(z_g), Z, (est_g.mean(), g.sum()))
+    self.assertLess(abs(z_n), Z, (w.sum(-1).mean(), n_total))
+
+  def test_heavy_share_out_of_range_is_refused(self):
+    for bad in (1.0, -0.1, True):
+      with self.assertRaisesRegex(ValueError, "heavy_share"):
+        designs.priority_tail(16, heavy_share=bad)
 
   def test_offsets_are_cumulative(self):
     # Slots stay in place (eviction zeroes, append fills free slots), so a

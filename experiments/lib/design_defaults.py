@@ -26,16 +26,16 @@ FULL = "full"  # no eviction: the reference
 
 
 def make_design(name: str, budget, n_sink: int = N_SINK,
-                window: int = WINDOW) -> Optional[EvictionDesign]:
+                window: int = WINDOW, **settings) -> Optional[EvictionDesign]:
   """None for :data:`FULL`; else the registered design ``name`` at ``budget`` with the
-  shared settings.
+  shared settings (and any of the design's own ``settings``).
 
   Raises:
     ValueError naming the design and listing the known names.
   """
   if name == FULL:
     return None
-  return registry.make(name, budget, n_sink=n_sink, window=window)
+  return registry.make(name, budget, n_sink=n_sink, window=window, **settings)
 
 
 def names(*, randomized: Optional[bool] = None) -> tuple[str, ...]:

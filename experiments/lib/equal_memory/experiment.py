@@ -65,13 +65,15 @@ OBSERVATION_WINDOW = 16  # the window a cert allocation reads (SnapKV's is its o
 
 
 def parse_variant(variant: str) -> tuple[str, str]:
-  """``"design+allocation"`` (allocation default ``uniform``) -> (design, allocation).
+  """``"design[:setting=value...]+allocation"`` (allocation default ``uniform``)
+  -> (design, allocation); the settings: :func:`variant_settings`.
 
   Raises:
     ValueError naming the unknown design or allocation.
   """
   variant = ALIASES.get(variant, variant)
   design, _, alloc = variant.partition("+")
+  design, alloc = design.partition(":")[0], alloc.partition(":")[0]
   alloc = alloc or "uniform"
   if design not in design_defaults.names() or design == design_defaults.FULL:
     raise ValueError(f"--variants: unknown design {design!r} in {variant!r}; choose from "
@@ -82,12 +84,44 @@ def parse_variant(variant: str) -> tuple[str, str]:
   return design, alloc
 
 
+def variant_settings(variant: str, part: str = "design") -> dict:
+  """The settings of ``variant``'s ``part`` ("design" or "allocation"):
+  ``"priority_floor:heavy_share=0.5+cert:max_share=2"`` -> ``{"heavy_share":
+  0.5}`` and ``{"max_share": 2}`` (values are floats, or ints when integral).
+
+  Raises:
+    ValueError naming the malformed setting.
+  """
+  spec = ALIASES.get(variant, variant).partition("+")[0 if part == "design" else 2]
+  out = {}
+  for item in spec.split(":")[1:]:
+    key, eq, value = item.partition("=")
+    try:
+      num = float(value)
+    except ValueError:
+      num = None
+    if not key or not eq or num is None:
+      raise ValueError(f"--variants: setting {item!r} in {variant!r} must be name=number")
+    out[key] = int(num) if num.is_integer() and "." not in value else num
+  return out
+
+
 def make_variant(variant: str, head_dim: int, memory_fraction: float, n_sink: int,
                  window: int):
   """(design, allocation, budget fraction) of ``variant`` at ``memory_fraction``."""
   name, alloc_name = parse_variant(variant)
   allocation = ALLOCATIONS[alloc_name]
-  design = design_defaults.make_design(name, 0.5, n_sink, window)
+  alloc_settings = variant_settings(variant, "allocation")
+  if alloc_settings:
+    if allocation is None:
+      raise ValueError(f"--variants: uniform budgets take no settings, got {variant!r}")
+    fields = {f.name for f in dataclasses.fields(allocation)}
+    unknown = sorted(set(alloc_settings) - fields)
+    if unknown:
+      raise ValueError(f"--variants: allocation {alloc_name!r} takes no setting {unknown[0]!r}"
+                       f" in {variant!r}; it takes {sorted(fields)}")
+    allocation = dataclasses.replace(allocation, **alloc_settings)
+  design = design_defaults.make_design(name, 0.5, n_sink, window, **variant_settings(variant))
   if allocation is not None and allocation.needs_gains and design.observation_window < 1:
     design = dataclasses.replace(design, observation_window=OBSERVATION_WINDOW)
   b = memory.token_fraction(memory_fraction, design, head_dim, allocation=allocation)
@@ -130,12 +164,13 @@ class Plan:
   window: int = design_defaults.WINDOW
   group: int = 8
   max_units: Optional[int] = None
+  coverage: bool = True
 
   def check(self) -> "Plan":
     if not self.sources:
       raise ValueError("--sources: no files")
     for v in self.variants:
-      parse_variant(v)
+      make_variant(v, 64, 0.5, self.n_sink, self.window)  # errors name the variant
     for m in self.memories:
       if isinstance(m, bool) or not isinstance(m, float) or not 0.0 < m <= 1.0:
         raise ValueError(f"--memories entries must be fractions in (0, 1], got {m!r}")
@@ -223,7 +258,8 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
       fractions = [made[m][2] for m, _ in batch]
       stream = streaming_loss_core.StreamConfig(chunk=plan.chunk, design=design,
                                                 allocation=allocation,
-                                                evaluate=is_randomized(v))
+                                                evaluate=plan.coverage and is_randomized(v),
+                                                certificate=plan.coverage)
       budget = jnp.asarray(fractions, jnp.float32)
     unit_id = zlib.crc32(f"{c}/{v}/{split}/{start}".encode()) % 2**31
     key = jax.random.fold_in(jax.random.PRNGKey(plan.seed), unit_id)

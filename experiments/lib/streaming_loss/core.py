@@ -80,6 +80,9 @@ class StreamConfig:
       applied at every eviction; capacities are sized for its largest target.
     evaluate: evaluation mode: a never-evicted shadow cache gives every
       attention call's true error beside its radius (``StreamingNLL.calls``).
+    certificate: False runs a randomized design without its certificate
+      statistics (the same logits, radius 0): a loss-only run, several times
+      faster. Evaluation mode needs it.
   """
 
   chunk: int
@@ -88,6 +91,7 @@ class StreamConfig:
   delta: float = DELTA
   allocation: object = None
   evaluate: bool = False
+  certificate: bool = True
 
   def sized(self, n: int, budget=None, config=None) -> "StreamConfig":
     """This config with its capacity set (``certkv_jax.budgets.capacity`` for ``n``
@@ -110,6 +114,8 @@ class StreamConfig:
     if self.design is None and self.capacity < tokens.shape[1]:
       raise ValueError(f"capacity ({self.capacity}) must hold the whole sequence "
                        f"({tokens.shape[1]} tokens) without a design")
+    if self.evaluate and not self.certificate:
+      raise ValueError("evaluate needs certificate=True (the radius beside each error)")
     d = self.delta
     if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 < d < 1.0:
       raise ValueError(f"delta must be a float in (0, 1), got {d!r}")
@@ -158,7 +164,7 @@ def _streaming_nll(params, tokens, mask, key, budget, *, config,
   xs, scored, n_chunks = chunked_targets(tokens, mask, chunk)
   # A deterministic design has no offsets: its radius is 0 (Theorem 1), and the plain
   # softmax path gives the same logits without the certificate's per-slot work.
-  with_cert = design is not None and design.randomized
+  with_cert = design is not None and design.randomized and stream.certificate
   per_head = forward.allocation_args(params, config, stream.allocation)
 
   def step(carry, x):
