@@ -1,4 +1,4 @@
-"""pytest session setup: a faster XLA compile and JAX's persistent compilation cache.
+"""pytest session setup: JAX's persistent compilation cache for the tests.
 
 Most of the suite's time is XLA compilation. Compiled executables are kept in
 ``<repo>/.jax_test_cache`` (ignored by git), keyed by the computation, the
@@ -54,24 +54,9 @@ def _prune(directory, max_bytes):
       pass
 
 
-# XLA's CPU backend at LLVM optimisation level 0: the suite is mostly compilation
-# of small programs, and this halves it. Measured on two compile-bound decode
-# tests (tiny model, no compilation cache, shared 2-core machine): 80 s -> 44 s;
-# two SmolLM2 design tests (real weights): 52 s -> 45 s. Set in the environment,
-# so the tests' child processes inherit it; a level in XLA_FLAGS already wins.
-XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
-
-
-def _set_xla_flags():
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_backend_optimization_level" not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " " + XLA_TEST_FLAGS).strip()
-
-
 def pytest_configure(config):
   if hasattr(config.option, "loadscopereorder"):  # xdist: keep the file order set below
     config.option.loadscopereorder = False
-  _set_xla_flags()
   directory = _cache_dir()
   if directory is None:
     return
