@@ -46,9 +46,9 @@ flags.DEFINE_integer("chunk", 64, "Tokens per streaming chunk (evict after each)
 flags.DEFINE_integer("group", 8, "Segments per unit (one jitted call per memory x group).")
 flags.DEFINE_integer("seed", 0, "Seed of the randomized designs.")
 flags.DEFINE_integer("max_units", -1, "Stop after this many units (-1: all); rerun resumes.")
-flags.DEFINE_integer("skip_sources", 0, lower_bound=0, help="Leave out the first this many files of --sources "
+flags.DEFINE_integer("skip_sources", 0, "Leave out the first this many files of --sources "
                      "(a tuning run on files the default evaluation and calibration never "
-                     "read: --skip_sources=20).")
+                     "read: --skip_sources=20).", lower_bound=0)
 flags.DEFINE_bool("coverage", True, "Run the randomized variants with their certificate in "
                   "evaluation mode (true error beside every radius: coverage); without it "
                   "only the streaming loss is measured (the same losses, much faster).")

@@ -106,9 +106,8 @@ def variant_settings(variant: str, part: str = "design") -> dict:
   return out
 
 
-def make_variant(variant: str, head_dim: int, memory_fraction: float, n_sink: int,
-                 window: int):
-  """(design, allocation, budget fraction) of ``variant`` at ``memory_fraction``."""
+def design_and_allocation(variant: str, n_sink: int, window: int):
+  """(design, allocation) of ``variant``, its settings applied (errors name the variant)."""
   name, alloc_name = parse_variant(variant)
   allocation = ALLOCATIONS[alloc_name]
   alloc_settings = variant_settings(variant, "allocation")
@@ -124,6 +123,13 @@ def make_variant(variant: str, head_dim: int, memory_fraction: float, n_sink: in
   design = design_defaults.make_design(name, 0.5, n_sink, window, **variant_settings(variant))
   if allocation is not None and allocation.needs_gains and design.observation_window < 1:
     design = dataclasses.replace(design, observation_window=OBSERVATION_WINDOW)
+  return design, allocation
+
+
+def make_variant(variant: str, head_dim: int, memory_fraction: float, n_sink: int,
+                 window: int):
+  """(design, allocation, budget fraction) of ``variant`` at ``memory_fraction``."""
+  design, allocation = design_and_allocation(variant, n_sink, window)
   b = memory.token_fraction(memory_fraction, design, head_dim, allocation=allocation)
   return design, allocation, b
 
@@ -170,7 +176,7 @@ class Plan:
     if not self.sources:
       raise ValueError("--sources: no files")
     for v in self.variants:
-      make_variant(v, 64, 0.5, self.n_sink, self.window)  # errors name the variant
+      design_and_allocation(v, self.n_sink, self.window)
     for m in self.memories:
       if isinstance(m, bool) or not isinstance(m, float) or not 0.0 < m <= 1.0:
         raise ValueError(f"--memories entries must be fractions in (0, 1], got {m!r}")
