@@ -104,6 +104,10 @@ class GenerationConfig:
       change.
     on_token: host function ``on_token(step, tokens)`` called as each step's
       ``[batch]`` tokens are chosen (an ordered ``jax.debug.callback``).
+    stop_tokens: token ids that end a row's answer (EOS). Once every row has
+      emitted one, the remaining steps skip the model (a ``lax.cond``): they
+      return ``stop_tokens[0]`` with log-probability 0 and NaN logits and
+      statistics. Everything up to that step equals the run without it.
   """
 
   n_steps: int
@@ -119,6 +123,7 @@ class GenerationConfig:
   certificate_layers: Optional[tuple] = None
   certificate_heads: Optional[tuple] = None
   on_token: Optional[Callable] = None
+  stop_tokens: tuple = ()
 
   def replace(self, **kw) -> "GenerationConfig":
     return dataclasses.replace(self, **kw)
@@ -191,6 +196,7 @@ def decode_from(params, carry: DecodeCarry, first_logits, *, config: LlamaConfig
   (its own prefill or eviction); ``first_logits`` [batch, vocab] are the last
   prompt token's. Traceable: call it inside ``jax.jit`` with ``config`` and
   ``gen`` static."""
+  _check_stop_tokens(gen, config)
   return _decode_loop(params, config, gen, tuple(carry), first_logits, budget)
 
 
@@ -212,7 +218,7 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
                             layer_budgets=gen.layer_budgets, budget=budget,
                             **allocation_args(params, config, gen.allocation))
 
-  def step(carry, i):
+  def live(carry, i):
     caches, shadow, state, step_logits, key = carry
     logp = jax.nn.log_softmax(step_logits)
     token = jnp.argmax(step_logits, axis=-1).astype(jnp.int32)
@@ -234,9 +240,30 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
     out = (token, token_logp, step_logits if gen.return_logits else None, stats)
     return (caches, shadow, state, new_logits[:, 0], key), out
 
+  def step(carry, i):
+    if not gen.stop_tokens:
+      return live(carry, i)
+    carry, ended = carry
+
+    def idle(carry, i):  # every row has ended: no model call, the key still advances
+      _, out = jax.eval_shape(live, carry, i)
+      nan = jax.tree_util.tree_map(
+          lambda a: jnp.full(a.shape, jnp.nan if jnp.issubdtype(a.dtype, jnp.floating) else 0,
+                             a.dtype), out[2:])
+      key = jax.random.split(carry[-1])[0]
+      return carry[:-1] + (key,), (jnp.full((batch,), stop[0]), jnp.zeros((batch,)), *nan)
+
+    carry, out = jax.lax.cond(jnp.all(ended), idle, live, carry, i)
+    return (carry, ended | jnp.isin(out[0], stop)), out
+
   caches, shadow, state, key = carry
-  (caches, _, state, _, _), (toks, logps, step_logits, stats) = jax.lax.scan(
-      step, (caches, shadow, state, first_logits, key), jnp.arange(gen.n_steps, dtype=jnp.int32))
+  init = (caches, shadow, state, first_logits, key)
+  if gen.stop_tokens:
+    stop = jnp.asarray(gen.stop_tokens, jnp.int32)
+    init = (init, jnp.zeros((batch,), bool))
+  final, (toks, logps, step_logits, stats) = jax.lax.scan(
+      step, init, jnp.arange(gen.n_steps, dtype=jnp.int32))
+  caches, _, state, _, _ = final[0] if gen.stop_tokens else final
   certified = design is not None and design.randomized
   return Generation(
       tokens=toks.T, logprobs=logps.T,
@@ -262,6 +289,15 @@ def _check_prompt(tokens, mask, n_steps, *, config=None, name="tokens",
                       allow_empty_rows=allow_empty_rows)
 
 
+def _check_stop_tokens(gen: GenerationConfig, config: LlamaConfig) -> None:
+  stops = gen.stop_tokens
+  if not isinstance(stops, tuple) or not all(
+      isinstance(t, int) and not isinstance(t, bool) and 0 <= t < config.vocab_size
+      for t in stops):
+    raise ValueError(f"stop_tokens must be a tuple of token ids in [0, {config.vocab_size}), "
+                     f"got {stops!r}")
+
+
 def _check_inputs(given: dict, gen: GenerationConfig) -> None:
   """The prompt checks that need values (token ids, mask rows, the model's context
   length; ``models.inputs``), run on the concrete arguments before the jitted call."""
@@ -272,6 +308,7 @@ def _check_inputs(given: dict, gen: GenerationConfig) -> None:
   if every != 1 and (gen.design is None or not gen.evict_each_step):
     raise ValueError(f"evict_every={every} needs a design and evict_each_step=True (it says "
                      "how often decoding evicts)")
+  _check_stop_tokens(gen, config)
   if "tokens" in given:  # generate
     _check_prompt(given["tokens"], given["mask"], n_steps, config=config)
     return

@@ -347,6 +347,33 @@ class DecodeTest(absltest.TestCase):
         np.testing.assert_allclose(got[sel], want[sel], rtol=1e-5, atol=1e-6,
                                    err_msg=f"{f} {layers} {heads}")
 
+  def test_stop_tokens_skip_the_steps_after_every_row_ended(self):
+    design = certkv_jax.designs.snapkv(0.5, window=2)
+    ref = self._generate(design=design, evict_each_step=True, return_logits=True)
+    first = np.asarray(ref.tokens[:, 0])
+    stop = tuple(int(t) for t in first)  # every row ends at step 0 (or later, if shared)
+    got = self._generate(design=design, evict_each_step=True, return_logits=True,
+                         stop_tokens=stop)
+    toks = np.asarray(ref.tokens)
+    ended = [int(np.flatnonzero(np.isin(row, stop))[0]) for row in toks]
+    last = max(ended)  # the step at which the last row ended
+    self.assertLess(last, N_STEPS - 1)  # some steps are skipped
+    live, idle = slice(0, last + 1), slice(last + 1, None)
+    np.testing.assert_array_equal(got.tokens[:, live], toks[:, live])
+    np.testing.assert_allclose(got.logprobs[:, live], ref.logprobs[:, live], atol=1e-6)
+    np.testing.assert_allclose(got.logits[:, live], ref.logits[:, live], atol=1e-6)
+    np.testing.assert_allclose(got.var_hat[live], ref.var_hat[live], atol=1e-6)
+    np.testing.assert_array_equal(got.tokens[:, idle], stop[0])
+    np.testing.assert_array_equal(got.logprobs[:, idle], 0.0)
+    self.assertTrue(np.isnan(np.asarray(got.logits[:, idle])).all())
+    self.assertTrue(np.isnan(np.asarray(got.var_hat[idle])).all())
+    # The caches stop growing with the last live step.
+    np.testing.assert_array_equal(got.caches.n_seen, ref.caches.n_seen - (N_STEPS - 1 - last))
+    with self.assertRaisesRegex(ValueError, r"stop_tokens must be a tuple of token ids in"):
+      self._generate(stop_tokens=(self.config.vocab_size,))
+    with self.assertRaisesRegex(ValueError, r"stop_tokens must be a tuple"):
+      self._generate(stop_tokens=[1])
+
   def test_certificate_subsample_errors_name_the_argument(self):
     call = lambda **kw: decode.generate(
         self.params, self.tokens, self.mask, jax.random.PRNGKey(0), config=self.config,

@@ -214,12 +214,15 @@ class _Batch:
       self.capacity = bound + self.question[0].shape[1] + n_steps
 
 
-def run_design(params, config, batch: _Batch, name: str, ratios, key, plan: Plan, prefills):
+def run_design(params, config, batch: _Batch, name: str, ratios, key, plan: Plan, prefills,
+               stop_tokens: tuple = ()):
   """One unit: ``name`` at every ratio on the batch's examples (rows example-major).
 
   ``prefills`` maps :func:`stats_key` to a prefill of this batch, filled on demand
-  (shared by the designs of the batch). Returns ``(Generation, kept fraction
-  [rows], prefill seconds paid)``.
+  (shared by the designs of the batch). Decoding stops once every row has emitted
+  one of ``stop_tokens`` (``GenerationConfig.stop_tokens``; the answers are cut
+  there anyway). Returns ``(Generation, kept fraction [rows], prefill seconds
+  paid)``.
   """
   design = design_defaults.make_design(name, 0.5, plan.n_sink, plan.window)
   n_rows = batch.prompt[0].shape[0] * len(ratios)
@@ -227,7 +230,7 @@ def run_design(params, config, batch: _Batch, name: str, ratios, key, plan: Plan
   budget = jnp.asarray(np.tile([1.0 - r for r in ratios], batch.prompt[0].shape[0]),
                        jnp.float32)
   key, sub = jax.random.split(key)
-  gen = decode.GenerationConfig(n_steps=batch.n_steps)
+  gen = decode.GenerationConfig(n_steps=batch.n_steps, stop_tokens=tuple(stop_tokens))
   t0 = time.time()
   if plan.chunk and batch.regime == "streaming" and design is not None:
     out = decode.generate_streaming(
@@ -341,7 +344,8 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
     unit_id = zlib.crc32("/".join(map(str, unit)).encode()) % 2**31
     key = jax.random.fold_in(jax.random.PRNGKey(plan.seed), unit_id)
     t0 = time.time()
-    out, kept, paid = run_design(params, config, batch, name, ratios, key, plan, prefills)
+    out, kept, paid = run_design(params, config, batch, name, ratios, key, plan, prefills,
+                                 stop_tokens=stops)
     out = jax.device_get(out._replace(caches=None, design_state=None))  # rows need no caches
     seconds = time.time() - t0 - paid
     if np.any(out.n_dropped):
