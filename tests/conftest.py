@@ -116,48 +116,48 @@ def _release_compiled_programs():
 
 
 # ------------------------------------------------------------------ file order for -n 2
-# Seconds of each file's tests that took >= 17 s each in a clean-clone CI run
-# (22ecdf1, 2026-12-01, `--durations`); files not listed had none. Only the
-# order of the files depends on it: the heaviest first, so that xdist's
-# `--dist loadfile` (which hands a worker its next file when it runs dry)
-# approximates longest-processing-time-first scheduling and two workers end
-# close together. A stale table costs balance, never correctness.
+# Seconds of each file's tests among the 100 slowest (>= 4.3 s each) in a
+# clean-clone CI-like run (78c5540, 2026-12-02, `--durations=100`, 14 min 20 s);
+# files not listed had none. Only the order of the files depends on it: the
+# heaviest first, so that xdist's `--dist loadfile` (which hands a worker its
+# next file when it runs dry) approximates longest-processing-time-first
+# scheduling and two workers end close together. A stale table costs balance,
+# never correctness.
 FILE_SECONDS = {
-    "tests/models_smollm2_designs_test.py": 413,  # 649 s for 11 cases, scaled to the 7 left
-    "tests/models_decode_test.py": 572,
-    "tests/sharding_test.py": 477,
-    "tests/validity_test.py": 379,
-    "tests/suite_test.py": 358,
-    "tests/damage_experiment_test.py": 201,
-    "tests/bench_decode_test.py": 185,
-    "tests/experiment_scripts_test.py": 163,
-    "tests/readme_test.py": 160,
-    "tests/generate_test.py": 143,
-    "tests/kernels_test.py": 127,
-    "tests/models_demo_test.py": 106,
-    "tests/models_budgets_test.py": 106,
-    "tests/multiprocess_test.py": 78,
-    "tests/attention_test.py": 74,
-    "tests/bad_input_test.py": 68,
-    "tests/sampling_test.py": 64,
-    "tests/sort_free_test.py": 51,
-    "tests/designs_test.py": 50,
-    "tests/theorem1_test.py": 48,
-    "tests/bench_test.py": 41,
-    "tests/montecarlo_test.py": 37,
-    "tests/train_synthetic_test.py": 35,
-    "tests/certificate_test.py": 34,
-    "tests/experiments_test.py": 32,
-    "tests/exp_perplexity_test.py": 29,
-    "tests/models_kvpress_parity_test.py": 27,
-    "tests/signals_test.py": 22,
-    "tests/models_llama_test.py": 18,
-    # Added later, estimated from a run of these files alone with other jobs
-    # on the machine (2026-12-01), halved for the contention:
-    "tests/equal_memory_test.py": 65,
-    "tests/allocation_test.py": 60,
-    "tests/priority_sampling_test.py": 25,
-    "tests/leaderboard_test.py": 80,
+    "tests/sharding_test.py": 109,
+    "tests/readme_test.py": 109,
+    "tests/models_smollm2_designs_test.py": 86,
+    "tests/validity_test.py": 73,
+    "tests/damage_experiment_test.py": 73,
+    "tests/suite_test.py": 72,
+    "tests/models_decode_test.py": 72,
+    "tests/kernels_test.py": 69,
+    "tests/leaderboard_test.py": 64,
+    "tests/experiment_scripts_test.py": 59,
+    "tests/designs_test.py": 54,
+    "tests/models_demo_test.py": 38,
+    "tests/bench_decode_test.py": 38,
+    "tests/generate_cli_test.py": 34,
+    "tests/multiprocess_test.py": 33,
+    "tests/generate_test.py": 30,
+    "tests/amortized_eviction_test.py": 29,
+    "tests/attention_test.py": 26,
+    "tests/equal_memory_test.py": 24,
+    "tests/montecarlo_test.py": 20,
+    "tests/examples_gpt2_test.py": 16,
+    "tests/bench_test.py": 16,
+    "tests/theorem1_test.py": 15,
+    "tests/models_smollm2_test.py": 15,
+    "tests/sort_free_test.py": 14,
+    "tests/models_kvpress_parity_test.py": 13,
+    "tests/bad_input_test.py": 12,
+    "tests/sampling_test.py": 11,
+    "tests/results_doc_test.py": 10,
+    "tests/priority_sampling_test.py": 10,
+    "tests/models_budgets_test.py": 10,
+    "tests/train_synthetic_test.py": 9,
+    "tests/experiments_test.py": 9,
+    "tests/allocation_test.py": 9,
 }
 
 
