@@ -27,7 +27,7 @@ DEFAULT_RESULTS = "experiments/results"
 COMMAND = "python -m experiments.results_doc"
 SECTIONS = (studies.validity, studies.min_tail, suite.design_quality, suite.suite_quick,
             suite.suite_full, suite.overhead_long, suite.demo, studies.damage,
-            studies.equal_memory,
+            studies.equal_memory, studies.leaderboard,
             benchmarks.kernels, benchmarks.bench_decode, benchmarks.sharding,
             benchmarks.montecarlo, benchmarks.not_measured)
 

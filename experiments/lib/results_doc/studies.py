@@ -379,3 +379,44 @@ def equal_memory(root: str) -> list[str]:
     if ctx["not_run"]:
       out += ["", f"Not run: {', '.join(ctx['not_run'])}."]
   return out
+
+
+def leaderboard(root: str) -> list[str]:
+  """The RULER-style leaderboard: average score by compression ratio, and coverage."""
+  s = fmt.read_json(root, "leaderboard/summary.json")
+  plan = s["plan"]
+  out = ["## RULER-style leaderboard", ""]
+  out += fmt.source(["leaderboard/summary.json", "leaderboard/report.md",
+                     "leaderboard/COMMAND.md"], fmt.command(root, "leaderboard/COMMAND.md"))
+  ratios = [str(r) for r in plan["ratios"]]
+  for name, cell in s["cells"].items():
+    counts = ", ".join(f"{t} {n}" for t, n in cell["n_examples"].items())
+    out += [f"{name.replace('/', ' tokens, ')}: average score ({s['metric']}) over the tasks "
+            f"(examples: {counts}) by compression ratio (the share of the cache removed); "
+            "the full cache is the reference row:", ""]
+    body = []
+    for d, per in cell["score"].items():
+      row = [per.get("0.0")] * len(ratios) if d == "full" else [per.get(r) for r in ratios]
+      body.append([d] + [fmt.num(x, ".1f") for x in row])
+    out += fmt.table(["design"] + ratios, body)
+    cov = cell.get("coverage", {})
+    if cov:
+      out += ["", "Certificate of the randomized designs on every decode call up to the "
+              f"answer's end (delta {s['delta']}): raw / leave-one-task-out calibrated "
+              "coverage, median radius / median true error:", ""]
+      body = []
+      for d, per in cov.items():
+        for r in ratios:
+          c = per.get(r)
+          if c is None:
+            continue
+          body.append([d, r, str(c["n_calls"]), fmt.num(c["raw"]),
+                       fmt.num(c.get("calibrated")),
+                       f"{fmt.num(c['median_radius'], '.4f')} / "
+                       f"{fmt.num(c['median_error'], '.4f')}"])
+      out += fmt.table(["design", "ratio", "calls", "raw", "calibrated", "radius / error"],
+                       body)
+    if cell["not_run"]:
+      out += ["", f"Not run: {', '.join(cell['not_run'])}."]
+  return out
+
