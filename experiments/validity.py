@@ -10,6 +10,9 @@ they finish (``--out/units``); a rerun resumes.
 
   python -m experiments.validity --out=/tmp/validity              # the full study
   python -m experiments.validity --out=/tmp/validity --quick      # a small version
+
+``--transfer_calibration=DIR`` also scores a calibration artifact fitted by another
+study (say, at 1k tokens) on this study's calls, unchanged.
 """
 
 from absl import app
@@ -47,6 +50,9 @@ flags.DEFINE_string("default_design", "poisson_tail", "Design of the default cer
 flags.DEFINE_integer("calib_context", 0, "Context length the calibrations are fitted at "
                      "(0: the largest planned context <= 1024).")
 flags.DEFINE_integer("max_units", -1, "Stop after this many units (-1: all); rerun resumes.")
+flags.DEFINE_string("transfer_calibration", None, "A calibration artifact made by another "
+                    "study (e.g. experiments/results/validity/calibration), scored unchanged on "
+                    "this study's calls: the shift to other contexts or texts.")
 flags.DEFINE_bool("quick", False, f"The reduced plan {QUICK} (flags not given keep it).")
 
 
@@ -105,7 +111,8 @@ def main(argv):
   params, config, tok = model_loading.load_model(FLAGS.model)
   with open(FLAGS.text, encoding="utf-8") as f:
     text = f.read()
-  validity_run.run(params, config, tok, plan, FLAGS.out, text=text, text_source=FLAGS.text)
+  validity_run.run(params, config, tok, plan, FLAGS.out, text=text, text_source=FLAGS.text,
+                   transfer=FLAGS.transfer_calibration)
 
 
 if __name__ == "__main__":

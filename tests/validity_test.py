@@ -192,6 +192,34 @@ class ValidityEndToEndTest(absltest.TestCase):
     self.assertEqual(grown["default"]["calibrated_on"], ["kv_retrieval", "passkey", "text"])
     raw = lambda cells: [c for c in cells if c["radius"] == "raw" and c["data"] != "kv_retrieval"]
     self.assertEqual(raw(grown["cells"]), raw(summary["cells"]))  # old units untouched
+    self.assertEqual({(r["radius"], r["context_len"]) for r in grown["by_context"]},
+                     {("raw", 64), ("calibrated", 64)})
+    # Another study (another context, a source the artifact never saw) scores this
+    # study's artifact unchanged: its cells are the binned radius of every call.
+    artifact = os.path.join(out, "calibration")
+    out2 = self.create_tempdir().full_path
+    other = validity_run.run(*self.model, _plan(data=("text", "variable_tracking"),
+                                                context_lens=(80,)),
+                             out2, text=TEXT, transfer=artifact, log=logs.append)
+    t = other["transfer"]
+    self.assertEqual(t["data"], ["kv_retrieval", "passkey", "text"])
+    self.assertLen(t["cells"], 8)  # 2 budgets x 2 regimes x 2 data
+    self.assertEqual({c["held_out"] for c in t["cells"] if c["data"] == "text"}, {False})
+    self.assertEqual({c["held_out"] for c in t["cells"] if c["data"] != "text"}, {True})
+    calls = validity_calls.load_calls(
+        [validity_collect.unit_path(out2, u) for u in _plan(
+            data=("text", "variable_tracking"), context_lens=(80,)).units()])
+    cal = robust_calibration.load(artifact)
+    r = validity_calls.binned_radii(calls, cal, 0.05, (0.25, 0.5))
+    for c in t["cells"]:
+      m = ((calls["regime"] == c["regime"]) & (calls["data"] == c["data"])
+           & (np.abs(calls["budget"] - c["budget"]) < 1e-6))
+      self.assertAlmostEqual(c["coverage"]["0.05"],
+                             float(np.mean(calls["true_error"][m] <= r[m])), places=12)
+    self.assertEqual({(x["radius"], x["context_len"]) for x in t["by_context"]},
+                     {("raw", 80), ("transferred", 80)})
+    with open(os.path.join(out2, "report.md")) as f:
+      self.assertIn("A calibration fitted elsewhere", f.read())
 
   @pytest.mark.slow  # 62 s cold on the 2-core CI machine (2026-12-01)
   def test_calibrated_radii_scale_the_raw_radius(self):

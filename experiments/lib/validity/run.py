@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -104,8 +104,9 @@ def _breakdowns(calls, design, budgets, calib_context, min_context, lines):
 
 def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
             calib_context: int, log: Callable[[str], None] = print,
-            seconds: Optional[float] = None) -> dict:
-  """Cells, signals, the default artifact and the report from the unit files ``paths``."""
+            seconds: Optional[float] = None, transfer: Optional[str] = None) -> dict:
+  """Cells, signals, the default artifact and the report from the unit files ``paths``;
+  ``transfer``: a calibration artifact from another study, also scored on these calls."""
   calls = calls_lib.load_calls(paths)
   log(f"validity: {len(calls)} calls from {len(paths)} units")
   cells, alt_cells, calibrations = report_lib.all_cells(calls, calib_context=calib_context,
@@ -155,8 +156,28 @@ def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
       sharpness_floor=sharpness_floor(calls, default_design, calib_context, plan.budgets),
       collection_seconds=round(sum(float(collect_lib.unit_meta(p).get("seconds", 0.0))
                                    for p in paths), 1))
+  summary["by_context"] = by_context(cells)
   lines = _report_lines(summary, calls, cells, alt_cells, default_design, default_calib, plan,
                         min_context, calib_context)
+  lines += ["## Coverage by context length", "",
+            "Held-out cells (raw cells all count), delta 0.05, sharpness = median r / ||e|| "
+            "over covered calls.", ""] + by_context_lines(summary["by_context"]) + [""]
+  if transfer:
+    cal = robust_calibration.load(transfer)
+    t_cells = transfer_cells(calls, cal, plan.budgets)
+    summary["transfer"] = dict(artifact=transfer, design=cal.design, data=list(cal.data),
+                               context_range=list(cal.context_range), cells=t_cells,
+                               by_context=by_context(
+                                   [c for c in cells if c["design"] == cal.design
+                                    and c["radius"] == "raw"] + t_cells, every=True))
+    lines += ["## A calibration fitted elsewhere, applied here", "",
+              f"`{transfer}`: `{cal.design}`, fitted on {', '.join(cal.data)} with prompts of "
+              f"{cal.context_range[0]}-{cal.context_range[1]} tokens, scores every call of "
+              f"`{cal.design}` here unchanged (radius `transferred`; a cell is held out when "
+              "its data source is not among those it was fitted on, but every cell here is "
+              "at a context the artifact never saw).", ""]
+    lines += by_context_lines(summary["transfer"]["by_context"]) + [""]
+    lines += report_lib.cells_table(t_cells) + [""]
   try:
     report_lib.coverage_plot(cells, default_design, os.path.join(out_dir, "coverage.png"))
     lines += ["![coverage](coverage.png)", ""]
@@ -165,6 +186,62 @@ def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
   report_lib.write(out_dir, summary, lines)
   log(f"validity: wrote {os.path.join(out_dir, 'report.md')} and summary.json")
   return summary
+
+
+def transfer_cells(calls: calls_lib.Calls, cal: robust_calibration.BinnedCalibration,
+                   budgets) -> list[dict]:
+  """Cells of ``cal.design`` scored by a calibration fitted in another study (another
+  context length, text or task set): the shift a user makes who fits once and applies
+  it at longer contexts. Radius name ``"transferred"``; ``held_out`` is True for data
+  sources the artifact was not fitted on."""
+  dcalls = calls.select(calls.where(design=cal.design))
+  if len(dcalls) == 0:
+    return []
+  radii = {d: calls_lib.binned_radii(dcalls, cal, d, budgets) for d in calls_lib.DELTAS}
+  out = []
+  for key in sorted({(int(c), r, s, float(b)) for c, r, s, b in zip(
+      dcalls["context_len"], dcalls["regime"], dcalls["data"], dcalls["budget"])}):
+    c, r, s, b = key
+    m = ((dcalls["context_len"] == c) & (dcalls["regime"] == r) & (dcalls["data"] == s)
+         & (np.abs(dcalls["budget"] - b) < 1e-6))
+    if np.isnan(radii[calls_lib.PRIMARY_DELTA][m]).any():
+      continue  # a regime the artifact was not made for
+    out.append(report_lib.cell(
+        dcalls.select(m), {d: v[m] for d, v in radii.items()},
+        dict(design=cal.design, budget=b, regime=r, data=s, context_len=c),
+        radius="transferred", held_out=s not in cal.data, calibrated_on=cal.data))
+  return out
+
+
+def by_context(cells: Sequence[dict], *, every: bool = False) -> list[dict]:
+  """Mean coverage at delta 0.05, cells below target and median sharpness per (design,
+  radius, context length) over the held-out cells (raw cells count as held out;
+  ``every``: all cells)."""
+  groups = {}
+  for c in cells:
+    if every or c["held_out"] or c["radius"] == "raw":
+      groups.setdefault((c["design"], c["radius"], c["context_len"]), []).append(c)
+  out = []
+  for (d, r, ctx), sel in sorted(groups.items()):
+    cov = [c["coverage"]["0.05"] for c in sel]
+    sharp = [c["sharpness"] for c in sel if c["sharpness"] is not None]
+    out.append(dict(design=d, radius=r, context_len=ctx, n_cells=len(sel),
+                    n_calls=int(sum(c["n_calls"] for c in sel)), mean=float(np.mean(cov)),
+                    min=float(np.min(cov)), n_below=int(sum(x < report_lib.TARGET for x in cov)),
+                    sharpness=float(np.median(sharp)) if sharp else None))
+  return out
+
+
+def by_context_lines(rows: Sequence[dict]) -> list[str]:
+  fmt = report_lib.fmt
+  lines = ["| design | radius | context | cells | calls | mean coverage | min coverage | "
+           "cells below target | median sharpness |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for r in rows:
+    lines.append(f"| {r['design']} | {r['radius']} | {r['context_len']} | {r['n_cells']} | "
+                 f"{r['n_calls']} | {fmt(r['mean'])} | {fmt(r['min'])} | {r['n_below']} | "
+                 f"{fmt(r['sharpness'], '.2f')} |")
+  return lines
 
 
 def _signal_profile(calls, design, failing, min_context) -> list[str]:
@@ -367,11 +444,11 @@ def _report_lines(summary, calls, cells, alt_cells, default_design, default_cali
 
 
 def run(params, config, tok, plan: collect_lib.Plan, out_dir: str, *, text: str,
-        text_source: str = collect_lib.DEFAULT_TEXT,
+        text_source: str = collect_lib.DEFAULT_TEXT, transfer: Optional[str] = None,
         log: Callable[[str], None] = print) -> Optional[dict]:
   """Collects what is missing, then analyses (None when stopped early by
   ``plan.max_units``); the default radius is ``plan.default_design``'s, calibrated at
-  ``plan.calib_context``."""
+  ``plan.calib_context``; ``transfer``: an artifact from another study to score too."""
   plan.check()
   default_design = plan.default_design
   if default_design not in plan.designs:
@@ -388,4 +465,5 @@ def run(params, config, tok, plan: collect_lib.Plan, out_dir: str, *, text: str,
     log(f"validity: {len(paths)} of {len(plan.units())} units present; rerun to finish")
     return None
   return analyse(paths, out_dir, plan, default_design=default_design,
-                 calib_context=calib_context, log=log, seconds=time.time() - t0)
+                 calib_context=calib_context, log=log, seconds=time.time() - t0,
+                 transfer=transfer)
