@@ -25,7 +25,7 @@ from experiments.lib.results_doc import suite
 DEFAULT_OUT = "docs/results.md"
 DEFAULT_RESULTS = "experiments/results"
 COMMAND = "python -m experiments.results_doc"
-SECTIONS = (studies.validity, studies.min_tail, suite.design_quality, suite.suite_quick,
+SECTIONS = (studies.validity, studies.validity_long, studies.min_tail, suite.design_quality, suite.suite_quick,
             suite.suite_full, suite.overhead_long, suite.demo, studies.damage,
             studies.equal_memory, studies.leaderboard,
             benchmarks.kernels, benchmarks.bench_decode, benchmarks.sharding,

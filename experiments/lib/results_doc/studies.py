@@ -199,6 +199,91 @@ def validity(root: str) -> list[str]:
   return out
 
 
+def _cov_line(cells, target):
+  if not cells:
+    return "-"
+  a = _agg(cells, target)
+  return (f"{a['mean']:.3f} / {a['min']:.3f} / {fmt.num(a['sharpness'], '.2f')} "
+          f"({a['below']} of {a['n']} below)")
+
+
+def validity_long(root: str) -> list[str]:
+  """The validity study at 4k-8k tokens beside the shorter contexts of the main study."""
+  d = fmt.read_json(root, "validity_long/summary.json")
+  short = fmt.read_json(root, "validity/summary.json")
+  cov_t, delta = d["target"]["coverage"], d["target"]["delta"]
+  plan, cells = d["plan"], d["cells"]
+  t = d.get("transfer") or {}
+  t_cells = t.get("cells", [])
+  n_calls = sum(c["n_calls"] for c in cells if c["radius"] == "raw")
+  out = ["## The certificate at 4k-8k tokens", ""]
+  out += fmt.source(["validity_long/summary.json", "validity_long/report.md",
+                     "validity_long/COMMAND.md", "validity/summary.json"],
+                    fmt.command(root, "validity_long/COMMAND.md"))
+  out += [f"The validity study's collection at {' / '.join(f'{c:,}' for c in plan['context_lens'])}"
+          f" context tokens: {n_calls:,} decode calls of evaluation-mode {plan['model']}; "
+          f"designs {', '.join(f'`{x}`' for x in plan['designs'])}; data "
+          f"{', '.join(sorted({c['data'] for c in cells}))}; both regimes; budgets "
+          f"{' / '.join(fmt.pct(b) for b in plan['budgets'])}; examples per source "
+          f"{plan['num_examples']} ({', '.join(f'{n} at {c:,}' for c, n in plan['examples_at'])})"
+          f"; collection {d['collection_seconds']:,.0f} s. Each cell is (context, regime, "
+          f"data, budget); coverage at delta {delta} as mean / worst cell / median sharpness "
+          f"(median r / ||e|| over covered calls), and cells below {cov_t}. Calibrated "
+          "columns: *held out* = fitted within each study at its calibration context on the "
+          "other data sources (leave-one-source-out; the main study's at 1,024 tokens, this "
+          f"one's at {plan['calib_context']:,}); *1k artifact* = the main study's shipped "
+          "calibration (fitted at 1,024 tokens on the GPL text and six filler-haystack "
+          "tasks, these among them) applied unchanged.", ""]
+  for design in plan["designs"]:
+    body = []
+    for ctx in short["plan"]["context_lens"]:
+      body.append([f"{ctx:,}",
+                   _cov_line(_cells(short["cells"], design=design, radius="raw",
+                                    context_len=ctx), cov_t),
+                   _cov_line(_cells(short["cells"], design=design, radius="calibrated",
+                                    context_len=ctx), cov_t), "-"])
+    for ctx in plan["context_lens"]:
+      body.append([f"{ctx:,}",
+                   _cov_line(_cells(cells, design=design, radius="raw", context_len=ctx), cov_t),
+                   _cov_line(_cells(cells, design=design, radius="calibrated", context_len=ctx,
+                                    held_out=True), cov_t),
+                   _cov_line(_cells(t_cells, design=design, context_len=ctx), cov_t)])
+    body = [r for r in body if any(x != "-" for x in r[1:])]
+    if not body:
+      continue
+    out += [f"`{design}`:", ""]
+    out += fmt.table(["context", "raw", "calibrated (held out)", "calibrated (1k artifact)"],
+                     body)
+    out += [""]
+  default = d["default"]["design"]
+  body = []
+  for ctx in plan["context_lens"]:
+    for data in sorted({c["data"] for c in _cells(cells, design=default, context_len=ctx)}):
+      for regime in plan["regimes"]:
+        sel = dict(design=default, context_len=ctx, data=data, regime=regime)
+        raw = _cells(cells, radius="raw", **sel)
+        if raw:
+          body.append([f"{ctx:,}", data, regime, _cov_line(raw, cov_t),
+                       _cov_line(_cells(cells, radius="calibrated", held_out=True, **sel),
+                                 cov_t), _cov_line(_cells(t_cells, **sel), cov_t)])
+  out += [f"`{default}` by data source and regime (the cells are the three budgets):", ""]
+  out += fmt.table(["context", "data", "regime", "raw", "calibrated (held out)",
+                    "calibrated (1k artifact)"], body)
+  long_raw = _cells(cells, radius="raw")
+  if long_raw:
+    parts = []
+    for name, sel in (("text", [c for c in long_raw if c["data"] == "text"]),
+                      ("the tasks", [c for c in long_raw if c["data"] != "text"])):
+      if sel:
+        parts.append(f"on {name} {sum(_cov(c) >= 0.97 for c in sel)} of {len(sel)} "
+                     f"(mean {np.mean([_cov(c) for c in sel]):.3f}, worst "
+                     f"{min(_cov(c) for c in sel):.3f})")
+    out += ["", "The paper's 0.97, raw cells (every design) at "
+            f"{' / '.join(f'{c:,}' for c in plan['context_lens'])} tokens that reach it: "
+            + "; ".join(parts) + "."]
+  return out
+
+
 def min_tail(root: str) -> list[str]:
   d = fmt.read_json(root, "validity_min_tail/summary.json")
   v = fmt.read_json(root, "validity/summary.json")
