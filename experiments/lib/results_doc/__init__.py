@@ -6,8 +6,8 @@
 computed from those files at render time, so the document cannot drift from the runs it
 reports; ``tests/results_doc_test.py`` checks that the committed ``docs/results.md`` equals
 ``render`` of the committed summaries. Verdicts are printed as stored in ``report.json``.
-The sections live by subject in :mod:`.studies`, :mod:`.suite` and :mod:`.benchmarks`;
-formatting and reading in :mod:`.markdown`.
+The sections live by subject in :mod:`.studies`, :mod:`.comparisons`, :mod:`.suite` and
+:mod:`.benchmarks`; formatting and reading in :mod:`.markdown`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Optional
 
 from experiments.lib import results_io
 from experiments.lib.results_doc import benchmarks
+from experiments.lib.results_doc import comparisons
 from experiments.lib.results_doc import markdown as fmt
 from experiments.lib.results_doc import studies
 from experiments.lib.results_doc import suite
@@ -27,7 +28,7 @@ DEFAULT_RESULTS = "experiments/results"
 COMMAND = "python -m experiments.results_doc"
 SECTIONS = (studies.validity, studies.validity_long, studies.min_tail, suite.design_quality, suite.suite_quick,
             suite.suite_full, suite.overhead_long, suite.demo, studies.damage,
-            studies.equal_memory, studies.leaderboard,
+            comparisons.equal_memory, comparisons.leaderboard,
             benchmarks.kernels, benchmarks.bench_decode, benchmarks.sharding,
             benchmarks.montecarlo, benchmarks.not_measured)
 

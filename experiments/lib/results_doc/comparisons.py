@@ -1,0 +1,83 @@
+"""Sections of ``docs/results.md`` that compare designs: quality at equal memory and the
+RULER-style leaderboard."""
+
+from __future__ import annotations
+
+from experiments.lib.results_doc import markdown as fmt
+
+
+def equal_memory(root: str) -> list[str]:
+  """Designs at equal kept bytes, paired against the best deterministic design."""
+  s = fmt.read_json(root, "equal_memory/summary.json")
+  out = ["## Designs at equal memory", ""]
+  out += fmt.source(["equal_memory/summary.json", "equal_memory/report.md",
+                     "equal_memory/COMMAND.md"], fmt.command(root, "equal_memory/COMMAND.md"))
+  plan = s["plan"]
+  for c, ctx in s["contexts"].items():
+    out += [f"{plan['n_eval']} natural-text segments of {int(c):,} tokens, chunks of "
+            f"{plan['chunk']}; memory = kept key/value bytes plus per-slot metadata as a "
+            "fraction of the full cache's key/value bytes; delta NLL in nats/token against "
+            "the full cache with a 95% bootstrap over segments; 'paired' = minus the best "
+            "deterministic design with uniform budgets on the same segments; coverage per "
+            f"call at delta {s['delta']} (raw / calibrated on {plan['n_calib']} other "
+            "sources, sharpness in parentheses):", ""]
+    body = []
+    for m in plan["memories"]:
+      best = ctx["best_deterministic"].get(str(m))
+      for v, per in ctx["delta_nll"].items():
+        d, p = per[str(m)], ctx["paired_vs_best_deterministic"][v][str(m)]
+        cov = ctx["coverage"].get(v, {}).get(str(m))
+        cov_s = "-" if cov is None else (
+            f"{cov['raw']:.3f} ({fmt.num(cov['raw_sharpness'], '.2f')}) / "
+            f"{cov['calibrated']:.3f} ({fmt.num(cov['calibrated_sharpness'], '.2f')})")
+        body.append([fmt.pct(m), f"**{v}**" if v == best else v,
+                     f"{ctx['held_memory'][v][str(m)]:.3f}",
+                     fmt.ci((d["value"], *d["ci"]), "+.3f"),
+                     fmt.ci((p["value"], *p["ci"]), "+.3f") + f" ({p['wins']}/{p['n']})",
+                     cov_s])
+    out += fmt.table(["memory", "design", "held memory", "delta NLL", "paired vs best",
+                      "coverage raw / calibrated"], body)
+    if ctx["not_run"]:
+      out += ["", f"Not run: {', '.join(ctx['not_run'])}."]
+  return out
+
+
+def leaderboard(root: str) -> list[str]:
+  """The RULER-style leaderboard: average score by compression ratio, and coverage."""
+  s = fmt.read_json(root, "leaderboard/summary.json")
+  plan = s["plan"]
+  out = ["## RULER-style leaderboard", ""]
+  out += fmt.source(["leaderboard/summary.json", "leaderboard/report.md",
+                     "leaderboard/COMMAND.md"], fmt.command(root, "leaderboard/COMMAND.md"))
+  ratios = [str(r) for r in plan["ratios"]]
+  for name, cell in s["cells"].items():
+    counts = ", ".join(f"{t} {n}" for t, n in cell["n_examples"].items())
+    out += [f"{name.replace('/', ' tokens, ')}: average score ({s['metric']}) over the tasks "
+            f"(examples: {counts}) by compression ratio (the share of the cache removed); "
+            "the full cache is the reference row:", ""]
+    body = []
+    for d, per in cell["score"].items():
+      row = [per.get("0.0")] * len(ratios) if d == "full" else [per.get(r) for r in ratios]
+      body.append([d] + [fmt.num(x, ".1f") for x in row])
+    out += fmt.table(["design"] + ratios, body)
+    cov = cell.get("coverage", {})
+    if cov:
+      out += ["", "Certificate of the randomized designs on every decode call up to the "
+              f"answer's end (delta {s['delta']}): raw / leave-one-task-out calibrated "
+              "coverage, median radius / median true error:", ""]
+      body = []
+      for d, per in cov.items():
+        for r in ratios:
+          c = per.get(r)
+          if c is None:
+            continue
+          body.append([d, r, str(c["n_calls"]), fmt.num(c["raw"]),
+                       fmt.num(c.get("calibrated")),
+                       f"{fmt.num(c['median_radius'], '.4f')} / "
+                       f"{fmt.num(c['median_error'], '.4f')}"])
+      out += fmt.table(["design", "ratio", "calls", "raw", "calibrated", "radius / error"],
+                       body)
+    if cell["not_run"]:
+      out += ["", f"Not run: {', '.join(cell['not_run'])}."]
+  return out
+
