@@ -185,24 +185,35 @@ def write_slots(cache: KVCache, slots: SlotAssignment, idx, k_new, v_new) -> KVC
   device's slot range (shifted to local indices) on a sequence-sharded cache;
   the counters come from ``slots`` either way.
   """
-  t = k_new.shape[0]
-  pos_new = cache.n_seen + slots.rank
-  z = jnp.zeros((t,), jnp.float32)
+  meta, counters = slot_metadata(cache, slots)
+  new = dict(meta, **slot_kv(cache, k_new, v_new))
+  return cache._replace(
+      **{f: getattr(cache, f).at[idx].set(u, mode="drop") for f, u in new.items()},
+      **counters)
+
+
+# The per-slot statistics a design folds (``EvictionDesign.update`` changes only these).
+STATISTICS = ("acc", "last", "obs")
+
+
+def slot_metadata(cache: KVCache, slots: SlotAssignment) -> tuple[dict, dict]:
+  """What :func:`write_slots` writes besides the keys and values, none of which
+  depends on them: ``(field -> [t] values of the new tokens' slots, the counters
+  {"n_seen", "n_dropped"} after the append)``. Tokens arrive certain
+  (``log_pi = 0``) with zeroed statistics."""
+  z = jnp.zeros(slots.idx.shape, jnp.float32)
+  meta = dict(pos=cache.n_seen + slots.rank, valid=jnp.ones(slots.idx.shape, bool), log_pi=z,
+              **{f: z for f in STATISTICS})
+  counters = dict(n_seen=cache.n_seen + slots.n_new,
+                  n_dropped=cache.n_dropped + (slots.n_new - slots.n_stored))
+  return meta, counters
+
+
+def slot_kv(cache: KVCache, k_new, v_new) -> dict:
+  """The new tokens' ``k``, ``v`` (in the cache's dtypes) and ``v_sq`` [t, ...]."""
   v_stored = v_new.astype(cache.v.dtype)
   v32 = v_stored.astype(jnp.float32)
-  return cache._replace(
-      k=cache.k.at[idx].set(k_new.astype(cache.k.dtype), mode="drop"),
-      v=cache.v.at[idx].set(v_stored, mode="drop"),
-      v_sq=cache.v_sq.at[idx].set(jnp.sum(v32 * v32, axis=-1), mode="drop"),
-      log_pi=cache.log_pi.at[idx].set(z, mode="drop"),
-      pos=cache.pos.at[idx].set(pos_new, mode="drop"),
-      valid=cache.valid.at[idx].set(True, mode="drop"),
-      acc=cache.acc.at[idx].set(z, mode="drop"),
-      last=cache.last.at[idx].set(z, mode="drop"),
-      obs=cache.obs.at[idx].set(z, mode="drop"),
-      n_seen=cache.n_seen + slots.n_new,
-      n_dropped=cache.n_dropped + (slots.n_new - slots.n_stored),
-  )
+  return dict(k=k_new.astype(cache.k.dtype), v=v_stored, v_sq=jnp.sum(v32 * v32, axis=-1))
 
 
 def observe(cache: KVCache, probs, *, observation: bool | Array = False) -> KVCache:
@@ -281,9 +292,10 @@ def keep_only(cache: KVCache, keep, log_pi_round) -> KVCache:
   """
   keep = keep & cache.valid
   f0 = jnp.zeros_like(cache.log_pi)
+  gone = cache.valid & ~keep
   return cache._replace(
-      k=jnp.where(keep[:, None], cache.k, jnp.zeros_like(cache.k)),
-      v=jnp.where(keep[:, None], cache.v, jnp.zeros_like(cache.v)),
+      k=zero_slots(cache.k, gone),
+      v=zero_slots(cache.v, gone),
       log_pi=jnp.where(keep, cache.log_pi + log_pi_round, f0),
       pos=jnp.where(keep, cache.pos, -1),
       valid=keep,
@@ -292,6 +304,15 @@ def keep_only(cache: KVCache, keep, log_pi_round) -> KVCache:
       obs=jnp.where(keep, cache.obs, f0),
       v_sq=jnp.where(keep, cache.v_sq, f0),
   )
+
+
+def zero_slots(x, gone):
+  """``x`` [cap, d] with the rows ``gone`` [cap] zeroed: a scatter that writes only those
+  rows (in place in a donated buffer), where a ``where`` over ``x`` rewrites all of it.
+  Free slots already hold zeros, so zeroing the evicted ones zeroes every row not kept."""
+  cap = x.shape[0]
+  rows = jnp.where(gone, jnp.arange(cap), cap)  # cap: not written
+  return x.at[rows].set(jnp.zeros((), x.dtype), mode="drop")
 
 
 def compact(cache: KVCache, capacity: int) -> KVCache:

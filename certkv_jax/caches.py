@@ -11,6 +11,7 @@ or a third ``vmap`` (eviction) walks. Any model config with ``n_layers``,
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -74,14 +75,105 @@ def append(cache: KVCache, k_new, v_new, new_valid) -> KVCache:
   return over_heads(cache_lib.append)(cache, k_new, v_new, new_valid)
 
 
+class ChunkSlots(NamedTuple):
+  """Where a chunk's tokens go in every layer (:func:`reserve`)."""
+
+  idx: Optional[jax.Array]  # [n_layers, batch, n_kv_heads, t] int32 slot; cap = not stored
+  positions: jax.Array  # [batch, t] int32 positions of the chunk's tokens
+  new_valid: jax.Array  # [batch, n_kv_heads, t] bool, False on padding
+
+
+def reserve(caches: KVCache, new_valid) -> tuple[KVCache, ChunkSlots]:
+  """Every layer's slots for a chunk, with all but its keys and values written.
+
+  The slots, positions, flags and zeroed statistics of a chunk's tokens do
+  not depend on their keys, so they are written for every layer at once; then
+  :func:`write_kv` puts each layer's keys and values into its slots, in place.
+  Together they are :func:`append` on every layer, without copying a layer
+  out and back; written layer by layer, the metadata of layer ``i + 1`` would
+  not wait for layer ``i`` to read its own, and XLA copies the stacked arrays
+  to keep them apart. On sequence-sharded caches (under a mesh) nothing is
+  written here (``idx`` None): :func:`write_kv` appends there.
+
+  Args:
+    caches: stacked caches, leaves ``[n_layers, batch, n_kv_heads, ...]``.
+    new_valid: [batch, t] bool, False on (right) padding.
+
+  Returns:
+    ``(caches, ChunkSlots)``.
+  """
+  n_kv = caches.n_seen.shape[-1]
+  start = caches.n_seen[0, :, 0]  # [batch], equal across layers and KV heads
+  positions = start[:, None] + jnp.cumsum(new_valid, axis=1).astype(jnp.int32) - 1
+  per_head = jnp.repeat(new_valid[:, None], n_kv, axis=1)
+  if distributed.cache_mesh() is not None:
+    return caches, ChunkSlots(None, positions, per_head)
+  assign = jax.vmap(over_heads(cache_lib.slot_assignment), in_axes=(0, None))
+  slots = assign(caches.valid, per_head)
+  meta, counters = jax.vmap(over_heads(cache_lib.slot_metadata))(caches, slots)
+  n_layers, b = slots.idx.shape[:2]
+  at = (jnp.arange(n_layers)[:, None, None, None], jnp.arange(b)[None, :, None, None],
+        jnp.arange(n_kv)[None, None, :, None], slots.idx)
+  caches = caches._replace(
+      **{f: getattr(caches, f).at[at].set(u, mode="drop") for f, u in meta.items()},
+      **counters)
+  return caches, ChunkSlots(slots.idx, positions, per_head)
+
+
+def write_kv(caches: KVCache, i, slots: ChunkSlots, k_new, v_new) -> KVCache:
+  """Layer ``i``'s (int or traced) keys and values of a chunk into the slots
+  :func:`reserve` gave them (one scatter per field, in place when the caches
+  are donated or carried by a loop).
+
+  Args:
+    k_new: [batch, n_kv_heads, t, head_dim]; v_new: [batch, n_kv_heads, t, value_dim].
+  """
+  if slots.idx is None:  # sequence-sharded: the whole append on the layer
+    return with_layer(caches, i, append(layer(caches, i), k_new, v_new, slots.new_valid))
+  idx = jax.lax.dynamic_index_in_dim(slots.idx, i, axis=0, keepdims=False)  # [b, h, t]
+  new = over_heads(cache_lib.slot_kv)(layer(caches, i), k_new, v_new)
+  b, h = idx.shape[:2]
+  at = (i, jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], idx)
+  return caches._replace(
+      **{f: getattr(caches, f).at[at].set(u, mode="drop") for f, u in new.items()})
+
+
+def unstack(caches: KVCache) -> tuple:
+  """Stacked caches as a tuple of per-layer caches (leaves ``[batch, n_kv_heads, ...]``).
+
+  Each layer's arrays become buffers of their own, which a Python loop over the
+  layers (``models.forward.forward_chunk(layer_loop="unrolled")``) updates and
+  reads in place, and ``certkv_jax.eviction.evict`` evicts in place; a layer of
+  stacked caches is a slice, copied out for every matmul that reads it. It
+  copies: call it once before a decode loop and carry the tuple. Caches
+  already unstacked are returned as they are.
+  """
+  if is_unstacked(caches):
+    return caches
+  return tuple(layer(caches, i) for i in range(caches.n_seen.shape[0]))
+
+
+def stack(caches) -> KVCache:
+  """The inverse of :func:`unstack` (stacked caches are returned as they are)."""
+  if not is_unstacked(caches):
+    return caches
+  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *caches)
+
+
+def is_unstacked(caches) -> bool:
+  """Whether ``caches`` is a tuple of per-layer caches (:func:`unstack`)."""
+  return isinstance(caches, (tuple, list)) and not isinstance(caches, KVCache)
+
+
 def layer(caches: KVCache, i) -> KVCache:
   """Layer ``i`` (int or traced) of stacked caches: leaves ``[batch, n_kv_heads, ...]``."""
   return jax.tree_util.tree_map(
       lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), caches)
 
 
-def with_layer(caches: KVCache, i, cache: KVCache) -> KVCache:
-  """Stacked caches with layer ``i`` replaced by ``cache`` (in place inside a loop)."""
-  return jax.tree_util.tree_map(
-      lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, axis=0),
-      caches, cache)
+def with_layer(caches: KVCache, i, cache: KVCache, fields=None) -> KVCache:
+  """Stacked caches with layer ``i`` replaced by ``cache`` (in place inside a loop);
+  ``fields``: only those fields (None: all)."""
+  fields = KVCache._fields if fields is None else fields
+  put = lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, axis=0)
+  return caches._replace(**{f: put(getattr(caches, f), getattr(cache, f)) for f in fields})

@@ -40,7 +40,7 @@ def design_reads(design) -> Optional[set]:
   return set(reads) if reads <= _NORMS else None
 
 
-def _norm_column(x):
+def norm_column(x):
   """[..., cap, d] -> [..., cap, 1] float32 row norms. The scores take
   ``jnp.linalg.norm`` of this one-element row, ``sqrt(x * x)``, which is ``x``
   exactly in binary floating point (no underflow at these magnitudes)."""
@@ -85,9 +85,9 @@ def map_evict(design, fn, caches: KVCache, *head_args):
     if reads is None:
       k_all, v_all = gather(c.k), gather(c.v)
     else:  # norms only (or nothing): O(cap) per head instead of O(cap d)
-      k_all = gather(_norm_column(c.k)) if "k_norm" in reads else jnp.zeros(
+      k_all = gather(norm_column(c.k)) if "k_norm" in reads else jnp.zeros(
           c.k.shape[:3] + (c.capacity * distributed.axis_size(mesh, SEQ), 1), jnp.float32)
-      v_all = gather(_norm_column(c.v)) if "v_norm" in reads else jnp.zeros_like(k_all)
+      v_all = gather(norm_column(c.v)) if "v_norm" in reads else jnp.zeros_like(k_all)
     meta = c._replace(k=k_all, v=v_all, log_pi=gather(c.log_pi), pos=gather(c.pos),
                       valid=gather(c.valid), acc=gather(c.acc), last=gather(c.last),
                       obs=gather(c.obs), v_sq=gather(c.v_sq))

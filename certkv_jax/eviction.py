@@ -22,13 +22,22 @@ from certkv_jax import distributed
 from certkv_jax import distributed_eviction
 from certkv_jax.cache import KVCache
 from certkv_jax import budgets as budgets_lib
+from certkv_jax import cache as cache_lib
+from certkv_jax import caches as caches_lib
 from certkv_jax.caches import over_heads
 
 
 def init_state(design, caches: KVCache):
   """The design's state for every cache (zero counters), leaves
-  ``[n_layers, batch, n_kv_heads]``; the caller carries it from round to round."""
+  ``[n_layers, batch, n_kv_heads]``; the caller carries it from round to round.
+  ``caches`` stacked or per layer (``caches.unstack``)."""
+  if caches_lib.is_unstacked(caches):
+    return _stack([over_heads(design.init)(c) for c in caches])
   return jax.vmap(over_heads(design.init))(caches)
+
+
+def _stack(trees):
+  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *trees)
 
 
 def evict(design, caches: KVCache, key, *, state=None, layer_budgets=None, budget=None,
@@ -41,7 +50,10 @@ def evict(design, caches: KVCache, key, *, state=None, layer_budgets=None, budge
 
   Args:
     design: a ``certkv_jax.EvictionDesign``.
-    caches: stacked caches, leaves ``[n_layers, batch, n_kv_heads, ...]``.
+    caches: stacked caches, leaves ``[n_layers, batch, n_kv_heads, ...]``, or
+      per layer (``caches.unstack``: each layer evicted in its own buffers,
+      the same draws; returned per layer). An allocation then reads them
+      stacked (a copy), and sequence-sharded caches must be stacked.
     key: PRNG key, split into one key per cache.
     state: the design's state from :func:`init_state` or the previous round
       (its counters: rounds, redraws, dropped tokens, rounds over budget);
@@ -68,10 +80,13 @@ def evict(design, caches: KVCache, key, *, state=None, layer_budgets=None, budge
   if layer_budgets is not None:
     layer_budgets = tuple(layer_budgets)
   if budget is not None:
-    budget = budgets_lib.check_budget(budget, caches.n_seen.shape[1])
+    budget = budgets_lib.check_budget(budget, _n_seen(caches).shape[1])
   if state is None:
     state = init_state(design, caches)
   if distributed.cache_mesh() is not None:  # sequence-sharded, inside its own jit
+    if caches_lib.is_unstacked(caches):
+      raise ValueError("caches per layer (caches.unstack) are not supported on a mesh: "
+                       "pass them stacked")
     if allocation is not None:
       raise ValueError("allocation is not supported on sequence-sharded caches: it pools "
                        "scores across heads that live on other devices")
@@ -82,14 +97,16 @@ def evict(design, caches: KVCache, key, *, state=None, layer_budgets=None, budge
 def _evict(design, caches: KVCache, state, key, layer_budgets, budget, allocation=None,
            gains=None):
   """:func:`evict`'s body (traced once per design, schedule and shapes)."""
-  lead = caches.n_seen.shape  # [n_layers, batch, n_kv_heads]
+  n_seen = _n_seen(caches)
+  lead = n_seen.shape  # [n_layers, batch, n_kv_heads]
   keys = jax.random.split(key, lead[0] * lead[1] * lead[2])
   keys = keys.reshape(lead + keys.shape[1:])
-  targets = budgets_lib.eviction_targets(caches.n_seen, layer_budgets, budget)  # or None
+  targets = budgets_lib.eviction_targets(n_seen, layer_budgets, budget)  # or None
   if allocation is not None:
+    stacked = caches_lib.stack(caches)
     if targets is None:
-      targets = jax.vmap(over_heads(design.budget.target))(caches)
-    targets = allocation(design, caches, targets, gains)
+      targets = jax.vmap(over_heads(design.budget.target))(stacked)
+    targets = allocation(design, stacked, targets, gains)
   per_cache = (state, keys) if targets is None else (state, keys, targets)
 
   def one(cache, s, k, *target):  # one (layer, row, KV head); target [] int32, if any
@@ -99,7 +116,9 @@ def _evict(design, caches: KVCache, state, key, layer_budgets, budget, allocatio
 
   evict_all = jax.vmap(over_heads(one))  # over [n_layers, batch, n_kv_heads]
   with jax.named_scope("eviction"):
-    if distributed.cache_mesh() is None:
+    if caches_lib.is_unstacked(caches):
+      new, (state, info) = _evict_per_layer(design, evict_all, caches, per_cache)
+    elif distributed.cache_mesh() is None:
       new, (state, info) = evict_all(caches, *per_cache)
     else:  # each device gathers its heads' slot metadata and keeps its own slots
       new, (state, info) = distributed_eviction.map_evict(design, evict_all, caches,
@@ -108,6 +127,42 @@ def _evict(design, caches: KVCache, state, key, layer_budgets, budget, allocatio
 
 
 _evict_jit = jax.jit(_evict, static_argnames=("design", "layer_budgets", "allocation"))
+
+
+def _evict_per_layer(design, evict_all, caches: tuple, per_cache):
+  """``evict_all`` on per-layer caches: the design runs once over every layer's
+  stacked per-slot metadata, keys and values standing in as their norms (or
+  zeros) when its scores read no more
+  (``distributed_eviction.design_reads``), and each layer then zeroes its
+  evicted keys and values in its own buffers. A design whose scores read
+  whole keys or values gets them stacked (a copy)."""
+  reads = distributed_eviction.design_reads(design)
+  if reads is None:
+    new, out = evict_all(caches_lib.stack(caches), *per_cache)
+    return caches_lib.unstack(new), out
+
+  def stand_in(name, x):  # [b, h, cap, d] -> [b, h, cap, 1]: the norm, or 0 unread
+    if f"{name}_norm" in reads:
+      return distributed_eviction.norm_column(x)
+    return jnp.zeros(x.shape[:-1] + (1,), jnp.float32)
+
+  meta = caches_lib.stack([c._replace(k=stand_in("k", c.k), v=stand_in("v", c.v))
+                           for c in caches])
+  new, out = evict_all(meta, *per_cache)
+  layers = []
+  for i, c in enumerate(caches):
+    kept = jax.tree_util.tree_map(lambda a: a[i], new)
+    gone = c.valid & ~kept.valid  # evicted this round
+    layers.append(kept._replace(k=over_heads(cache_lib.zero_slots)(c.k, gone),
+                                v=over_heads(cache_lib.zero_slots)(c.v, gone)))
+  return tuple(layers), out
+
+
+def _n_seen(caches):
+  """[n_layers, batch, n_kv_heads] tokens seen, of stacked or per-layer caches."""
+  if caches_lib.is_unstacked(caches):
+    return jnp.stack([c.n_seen for c in caches])
+  return caches.n_seen
 
 
 def record_inclusion(shadow: KVCache, before: KVCache, info) -> KVCache:
@@ -126,8 +181,14 @@ def record_inclusion(shadow: KVCache, before: KVCache, info) -> KVCache:
     info: the round's ``EvictionInfo`` (per slot of ``before``).
 
   Returns:
-    The shadow caches with the round's ``log pi`` added.
+    The shadow caches with the round's ``log pi`` added. Per-layer ``shadow``
+    and ``before`` (``caches.unstack``) are recorded layer by layer.
   """
+  if caches_lib.is_unstacked(shadow) or caches_lib.is_unstacked(before):
+    shadows, befores = caches_lib.unstack(shadow), caches_lib.unstack(before)
+    new = tuple(_record_layer(sh, b, info.pi[i]) for i, (sh, b) in enumerate(zip(shadows,
+                                                                                 befores)))
+    return new if caches_lib.is_unstacked(shadow) else caches_lib.stack(new)
   return _record_jit(shadow, before, info.pi)
 
 
@@ -140,6 +201,11 @@ def _record_one(sh, cache, pi):  # one (layer, row, KV head)
 @jax.jit
 def _record_jit(shadow, before, pi):
   return jax.vmap(over_heads(_record_one))(shadow, before, pi)
+
+
+@jax.jit
+def _record_layer(shadow, before, pi):
+  return over_heads(_record_one)(shadow, before, pi)
 
 
 def evict_and_record(design, caches: KVCache, shadow: Optional[KVCache], key, *,

@@ -7,13 +7,19 @@ values, attends over the kept slots with Hajek offsets (returning the
 certificate statistics), and folds the attention into the statistics the
 design scores. Between chunks or decode steps the caller evicts with
 ``certkv_jax.eviction.evict`` and turns the statistics into a radius with
-``certkv_jax.certificate_radius``. ``models/forward.py`` (Llama) and the GPT-2
-example (``examples/gpt2``) both use exactly this path::
+``certkv_jax.certificate_radius``. The GPT-2 example (``examples/gpt2``) uses
+exactly this path, and ``models/forward.py`` (Llama) in its unrolled layer
+loop, on per-layer caches (``caches.unstack``)::
 
     cache = caches.layer(all_caches, i)              # this layer's caches
     pos = layer.positions(cache, valid)              # [b, t], for RoPE / learned
     out, cache, _, stats = layer.attend(q, k, v, cache, valid=valid, design=design)
     all_caches = caches.with_layer(all_caches, i, cache)
+
+A loop over stacked caches (``forward.py``'s ``lax.scan``) calls
+:func:`attend_layer` instead, after ``caches.reserve`` once per chunk: it
+writes each layer's keys and values into the stacked caches in place rather
+than copying the layer out and back.
 
 Call it inside ``jax.jit`` (unjitted, every small operation compiles apart).
 """
@@ -66,19 +72,72 @@ def attend(q, k, v, cache: KVCache, *, valid=None, design=None, observe: bool = 
     ``(out [batch, t, n_heads, head_dim] float32, cache, shadow, stats)`` with
     ``stats`` a ``ChunkStats`` of ``[batch, n_heads, t]`` arrays or None.
   """
-  b, t, n_heads, d = q.shape
+  valid, new_kv = _new_tokens(q, k, v, valid)
+  pos = positions(cache, valid)
+  with jax.named_scope("append"):
+    cache = caches_lib.append(cache, *new_kv)
+    if shadow is not None:  # never sharded
+      shadow = caches_lib.over_heads(cache_lib.append)(shadow, *new_kv)
+  out, cache, stats = _attend_appended(q, cache, shadow, pos, valid, design, observe,
+                                       certificate)
+  return out, cache, shadow, stats
+
+
+def attend_layer(q, k, v, caches: KVCache, i, slots: caches_lib.ChunkSlots, *, valid=None,
+                 design=None, observe: bool = True, certificate=True,
+                 shadow: Optional[KVCache] = None,
+                 shadow_slots: Optional[caches_lib.ChunkSlots] = None):
+  """:func:`attend` on layer ``i`` (int or traced) of stacked caches, in place.
+
+  ``caches.reserve`` gave the chunk its slots in every layer (``slots``); the
+  layer's keys and values are scattered into them (``caches.write_kv``) and
+  only the statistics a design folds are written back, so the layer's keys and
+  values are read where they lie. ``attend`` on ``caches.layer(caches, i)``
+  and ``caches.with_layer`` would copy them out and back every call::
+
+    all_caches, slots = caches.reserve(all_caches, valid)  # once per chunk
+    # layer i, its q, k, v at slots.positions:
+    out, all_caches, _, stats = layer.attend_layer(q, k, v, all_caches, i, slots,
+                                                   valid=valid, design=design)
+
+  Args:
+    caches: stacked caches, leaves ``[n_layers, batch, n_kv_heads, cap, ...]``;
+      ``shadow`` likewise, with its own ``shadow_slots``. The rest as :func:`attend`.
+
+  Returns:
+    ``(out, caches, shadow, stats)`` as :func:`attend`, with the stacked caches.
+  """
+  valid, (k_new, v_new, _) = _new_tokens(q, k, v, valid)
+  with jax.named_scope("append"):
+    caches = caches_lib.write_kv(caches, i, slots, k_new, v_new)
+    if shadow is not None:
+      shadow = caches_lib.write_kv(shadow, i, shadow_slots, k_new, v_new)
+  cache = caches_lib.layer(caches, i)
+  shadow_cache = None if shadow is None else caches_lib.layer(shadow, i)
+  out, folded, stats = _attend_appended(q, cache, shadow_cache, slots.positions, valid, design,
+                                        observe, certificate)
+  if design is not None:  # a design folds statistics only: the keys and values stay put
+    caches = caches_lib.with_layer(caches, i, folded, fields=cache_lib.STATISTICS)
+  return out, caches, shadow, stats
+
+
+def _new_tokens(q, k, v, valid):
+  """Checks the heads; ``(valid [b, t], (k, v [b, h_kv, t, d], valid [b, h_kv, t]))``."""
+  b, t, n_heads, _ = q.shape
   n_kv = k.shape[2]
   if n_heads % n_kv:
     raise ValueError(f"q has {n_heads} heads, not a multiple of the {n_kv} KV heads of k")
   if valid is None:
     valid = jnp.ones((b, t), bool)
-  pos = positions(cache, valid)
-  new_kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-            jnp.repeat(valid[:, None], n_kv, axis=1))
-  with jax.named_scope("append"):
-    cache = caches_lib.append(cache, *new_kv)
-    if shadow is not None:  # never sharded
-      shadow = caches_lib.over_heads(cache_lib.append)(shadow, *new_kv)
+  return valid, (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                 jnp.repeat(valid[:, None], n_kv, axis=1))
+
+
+def _attend_appended(q, cache, shadow, pos, valid, design, observe, certificate):
+  """Attention over one layer's caches that hold the chunk, and the design's fold:
+  ``(out [b, t, n_heads, d], cache, stats)``."""
+  b, t, n_heads, d = q.shape
+  n_kv = cache.k.shape[1]
   qg = q.reshape(b, t, n_kv, n_heads // n_kv, d).transpose(0, 2, 3, 1, 4)
   layer_flag, heads = certificate if isinstance(certificate, tuple) else (None, None)
   certificate = certificate is not False
@@ -93,7 +152,7 @@ def attend(q, k, v, cache: KVCache, *, valid=None, design=None, observe: bool = 
       window = design.observation_window if observe else 0
       cache = fold_statistics(design, cache, probs, valid, window)
   out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, n_heads, d)
-  return out, cache, shadow, stats
+  return out, cache, stats
 
 
 def fold_statistics(design, cache: KVCache, probs, valid, observation_window: int) -> KVCache:

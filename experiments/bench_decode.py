@@ -4,13 +4,17 @@ Times, side by side in one run (configurations interleaved round-robin), one
 jitted decode step (``forward_chunk`` of one token + ``evict`` with the traced
 budget) of the full cache and of each design at each budget, with and without
 the certificate, evicting after every step or every ``--evict_every`` steps,
-for each context and batch size; and the model's cached
+with each ``--layer_loop``, for each context and batch size, beside this
+machine's streaming-read bandwidth (each step's floor); and the model's cached
 prefill against its plain one-shot forward (:mod:`experiments.lib.bench.decode`).
 Writes ``--out/results.json`` (every measurement), ``summary.json``
-(``ratio_vs_full[budget][context]``), ``report.md`` and ``decode_ms.png``.
+(``ratio_vs_full[budget][context]``, ``floor_multiple[design][budget][context]``,
+``bandwidth_gbps``, ``layer_loop_ratio``), ``report.md`` and ``decode_ms.png``.
 
   python -m experiments.bench_decode --out=/tmp/bench_decode
   python -m experiments.bench_decode --out=/tmp/bench_decode --quick   # a small plan
+  python -m experiments.bench_decode --out=/tmp/bd --contexts=2048 --batches=1 \
+      --layer_loop=scan,unrolled --noplain_prefill
 """
 
 from absl import app
@@ -44,6 +48,13 @@ flags.DEFINE_integer("window", _P.window, "Recent window of every design.")
 flags.DEFINE_integer("seed", _P.seed, "Seed of the prompts and the eviction draws.")
 flags.DEFINE_float("max_seconds", _P.max_seconds, "Start no new cell after this many seconds "
                    "(0: no limit); the outputs then hold the finished cells.")
+flags.DEFINE_list("layer_loop", list(_P.layer_loop), "Layer loops to time, interleaved: "
+                  "'scan' (lax.scan over stacked weights and caches) and/or 'unrolled' "
+                  "(per-layer weights and caches read in place); both: the report gives "
+                  "their ratio.")
+flags.DEFINE_bool("plain_prefill", _P.plain_prefill, "Also time the plain one-shot forward "
+                  "beside the cached prefill (its dense softmax grows with the square of "
+                  "the context: most of a 4k cell's time).")
 flags.DEFINE_bool("quick", False, f"The reduced plan {bench_decode.QUICK} (flags not given "
                   "keep it).")
 

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from certkv_jax import budgets as budgets_lib
+from certkv_jax import caches as caches_lib
 from certkv_jax.cache import KVCache
 from models import inputs
 from certkv_jax.budgets import check_budget
@@ -53,6 +54,7 @@ from certkv_jax.eviction import evict
 from certkv_jax.eviction import evict_and_record
 from certkv_jax.eviction import init_state
 from certkv_jax.eviction import record_inclusion
+from models import forward
 from models.forward import allocation_args
 from models.forward import forward_chunk
 from models.generation import Generation
@@ -111,21 +113,38 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
 
   ``carry`` is ``(caches, shadow, state, key)``. Every step feeds the argmax
   token through :func:`forward_chunk` (with the certificate statistics) and,
-  with ``gen.evict_each_step``, evicts after every ``gen.evict_every``-th step
-  (a ``lax.cond``, so the other steps do no eviction work). The key is split
-  at every step either way.
+  with ``gen.evict_each_step``, evicts after every ``gen.evict_every``-th step.
+  That eviction runs at the start of the next step (or after the loop, for the
+  last): in one XLA program an eviction after the step's attention would zero
+  slots that its statistics still read, and XLA copies the caches to keep them
+  apart. A ``lax.cond`` skips it on the other steps. The key is split at every
+  step either way.
   """
   design, every = gen.design, gen.evict_every
+  evicts = design is not None and gen.evict_each_step
   batch = first_logits.shape[0]
-  certify = dict(certificate=Subsample(gen.certificate_layers, gen.certificate_heads))
+  certify = dict(certificate=Subsample(gen.certificate_layers, gen.certificate_heads),
+                 layer_loop=gen.layer_loop)
+  caches, shadow, state, key = carry
+  if gen.layer_loop == "unrolled":  # per-layer weights and caches for the whole loop
+    params = forward.unstack_layers(params)
+    caches = caches_lib.unstack(caches)
+    shadow = None if shadow is None else caches_lib.unstack(shadow)
 
   def evict_now(caches, shadow, state, sub):
     return evict_and_record(design, caches, shadow, sub, state=state,
                             layer_budgets=gen.layer_budgets, budget=budget,
                             **allocation_args(params, config, gen.allocation))
 
+  def evict_pending(carry):  # the eviction the last live step left due, if any
+    caches, shadow, state, logits, key, sub, pending = carry
+    if evicts:
+      caches, shadow, state = jax.lax.cond(
+          pending, evict_now, lambda c, s, st, _: (c, s, st), caches, shadow, state, sub)
+    return caches, shadow, state, logits, key, sub, jnp.zeros((), bool)
+
   def live(carry, i):
-    caches, shadow, state, step_logits, key = carry
+    caches, shadow, state, step_logits, key, _, _ = evict_pending(carry)
     logp = jax.nn.log_softmax(step_logits)
     token = jnp.argmax(step_logits, axis=-1).astype(jnp.int32)
     token_logp = jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0]
@@ -135,16 +154,10 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
         params, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
         observe=False, shadow=shadow, **certify)
     key, sub = jax.random.split(key)
-    if design is not None and gen.evict_each_step:
-      if every == 1:
-        caches, shadow, state = evict_now(caches, shadow, state, sub)
-      else:  # amortized: one eviction every evict_every steps, into the slack slots
-        caches, shadow, state = jax.lax.cond(i % every == every - 1, evict_now,
-                                             lambda c, s, st, _: (c, s, st), caches, shadow,
-                                             state, sub)
+    pending = jnp.asarray(evicts) & (i % every == every - 1)  # amortized: into the slack
     stats = jax.tree_util.tree_map(lambda a: a[0], stats)  # t = 1
     out = (token, token_logp, step_logits if gen.return_logits else None, stats)
-    return (caches, shadow, state, new_logits[:, 0], key), out
+    return (caches, shadow, state, new_logits[:, 0], key, sub, pending), out
 
   def step(carry, i):
     if not gen.stop_tokens:
@@ -156,20 +169,23 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
       nan = jax.tree_util.tree_map(
           lambda a: jnp.full(a.shape, jnp.nan if jnp.issubdtype(a.dtype, jnp.floating) else 0,
                              a.dtype), out[2:])
-      key = jax.random.split(carry[-1])[0]
-      return carry[:-1] + (key,), (jnp.full((batch,), stop[0]), jnp.zeros((batch,)), *nan)
+      carry = evict_pending(carry)
+      key, sub = jax.random.split(carry[4])
+      return carry[:4] + (key, sub, carry[6]), (jnp.full((batch,), stop[0]),
+                                                 jnp.zeros((batch,)), *nan)
 
     carry, out = jax.lax.cond(jnp.all(ended), idle, live, carry, i)
     return (carry, ended | jnp.isin(out[0], stop)), out
 
-  caches, shadow, state, key = carry
-  init = (caches, shadow, state, first_logits, key)
+  init = (caches, shadow, state, first_logits, key, key, jnp.zeros((), bool))
   if gen.stop_tokens:
     stop = jnp.asarray(gen.stop_tokens, jnp.int32)
     init = (init, jnp.zeros((batch,), bool))
   final, (toks, logps, step_logits, stats) = jax.lax.scan(
       step, init, jnp.arange(gen.n_steps, dtype=jnp.int32))
-  caches, _, state, _, _ = final[0] if gen.stop_tokens else final
+  caches, _, state, _, _, _, _ = evict_pending(final[0] if gen.stop_tokens else final)
+  if gen.layer_loop == "unrolled":
+    caches = caches_lib.stack(caches)
   certified = design is not None and design.randomized
   return Generation(
       tokens=toks.T, logprobs=logps.T,
@@ -180,6 +196,12 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
       n_dropped=jnp.max(caches.n_dropped, axis=(0, 2)).astype(jnp.int32),
       design_state=state, certified=jnp.asarray(certified),
       **{k: getattr(stats, k) for k in SIGNAL_FIELDS})
+
+
+def _params_loop(params) -> str:
+  """The layer loop for params in their form: the scan, unless they are per layer
+  (``forward.unstack_layers``)."""
+  return "unrolled" if isinstance(params["params"]["layers"], (tuple, list)) else "scan"
 
 
 def _check_prompt(tokens, mask, n_steps, *, config=None, name="tokens",
@@ -208,6 +230,9 @@ def _check_inputs(given: dict, gen: GenerationConfig) -> None:
   """The prompt checks that need values (token ids, mask rows, the model's context
   length; ``models.inputs``), run on the concrete arguments before the jitted call."""
   config, n_steps, every = given["config"], gen.n_steps, gen.evict_every
+  if gen.layer_loop not in forward.LAYER_LOOPS:
+    raise ValueError(f"layer_loop must be one of {forward.LAYER_LOOPS}, got "
+                     f"{gen.layer_loop!r}")
   if not isinstance(every, int) or isinstance(every, bool) or every < 1:
     raise ValueError(f"evict_every must be an int >= 1 (decode steps per eviction), got "
                      f"{every!r}")
@@ -332,7 +357,8 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, gen: GenerationC
   shadow = init_caches(config, batch, prompt_len + gen.n_steps) if gen.evaluate else None
   state = None if design is None else init_state(design, caches)
   logits, caches, _, shadow = forward_chunk(
-      params, config, tokens, mask, caches, design=design, certificate=False, shadow=shadow)
+      params, config, tokens, mask, caches, design=design, certificate=False, shadow=shadow,
+      layer_loop=_params_loop(params))
   key, sub = jax.random.split(key)
   if design is not None:
     caches, shadow, state = evict_and_record(design, caches, shadow, sub, state=state,
@@ -388,7 +414,8 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
     caches, shadow, state, key = carry
     toks, valid = xs
     _, caches, _, shadow = forward_chunk(params, config, toks, valid, caches, design=design,
-                                         certificate=False, shadow=shadow)
+                                         certificate=False, shadow=shadow,
+                                         layer_loop=_params_loop(params))
     key, sub = jax.random.split(key)
     if design is not None:
       caches, shadow, state = evict_and_record(design, caches, shadow, sub, state=state,
@@ -407,22 +434,33 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
       feed, (caches, shadow, state, key), (as_chunks(context), as_chunks(context_mask)))
   logits, caches, _, shadow = forward_chunk(
       params, config, question, question_mask, caches, design=design, certificate=False,
-      shadow=shadow)
+      shadow=shadow, layer_loop=_params_loop(params))
   return _decode_loop(params, config, gen, (caches, shadow, state, key),
                       _last_logits(logits, question_mask), budget)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "design"), donate_argnames=("caches",))
-def decode_step(params, caches: KVCache, tokens, *, config: LlamaConfig, design=None):
+@functools.partial(jax.jit, static_argnames=("config", "design", "layer_loop"),
+                   donate_argnames=("caches",))
+def decode_step(params, caches: KVCache, tokens, *, config: LlamaConfig, design=None,
+                layer_loop: Optional[str] = None):
   """One decode step for a caller's own loop: ``tokens`` [batch] through the
   model with certificate statistics. The caches are donated (updated in place);
   evict between steps with ``certkv_jax.eviction.evict``.
 
+  The fastest step takes ``forward.unstack_layers(params)`` and
+  ``caches.unstack(caches)`` (both once, before the loop): every layer's
+  weights and caches are then read in place (``layer_loop="unrolled"``, which
+  ``None`` picks for them; stacked params and caches: ``"scan"``).
+
   Returns:
     ``(logits [batch, vocab], caches, stats)``, ``stats`` a ``ChunkStats`` of
-    ``[n_layers, batch, n_heads]`` arrays.
+    ``[n_layers, batch, n_heads]`` arrays; the caches in the form given.
   """
+  if layer_loop is None:
+    per_layer = caches_lib.is_unstacked(caches) or _params_loop(params) == "unrolled"
+    layer_loop = "unrolled" if per_layer else "scan"
   valid = jnp.ones((tokens.shape[0], 1), bool)
   logits, caches, stats, _ = forward_chunk(params, config, tokens[:, None], valid, caches,
-                                           design=design, observe=False)
+                                           design=design, observe=False,
+                                           layer_loop=layer_loop)
   return logits[:, 0], caches, jax.tree_util.tree_map(lambda a: a[0], stats)

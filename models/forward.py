@@ -1,15 +1,23 @@
 """The forward pass of a chunk of new tokens through the model and its caches.
 
-:func:`forward_chunk` embeds the chunk, runs the decoder layers as a
-``lax.scan`` over the stacked layer parameters and caches
-(``certkv_jax.caches``), and returns the logits. Each layer appends the chunk's
-keys and values to its caches, attends over them with the certificate
-statistics and, with a design, folds the chunk's attention probabilities into
-the slot statistics the design scores: one call of the drop-in
-:func:`certkv_jax.layer.attend`; in a prompt chunk
-(``observe=True``) the last ``design.observation_window`` real queries are
-the observation window (SnapKV's ``obs``, replaced chunk by chunk). Eviction
-itself is ``certkv_jax.eviction``.
+:func:`forward_chunk` embeds the chunk, runs the decoder layers and returns
+the logits. Each layer appends the chunk's keys and values to its caches,
+attends over them with the certificate statistics and, with a design, folds
+the chunk's attention probabilities into the slot statistics the design
+scores (``certkv_jax.layer``); in a prompt chunk (``observe=True``) the last
+``design.observation_window`` real queries are the observation window
+(SnapKV's ``obs``, replaced chunk by chunk). Eviction itself is
+``certkv_jax.eviction``.
+
+Two layer loops, same results (``layer_loop``):
+
+* ``"scan"``: a ``lax.scan`` over the stacked layer parameters and caches
+  (``certkv_jax.caches``): one compiled layer, but every step copies its
+  layer's weights and caches out of the stacks before the matmuls read them.
+* ``"unrolled"``: a Python loop over per-layer parameters
+  (:func:`unstack_layers`) and per-layer caches (``caches.unstack``), each a
+  buffer of its own that the matmuls read in place: a decode step then reads
+  each weight and cache byte about once. It compiles every layer.
 """
 
 from __future__ import annotations
@@ -32,26 +40,29 @@ from models.llama import LlamaModel
 Array = jax.Array
 
 
-def _layer(config: LlamaConfig, design, observe: bool, certificate, x, valid,
-           layer_params, cache: KVCache, shadow: Optional[KVCache]):
-  """One decoder layer on a chunk: q, k, v, the drop-in attention
-  (``certkv_jax.layer.attend``: append, offset attention with the certificate
-  statistics, the design's statistics folded), then the output projection and MLP.
-  ``certificate`` is ``attend``'s: a bool or ``(layer_flag, heads)``.
+def _layer_stacked(config: LlamaConfig, design, observe: bool, certificate, x, valid,
+                   layer_params, caches: KVCache, shadow: Optional[KVCache], i, slots,
+                   shadow_slots):
+  """Decoder layer ``i`` on a chunk: q, k, v, the drop-in attention on the
+  stacked caches (``certkv_jax.layer.attend_layer``: keys and values into the
+  reserved slots, offset attention with the certificate statistics, the
+  design's statistics folded), then the output projection and MLP.
+  ``certificate`` is ``attend``'s: a bool or ``(layer_flag, heads)``; ``slots``
+  and ``shadow_slots`` are ``caches.reserve``'s.
 
   Returns:
-    ``(x [b, t, hidden], cache, stats [b, n_heads, t] or None, shadow)``.
+    ``(x [b, t, hidden], caches, stats [b, n_heads, t] or None, shadow)``.
   """
   block = Block(config)
   variables = {"params": layer_params}
   with jax.named_scope("qkv"):
-    q, k, v = block.apply(variables, x, layer.positions(cache, valid), method=Block.qkv)
-  out, cache, shadow, stats = layer.attend(
-      q, k, v, cache, valid=valid, design=design, observe=observe, certificate=certificate,
-      shadow=shadow)
+    q, k, v = block.apply(variables, x, slots.positions, method=Block.qkv)
+  out, caches, shadow, stats = layer.attend_layer(
+      q, k, v, caches, i, slots, valid=valid, design=design, observe=observe,
+      certificate=certificate, shadow=shadow, shadow_slots=shadow_slots)
   with jax.named_scope("mlp"):
     x = block.apply(variables, x, out, method=Block.finish)
-  return x, cache, stats, shadow
+  return x, caches, stats, shadow
 
 
 def allocation_args(params, config: LlamaConfig, allocation) -> dict:
@@ -60,24 +71,79 @@ def allocation_args(params, config: LlamaConfig, allocation) -> dict:
   an allocation that needs them."""
   gains = None
   if allocation is not None and allocation.needs_gains:
-    gains = allocation_lib.kv_head_gains(params["params"]["layers"]["o_proj"]["kernel"],
-                                         config.n_heads, config.n_kv_heads, config.head_dim)
+    layers = params["params"]["layers"]
+    gain = lambda w: allocation_lib.kv_head_gains(w, config.n_heads, config.n_kv_heads,
+                                                  config.head_dim)
+    if isinstance(layers, (tuple, list)):  # unstacked: per-layer gains, stacked (small)
+      gains = jnp.concatenate([gain(l["o_proj"]["kernel"][None]) for l in layers])
+    else:
+      gains = gain(layers["o_proj"]["kernel"])
   return dict(allocation=allocation, gains=gains)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "design", "observe", "certificate"))
+LAYER_LOOPS = ("scan", "unrolled")
+
+
+def unstack_layers(params):
+  """``params`` with the stacked ``layers`` subtree split into a tuple of per-layer trees.
+
+  Call it once, outside ``jit``: every layer's weights become buffers of their
+  own, which :func:`forward_chunk` (``layer_loop="unrolled"``) reads in place;
+  inside the ``lax.scan`` over stacked weights each step copies its layer's
+  slice out first. Params already unstacked are returned as they are.
+  """
+  layers = params["params"]["layers"]
+  if isinstance(layers, (tuple, list)):
+    return params
+  n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+  split = tuple(jax.tree_util.tree_map(lambda x, i=i: x[i], layers) for i in range(n))
+  return {**params, "params": {**params["params"], "layers": split}}
+
+
+def stack_layers(params):
+  """The inverse of :func:`unstack_layers` (stacked params are returned as they are)."""
+  layers = params["params"]["layers"]
+  if not isinstance(layers, (tuple, list)):
+    return params
+  stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+  return {**params, "params": {**params["params"], "layers": stacked}}
+
+
+def _check_layer_loop(params, config: LlamaConfig, caches, layer_loop: str) -> None:
+  """Checks ``layer_loop`` against the forms of ``params`` and ``caches``."""
+  if layer_loop not in LAYER_LOOPS:
+    raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+  layers = params["params"]["layers"]
+  unstacked = isinstance(layers, (tuple, list))
+  if unstacked and len(layers) != config.n_layers:
+    raise ValueError(f"params has {len(layers)} unstacked layers, config says n_layers="
+                     f"{config.n_layers}")
+  if caches_lib.is_unstacked(caches) and len(caches) != config.n_layers:
+    raise ValueError(f"caches has {len(caches)} unstacked layers, config says n_layers="
+                     f"{config.n_layers}")
+  if layer_loop == "scan" and (unstacked or caches_lib.is_unstacked(caches)):
+    raise ValueError("layer_loop='scan' needs stacked params and caches; unstacked ones "
+                     "(unstack_layers, caches.unstack) take layer_loop='unrolled'")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "design", "observe", "certificate",
+                                             "layer_loop"))
 def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *,
                   design=None, observe: bool = True, certificate=True,
-                  shadow: Optional[KVCache] = None):
+                  shadow: Optional[KVCache] = None, layer_loop: str = "scan"):
   """Runs a chunk of new tokens through the model with caches.
 
   Args:
-    params: ``{"params": ...}`` of :class:`models.llama.LlamaModel`.
+    params: ``{"params": ...}`` of :class:`models.llama.LlamaModel`, its
+      ``layers`` stacked (as loaded) or a tuple of per-layer trees
+      (:func:`unstack_layers`, ``layer_loop="unrolled"`` only).
     config: the model config.
     tokens: [batch, t] int token ids.
     valid: [batch, t] bool, False on (right) padding: padding takes no cache
       slot and no position.
-    caches: from :func:`certkv_jax.caches.init_caches` (or a previous chunk).
+    caches: from :func:`certkv_jax.caches.init_caches` (or a previous chunk),
+      stacked, or per layer (``caches.unstack``, ``layer_loop="unrolled"``
+      only); returned in the same form.
     design: optional ``certkv_jax.EvictionDesign``; its ``update`` folds the
       chunk's attention probabilities into the slot statistics.
     observe: whether this is a prompt chunk whose last
@@ -91,44 +157,97 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
       layers / KV heads (the others attend with the plain softmax, a
       ``lax.cond`` per layer, and report NaN; the logits do not change).
     shadow: evaluation mode: full caches (never evicted) that receive the same
-      keys and values; with the certificate the stats then include the true
-      error of every call.
+      keys and values (stacked or per layer, as ``caches``); with the
+      certificate the stats then include the true error of every call.
+    layer_loop: ``"scan"`` or ``"unrolled"`` (module docstring); same results.
+      Unrolled with stacked params or caches slices and splits them every
+      call: pass them unstacked where the calls repeat (a decode loop).
 
   Returns:
     ``(logits [batch, t, vocab] float32, caches, ChunkStats or None, shadow)``;
     every ChunkStats field is ``[t, n_layers, batch, n_heads]`` (``Generation``
     has ``[n_steps, n_layers, batch, n_heads]``, a decode step being a chunk of
     one query).
+
+  Raises:
+    ValueError: ``layer_loop`` not in ``LAYER_LOOPS``; unstacked params or
+      caches with ``"scan"`` or with a layer count other than ``config.n_layers``.
   """
+  _check_layer_loop(params, config, caches, layer_loop)
   sub = certificate if isinstance(certificate, certified_attention.Subsample) else None
   certificate_layers, certificate_heads = (None, None) if sub is None else (sub.layers,
                                                                             sub.heads)
   certificate = bool(certificate)
   layer_flags = certified_attention.check_certificate_subsample(
       config, certificate, certificate_layers, certificate_heads)
-  model = LlamaModel(config)
-  x = model.apply(params, tokens, method=LlamaModel.embed_tokens)
 
-  def body(carry, layer):
-    x, caches, shadow = carry
-    layer_params, flag, i = layer
-    cache = caches_lib.layer(caches, i)
-    shadow_cache = None if shadow is None else caches_lib.layer(shadow, i)
-    cert = certificate
+  def cert_of(flag):  # attend's certificate argument for one layer
     if certificate and (flag is not None or certificate_heads is not None):
-      cert = (flag, certificate_heads)  # this layer's subsample
-    x, cache, stats, shadow_cache = _layer(config, design, observe, cert, x, valid,
-                                           layer_params, cache, shadow_cache)
-    caches = caches_lib.with_layer(caches, i, cache)
-    if shadow is not None:
-      shadow = caches_lib.with_layer(shadow, i, shadow_cache)
-    return (x, caches, shadow), stats
+      return (flag, certificate_heads)  # this layer's subsample
+    return certificate
 
-  # The caches ride in the carry, each layer's slice written back in place
-  # (scanned inputs and outputs would copy the stacked caches every call).
-  (x, caches, shadow), stats = jax.lax.scan(
-      body, (x, caches, shadow),
-      (params["params"]["layers"], layer_flags, jnp.arange(config.n_layers, dtype=jnp.int32)))
+  model = LlamaModel(config)
+  top = {"params": {k: v for k, v in params["params"].items() if k != "layers"}}
+  x = model.apply(top, tokens, method=LlamaModel.embed_tokens)
+  layers = params["params"]["layers"]
+  if layer_loop == "scan":
+    caches, slots = caches_lib.reserve(caches, valid)
+    shadow_slots = None
+    if shadow is not None:
+      shadow, shadow_slots = caches_lib.reserve(shadow, valid)
+
+    def body(carry, xs):
+      x, caches, shadow = carry
+      layer_params, flag, i = xs
+      x, caches, stats, shadow = _layer_stacked(config, design, observe, cert_of(flag), x,
+                                                valid, layer_params, caches, shadow, i,
+                                                slots, shadow_slots)
+      return (x, caches, shadow), stats
+
+    # The caches ride in the carry, updated in place (scanned inputs and
+    # outputs would copy the stacked caches every call).
+    (x, caches, shadow), stats = jax.lax.scan(
+        body, (x, caches, shadow),
+        (layers, layer_flags, jnp.arange(config.n_layers, dtype=jnp.int32)))
+  else:
+    x, caches, stats, shadow = _unrolled(config, design, observe, cert_of, x, valid, layers,
+                                         layer_flags, caches, shadow)
   if stats is not None:  # [n_layers, batch, n_heads, t] -> [t, n_layers, batch, n_heads]
     stats = jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, -1, 0), stats)
-  return model.apply(params, x, method=LlamaModel.head), caches, stats, shadow
+  return model.apply(top, x, method=LlamaModel.head), caches, stats, shadow
+
+
+def _unrolled(config: LlamaConfig, design, observe: bool, cert_of, x, valid, layers,
+              layer_flags, caches, shadow):
+  """The Python loop over the layers, each on its own caches (``certkv_jax.layer.attend``).
+
+  Stacked params are sliced and stacked caches split here, every call (copies);
+  the caller's form of the caches is returned.
+
+  Returns:
+    ``(x, caches, stats [n_layers, batch, n_heads, t] or None, shadow)``.
+  """
+  as_given = lambda given, new: new if caches_lib.is_unstacked(given) else caches_lib.stack(new)
+  per_layer = list(caches_lib.unstack(caches))
+  shadows = None if shadow is None else list(caches_lib.unstack(shadow))
+  stats = []
+  for i in range(config.n_layers):
+    layer_params = layers[i] if isinstance(layers, (tuple, list)) else (
+        jax.tree_util.tree_map(lambda a, i=i: a[i], layers))
+    block = Block(config)
+    variables = {"params": layer_params}
+    with jax.named_scope("qkv"):
+      q, k, v = block.apply(variables, x, layer.positions(per_layer[i], valid),
+                            method=Block.qkv)
+    flag = None if layer_flags is None else layer_flags[i]
+    out, per_layer[i], sh, s = layer.attend(
+        q, k, v, per_layer[i], valid=valid, design=design, observe=observe,
+        certificate=cert_of(flag), shadow=None if shadow is None else shadows[i])
+    if shadow is not None:
+      shadows[i] = sh
+    with jax.named_scope("mlp"):
+      x = block.apply(variables, x, out, method=Block.finish)
+    stats.append(s)
+  stats = None if stats[0] is None else jax.tree_util.tree_map(lambda *a: jnp.stack(a), *stats)
+  shadow = None if shadow is None else as_given(shadow, tuple(shadows))
+  return x, as_given(caches, tuple(per_layer)), stats, shadow

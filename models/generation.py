@@ -48,6 +48,11 @@ class GenerationConfig:
       emitted one, the remaining steps skip the model (a ``lax.cond``): they
       return ``stop_tokens[0]`` with log-probability 0 and NaN logits and
       statistics. Everything up to that step equals the run without it.
+    layer_loop: the decode steps' loop over the layers
+      (``models.forward.forward_chunk``): "scan", or "unrolled" (per-layer
+      weights and caches read in place; the caches are split before the decode
+      loop and stacked after it, and stacked params sliced once per call:
+      pass ``forward.unstack_layers(params)`` to skip that). The prefill scans.
   """
 
   n_steps: int
@@ -64,6 +69,7 @@ class GenerationConfig:
   certificate_heads: Optional[tuple] = None
   on_token: Optional[Callable] = None
   stop_tokens: tuple = ()
+  layer_loop: str = "scan"
 
   def replace(self, **kw) -> "GenerationConfig":
     return dataclasses.replace(self, **kw)

@@ -37,6 +37,10 @@ from models.config import LlamaConfig
 
 Array = jax.Array
 _NEG = -1e30  # masked logit: finite, so a fully masked row cannot produce NaN
+# Up to this many rows (batch x tokens) the tied output projection puts the
+# embedding on the left of its matmul, read in place; XLA's CPU matmul
+# otherwise reads it through a transposed copy, which only many rows amortize.
+_FEW_ROWS = 64
 
 
 class RMSNorm(nn.Module):
@@ -168,7 +172,10 @@ class LlamaModel(nn.Module):
     """Final norm and output projection: [..., hidden] -> float32 [..., vocab]."""
     h = self.final_norm(x).astype(jnp.float32)
     if self.config.tie_embeddings:
-      return h @ self.embed.embedding.astype(jnp.float32).T
+      emb = self.embed.embedding.astype(jnp.float32)
+      if math.prod(h.shape[:-1]) <= _FEW_ROWS:  # decode: the embedding as it lies, no copy
+        return jnp.einsum("vd,...d->...v", emb, h)
+      return h @ emb.T
     return self.lm_head(h)
 
   def __call__(self, tokens, mask=None, positions=None):

@@ -198,7 +198,8 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, *, sqnorm=Non
     c1_sq = jnp.sum(c1 * c1, axis=-1)  # [..., 1]
     s2_blk = (jnp.sum(we2 * sq, axis=-1) - 2.0 * jnp.sum(c1 * s1_raw, axis=-1)
               + c1_sq * s0)
-    v_c = dot(c1, jnp.swapaxes(vf, -1, -2))  # [..., 1, n]: the range bound's v . c only
+    # [..., 1, n]: the range bound's v . c only (values on the left: read in place).
+    v_c = jnp.swapaxes(dot(vf, jnp.swapaxes(c1, -1, -2)), -1, -2)
     vn2 = jnp.maximum(sq - 2.0 * v_c + c1_sq[..., None], 0.0)
   return Partials(
       m=m_new,
@@ -277,9 +278,13 @@ def finalize(p: Partials) -> Finalized:
 
 
 def slot_logits(q, k, offset, valid, scale, precision=jax.lax.Precision.HIGHEST):
-  """``q . k * scale + offset`` for rows q [..., g, d] and keys k [..., n, d]."""
-  s = jnp.matmul(q.astype(jnp.float32), jnp.swapaxes(k.astype(jnp.float32), -1, -2),
-                 precision=precision)
+  """``q . k * scale + offset`` for rows q [..., g, d] and keys k [..., n, d].
+
+  Computed as ``k @ q^T`` (keys on the left): with the keys' contracted axis
+  minor, XLA's CPU matmul reads them where they lie instead of a transposed copy.
+  """
+  s = jnp.swapaxes(jnp.matmul(k.astype(jnp.float32), jnp.swapaxes(q.astype(jnp.float32), -1, -2),
+                              precision=precision), -1, -2)
   return jnp.where(valid, s * scale + offset, _NEG_INF)
 
 
@@ -316,7 +321,8 @@ def exact_range(l, v, w, valid, out, lse, sqnorm=None):
   else:
     valid_any = jnp.any(valid, axis=-2, keepdims=True)  # [..., 1, n]
     vf = jnp.where(jnp.swapaxes(valid_any, -1, -2), v.astype(jnp.float32), 0.0)
-    v_o = jnp.matmul(out, jnp.swapaxes(vf, -1, -2), precision=jax.lax.Precision.HIGHEST)
+    v_o = jnp.swapaxes(jnp.matmul(vf, jnp.swapaxes(out, -1, -2),
+                                  precision=jax.lax.Precision.HIGHEST), -1, -2)  # [..., g, n]
     d2 = (jnp.where(valid_any, sqnorm, 0.0) - 2.0 * v_o
           + jnp.sum(out * out, axis=-1, keepdims=True))
     dev = jnp.sqrt(jnp.maximum(d2, 0.0))

@@ -24,6 +24,7 @@ import pytest
 
 import certkv_jax
 from certkv_jax import cache as cache_lib
+from certkv_jax import memory as memory_lib
 from experiments.lib import model_loading
 from experiments.lib.bench import decode as bench_decode
 from experiments.lib.bench import decode_report as bench_decode_report
@@ -31,7 +32,13 @@ from tests import test_util
 
 SCRIPT = os.path.join(test_util.ROOT, "scripts", "device_check.sh")
 TINY_PLAN = ["--contexts=64", "--batches=1", "--repeats=3", "--designs=poisson_tail,h2o",
-             "--budgets=0.25,0.5", "--n_sink=2", "--window=4", "--evict_every=1"]
+             "--budgets=0.25,0.5", "--n_sink=2", "--window=4", "--evict_every=1",
+             "--layer_loop=scan"]
+# A step's time over its floor (bytes / the streaming bandwidth measured in the same run)
+# cannot fall far below 1: each is a median of per-round ratios, and on the shared 2-core
+# machine a round's probe and step can each be off by some 10-20%; on the tiny model a
+# step's fixed per-operation costs make it several times its floor.
+FLOOR_TOLERANCE = 0.8
 
 
 def _command(out, *extra):
@@ -90,7 +97,7 @@ class CommandTest(absltest.TestCase):
         test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="bench_decode_model_")))
     plan = bench_decode.Plan(designs=("poisson_tail",), budgets=(0.25, 0.5), contexts=(64,),
                              batches=(1,), repeats=2, certificate="without", n_sink=2,
-                             window=4, evict_every=(1, 4)).check()
+                             window=4, evict_every=(1, 4), layer_loop=("scan",)).check()
     out = tempfile.mkdtemp(prefix="bench_decode_out_")
     results = bench_decode.run(params, config, plan, out, model="tiny", log=lambda _: None)
     full, quarter, quarter4, half, half4 = results["decode"]
@@ -120,6 +127,47 @@ class CommandTest(absltest.TestCase):
     self.assertEqual(head["batch"], 4)
     self.assertIn("batch 1 not measured", head["note"])
 
+  @pytest.mark.slow  # 4 compiles of the tiny model's decode step (2 configurations x 2 loops)
+  def test_floor_and_layer_loops(self):
+    test_util.ensure_flags_parsed()
+    params, config, _ = model_loading.load_model(
+        test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="bench_decode_model_")))
+    plan = bench_decode.Plan(designs=("h2o",), budgets=(0.25,), contexts=(32,), batches=(1,),
+                             repeats=3, certificate="with", n_sink=2, window=4,
+                             evict_every=(1,), plain_prefill=False).check()
+    self.assertEqual(plan.layer_loop, ("scan", "unrolled"))  # the default: both
+    out = tempfile.mkdtemp(prefix="bench_decode_out_")
+    results = bench_decode.run(params, config, plan, out, model="tiny", log=lambda _: None)
+    with open(os.path.join(out, "summary.json")) as f:
+      summary = json.load(f)
+    self.assertEqual(summary["layer_loop"], "unrolled")
+    self.assertEqual(set(summary["bandwidth_gbps"]), {"32"})
+    self.assertGreater(summary["bandwidth_gbps"]["32"], 0)
+    self.assertEqual(set(summary["floor_multiple"]), {"full", "h2o"})
+    self.assertEqual(summary["floor_multiple"]["full"].keys(), {"1.0"})
+    self.assertEqual(summary["floor_multiple"]["h2o"].keys(), {"0.25"})
+    for table in (summary["floor_multiple"], summary["layer_loop_ratio"]):
+      for per_budget in table.values():
+        for per_context in per_budget.values():
+          self.assertEqual(set(per_context), {"32"})
+    for r in results["decode"]:
+      self.assertGreaterEqual(r["floor_multiple"], FLOOR_TOLERANCE, r)
+      self.assertGreater(r["scan_over_unrolled"], 0)
+    self.assertLen(results["decode"], 2 * 2)  # (full, h2o) x (scan, unrolled)
+    self.assertEqual([r["method"] for r in results["prefill"]], ["cached"])  # no plain
+    with open(os.path.join(out, "report.md")) as f:
+      report = f.read()
+    self.assertIn("Scan over unrolled", report)
+    self.assertIn("over its floor", report)
+    # The weights' matrix-vector products alone: bytes as the floor counts them, a multiple
+    # of their floor in the same tolerance as the steps'.
+    (bw,) = results["bandwidth"]
+    self.assertEqual(bw["matvec_bytes"], bench_decode.matvec_bytes(
+        bench_decode.forward.unstack_layers(params), config))
+    self.assertGreaterEqual(bw["matvec_floor_multiple"], FLOOR_TOLERANCE)
+    self.assertEqual(set(summary["matvec_floor_multiple"]), {"32"})
+    self.assertIn("Matrix-vector floor", report)
+
   def test_bad_flag_fails_naming_it(self):
     done = _command(tempfile.mkdtemp(prefix="bench_decode_out_"), "--budgets=0.25,1.5")
     self.assertNotEqual(done.returncode, 0)
@@ -147,7 +195,9 @@ class PlanTest(absltest.TestCase):
                     (dict(max_seconds=-1), "--max_seconds must be >= 0"),
                     (dict(evict_every=(0,)), r"--evict_every must be an int in \[1, 4096\]"),
                     (dict(evict_every=(4, 4)), "--evict_every has duplicates"),
-                    (dict(evict_every=(3, 4)), "--evict_every values must divide the largest")):
+                    (dict(evict_every=(3, 4)), "--evict_every values must divide the largest"),
+                    (dict(layer_loop=("while",)), r"--layer_loop must be a list of \['scan'"),
+                    (dict(layer_loop=()), "--layer_loop must not be empty")):
       with self.subTest(msg=msg):
         with self.assertRaisesRegex(ValueError, msg):
           bench_decode.Plan(**dict(dict(contexts=(64,)), **kw)).check(max_positions=100)
@@ -158,10 +208,11 @@ class PlanTest(absltest.TestCase):
     fv = dict(designs=["h2o"], budgets=["0.5"], contexts=["64"], batches=["1"],
               evict_every=["1", "8"], repeats=3,
               certificate="with", capacity="compact", n_sink=4, window=16, seed=0,
-              max_seconds=0.0, quick=True)
+              max_seconds=0.0, quick=True, layer_loop=["unrolled"], plain_prefill=False)
     getter = lambda name: types.SimpleNamespace(present=name == "designs")  # fv[name].present
     plan = bench_decode.plan_from_flags(_Flags(fv, getter))
     self.assertEqual(plan.designs, ("h2o",))  # given: kept
+    self.assertEqual((plan.layer_loop, plan.plain_prefill), (("unrolled",), False))
     self.assertEqual(plan.evict_every, bench_decode.QUICK["evict_every"])
     self.assertEqual(plan.contexts, bench_decode.QUICK["contexts"])  # not given: quick's
     with self.assertRaisesRegex(ValueError, "--contexts must be ints"):
@@ -174,6 +225,69 @@ class PlanTest(absltest.TestCase):
     eleven = bench_decode.median_interval(np.arange(11.0))
     self.assertEqual((eleven["lo"], eleven["hi"]), (1.0, 9.0))  # x_(2), x_(10)
     self.assertGreaterEqual(eleven["level"], 0.95)
+
+
+class FloorTest(absltest.TestCase):
+
+  def test_floor_bytes(self):
+    config = test_util.tiny_config()  # untied: a step reads one embedding row
+    emb = np.zeros((config.vocab_size, config.hidden), np.float32)
+    params = {"params": {"embed": {"embedding": emb}, "w": np.zeros((10,), np.float32)}}
+    weights = emb.nbytes // config.vocab_size + 40
+    self.assertEqual(bench_decode.weight_bytes(params, config), weights)
+    tied = config.replace(tie_embeddings=True)
+    self.assertEqual(bench_decode.weight_bytes(params, tied), emb.nbytes + 40)
+    caches = config.n_layers * 3 * config.n_kv_heads  # batch 3
+    kv = 2 * config.head_dim * 4
+    self.assertEqual(bench_decode.floor_bytes(params, config, None, 7, 3),
+                     weights + caches * 7 * kv)
+    design = certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=2)
+    self.assertEqual(bench_decode.floor_bytes(params, config, design, 7, 3),
+                     weights + caches * 7 * memory_lib.slot_bytes(design, config.head_dim))
+
+  def test_matvec_probe_reads_what_the_floor_counts(self):
+    config = test_util.tiny_config()  # untied: the embedding is not a matvec
+    rng = np.random.default_rng(0)
+    emb = rng.normal(size=(config.vocab_size, config.hidden)).astype(np.float32)
+    w = rng.normal(size=(config.hidden, 5)).astype(np.float32)
+    norm = rng.normal(size=(config.hidden,)).astype(np.float32)
+    params = {"params": {"embed": {"embedding": emb}, "layers": ({"w": w, "norm": norm},)}}
+    self.assertEqual(bench_decode.matvec_bytes(params, config), w.nbytes + norm.nbytes)
+    got = bench_decode._matvec_fn(config, 2)(params)
+    np.testing.assert_allclose(got, 2 * w.sum() + norm.sum(), rtol=1e-5)
+    tied = config.replace(tie_embeddings=True)
+    self.assertEqual(bench_decode.matvec_bytes(params, tied), emb.nbytes + w.nbytes + norm.nbytes)
+    np.testing.assert_allclose(bench_decode._matvec_fn(tied, 2)(params),
+                               2 * (emb.sum() + w.sum()) + norm.sum(), rtol=1e-4)
+
+  def test_summary_and_report_from_rows(self):
+    row = lambda design, budget, loop, ms, fm, ratio: dict(
+        context=64, batch=1, design=design, certificate=design != "full", budget=budget,
+        evict_every=1, layer_loop=loop, capacity=70, kept_tokens=64, new_executable=True,
+        samples=[ms], median=ms, ci=[ms, ms], ci_level=0.5, compile_s=1.0, first_call=2.0,
+        ratio_vs_full=ms / 2.0, ratio_vs_full_ci=[0.4, 0.6], floor_multiple=fm,
+        floor_multiple_ci=[fm, fm], scan_over_unrolled=ratio, scan_over_unrolled_ci=[1, 3])
+    results = dict(model="tiny", device="cpu", complete=True, cells_done=[[64, 1]],
+                   cells_skipped=[], warmup_calls=2, prefill=[],
+                   plan=dict(designs=["h2o"], budgets=[0.25], certificate="with",
+                             capacity="compact", repeats=1, evict_every=[1],
+                             layer_loop=["scan", "unrolled"]),
+                   bandwidth=[dict(context=64, batch=1, bytes=100, samples=[1e-8], gbps=10.0)],
+                   decode=[row("full", None, "scan", 4.0, 2.0, 2.0),
+                           row("full", None, "unrolled", 2.0, 1.2, 2.0),
+                           row("h2o", 0.25, "scan", 3.0, 1.9, 3.0),
+                           row("h2o", 0.25, "unrolled", 1.0, 1.1, 3.0)])
+    summary = bench_decode_report.summarize(results)
+    self.assertEqual(summary["layer_loop"], "unrolled")
+    self.assertEqual(summary["bandwidth_gbps"], {"64": 10.0})
+    self.assertEqual(summary["floor_multiple"], {"full": {"1.0": {"64": 1.2}},
+                                                 "h2o": {"0.25": {"64": 1.1}}})
+    self.assertEqual(summary["layer_loop_ratio"], {"full": {"1.0": {"64": 2.0}},
+                                                   "h2o": {"0.25": {"64": 3.0}}})
+    self.assertEqual(summary["ratio_vs_full"], {"0.25": {"64": 0.5}})  # the unrolled rows
+    report = bench_decode_report.render(results, summary)
+    self.assertIn("| h2o+certificate [unrolled] | 0.25 | 0.50 [0.40, 0.60] / 1.10x |", report)
+    self.assertIn("batch 1 n=64: 10.0", report)
 
 
 class _Flags:

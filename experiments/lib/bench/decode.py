@@ -29,6 +29,11 @@ steps, each the argmax token through ``forward_chunk``, the design evicting
 (``evict`` with the traced budget) after every ``k``-th step -- is called again
 and again on its own output (the caches donated, so that they are updated in
 place as in the ``lax.scan`` loop), ``block_until_ready`` after each call.
+A call starts with the eviction due after the previous call's last step, as
+``models.decode.generate`` runs it at the start of the next step: in one XLA
+program an eviction after the attention would zero slots that its statistics
+still read, and XLA would copy the caches to keep them apart. The
+certificate statistics of every step are outputs, so none is skipped.
 ``k`` is the configuration's ``--evict_every`` (1: after every step; more:
 amortized eviction into ``k`` slack slots) and ``S`` the largest
 ``--evict_every`` for every configuration, the full cache's included, so that
@@ -42,6 +47,28 @@ calls decode at positions ``context``, ``context + 1``, ... (at most
 ``S (2 + repeats)`` past the prompt, beyond the model's context at the largest
 one: it changes no cost).
 
+Layer loop (``--layer_loop``): ``scan`` runs the layers as a ``lax.scan`` over
+the stacked weights and caches, ``unrolled`` as a Python loop over per-layer
+weights and caches (``models.forward.unstack_layers``, ``certkv_jax.caches.unstack``,
+both once per cell, outside the timed calls), read in place
+(``models.forward.forward_chunk(layer_loop=...)``). Given both, each
+configuration is timed with each, in the same round-robin, and the report gives
+the scan / unrolled ratio (median of the per-round ratios).
+
+The floor: in every cell the round-robin also times a jitted ``jnp.sum`` of a
+float32 buffer of the full cache's step bytes, this machine's streaming-read
+bandwidth in that run. A step's floor is its bytes over that bandwidth: the
+weights it reads (every parameter; of an untied embedding only the token's
+row) plus, for each of its ``n_layers x batch x n_kv_heads`` caches, the slots it
+attends over (its capacity: the compact layout's, or the whole prompt's and
+the timed calls' for the full cache) at ``certkv_jax.memory.slot_bytes`` each
+(key, value and the design's per-slot metadata; none for the full cache). The
+floor multiple is the median of the per-round ratios of the step's time to
+its floor in the same round. Beside them the round-robin times the weights'
+matrix-vector products alone (every weight matrix times a ``[batch, in]``
+vector, :func:`_matvec_fn`): their floor multiple bounds what a step whose
+weights dominate its bytes can reach on this backend.
+
 Cache layout (``--capacity``): ``compact`` (default) allocates what a deployment
 would: the most tokens the design keeps during the timed calls plus ``k``
 slack slots (:func:`compact_capacity`; kept slots gathered to the front,
@@ -54,6 +81,10 @@ step costs about the same at every budget.
 Intervals: the median's distribution-free order-statistic interval (its level
 is >= 95% from 6 repeats on; below that the [min, max] interval and its level
 ``1 - 2^(1 - n)`` are reported).
+
+``--noplain_prefill`` skips the plain one-shot forward (its dense softmax grows
+with the square of the context: most of a 4k cell's time); the cached prefill is
+then timed alone.
 
 The command: ``python -m experiments.bench_decode --out=/tmp/bench_decode``.
 """
@@ -73,6 +104,7 @@ import numpy as np
 from certkv_jax import cache as cache_lib
 from certkv_jax import caches as caches_lib
 from certkv_jax import eviction
+from certkv_jax import memory as memory_lib
 from certkv_jax import registry
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
@@ -89,6 +121,7 @@ BATCHES = (1, 8)
 EVICT_EVERY = (1, 16)
 CERTIFICATE = ("both", "with", "without")
 CAPACITY = ("compact", "full")
+LAYER_LOOPS = forward.LAYER_LOOPS
 QUICK = dict(contexts=(256, 512), batches=(1,), repeats=5, designs=("poisson_tail",),
              budgets=(0.25,), evict_every=(1, 4))
 WARMUP = 2  # the first call (compile) and one more before the timed calls
@@ -113,6 +146,8 @@ class Plan:
   window: int = design_defaults.WINDOW
   seed: int = 0
   max_seconds: float = 0.0
+  layer_loop: tuple = LAYER_LOOPS
+  plain_prefill: bool = True
 
   @property
   def certificate_modes(self) -> tuple:
@@ -133,7 +168,7 @@ class Plan:
     known = list(registry.names())
     for flag, vals in (("designs", self.designs), ("budgets", self.budgets),
                        ("contexts", self.contexts), ("batches", self.batches),
-                       ("evict_every", self.evict_every)):
+                       ("evict_every", self.evict_every), ("layer_loop", self.layer_loop)):
       if not vals:
         raise ValueError(f"--{flag} must not be empty")
       if len(set(vals)) != len(vals):
@@ -164,6 +199,9 @@ class Plan:
     if self.certificate not in CERTIFICATE:
       raise ValueError(f"--certificate must be one of {list(CERTIFICATE)}, got "
                        f"{self.certificate!r}")
+    if not set(self.layer_loop) <= set(LAYER_LOOPS):
+      raise ValueError(f"--layer_loop must be a list of {list(LAYER_LOOPS)}, got "
+                       f"{list(self.layer_loop)}")
     if self.capacity not in CAPACITY:
       raise ValueError(f"--capacity must be one of {list(CAPACITY)}, got {self.capacity!r}")
     if not (isinstance(self.max_seconds, (int, float)) and self.max_seconds >= 0):
@@ -193,7 +231,8 @@ def plan_from_flags(fv) -> Plan:
             batches=_parse("batches", fv.batches, int),
             evict_every=_parse("evict_every", fv.evict_every, int), repeats=fv.repeats,
             certificate=fv.certificate, capacity=fv.capacity, n_sink=fv.n_sink,
-            window=fv.window, seed=fv.seed, max_seconds=fv.max_seconds)
+            window=fv.window, seed=fv.seed, max_seconds=fv.max_seconds,
+            layer_loop=tuple(fv.layer_loop), plain_prefill=fv.plain_prefill)
   if fv.quick:
     kw.update({k: v for k, v in QUICK.items() if not fv[k].present})
   return Plan(**kw).check()
@@ -205,30 +244,34 @@ def median_interval(samples) -> dict:
   return intervals.median_interval(samples, LEVEL)
 
 
-def _step_fn(config, design, certificate: bool, every: int = 1, steps: int = 1):
+def _step_fn(config, design, certificate: bool, every: int = 1, steps: int = 1,
+             layer_loop: str = "scan"):
   """One jitted call on a donated ``(caches, logits, key)`` carry: ``steps`` decode steps,
   the design evicting after every ``every``-th (``every = 1``: after each step, as
   ``GenerationConfig(evict_each_step=True)``; more: amortized eviction,
-  ``evict_every``). ``steps`` is a multiple of ``every``."""
+  ``evict_every``). ``steps`` is a multiple of ``every``. With ``layer_loop="unrolled"``
+  the params and caches are passed per layer."""
 
   def one(params, carry, budget, evicts: bool):
     caches, logits, key = carry
     batch = logits.shape[0]
+    key, sub = jax.random.split(key)
+    if design is not None and evicts:  # the previous step's eviction
+      caches, _, _ = eviction.evict(design, caches, sub, budget=budget)
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     new_logits, caches, stats, _ = forward.forward_chunk(
         params, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
-        observe=False, certificate=certificate)
-    key, sub = jax.random.split(key)
-    if design is not None and evicts:
-      caches, _, _ = eviction.evict(design, caches, sub, budget=budget)
+        observe=False, certificate=certificate, layer_loop=layer_loop)
     out = () if stats is None else (stats.var_hat, stats.range_hat)  # kept: not dead code
     return (caches, new_logits[:, 0], key), out
 
   def period(params, carry, budget):
+    carry, out = one(params, carry, budget, True)
     if every > 1:
-      carry, _ = jax.lax.scan(lambda c, _: one(params, c, budget, False), carry, None,
-                              length=every - 1)
-    return one(params, carry, budget, True)
+      carry, outs = jax.lax.scan(lambda c, _: one(params, c, budget, False), carry, None,
+                                 length=every - 1)
+      out = (out, outs)
+    return carry, out
 
   def call(params, carry, budget):
     if steps == every:
@@ -249,6 +292,58 @@ def compact_capacity(kept: int, budget: float, every: int, appended: int, contex
   call plus ``every`` slack slots.
   """
   return max(kept, math.floor(budget * (context + appended))) + every
+
+
+def weight_bytes(params, config) -> int:
+  """Bytes of weights a decode step reads: every parameter, but of an untied
+  embedding only one row per token (the tied one is the output projection too)."""
+  total = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(params))
+  if not config.tie_embeddings:
+    emb = params["params"]["embed"]["embedding"]
+    total -= int(emb.nbytes) - int(emb.nbytes) // int(emb.shape[0])
+  return total
+
+
+def floor_bytes(params, config, design, capacity: int, batch: int, dtype=jnp.float32) -> int:
+  """A decode step's floor bytes: :func:`weight_bytes` plus ``capacity`` slots of
+  ``certkv_jax.memory.slot_bytes(design, head_dim)`` in each of the
+  ``n_layers x batch x n_kv_heads`` caches (``design`` None: the full cache, keys and
+  values only)."""
+  caches = config.n_layers * batch * config.n_kv_heads
+  return weight_bytes(params, config) + caches * capacity * memory_lib.slot_bytes(
+      design, config.head_dim, dtype=dtype)
+
+
+def _read_fn():
+  """A jitted streaming read: the sum of a float32 buffer (the bandwidth probe)."""
+  return jax.jit(jnp.sum)
+
+
+def _matvec_fn(config, batch: int):
+  """A jitted ``[batch, in] @ W`` over every weight matrix of per-layer params
+  (the tied embedding as the output projection; an untied one, of which a step
+  reads one row, skipped): the weight reads of a step with nothing else, what
+  this backend's matrix-vector products attain against the floor."""
+
+  def matvecs(params):
+    total = jnp.float32(0.0)
+    for path, w in jax.tree_util.tree_leaves_with_path(params):
+      embed = "embed" in jax.tree_util.keystr(path)
+      if embed and not config.tie_embeddings:
+        continue
+      if w.ndim != 2:  # norms
+        total += jnp.sum(w)
+        continue
+      x = jnp.ones((batch, w.shape[1] if embed else w.shape[0]), w.dtype)
+      total += jnp.sum(x @ w.T if embed else x @ w)
+    return total
+  return jax.jit(matvecs)
+
+
+def matvec_bytes(per_layer_params, config) -> int:
+  """Bytes :func:`_matvec_fn` reads: every parameter but an untied embedding."""
+  return sum(int(w.nbytes) for path, w in jax.tree_util.tree_leaves_with_path(per_layer_params)
+             if config.tie_embeddings or "embed" not in jax.tree_util.keystr(path))
 
 
 def _prefill_fn(config, design, capacity: int):
@@ -326,8 +421,12 @@ def _finish(t: _Timed, scale: float) -> dict:
 
 
 def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
-              executables: set) -> tuple[list, list]:
-  """Decode rows and prefill rows of one (context, batch) cell."""
+              executables: set, per_layer_params=None) -> tuple[list, list, dict]:
+  """Decode rows, prefill rows and the bandwidth probe of one (context, batch) cell.
+
+  ``per_layer_params``: ``forward.unstack_layers(params)`` for the unrolled loop
+  (made here when None and the plan times it).
+  """
   key = jax.random.PRNGKey(plan.seed)
   tokens = jax.random.randint(jax.random.fold_in(key, context * 131 + batch), (batch, context),
                               0, config.vocab_size, jnp.int32)
@@ -335,27 +434,39 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
   per_call = plan.steps_per_call
   cap_full = context + plan.n_calls * per_call  # the full cache keeps every token
   param_bytes = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(params))
+  loop_params = {"scan": params}
+  if "unrolled" in plan.layer_loop:
+    loop_params["unrolled"] = (forward.unstack_layers(params) if per_layer_params is None
+                               else per_layer_params)
   base = dict(context=context, batch=batch)
   full_prefill = _memo(steps, ("prefill", None, cap_full),
                        lambda: _prefill_fn(config, None, cap_full))
   (logits, full_caches), prefill_first = _timed_call(full_prefill, params, tokens, mask)
-  timed = []
+  timed, states = [], []
 
   def add(design_name, design, cert, budget, caches, first_logits, kept, every=1):
-    fn = _memo(steps, (design_name, cert, every, per_call),
-               lambda: _step_fn(config, design, cert, every, per_call))
     cap = int(caches.k.shape[-2])
-    shape_key = (design_name, cert, every, context, batch, cap)
-    row = dict(base, design=design_name, certificate=cert, budget=budget, evict_every=every,
-               capacity=cap, kept_tokens=kept, new_executable=shape_key not in executables,
-               step_bytes=param_bytes + memory.caches_bytes(caches)["total"])
-    executables.add(shape_key)
-    carry = jax.tree_util.tree_map(jnp.copy, (caches, first_logits, key))  # donated: own copy
-    call, state = _stepper(fn, params, carry, jnp.float32(1.0 if budget is None else budget))
-    timed.append(_Timed(row, call, steps=per_call))
-    return state
+    for loop in plan.layer_loop:
+      fn = _memo(steps, (design_name, cert, every, per_call, loop),
+                 lambda: _step_fn(config, design, cert, every, per_call, loop))
+      shape_key = (design_name, cert, every, context, batch, cap, loop)
+      row = dict(base, design=design_name, certificate=cert, budget=budget, evict_every=every,
+                 layer_loop=loop, capacity=cap, kept_tokens=kept,
+                 new_executable=shape_key not in executables,
+                 step_bytes=param_bytes + memory.caches_bytes(caches)["total"],
+                 floor_bytes=floor_bytes(params, config, design, cap, batch,
+                                         caches.k.dtype))
+      executables.add(shape_key)
+      carry = jax.tree_util.tree_map(jnp.copy, (caches, first_logits, key))  # donated: own
+      if loop == "unrolled":
+        carry = (caches_lib.unstack(carry[0]),) + carry[1:]
+      call, state = _stepper(fn, loop_params[loop], carry,
+                             jnp.float32(1.0 if budget is None else budget))
+      timed.append(_Timed(row, call, steps=per_call))
+      states.append(state)
 
-  states = [add("full", None, False, None, full_caches, logits, context)]
+  add("full", None, False, None, full_caches, logits, context)
+  probe_bytes = timed[0].row["floor_bytes"]  # the full cache's step bytes
   del full_caches
   for name in plan.designs:
     design = design_defaults.make_design(name, _STATIC_BUDGET, plan.n_sink, plan.window)
@@ -371,26 +482,56 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
           caches = cache_lib.compact(
               evicted, compact_capacity(kept, b, every, plan.n_calls * per_call, context))
         for cert in plan.certificate_modes:
-          states.append(add(name, design, cert, b, caches, d_logits, kept, every))
+          add(name, design, cert, b, caches, d_logits, kept, every)
     del d_caches
-  _round_robin(timed, plan.repeats)
-  dropped = [int(jnp.sum(s["carry"][0].n_dropped)) for s in states]
+  read, buf = _read_fn(), jnp.ones((max(probe_bytes // 4, 1),), jnp.float32)
+  probe = _Timed(dict(base, bytes=int(buf.nbytes)), lambda: _timed_call(read, buf)[1])
+  per_layer = loop_params.get("unrolled") or forward.unstack_layers(params)
+  matvec = _memo(steps, ("matvec", batch), lambda: _matvec_fn(config, batch))
+  mv = _Timed(dict(base, bytes=matvec_bytes(per_layer, config)),
+              lambda: _timed_call(matvec, per_layer)[1])
+  _round_robin(timed + [probe, mv], plan.repeats)
+  dropped = [int(jnp.sum(caches_lib.stack(s["carry"][0]).n_dropped)) for s in states]
   if any(dropped):
     raise RuntimeError(f"decode benchmark bug: tokens found no cache slot ({dropped}); the "
                        "capacity must hold every appended token")
   rows = [_finish(t, 1e3) for t in timed]
-  full = rows[0]
+  probe_s = np.asarray(probe.samples)
+  # The weights' matrix-vector products alone over their floor, per round.
+  mv_floor = mv.row["bytes"] * probe_s / probe.row["bytes"]
+  mvm = median_interval(np.asarray(mv.samples) / mv_floor)
+  bandwidth = dict(base, bytes=probe.row["bytes"], samples=probe.samples,
+                   gbps=probe.row["bytes"] / float(np.median(probe_s)) / 1e9,
+                   matvec_bytes=mv.row["bytes"], matvec_ms=float(np.median(mv.samples)) * 1e3,
+                   matvec_floor_multiple=mvm["median"],
+                   matvec_floor_multiple_ci=[mvm["lo"], mvm["hi"]])
+  per_round = lambda a, b: median_interval(np.asarray(a["samples"]) / np.asarray(b["samples"]))
+  same = lambda r, **kw: next(x for x in rows if all(x[k] == v for k, v in dict(dict(
+      design=r["design"], certificate=r["certificate"], budget=r["budget"],
+      evict_every=r["evict_every"], layer_loop=r["layer_loop"]), **kw).items()))
   for r in rows:
-    ratio = median_interval(np.asarray(r["samples"]) / np.asarray(full["samples"]))
+    full = same(r, design="full", certificate=False, budget=None, evict_every=1)
+    ratio = per_round(r, full)
     r["ratio_vs_full"] = ratio["median"]
     r["ratio_vs_full_ci"] = [ratio["lo"], ratio["hi"]]
     # The bytes ratio: a step that reads every weight and cache byte once at one bandwidth.
     r["bytes_ratio_vs_full"] = r["step_bytes"] / full["step_bytes"]
-  plain = _memo(steps, ("plain",), lambda: _plain_fn(config))
+    # The floor in each round: floor bytes at that round's probe bandwidth (ms).
+    floor_ms = r["floor_bytes"] * probe_s / probe.row["bytes"] * 1e3
+    fm = median_interval(np.asarray(r["samples"]) / floor_ms)
+    r["floor_ms"] = float(np.median(floor_ms))
+    r["floor_multiple"], r["floor_multiple_ci"] = fm["median"], [fm["lo"], fm["hi"]]
+    if len(plan.layer_loop) == 2:
+      other = same(r, layer_loop="unrolled" if r["layer_loop"] == "scan" else "scan")
+      scan, unrolled = (r, other) if r["layer_loop"] == "scan" else (other, r)
+      lr = per_round(scan, unrolled)
+      r["scan_over_unrolled"], r["scan_over_unrolled_ci"] = lr["median"], [lr["lo"], lr["hi"]]
   pre = [_Timed(dict(base, method="cached", tokens=batch * context),
-                lambda: _timed_call(full_prefill, params, tokens, mask)[1], prefill_first),
-         _Timed(dict(base, method="plain", tokens=batch * context),
-                lambda: _timed_call(plain, params, tokens)[1])]
+                lambda: _timed_call(full_prefill, params, tokens, mask)[1], prefill_first)]
+  if plan.plain_prefill:
+    plain = _memo(steps, ("plain",), lambda: _plain_fn(config))
+    pre.append(_Timed(dict(base, method="plain", tokens=batch * context),
+                      lambda: _timed_call(plain, params, tokens)[1]))
   _round_robin(pre, plan.repeats)
   prefill_rows = []
   for t in pre:
@@ -398,7 +539,7 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
     r["tokens_per_s"] = r["tokens"] / r["median"]
     r["tokens_per_s_ci"] = [r["tokens"] / r["ci"][1], r["tokens"] / r["ci"][0]]
     prefill_rows.append(r)
-  return rows, prefill_rows
+  return rows, prefill_rows, bandwidth
 
 
 def device_name() -> str:
@@ -412,10 +553,11 @@ def run(params, config, plan: Plan, out: Optional[str], *, model: str, log=print
   under ``out`` after each cell; returns the results dict (``results.json``)."""
   plan.check(config.max_positions)
   results = dict(model=model, device=device_name(), plan=dataclasses.asdict(plan),
-                 units=dict(decode="ms per step", prefill="seconds"), warmup_calls=WARMUP,
-                 decode=[], prefill=[],
+                 units=dict(decode="ms per step", prefill="seconds", bandwidth="GB/s"),
+                 warmup_calls=WARMUP, decode=[], prefill=[], bandwidth=[],
                  cells_done=[], cells_skipped=[], complete=False)
   steps, executables = {}, set()
+  per_layer = forward.unstack_layers(params) if "unrolled" in plan.layer_loop else None
   t_start = time.perf_counter()
   cells = [(c, b) for b in plan.batches for c in plan.contexts]
   for i, (context, batch) in enumerate(cells):
@@ -424,15 +566,24 @@ def run(params, config, plan: Plan, out: Optional[str], *, model: str, log=print
       log(f"--max_seconds={plan.max_seconds} reached: skipping {len(cells) - i} cells")
       break
     t0 = time.perf_counter()
-    rows, pre = time_cell(params, config, plan, context, batch, steps, executables)
+    rows, pre, bandwidth = time_cell(params, config, plan, context, batch, steps, executables,
+                                     per_layer)
     results["decode"] += rows
     results["prefill"] += pre
+    results["bandwidth"].append(bandwidth)
     results["cells_done"].append([context, batch])
     results["executables"] = len(executables)
-    full = rows[0]["median"]
-    log(f"[{i + 1}/{len(cells)}] context {context} batch {batch}: full {full:.3f} ms/step; "
-        + ", ".join(f"{r['design']}{'+cert' if r['certificate'] else ''}@{r['budget']} "
-                    f"{r['ratio_vs_full']:.2f}x" for r in rows[1:])
+    # Every cell has its own shapes: free its executables (the LLVM JIT maps each one's
+    # code; three cells of unrolled steps ran out of mappings at 4k).
+    steps.clear()
+    jax.clear_caches()
+    log(f"[{i + 1}/{len(cells)}] context {context} batch {batch}: "
+        f"{bandwidth['gbps']:.1f} GB/s, weights' matvecs "
+        f"{bandwidth['matvec_floor_multiple']:.2f}x floor; "
+        + ", ".join(f"{r['design']}{'+cert' if r['certificate'] else ''}"
+                    f"{'' if r['budget'] is None else '@' + str(r['budget'])}"
+                    f"[{r['layer_loop']}] {r['median']:.1f} ms = {r['floor_multiple']:.2f}x "
+                    f"floor, {r['ratio_vs_full']:.2f}x full" for r in rows)
         + f" ({time.perf_counter() - t0:.0f} s)")
     if out:
       report_lib.write_outputs(results, out)

@@ -29,11 +29,27 @@ def every(row: dict) -> int:
   return row.get("evict_every", 1)
 
 
-def label(row: dict) -> str:
-  """``full``, ``design`` or ``design+certificate``, then `` every k`` for amortized eviction."""
+def loop(row: dict) -> str:
+  """The layer loop of a row ("scan" in results from before the unrolled loop)."""
+  return row.get("layer_loop", "scan")
+
+
+def label(row: dict, with_loop: bool = False) -> str:
+  """``full``, ``design`` or ``design+certificate``, then `` every k`` for amortized
+  eviction, and `` [loop]`` with ``with_loop``."""
   k = every(row)
   return (row["design"] + ("+certificate" if row["certificate"] else "")
-          + (f" every {k}" if k > 1 else ""))
+          + (f" every {k}" if k > 1 else "") + (f" [{loop(row)}]" if with_loop else ""))
+
+
+def loops(results: dict) -> list:
+  """The layer loops of a run, in the plan's order."""
+  return list(results["plan"].get("layer_loop", ["scan"]))
+
+
+def headline_loop(results: dict) -> str:
+  """The layer loop of the headline tables: unrolled when timed (the fast decode)."""
+  return "unrolled" if "unrolled" in loops(results) else loops(results)[0]
 
 
 def headline(results: dict) -> dict:
@@ -50,14 +66,15 @@ def headline(results: dict) -> dict:
   return dict(design=design, certificate=cert, batch=batch, note=note)
 
 
-def _table(rows, design, cert, batch, field, k=1):
+def _table(rows, design, cert, batch, field, k=1, layer_loop=None):
   """``{budget: {context: row[field]}}`` of one design / certificate setting / batch /
-  steps per eviction ``k``."""
+  steps per eviction ``k`` / layer loop (None: any); the full cache's budget is "1.0"."""
   out = {}
   for r in rows:
     if (r["design"] == design and r["certificate"] == cert and r["batch"] == batch
-        and every(r) == k):
-      out.setdefault(key(r["budget"]), {})[key(r["context"])] = r[field]
+        and every(r) == k and layer_loop in (None, loop(r)) and field in r):
+      budget = "1.0" if r["budget"] is None else key(r["budget"])
+      out.setdefault(budget, {})[key(r["context"])] = r[field]
   return out
 
 
@@ -70,12 +87,24 @@ def summarize(results: dict) -> dict:
   if not rows:
     return dict(base, ratio_vs_full={}, note="no cell finished")
   h = headline(results)
-  b = h["batch"]
+  b, hl = h["batch"], headline_loop(results)
   designs = results["plan"]["designs"]
+  rows = [r for r in rows if loop(r) == hl]  # the headline loop's tables
   at_b = [r for r in rows if r["batch"] == b]
+  has = lambda d, c: any(r["design"] == d and r["certificate"] == c for r in at_b)
   by_design = {d: {CERT_KEYS[c]: _table(rows, d, c, b, "ratio_vs_full")
-                   for c in (False, True) if any(r["design"] == d and r["certificate"] == c
-                                                 for r in at_b)} for d in designs}
+                   for c in (False, True) if has(d, c)} for d in designs}
+  # Step time over its floor (bytes / this run's streaming bandwidth), and the scan loop
+  # over the unrolled one (same round), both with the headline's certificate setting.
+  per_design = lambda field, c=h["certificate"]: dict(
+      {"full": _table(rows, "full", False, b, field)},
+      **{d: _table(rows, d, c, b, field) for d in designs if has(d, c)})
+  floor_by_design = {d: {CERT_KEYS[c]: _table(rows, d, c, b, "floor_multiple")
+                         for c in (False, True) if has(d, c)} for d in designs}
+  bandwidth = {key(x["context"]): x["gbps"] for x in results.get("bandwidth", [])
+               if x["batch"] == b}
+  matvec = {key(x["context"]): x["matvec_floor_multiple"] for x in results.get("bandwidth", [])
+            if x["batch"] == b and "matvec_floor_multiple" in x}
   compile_s = {"full": {key(r["context"]): r["compile_s"] for r in at_b if r["design"] == "full"}}
   for r in at_b:
     if r["design"] != "full":
@@ -103,6 +132,12 @@ def summarize(results: dict) -> dict:
       bytes_ratio_vs_full=_table(rows, h["design"], h["certificate"], b, "bytes_ratio_vs_full")
       if all("bytes_ratio_vs_full" in r for r in at_b) else None,
       full_ms={key(r["context"]): r["median"] for r in at_b if r["design"] == "full"},
+      layer_loop=hl, bandwidth_gbps=bandwidth,
+      floor_multiple=per_design("floor_multiple"),
+      floor_multiple_by_design=floor_by_design,
+      # The weights' matrix-vector products alone over their floor (same round-robin).
+      matvec_floor_multiple=matvec,
+      layer_loop_ratio=per_design("scan_over_unrolled") if len(loops(results)) == 2 else None,
       compile_s=compile_s, executables=results.get("executables"), prefill=prefill,
       budgets_traced=("every step passes the budget as a traced argument; with "
                       f"--capacity={results['plan']['capacity']} "
@@ -121,12 +156,34 @@ def render(results: dict, summary: dict) -> str:
   plan = results["plan"]
   rows, pre = results["decode"], results["prefill"]
   levels = sorted({r["ci_level"] for r in rows + pre})
+  multi = len(loops(results)) > 1
   md = ["# Decode benchmark", "",
         f"Model {results['model']}; device {results['device']}. Designs {plan['designs']}, "
         f"budgets {plan['budgets']}, certificate {plan['certificate']}, cache layout "
-        f"--capacity={plan['capacity']}, {plan['repeats']} timed calls per configuration "
-        f"after {results['warmup_calls']} warm-up calls, interleaved round-robin within "
-        "each (batch, context) cell.",
+        f"--capacity={plan['capacity']}, layer loops {loops(results)}, {plan['repeats']} "
+        f"timed calls per configuration after {results['warmup_calls']} warm-up calls, "
+        "interleaved round-robin within each (batch, context) cell.",
+        "",
+        "- Layer loop: `scan` is a `lax.scan` over the stacked weights and caches (each "
+        "layer's slices copied out); `unrolled` a Python loop over per-layer weights and "
+        "caches read in place (`forward_chunk(layer_loop=...)`). Headline tables: "
+        f"{headline_loop(results)}.",
+        "- Floor: a step's bytes (every weight; per cache, its capacity in slots of "
+        "`certkv_jax.memory.slot_bytes(design, head_dim)`: key, value and the design's "
+        "metadata) over this machine's streaming-read bandwidth, measured in the same "
+        "round-robin (a jitted `jnp.sum` of a float32 buffer of the full cache's step "
+        "bytes). Floor multiple: median of the per-round ratios of step time to floor; "
+        "bandwidth (GB/s, median) per cell: "
+        + ", ".join(f"batch {x['batch']} n={x['context']}: {x['gbps']:.1f}"
+                    for x in results.get("bandwidth", [])) + ".",
+        "- Matrix-vector floor: the weights' matrix-vector products alone (every weight "
+        "matrix times a `[batch, in]` vector, nothing else), timed in the same round-robin, "
+        "over their own floor (weight bytes over the bandwidth); what a step whose weights "
+        "dominate its bytes can reach on this backend. Per cell: "
+        + ", ".join(f"batch {x['batch']} n={x['context']}: {x['matvec_floor_multiple']:.2f}x "
+                    f"({x['matvec_ms']:.1f} ms)"
+                    for x in results.get("bandwidth", []) if "matvec_floor_multiple" in x)
+        + ".",
         "",
         "- A step: the argmax token through `forward_chunk` plus `evict` with the traced "
         "budget, on caches prefilled with the design from a random prompt of `context` "
@@ -157,7 +214,8 @@ def render(results: dict, summary: dict) -> str:
   contexts = sorted({r["context"] for r in rows})
   for batch in sorted({r["batch"] for r in rows}):
     at = [r for r in rows if r["batch"] == batch]
-    configs = list(dict.fromkeys((label(r), r["budget"]) for r in at))
+    name = lambda r: label(r, multi)
+    configs = list(dict.fromkeys((name(r), r["budget"]) for r in at))
     head = "| config | budget | " + " | ".join(f"n={c}" for c in contexts) + " |"
     rule = "|---|---|" + "---|" * len(contexts)
 
@@ -166,14 +224,20 @@ def render(results: dict, summary: dict) -> str:
       for lab, bud in configs:
         cells = []
         for c in contexts:
-          r = [x for x in at if label(x) == lab and x["budget"] == bud and x["context"] == c]
+          r = [x for x in at if name(x) == lab and x["budget"] == bud and x["context"] == c]
           cells.append(fmt(r[0]) if r else "")
         out.append(f"| {lab} | {'' if bud is None else key(bud)} | " + " | ".join(cells) + " |")
       return out
     md += [f"## Batch {batch}", "", "ms per decode step:", ""]
     md += lines(lambda r: _cell(r["median"], r["ci"]))
-    md += ["", "Ratio to the full cache:", ""]
-    md += lines(lambda r: _cell(r["ratio_vs_full"], r["ratio_vs_full_ci"], 2))
+    md += ["", "Ratio to the full cache (same layer loop) and, after the slash, the "
+           "step time over its floor:", ""]
+    md += lines(lambda r: _cell(r["ratio_vs_full"], r["ratio_vs_full_ci"], 2)
+                + (f" / {r['floor_multiple']:.2f}x" if "floor_multiple" in r else ""))
+    if all("scan_over_unrolled" in r for r in at):
+      md += ["", "Scan over unrolled step time (median of the per-round ratios; the same on "
+             "both rows of a configuration):", ""]
+      md += lines(lambda r: _cell(r["scan_over_unrolled"], r["scan_over_unrolled_ci"], 2))
     if all("bytes_ratio_vs_full" in r for r in at):
       md += ["", "Bytes ratio: (weight bytes + the step's cache bytes) / (weight bytes + the "
              "full cache's bytes), the ratio of a decode step that reads every weight and "
@@ -191,15 +255,17 @@ def render(results: dict, summary: dict) -> str:
     md += [""]
     p_at = [r for r in pre if r["batch"] == batch]
     if p_at:
-      md += ["Prefill tokens/s:", "", "| context | cached | plain | cached/plain |",
-             "|---|---|---|---|"]
+      md += ["Prefill tokens/s (plain: not timed with --noplain_prefill):", "",
+             "| context | cached | plain | cached/plain |", "|---|---|---|---|"]
       for c in contexts:
         got = {r["method"]: r for r in p_at if r["context"] == c}
-        if len(got) == 2:
-          cr, pr = got["cached"], got["plain"]
-          md.append(f"| {c} | {_cell(cr['tokens_per_s'], cr['tokens_per_s_ci'], 0)} | "
-                    f"{_cell(pr['tokens_per_s'], pr['tokens_per_s_ci'], 0)} | "
-                    f"{cr['tokens_per_s'] / pr['tokens_per_s']:.2f} |")
+        if "cached" not in got:
+          continue
+        cr, pr = got["cached"], got.get("plain")
+        md.append(f"| {c} | {_cell(cr['tokens_per_s'], cr['tokens_per_s_ci'], 0)} | "
+                  + ("| |" if pr is None else
+                     f"{_cell(pr['tokens_per_s'], pr['tokens_per_s_ci'], 0)} | "
+                     f"{cr['tokens_per_s'] / pr['tokens_per_s']:.2f} |"))
       md.append("")
   if rows:
     md += ["![decode_ms.png](decode_ms.png)", ""]
@@ -207,9 +273,9 @@ def render(results: dict, summary: dict) -> str:
 
 
 def plot(results: dict, summary: dict, path: str) -> str:
-  """ms per step vs context, one panel per budget, at the headline batch."""
-  b = summary["batch"]
-  at = [r for r in results["decode"] if r["batch"] == b]
+  """ms per step vs context, one panel per budget, at the headline batch and layer loop."""
+  b, hl = summary["batch"], summary.get("layer_loop")
+  at = [r for r in results["decode"] if r["batch"] == b and hl in (None, loop(r))]
   full = sorted((r for r in at if r["design"] == "full"), key=lambda r: r["context"])
 
   def line(rs):
@@ -225,7 +291,8 @@ def plot(results: dict, summary: dict, path: str) -> str:
         lines[lab] = line(rs)
     panels[f"budget {key(bud)}"] = lines
   return plots.plot_panels(panels, path, xlabel="context (tokens)", ylabel="ms per decode step",
-                           title=f"{results['model']}, batch {b}, {results['device']}",
+                           title=f"{results['model']}, batch {b}, {hl or 'scan'} layer loop, "
+                           f"{results['device']}",
                            logx=True)
 
 
