@@ -104,12 +104,15 @@ import numpy as np
 from certkv_jax import cache as cache_lib
 from certkv_jax import caches as caches_lib
 from certkv_jax import eviction
-from certkv_jax import memory as memory_lib
 from certkv_jax import registry
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib.bench import decode_report as report_lib
-from experiments.lib.stats import intervals
+from experiments.lib.bench.timing import LEVEL, WARMUP  # noqa: F401 (re-exported)
+from experiments.lib.bench.timing import _finish, _memo, _round_robin, _stepper, _Timed
+from experiments.lib.bench.timing import _timed_call, median_interval
+from experiments.lib.bench.floor import _matvec_fn, _read_fn  # noqa: F401 (re-exported)
+from experiments.lib.bench.floor import floor_bytes, matvec_bytes, weight_bytes  # noqa: F401 (re-exported)
 from models import forward
 from models import llama
 from models import memory
@@ -124,8 +127,6 @@ CAPACITY = ("compact", "full")
 LAYER_LOOPS = forward.LAYER_LOOPS
 QUICK = dict(contexts=(256, 512), batches=(1,), repeats=5, designs=("poisson_tail",),
              budgets=(0.25,), evict_every=(1, 4))
-WARMUP = 2  # the first call (compile) and one more before the timed calls
-LEVEL = 0.95
 # The design's own static budget is replaced by the traced one in every call.
 _STATIC_BUDGET = 0.5
 
@@ -238,12 +239,6 @@ def plan_from_flags(fv) -> Plan:
   return Plan(**kw).check()
 
 
-def median_interval(samples) -> dict:
-  """Median of ``samples`` and its order-statistic interval at ``LEVEL``:
-  ``{median, lo, hi, level}`` (``experiments.lib.stats.intervals.median_interval``)."""
-  return intervals.median_interval(samples, LEVEL)
-
-
 def _step_fn(config, design, certificate: bool, every: int = 1, steps: int = 1,
              layer_loop: str = "scan"):
   """One jitted call on a donated ``(caches, logits, key)`` carry: ``steps`` decode steps,
@@ -294,58 +289,6 @@ def compact_capacity(kept: int, budget: float, every: int, appended: int, contex
   return max(kept, math.floor(budget * (context + appended))) + every
 
 
-def weight_bytes(params, config) -> int:
-  """Bytes of weights a decode step reads: every parameter, but of an untied
-  embedding only one row per token (the tied one is the output projection too)."""
-  total = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(params))
-  if not config.tie_embeddings:
-    emb = params["params"]["embed"]["embedding"]
-    total -= int(emb.nbytes) - int(emb.nbytes) // int(emb.shape[0])
-  return total
-
-
-def floor_bytes(params, config, design, capacity: int, batch: int, dtype=jnp.float32) -> int:
-  """A decode step's floor bytes: :func:`weight_bytes` plus ``capacity`` slots of
-  ``certkv_jax.memory.slot_bytes(design, head_dim)`` in each of the
-  ``n_layers x batch x n_kv_heads`` caches (``design`` None: the full cache, keys and
-  values only)."""
-  caches = config.n_layers * batch * config.n_kv_heads
-  return weight_bytes(params, config) + caches * capacity * memory_lib.slot_bytes(
-      design, config.head_dim, dtype=dtype)
-
-
-def _read_fn():
-  """A jitted streaming read: the sum of a float32 buffer (the bandwidth probe)."""
-  return jax.jit(jnp.sum)
-
-
-def _matvec_fn(config, batch: int):
-  """A jitted ``[batch, in] @ W`` over every weight matrix of per-layer params
-  (the tied embedding as the output projection; an untied one, of which a step
-  reads one row, skipped): the weight reads of a step with nothing else, what
-  this backend's matrix-vector products attain against the floor."""
-
-  def matvecs(params):
-    total = jnp.float32(0.0)
-    for path, w in jax.tree_util.tree_leaves_with_path(params):
-      embed = "embed" in jax.tree_util.keystr(path)
-      if embed and not config.tie_embeddings:
-        continue
-      if w.ndim != 2:  # norms
-        total += jnp.sum(w)
-        continue
-      x = jnp.ones((batch, w.shape[1] if embed else w.shape[0]), w.dtype)
-      total += jnp.sum(x @ w.T if embed else x @ w)
-    return total
-  return jax.jit(matvecs)
-
-
-def matvec_bytes(per_layer_params, config) -> int:
-  """Bytes :func:`_matvec_fn` reads: every parameter but an untied embedding."""
-  return sum(int(w.nbytes) for path, w in jax.tree_util.tree_leaves_with_path(per_layer_params)
-             if config.tie_embeddings or "embed" not in jax.tree_util.keystr(path))
-
-
 def _prefill_fn(config, design, capacity: int):
   """Jitted cached prefill ``(params, tokens, mask) -> (last logits, caches)``."""
 
@@ -360,64 +303,6 @@ def _prefill_fn(config, design, capacity: int):
 def _plain_fn(config):
   model = llama.LlamaModel(config)
   return jax.jit(lambda params, tokens: model.apply(params, tokens)[:, -1])
-
-
-def _memo(cache: dict, key, make):
-  """``cache[key]``, made by ``make()`` the first time (one jitted function per key: jax
-  keeps its executables per argument shape)."""
-  if key not in cache:
-    cache[key] = make()
-  return cache[key]
-
-
-@dataclasses.dataclass
-class _Timed:
-  """One timed configuration of a cell and its measurements."""
-
-  row: dict
-  call: object  # () -> seconds of one call (a call updates its own carry)
-  steps: int = 1  # decode steps per call (evict_every): times are per step
-  first_s: Optional[float] = None  # the first call: compile + run
-  samples: list = dataclasses.field(default_factory=list)
-
-
-def _timed_call(fn, *args):
-  t0 = time.perf_counter()
-  out = jax.block_until_ready(fn(*args))
-  return out, time.perf_counter() - t0
-
-
-def _stepper(fn, params, carry, budget):
-  state = {"carry": carry}
-
-  def call():
-    (state["carry"], _), dt = _timed_call(fn, params, state["carry"], budget)
-    return dt
-  return call, state
-
-
-def _round_robin(timed: list, repeats: int, warm: int = WARMUP - 1):
-  """The first call (unless made already), ``warm`` more, then ``repeats`` rounds of one
-  call of each configuration, the first of a round rotating."""
-  for t in timed:
-    if t.first_s is None:
-      t.first_s = t.call()
-    for _ in range(warm):
-      t.call()
-  for r in range(repeats):
-    for i in range(len(timed)):
-      t = timed[(i + r) % len(timed)]
-      t.samples.append(t.call())
-
-
-def _finish(t: _Timed, scale: float) -> dict:
-  """The row of ``t``: samples and median per step (a call's time / ``t.steps``) times
-  ``scale``, and the compile time (the first call minus a steady call) in seconds."""
-  per = scale / t.steps
-  ci = median_interval([s * per for s in t.samples])
-  return dict(t.row, samples=[s * per for s in t.samples], median=ci["median"],
-              ci=[ci["lo"], ci["hi"]], ci_level=ci["level"], first_call=t.first_s * scale,
-              compile_s=max(t.first_s - ci["median"] / per, 0.0))
 
 
 def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,

@@ -1,0 +1,63 @@
+"""A decode step's memory floor: the bytes it must read (weights, cache slots with
+their metadata), the streaming-read probe that measures this machine's bandwidth,
+and the weights' matrix-vector products alone (``experiments.lib.bench.decode``
+times all three beside every step)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from certkv_jax import memory as memory_lib
+
+
+def weight_bytes(params, config) -> int:
+  """Bytes of weights a decode step reads: every parameter, but of an untied
+  embedding only one row per token (the tied one is the output projection too)."""
+  total = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(params))
+  if not config.tie_embeddings:
+    emb = params["params"]["embed"]["embedding"]
+    total -= int(emb.nbytes) - int(emb.nbytes) // int(emb.shape[0])
+  return total
+
+
+def floor_bytes(params, config, design, capacity: int, batch: int, dtype=jnp.float32) -> int:
+  """A decode step's floor bytes: :func:`weight_bytes` plus ``capacity`` slots of
+  ``certkv_jax.memory.slot_bytes(design, head_dim)`` in each of the
+  ``n_layers x batch x n_kv_heads`` caches (``design`` None: the full cache, keys and
+  values only)."""
+  caches = config.n_layers * batch * config.n_kv_heads
+  return weight_bytes(params, config) + caches * capacity * memory_lib.slot_bytes(
+      design, config.head_dim, dtype=dtype)
+
+
+def _read_fn():
+  """A jitted streaming read: the sum of a float32 buffer (the bandwidth probe)."""
+  return jax.jit(jnp.sum)
+
+
+def _matvec_fn(config, batch: int):
+  """A jitted ``[batch, in] @ W`` over every weight matrix of per-layer params
+  (the tied embedding as the output projection; an untied one, of which a step
+  reads one row, skipped): the weight reads of a step with nothing else, what
+  this backend's matrix-vector products attain against the floor."""
+
+  def matvecs(params):
+    total = jnp.float32(0.0)
+    for path, w in jax.tree_util.tree_leaves_with_path(params):
+      embed = "embed" in jax.tree_util.keystr(path)
+      if embed and not config.tie_embeddings:
+        continue
+      if w.ndim != 2:  # norms
+        total += jnp.sum(w)
+        continue
+      x = jnp.ones((batch, w.shape[1] if embed else w.shape[0]), w.dtype)
+      total += jnp.sum(x @ w.T if embed else x @ w)
+    return total
+  return jax.jit(matvecs)
+
+
+def matvec_bytes(per_layer_params, config) -> int:
+  """Bytes :func:`_matvec_fn` reads: every parameter but an untied embedding."""
+  return sum(int(w.nbytes) for path, w in jax.tree_util.tree_leaves_with_path(per_layer_params)
+             if config.tie_embeddings or "embed" not in jax.tree_util.keystr(path))
