@@ -44,8 +44,9 @@ flags.DEFINE_list("context_lens", ["4096"], "Tokens per example: prompt + RULER'
 flags.DEFINE_list("tasks_at", [], "CONTEXT:task+task...: only these tasks at that context "
                   "length, e.g. 8192:niah_single_1+niah_multikey_1+vt.")
 flags.DEFINE_integer("n_examples", 10, "Examples per task and context length.")
-flags.DEFINE_list("designs", list(design_defaults.names()), "Designs (the full cache always "
-                  "runs, as the reference).")
+flags.DEFINE_list("designs", list(design_defaults.names()), "Designs, or variants "
+                  "design[:setting=value][+allocation] (experiments.lib.variants: adakv, "
+                  "cert, ...); the full cache always runs, as the reference.")
 flags.DEFINE_list("ratios", [str(r) for r in experiment.DEFAULT_RATIOS], "Compression ratios: "
                   "the share of the cache removed (budget = 1 - ratio).")
 flags.DEFINE_list("regimes", list(experiment.REGIMES), "streaming (question after the "
@@ -59,6 +60,10 @@ flags.DEFINE_integer("max_new_tokens", 0, "Tokens to generate (0: RULER's per ta
 flags.DEFINE_bool("use_chat", True, "Wrap prompts in the tokenizer's chat template.")
 flags.DEFINE_integer("seed", 0, "Seed of the examples and the randomized designs.")
 flags.DEFINE_integer("max_units", -1, "Stop after this many units (-1: all); rerun resumes.")
+flags.DEFINE_bool("equal_memory", False, "Ratios remove a share of the kept bytes (keys, "
+                  "values and per-slot metadata), not of the tokens: designs at equal memory.")
+flags.DEFINE_bool("coverage", True, "Run randomized designs in evaluation mode (a shadow full "
+                  "cache: every decode call's true error beside its radius).")
 flags.DEFINE_bool("report_only", False, "Write the report from the rows on file; run nothing "
                   "(designs without every row are listed as not run).")
 
@@ -82,7 +87,7 @@ def main(argv):
       designs=tuple(FLAGS.designs), ratios=tuple(float(r) for r in FLAGS.ratios),
       regimes=tuple(FLAGS.regimes), chunk=FLAGS.chunk, group=FLAGS.group, seed=FLAGS.seed,
       haystack=FLAGS.haystack, max_new_tokens=FLAGS.max_new_tokens or None,
-      use_chat=FLAGS.use_chat,
+      use_chat=FLAGS.use_chat, equal_memory=FLAGS.equal_memory, coverage=FLAGS.coverage,
       max_units=None if FLAGS.max_units < 0 else FLAGS.max_units).check()
   t0 = time.time()
   params, config, tok = model_loading.load_model(FLAGS.model)

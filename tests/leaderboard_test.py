@@ -6,6 +6,7 @@ report and summary.json; that the shared prefill gives what the design's own
 ``generate`` / ``generate_streaming`` call gives; and the plan's checks.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+from certkv_jax import memory
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib.leaderboard import experiment
@@ -123,6 +125,39 @@ class LeaderboardTest(absltest.TestCase):
     self.assertNotIn("h2o", s["score"])
 
 
+@pytest.mark.slow  # compiles the prefill, an allocated eviction and decode (~1 min on CPU)
+class EqualMemoryTest(absltest.TestCase):
+  """Variants with per-head allocations at equal memory, without evaluation mode."""
+
+  def test_rows_and_mixing(self):
+    test_util.ensure_flags_parsed()
+    root = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, root, ignore_errors=True)
+    params, config, tok = _tiny_model(root)
+    plan = experiment.Plan(**dict(PLAN, tasks=("niah_single_1",), regimes=("streaming",),
+                                  designs=("h2o", "h2o+adakv", "priority_floor+cert"),
+                                  equal_memory=True, coverage=False))
+    out = os.path.join(root, "out")
+    rows = experiment.run(params, config, tok, out, plan, model="tiny", log=lambda _: None)
+    self.assertLen(rows, 8)  # (full, three variants) x 2 examples
+    for r in rows:
+      self.assertTrue(r["equal_memory"])
+      self.assertNotIn("n_calls", r)  # --nocoverage: no certificate fields
+      if r["design"] == "full":
+        continue
+      design, alloc = experiment.design_of(r["design"], plan)
+      self.assertAlmostEqual(r["budget"], memory.token_fraction(0.5, design, config.head_dim,
+                                                                allocation=alloc))
+      self.assertLess(r["budget"], 0.5)  # metadata costs tokens
+      self.assertBetween(r["kept"], 0.3, r["budget"] + 0.05)
+    s = report.summarize(rows, out, plan, n_kv_heads=config.n_kv_heads)
+    self.assertEqual(s["cells"]["1024/streaming"]["coverage"], {})
+    self.assertEqual(s["best_deterministic"], {"0.5": "h2o"})  # uniform budgets only
+    self.assertIn("priority_floor+cert", s["paired_vs_best_deterministic"])
+    with self.assertRaisesRegex(ValueError, "--equal_memory=False"):
+      experiment.run(params, config, tok, out, experiment.Plan(**PLAN), model="tiny")
+
+
 @pytest.mark.slow  # compiles generate and generate_streaming besides the shared path
 class SharedPrefillTest(absltest.TestCase):
   """The shared prefill, one eviction per design and the design-free decode give what
@@ -193,8 +228,40 @@ class PlanTest(absltest.TestCase):
     self.assertEqual(sub.tasks_for(8192), ("vt",))
     self.assertEqual(sub.tasks_for(4096), ("vt", "cwe"))
 
+  def test_token_budgets(self):
+    plan = experiment.Plan(ratios=(0.5, 0.875))
+    design, alloc = experiment.design_of("priority_floor+cert", plan)
+    self.assertEqual(experiment.token_budgets(plan, design, alloc, plan.ratios, 64), [0.5, 0.125])
+    plan = dataclasses.replace(plan, equal_memory=True)
+    got = experiment.token_budgets(plan, design, alloc, plan.ratios, 64)
+    self.assertEqual(got, [memory.token_fraction(m, design, 64, allocation=alloc)
+                           for m in (0.5, 0.125)])
+    h2o = experiment.token_budgets(plan, *experiment.design_of("h2o", plan), plan.ratios, 64)
+    self.assertLess(got[0], h2o[0])  # more metadata per slot: fewer tokens
+    self.assertLess(h2o[0], 0.5)
+    self.assertEqual(experiment.token_budgets(plan, None, None, (0.0,), 64), [1.0])
+
+  def test_paired_scores(self):
+    plan = experiment.Plan(tasks=("vt", "cwe"), n_examples=3, ratios=(0.5,),
+                           designs=("h2o", "snapkv", "priority_floor+cert"))
+    hits = {"h2o": [1, 1, 0, 1, 0, 0], "snapkv": [1, 0, 0, 0, 0, 0],
+            "priority_floor+cert": [1, 1, 1, 1, 0, 1], "full": [1] * 6}
+    rows = [dict(design=d, ratio=0.0 if d == "full" else 0.5, task=t, example=e,
+                 score=float(v[2 * e + i]))
+            for d, v in hits.items() for e in range(3) for i, t in enumerate(("vt", "cwe"))]
+    got = report.paired_scores(rows, plan, list(hits), seed=0)
+    self.assertEqual(got["best_deterministic"], {"0.5": "h2o"})
+    p = got["paired_vs_best_deterministic"]["priority_floor+cert"]["0.5"]
+    self.assertAlmostEqual(p["value"], 100 * 2 / 6)
+    self.assertLessEqual(p["ci"][0], p["value"])
+    self.assertLessEqual(p["value"], p["ci"][1])
+    self.assertEqual(got["paired_vs_best_deterministic"]["h2o"]["0.5"],
+                     {"value": 0.0, "ci": [0.0, 0.0]})
+    self.assertAlmostEqual(got["score_ci"]["snapkv"]["0.5"]["value"], 100 / 6)
+
   def test_checks(self):
     for kw, msg in ((dict(tasks=("qa_1",)), "SQuAD"), (dict(designs=("nope",)), "--designs"),
+                    (dict(designs=("h2o+nope",)), "--designs: unknown allocation"),
                     (dict(ratios=(1.0,)), r"--ratios entries must be fractions in \(0, 1\)"),
                     (dict(regimes=("aware",)), "--regimes"),
                     (dict(group=0), "--group must be an int >= 1"),

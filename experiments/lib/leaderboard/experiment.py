@@ -53,13 +53,15 @@ import numpy as np
 from certkv_jax import calibration
 from certkv_jax import certificate
 from certkv_jax import eviction
+from certkv_jax import memory
 from certkv_jax.caches import init_caches
 from experiments.lib import design_defaults
 from experiments.lib import results_io
 from experiments.lib import ruler
+from experiments.lib import variants
 from experiments.lib.suite import rows as suite_rows
 from models import decode
-from models.forward import forward_chunk
+from models.forward import allocation_args, forward_chunk
 from models.text import answer_text
 
 ROWS_FILE = "rows.jsonl"
@@ -93,6 +95,9 @@ class Plan:
   max_new_tokens: Optional[int] = None  # None: RULER's tokens_to_generate per task
   use_chat: bool = True
   max_units: Optional[int] = None
+  # the ratio removes a share of the kept bytes (metadata included), not of the tokens
+  equal_memory: bool = False
+  coverage: bool = True  # randomized designs in evaluation mode (a shadow full cache)
 
   def check(self) -> "Plan":
     if not self.tasks:
@@ -102,9 +107,8 @@ class Plan:
         why = f" ({ruler.LEFT_OUT[t]})" if t in ruler.LEFT_OUT else ""
         raise ValueError(f"--tasks: unknown task {t!r}{why}; choose from {list(ruler.TASKS)}")
     for d in self.designs:
-      if d not in design_defaults.names():
-        raise ValueError(f"--designs: unknown design {d!r}; choose from "
-                         f"{list(design_defaults.names())}")
+      if d != design_defaults.FULL:
+        variants.design_and_allocation(d, self.n_sink, self.window, "--designs")
     for r in self.ratios:
       if isinstance(r, bool) or not isinstance(r, float) or not 0.0 < r < 1.0:
         raise ValueError(f"--ratios entries must be fractions in (0, 1) (the share of the "
@@ -164,7 +168,25 @@ def stats_key(design) -> tuple:
 
 
 def is_randomized(name: str) -> bool:
-  return design_defaults.is_randomized(name)
+  return variants.is_randomized(name)
+
+
+def design_of(name: str, plan: Plan):
+  """(design, allocation) of the variant ``name`` ((None, None) for the full cache)."""
+  if name == design_defaults.FULL:
+    return None, None
+  return variants.design_and_allocation(name, plan.n_sink, plan.window, "--designs")
+
+
+def token_budgets(plan: Plan, design, allocation, ratios, head_dim: int) -> list[float]:
+  """The token budget of each ratio: ``1 - ratio`` (kvpress's convention), or with
+  ``plan.equal_memory`` the token fraction whose kept key, value and metadata
+  bytes are ``1 - ratio`` of the full cache's key and value bytes
+  (``certkv_jax.memory.token_fraction``)."""
+  if design is None or not plan.equal_memory:
+    return [1.0 - r for r in ratios]
+  return [memory.token_fraction(1.0 - r, design, head_dim, allocation=allocation)
+          for r in ratios]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "design", "capacity"))
@@ -224,18 +246,19 @@ def run_design(params, config, batch: _Batch, name: str, ratios, key, plan: Plan
   there anyway). Returns ``(Generation, kept fraction [rows], prefill seconds
   paid)``.
   """
-  design = design_defaults.make_design(name, 0.5, plan.n_sink, plan.window)
+  design, allocation = design_of(name, plan)
   n_rows = batch.prompt[0].shape[0] * len(ratios)
-  randomized = design is not None and design.randomized
-  budget = jnp.asarray(np.tile([1.0 - r for r in ratios], batch.prompt[0].shape[0]),
-                       jnp.float32)
+  randomized = design is not None and design.randomized and plan.coverage
+  budget = jnp.asarray(np.tile(token_budgets(plan, design, allocation, ratios, config.head_dim),
+                               batch.prompt[0].shape[0]), jnp.float32)
   key, sub = jax.random.split(key)
   gen = decode.GenerationConfig(n_steps=batch.n_steps, stop_tokens=tuple(stop_tokens))
   t0 = time.time()
   if plan.chunk and batch.regime == "streaming" and design is not None:
     out = decode.generate_streaming(
         params, *(_repeat_rows(x, len(ratios)) for x in batch.prompt + batch.question), key,
-        config=config, gen=gen.replace(design=design, chunk=plan.chunk, evaluate=randomized),
+        config=config, gen=gen.replace(design=design, allocation=allocation, chunk=plan.chunk,
+                                       evaluate=randomized),
         budget=budget)
     return out, np.full(n_rows, np.nan), 0.0
   want = stats_key(design)
@@ -250,7 +273,9 @@ def run_design(params, config, batch: _Batch, name: str, ratios, key, plan: Plan
   caches, logits = _repeat(caches, len(ratios)), jnp.repeat(logits, len(ratios), axis=0)
   shadow = caches if randomized else None
   if design is not None:
-    caches, shadow, _ = eviction.evict_and_record(design, caches, shadow, sub, budget=budget)
+    caches, shadow, _ = eviction.evict_and_record(
+        design, caches, shadow, sub, budget=budget,
+        **allocation_args(params, config, allocation))
   kept = np.asarray(jnp.mean(jnp.sum(caches.valid, axis=-1) / caches.n_seen, axis=(0, 2)))
   q, q_mask = batch.question
   if q is not None:
@@ -325,6 +350,10 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
     return all(results.has(context_len=c, task=task, regime=regime, design=design, ratio=r,
                            example=e, seed=plan.seed) for e, r in rows_of(unit))
 
+  mixed = {bool(r.get("equal_memory", False)) for r in results.rows} - {plan.equal_memory}
+  if mixed:
+    raise ValueError(f"--equal_memory={plan.equal_memory} but {results.path} holds rows made "
+                     f"with --equal_memory={mixed.pop()}; use another --out")
   todo_all = plan.units()
   todo = [u for u in todo_all if not done(u)]
   progress = results_io.Progress(len(todo_all), len(todo_all) - len(todo))
@@ -341,6 +370,8 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
     n_steps = exs[0].meta["max_new_tokens"]
     batch = _Batch(exs, regime, c, n_steps)
     ratios = plan.ratios_for(name)
+    budget_of = dict(zip(ratios, token_budgets(plan, *design_of(name, plan), ratios,
+                                               config.head_dim)))
     unit_id = zlib.crc32("/".join(map(str, unit)).encode()) % 2**31
     key = jax.random.fold_in(jax.random.PRNGKey(plan.seed), unit_id)
     t0 = time.time()
@@ -357,7 +388,9 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
       ids, stopped, _ = answer_text.truncate_at_stop(np.asarray(out.tokens[j]), stops)
       pred = ruler.postprocess(answer_text.whole_text(tok, ids))
       row = dict(context_len=c, task=task, regime=regime, design=name, ratio=r, example=e,
-                 seed=plan.seed, model=model, budget=1.0 - r, chunk=plan.chunk,
+                 seed=plan.seed, model=model, chunk=plan.chunk,
+                 budget=budget_of[r],
+                 equal_memory=plan.equal_memory,
                  randomized=is_randomized(name), prediction=pred, answers=list(ex.answers),
                  score=ex.grade(pred), stopped=bool(stopped), n_generated=int(len(ids)),
                  max_new_tokens=n_steps, n_prompt_tokens=ex.meta["n_prompt_tokens"],

@@ -38,6 +38,8 @@ from experiments.lib import design_defaults
 from experiments.lib import plots
 from experiments.lib import results_io
 from experiments.lib import ruler
+from experiments.lib import stats
+from experiments.lib import variants
 from experiments.lib.equal_memory import report as equal_memory_report
 from experiments.lib.leaderboard import experiment
 from models.text import certificate as certificate_lib
@@ -145,6 +147,47 @@ def _shipped_design(path: str) -> Optional[str]:
     return None
 
 
+N_BOOT = 2000  # bootstrap resamples of the intervals
+
+
+def _example_scores(rows, design, ratio) -> dict:
+  """{(task, example): score} of ``design`` at ``ratio`` (the full cache: ratio 0)."""
+  if design == design_defaults.FULL:
+    ratio = experiment.FULL_RATIO
+  return {(r["task"], r["example"]): float(r["score"]) for r in rows
+          if r["design"] == design and r["ratio"] == ratio}
+
+
+def paired_scores(rows, plan, ran, *, seed: int = 0) -> dict:
+  """Per ratio: each design's score with a 95% interval (``score_ci``), the best
+  deterministic design with uniform budgets (``best_deterministic``) and every
+  design's score minus that design's on the same examples
+  (``paired_vs_best_deterministic``), in points. Intervals: percentile bootstrap
+  over examples, resampled within each task (the average weighs tasks alike)."""
+  out = {"score_ci": {}, "best_deterministic": {}, "paired_vs_best_deterministic": {}}
+  uniform_det = [d for d in ran if d != design_defaults.FULL and not experiment.is_randomized(d)
+                 and variants.parse_variant(d)[1] == "uniform"]
+  for ratio in plan.ratios:
+    per = {d: _example_scores(rows, d, ratio) for d in ran}
+    keys = sorted(per[ran[0]]) if ran else []
+    strata = np.array([t for t, _ in keys])
+    vec = {d: 100.0 * np.array([per[d][k] for k in keys]) for d in ran}
+    for d in ran:
+      iv = stats.bootstrap_ci(np.mean, vec[d], n_boot=N_BOOT, seed=seed, strata=strata)
+      out["score_ci"].setdefault(d, {})[_key(ratio)] = {"value": float(iv.estimate),
+                                                        "ci": [float(iv.lo), float(iv.hi)]}
+    if not uniform_det:
+      continue
+    best = max(uniform_det, key=lambda d: float(np.mean(vec[d])))
+    out["best_deterministic"][_key(ratio)] = best
+    for d in ran:
+      iv = stats.bootstrap_ci(np.mean, vec[d] - vec[best], n_boot=N_BOOT, seed=seed,
+                              strata=strata)
+      out["paired_vs_best_deterministic"].setdefault(d, {})[_key(ratio)] = {
+          "value": float(iv.estimate), "ci": [float(iv.lo), float(iv.hi)]}
+  return out
+
+
 def summarize(rows: Sequence[dict], out_dir: str, plan, *, n_kv_heads: int = 3,
               model: Optional[str] = None) -> dict:
   """summary.json's dict and the markdown report (``md``)."""
@@ -155,6 +198,7 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, *, n_kv_heads: int = 3,
                   "designs": list(plan.all_designs), "n_examples": plan.n_examples,
                   "chunk": plan.chunk, "seed": plan.seed, "n_sink": plan.n_sink,
                   "window": plan.window, "use_chat": plan.use_chat,
+                  "equal_memory": plan.equal_memory, "coverage": plan.coverage,
                   "max_new_tokens": {t: plan.max_new_tokens or ruler.tokens_to_generate(t)
                                      for t in plan.tasks},
                   "haystack": os.path.basename(plan.haystack or ruler.DEFAULT_HAYSTACK),
@@ -180,18 +224,20 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, *, n_kv_heads: int = 3,
           cell["score_by_task"].setdefault(d, {})[_key(ratio)] = by_task
           cell["score"].setdefault(d, {})[_key(ratio)] = round(float(np.mean(list(
               by_task.values()))), 2)
-          if experiment.is_randomized(d):
+          if experiment.is_randomized(d) and plan.coverage:
             cell["coverage"].setdefault(d, {})[_key(ratio)] = coverage_cell(
                 out_dir, plan, c, regime, d, ratio, at, n_kv_heads, model)
         cell["seconds_per_row"][d] = float(np.median([r["unit_seconds"] / r["unit_rows"]
                                                       for r in mine]))  # past compiles
         cell["prefill_seconds"] += float(sum(r["prefill_seconds"] / r["unit_rows"]
                                              for r in mine))
+      cell.update(paired_scores(cell_rows, plan, ran, seed=plan.seed))
       out["cells"][f"{c}/{regime}"] = cell
       md += _markdown(cell, c, regime, tasks, plan)
   first = out["cells"][f"{plan.context_lens[0]}/{plan.regimes[0]}"]
   out["headline"] = {"context_len": plan.context_lens[0], "regime": plan.regimes[0]}
-  for k in ("score", "score_by_task", "n_examples", "not_run"):
+  for k in ("score", "score_by_task", "n_examples", "not_run", "score_ci",
+            "best_deterministic", "paired_vs_best_deterministic"):
     out[k] = first[k]
   out["md"] = "\n".join(md)
   return out
@@ -201,6 +247,13 @@ def _fmt(x, spec=".3f") -> str:
   return "-" if x is None else f"{x:{spec}}"
 
 
+_RATIO_TEXT = {
+    False: "Compression ratio = the share of the cache removed (kvpress's convention; budget "
+           "= 1 - ratio of the tokens seen).",
+    True: "Compression ratio = the share of the full cache's key/value bytes removed, at "
+          "equal memory: a design's kept keys, values and per-slot metadata "
+          "(`certkv_jax.memory`) hold 1 - ratio of the full cache's key/value bytes. "
+          "Designs are `design[+allocation]` variants (`experiments/lib/variants.py`)."}
 _REGIME_TEXT = {"streaming": "question after the compressed context (kvpress's default)",
                 "query_aware": "question inside the compressed context (query_aware)"}
 
@@ -225,6 +278,22 @@ def _markdown(cell, c, regime, tasks, plan) -> list[str]:
       name = d
     lines.append(f"| {name} | " + " | ".join(vals) +
                  f" | {cell['seconds_per_row'][d]:.2f} |")
+  if cell.get("best_deterministic"):
+    lines += ["", "Paired against the best deterministic design with uniform budgets at each "
+              "ratio (bold): score difference in points on the same examples, 95% bootstrap "
+              "over examples within tasks:", "",
+              "| design | " + " | ".join(str(r) for r in plan.ratios) + " |",
+              "|---" * (len(plan.ratios) + 1) + "|"]
+    for d, per in cell["paired_vs_best_deterministic"].items():
+      if d == design_defaults.FULL:
+        continue
+      vals = []
+      for r in plan.ratios:
+        v = per.get(_key(r))
+        bold = "**" if cell["best_deterministic"].get(_key(r)) == d else ""
+        vals.append("-" if v is None else
+                    f"{bold}{v['value']:+.1f} [{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}]{bold}")
+      lines.append(f"| {d} | " + " | ".join(vals) + " |")
   for ratio in plan.ratios:
     lines += ["", f"Per task at ratio {ratio} (full cache: no compression):", "",
               "| design | " + " | ".join(tasks) + " | average |", "|---" * (len(tasks) + 2) + "|"]
@@ -296,8 +365,7 @@ Tasks: RULER's synthetic tasks generated with no outside data
 (`experiments/lib/ruler.py`; the essay haystack and the word lists come from
 the built-in text {os.path.basename(plan.haystack or ruler.DEFAULT_HAYSTACK)}), scored as RULER scores them
 (string_match_all, percent) with RULER's maximum generation lengths, greedy.
-Left out: {left}. Compression ratio = the share of the cache removed
-(kvpress's convention; budget = 1 - ratio of the tokens seen). Streaming:
+Left out: {left}. {_RATIO_TEXT[plan.equal_memory]} Streaming:
 the context is {"evicted after every " + str(plan.chunk) + " tokens" if plan.chunk else "prefilled and evicted once"} before the question is seen;
 query_aware: context and question are prefilled and evicted together.
 Coverage: the raw radius (Bernstein, delta {experiment.DELTA}) against the true error of
