@@ -229,15 +229,16 @@ def _grid_step(targets, steps: int):
   return jnp.maximum(jnp.ceil(mean / steps), 1.0)
 
 
-def _greedy(costs, n_certain, limit, pool, step):
+def _greedy(costs, n_certain, limit, pool, step, floor):
   """Targets of the members of one pool minimising the summed cost.
 
   ``costs`` [M, J + 1] (non-increasing in j, ideally convex), ``limit`` [M]
   the most tail slots a member can take (its tail, within its largest
-  target), ``pool`` the total target. Each member keeps its certainty set;
-  the remaining slots go ``step`` at a time to the largest marginal decreases
-  (a top-k over all marginals), and the remainder to the members with the
-  largest next decrease that have room. The sum is ``pool`` unless every
+  target), ``pool`` the total target, ``floor`` [M] the tail slots a member
+  gets before any cost is compared (rounded up to whole steps). Each member
+  keeps its certainty set and its floor; the remaining slots go ``step`` at a
+  time to the largest marginal decreases (a top-k over all marginals), and
+  the remainder to the members with the largest next decrease that have room. The sum is ``pool`` unless every
   member reaches its limit, or the certainty sets alone exceed it (then
   each member keeps its certainty set and the sum is above ``pool``).
   """
@@ -246,6 +247,7 @@ def _greedy(costs, n_certain, limit, pool, step):
   gain = costs[:, :-1] - costs[:, 1:]  # [M, J]
   j = jnp.arange(J)
   useful = (j[None, :] * step) < limit[:, None]
+  gain = jnp.where((j[None, :] * step) < floor[:, None], jnp.inf, gain)
   gain = jnp.where(useful, gain, -jnp.inf)
   rest = jnp.maximum(pool - jnp.sum(n_certain), 0)
   n_steps = (rest.astype(jnp.float32) // step).astype(jnp.int32)
@@ -279,18 +281,25 @@ class CertificateTargeted:
       moves between layers too).
     steps: grid points per uniform share (>= 1).
     max_share: the largest target, in uniform shares (>= 1).
+    min_share: the smallest target, in uniform shares, in [0, 1]: a safeguard
+      (AdaKV's ``alpha_safeguard``) against starving a head whose window
+      under-states the error of later queries (0: none).
     eps: the inclusion-probability floor of the variance formula.
   """
 
   scope: str = "layer"
   steps: int = 8
   max_share: float = 4.0
+  min_share: float = 0.0
   eps: float = 1e-6
   needs_gains = True
 
   def __post_init__(self):
     _check_scope(self.scope)
     _check_grid(self)
+    m = self.min_share
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m <= 1.0:
+      raise ValueError(f"min_share must be a number in [0, 1], got {m!r}")
 
   def max_target(self, target: int, n_heads: int, n_layers: int) -> int:
     del n_heads, n_layers
@@ -310,8 +319,11 @@ class CertificateTargeted:
         lambda c, s: _window_costs(design, c, s, n_grid, self.eps)))(caches, step_per_head)
     costs = costs * jnp.broadcast_to(gains[:, None, :, None], costs.shape)
     limit = jnp.maximum(jnp.minimum(n_tail, largest - n_certain), 0)
+    floor = jnp.ceil(self.min_share * targets.astype(jnp.float32)).astype(jnp.int32)
+    floor = jnp.maximum(floor - n_certain, 0)
     out = jax.vmap(_greedy)(_pools(costs, self.scope), _pools(n_certain, self.scope),
-                            _pools(limit, self.scope), jnp.sum(pooled_t, axis=-1), step)
+                            _pools(limit, self.scope), jnp.sum(pooled_t, axis=-1), step,
+                            _pools(floor, self.scope))
     # a pool with a head that has seen no window query keeps its uniform targets
     ok = jnp.all(_pools(informed, self.scope), axis=-1, keepdims=True)
     out = jnp.where(ok, out, pooled_t)

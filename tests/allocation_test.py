@@ -113,6 +113,16 @@ class PoolTest(absltest.TestCase):
     np.testing.assert_array_equal(kept, t)  # fixed-size tail: exactly the target
 
   @pytest.mark.slow  # a compile of the variance grid per test
+  def test_certificate_targeted_min_share(self):
+    alloc = allocation.CertificateTargeted(scope="layer", min_share=0.75)
+    _, t, kept, _ = _run(_design("priority_tail"), alloc)
+    np.testing.assert_array_equal(t.sum(-1), H * T_UNIFORM)
+    self.assertTrue((t >= math.ceil(0.75 * T_UNIFORM)).all(), t)  # no head starved
+    self.assertGreater(len(np.unique(t)), 1)
+    self._check_bounds(alloc, t)
+    np.testing.assert_array_equal(kept, t)
+
+  @pytest.mark.slow  # a compile of the variance grid per test
   def test_certificate_targeted_model_poisson_tail(self):
     alloc = allocation.CertificateTargeted(scope="model")
     _, t, kept, _ = _run(_design("poisson_tail"), alloc)
@@ -195,7 +205,7 @@ class GreedyTest(absltest.TestCase):
       pool = int(n_certain.sum()) + step * n_steps
       out = np.asarray(greedy(jnp.asarray(costs, jnp.float32), jnp.asarray(n_certain, jnp.int32),
                               jnp.asarray(limit, jnp.int32), jnp.int32(pool),
-                              jnp.float32(step)))
+                              jnp.float32(step), jnp.zeros(m_members, jnp.int32)))
       reachable = min(n_steps, int(max_steps.sum()))
       best = min(sum(costs[i, j[i]] for i in range(m_members))
                  for j in itertools.product(*[range(s + 1) for s in max_steps])
@@ -213,9 +223,19 @@ class GreedyTest(absltest.TestCase):
     costs = jnp.asarray([[9.0, 5.0, 3.0, 2.0, 1.5], [9.0, 8.0, 7.5, 7.2, 7.0]], jnp.float32)
     for pool in (4, 5, 7, 9, 11):
       out = np.asarray(greedy(costs, jnp.array([2, 2], jnp.int32), jnp.array([8, 8], jnp.int32),
-                              jnp.int32(pool), jnp.float32(3.0)))
+                              jnp.int32(pool), jnp.float32(3.0), jnp.zeros(2, jnp.int32)))
       self.assertEqual(out.sum(), pool, (pool, out))
       self.assertTrue((out >= 2).all() and (out <= 10).all(), out)
+
+  def test_floor_comes_first(self):
+    # Member 1's costs barely fall: without a floor it gets nothing, with a floor of 4
+    # tail slots it gets two whole steps (of 3: rounded up) before costs are compared.
+    greedy = jax.jit(allocation._greedy)  # pylint: disable=protected-access
+    costs = jnp.asarray([[9.0, 5.0, 3.0, 2.0, 1.5], [9.0, 8.9, 8.8, 8.7, 8.6]], jnp.float32)
+    args = (costs, jnp.array([2, 2], jnp.int32), jnp.array([12, 12], jnp.int32), jnp.int32(16),
+            jnp.float32(3.0))
+    np.testing.assert_array_equal(greedy(*args, jnp.zeros(2, jnp.int32)), [14, 2])
+    np.testing.assert_array_equal(greedy(*args, jnp.array([0, 4], jnp.int32)), [8, 8])
 
   @pytest.mark.slow  # two compiles of the variance grid
   def test_high_variance_head_gets_more(self):
@@ -357,6 +377,9 @@ class BadInputTest(absltest.TestCase):
     for s in ("head", "Layer", None):
       with self.assertRaisesRegex(ValueError, "scope"):
         allocation.CertificateTargeted(scope=s)
+    for m in (-0.1, 1.5, True):
+      with self.assertRaisesRegex(ValueError, r"min_share must be a number in \[0, 1\]"):
+        allocation.CertificateTargeted(min_share=m)
     with self.assertRaisesRegex(ValueError, "steps"):
       allocation.CertificateTargeted(steps=0)
     with self.assertRaisesRegex(ValueError, "max_share"):
