@@ -32,12 +32,8 @@ def init_state(design, caches: KVCache):
   ``[n_layers, batch, n_kv_heads]``; the caller carries it from round to round.
   ``caches`` stacked or per layer (``caches.unstack``)."""
   if caches_lib.is_unstacked(caches):
-    return _stack([over_heads(design.init)(c) for c in caches])
+    return caches_lib.stack(tuple(over_heads(design.init)(c) for c in caches))
   return jax.vmap(over_heads(design.init))(caches)
-
-
-def _stack(trees):
-  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *trees)
 
 
 def evict(design, caches: KVCache, key, *, state=None, layer_budgets=None, budget=None,

@@ -44,22 +44,48 @@ def equal_memory(root: str) -> list[str]:
 
 def leaderboard(root: str) -> list[str]:
   """The RULER-style leaderboard: average score by compression ratio, and coverage."""
-  s = fmt.read_json(root, "leaderboard/summary.json")
+  return _ruler(root, "leaderboard", "## RULER-style leaderboard")
+
+
+def equal_memory_tasks(root: str) -> list[str]:
+  """Retrieval-task accuracy at equal memory (the leaderboard's code, ``--equal_memory``)."""
+  return _ruler(root, "equal_memory_tasks", "## Task accuracy at equal memory")
+
+
+def _ruler(root: str, rel: str, title: str) -> list[str]:
+  s = fmt.read_json(root, f"{rel}/summary.json")
   plan = s["plan"]
-  out = ["## RULER-style leaderboard", ""]
-  out += fmt.source(["leaderboard/summary.json", "leaderboard/report.md",
-                     "leaderboard/COMMAND.md"], fmt.command(root, "leaderboard/COMMAND.md"))
+  out = [title, ""]
+  out += fmt.source([f"{rel}/summary.json", f"{rel}/report.md", f"{rel}/COMMAND.md"],
+                    fmt.command(root, f"{rel}/COMMAND.md"))
   ratios = [str(r) for r in plan["ratios"]]
+  removed = ("the share of the full cache's key/value bytes removed, at equal memory"
+             if plan.get("equal_memory") else "the share of the cache removed")
   for name, cell in s["cells"].items():
     counts = ", ".join(f"{t} {n}" for t, n in cell["n_examples"].items())
     out += [f"{name.replace('/', ' tokens, ')}: average score ({s['metric']}) over the tasks "
-            f"(examples: {counts}) by compression ratio (the share of the cache removed); "
+            f"(examples: {counts}) by compression ratio ({removed}); "
             "the full cache is the reference row:", ""]
     body = []
     for d, per in cell["score"].items():
       row = [per.get("0.0")] * len(ratios) if d == "full" else [per.get(r) for r in ratios]
       body.append([d] + [fmt.num(x, ".1f") for x in row])
     out += fmt.table(["design"] + ratios, body)
+    paired = cell.get("paired_vs_best_deterministic", {})
+    if cell.get("best_deterministic"):
+      out += ["", "Paired against the best deterministic design with uniform budgets (bold), "
+              "in points on the same examples, 95% bootstrap over examples within tasks:", ""]
+      body = []
+      for d, per in paired.items():
+        if d == "full":
+          continue
+        cells = []
+        for r in ratios:
+          p = per.get(r)
+          text = "-" if p is None else fmt.ci((p["value"], *p["ci"]), "+.1f")
+          cells.append(f"**{text}**" if cell["best_deterministic"].get(r) == d else text)
+        body.append([d] + cells)
+      out += fmt.table(["design"] + ratios, body)
     cov = cell.get("coverage", {})
     if cov:
       out += ["", "Certificate of the randomized designs on every decode call up to the "
