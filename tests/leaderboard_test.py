@@ -249,7 +249,8 @@ class PlanTest(absltest.TestCase):
     rows = [dict(design=d, ratio=0.0 if d == "full" else 0.5, task=t, example=e,
                  score=float(v[2 * e + i]))
             for d, v in hits.items() for e in range(3) for i, t in enumerate(("vt", "cwe"))]
-    got = report.paired_scores(rows, plan, list(hits), seed=0)
+    rows.append(dict(design="h2o", ratio=0.5, task="niah_single_1", example=0, score=1.0))
+    got = report.paired_scores(rows, plan, list(hits), plan.tasks, seed=0)  # drops that row
     self.assertEqual(got["best_deterministic"], {"0.5": "h2o"})
     p = got["paired_vs_best_deterministic"]["priority_floor+cert"]["0.5"]
     self.assertAlmostEqual(p["value"], 100 * 2 / 6)

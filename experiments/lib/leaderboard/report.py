@@ -150,15 +150,16 @@ def _shipped_design(path: str) -> Optional[str]:
 N_BOOT = 2000  # bootstrap resamples of the intervals
 
 
-def _example_scores(rows, design, ratio) -> dict:
-  """{(task, example): score} of ``design`` at ``ratio`` (the full cache: ratio 0)."""
+def _example_scores(rows, design, ratio, tasks) -> dict:
+  """{(task, example): score} of ``design`` at ``ratio`` (the full cache: ratio 0) on
+  ``tasks``."""
   if design == design_defaults.FULL:
     ratio = experiment.FULL_RATIO
   return {(r["task"], r["example"]): float(r["score"]) for r in rows
-          if r["design"] == design and r["ratio"] == ratio}
+          if r["design"] == design and r["ratio"] == ratio and r["task"] in tasks}
 
 
-def paired_scores(rows, plan, ran, *, seed: int = 0) -> dict:
+def paired_scores(rows, plan, ran, tasks, *, seed: int = 0) -> dict:
   """Per ratio: each design's score with a 95% interval (``score_ci``), the best
   deterministic design with uniform budgets (``best_deterministic``) and every
   design's score minus that design's on the same examples
@@ -168,7 +169,7 @@ def paired_scores(rows, plan, ran, *, seed: int = 0) -> dict:
   uniform_det = [d for d in ran if d != design_defaults.FULL and not experiment.is_randomized(d)
                  and variants.parse_variant(d)[1] == "uniform"]
   for ratio in plan.ratios:
-    per = {d: _example_scores(rows, d, ratio) for d in ran}
+    per = {d: _example_scores(rows, d, ratio, tasks) for d in ran}
     keys = sorted(per[ran[0]]) if ran else []
     strata = np.array([t for t, _ in keys])
     vec = {d: 100.0 * np.array([per[d][k] for k in keys]) for d in ran}
@@ -231,7 +232,7 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, *, n_kv_heads: int = 3,
                                                       for r in mine]))  # past compiles
         cell["prefill_seconds"] += float(sum(r["prefill_seconds"] / r["unit_rows"]
                                              for r in mine))
-      cell.update(paired_scores(cell_rows, plan, ran, seed=plan.seed))
+      cell.update(paired_scores(cell_rows, plan, ran, tasks, seed=plan.seed))
       out["cells"][f"{c}/{regime}"] = cell
       md += _markdown(cell, c, regime, tasks, plan)
   first = out["cells"][f"{plan.context_lens[0]}/{plan.regimes[0]}"]
@@ -260,12 +261,13 @@ _REGIME_TEXT = {"streaming": "question after the compressed context (kvpress's d
 
 def _markdown(cell, c, regime, tasks, plan) -> list[str]:
   what = _REGIME_TEXT[regime]
+  removed = "full cache's key/value bytes" if plan.equal_memory else "cache"
   if regime == "streaming" and plan.chunk:
     what = f"question after the context, evicted every {plan.chunk} tokens"
   lines = [f"## {c} tokens, {regime}: {what}", "",
            f"Average RULER score (%) over {len(tasks)} task{'s' * (len(tasks) > 1)}, "
            f"{plan.n_examples} examples each, "
-           "by compression ratio (the share of the cache removed):", "",
+           f"by compression ratio (the share of the {removed} removed):", "",
            "| design | " + " | ".join(str(r) for r in plan.ratios) + " | s/row |",
            "|---" * (len(plan.ratios) + 2) + "|"]
   full = cell["score"].get(design_defaults.FULL, {}).get(_key(experiment.FULL_RATIO))
