@@ -238,9 +238,10 @@ def _greedy(costs, n_certain, limit, pool, step, floor):
   gets before any cost is compared (rounded up to whole steps). Each member
   keeps its certainty set and its floor; the remaining slots go ``step`` at a
   time to the largest marginal decreases (a top-k over all marginals), and
-  the remainder to the members with the largest next decrease that have room. The sum is ``pool`` unless every
-  member reaches its limit, or the certainty sets alone exceed it (then
-  each member keeps its certainty set and the sum is above ``pool``).
+  the remainder to the members with the largest next decrease that have room.
+  The sum is ``pool`` unless every member reaches its limit, or the certainty
+  sets alone exceed it (then each member keeps its certainty set and the sum
+  is above ``pool``).
   """
   M, J1 = costs.shape
   J = J1 - 1
