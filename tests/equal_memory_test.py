@@ -23,6 +23,7 @@ import pytest
 from certkv_jax import memory
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
+from experiments.lib import results_io
 from experiments.lib.equal_memory import experiment
 from experiments.lib.equal_memory import report
 from experiments.lib.streaming_loss import core as streaming_loss_core
@@ -113,6 +114,21 @@ class EqualMemoryTest(absltest.TestCase):
         self.assertTrue(0.0 <= cov[k] <= 1.0)
       self.assertGreater(cov["n_calls"], 0)
     self.assertNotIn("snapkv", s["contexts"]["32"]["coverage"])
+
+  def test_report_without_calls_keeps_the_stored_coverage(self):
+    """calls/ is not committed: a report rewritten without it reads coverage.json,
+    and a plan of another seed gets none of it."""
+    out = os.path.join(self.root, "no_calls")
+    shutil.copytree(self.out, out, ignore=shutil.ignore_patterns("calls"))
+    with_calls = report.write(self.rows, self.out, self.plan,
+                              n_kv_heads=self.config.n_kv_heads)["contexts"]["32"]["coverage"]
+    shutil.copy(os.path.join(self.out, report.COVERAGE_FILE), out)
+    without = report.write(self.rows, out, self.plan,
+                           n_kv_heads=self.config.n_kv_heads)["contexts"]["32"]["coverage"]
+    self.assertEqual(without, results_io.json_safe(with_calls))  # inf is stored as null
+    self.assertTrue(without)
+    other = dataclasses.replace(self.plan, seed=1)
+    self.assertEqual(report.load_coverage(out, other), {})
 
   def test_bad_variant(self):
     with self.assertRaisesRegex(ValueError, "unknown allocation 'nope'"):

@@ -92,6 +92,35 @@ def coverage(calib, evals, n_kv_heads: int) -> dict:
           "n_calls": int(evals.size), "n_calib_calls": int(calib.size)}
 
 
+COVERAGE_FILE = "coverage.json"  # coverage cells, kept when calls/ (not committed) is gone
+
+
+def _coverage_key(plan) -> str:
+  """What a stored coverage cell depends on besides (context, variant, memory)."""
+  return f"seed{plan.seed}_eval{plan.n_eval}_calib{plan.n_calib}_group{plan.group}"
+
+
+def load_coverage(out_dir: str, plan) -> dict:
+  """``{context: {variant: {memory: cell}}}`` stored for ``plan`` ({} if none)."""
+  path = os.path.join(out_dir, COVERAGE_FILE)
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f).get(_coverage_key(plan), {})
+
+
+def save_coverage(out_dir: str, plan, cells: dict) -> None:
+  """Stores ``cells`` for ``plan`` beside the other plans' cells (atomically)."""
+  path = os.path.join(out_dir, COVERAGE_FILE)
+  store = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      store = json.load(f)
+  store[_coverage_key(plan)] = cells
+  results_io.atomic_write_text(path, json.dumps(results_io.json_safe(store), indent=1,
+                                                sort_keys=True))
+
+
 def _complete(rows, c, variant, plan) -> bool:
   mems = (1.0,) if variant == "full" else plan.memories
   have = {(r["memory"], r["segment"]) for r in rows
@@ -100,8 +129,13 @@ def _complete(rows, c, variant, plan) -> bool:
 
 
 def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> dict:
-  """summary.json's dict (one entry per context length) and the markdown report."""
+  """summary.json's dict (one entry per context length) and the markdown report.
+
+  A coverage cell is computed from the per-call scores in ``calls/`` when they
+  are there, else read from :data:`COVERAGE_FILE`, where every computed cell is
+  kept (``out["coverage_cells"]``, written by :func:`write`)."""
   rows = [r for r in rows if r["seed"] == plan.seed]
+  stored = load_coverage(out_dir, plan)
   out = {"plan": {"context_lens": list(plan.context_lens), "memories": list(plan.memories),
                   "n_eval": plan.n_eval, "n_calib": plan.n_calib, "chunk": plan.chunk,
                   "seed": plan.seed, "sources": [os.path.basename(p) for p in plan.sources],
@@ -145,13 +179,19 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
         cal = _scores(out_dir, c, v, "calib", m, plan)
         evs = _scores(out_dir, c, v, "eval", m, plan)
         if cal is not None and evs is not None:
-          ctx["coverage"].setdefault(v, {})[str(m)] = coverage(cal, evs, n_kv_heads)
+          cell = coverage(cal, evs, n_kv_heads)
+          stored.setdefault(str(c), {}).setdefault(v, {})[str(m)] = cell
+        else:
+          cell = stored.get(str(c), {}).get(v, {}).get(str(m))
+        if cell is not None:
+          ctx["coverage"].setdefault(v, {})[str(m)] = cell
     out["contexts"][str(c)] = ctx
     md += _markdown(ctx, c, plan)
   first = out["contexts"][str(plan.context_lens[0])]
   for k in ("delta_nll", "best_deterministic", "paired_vs_best_deterministic"):
     out[k] = first[k]  # the first context length at the top level
   out["md"] = "\n".join(md)
+  out["coverage_cells"] = stored
   return out
 
 
@@ -195,7 +235,9 @@ def write(rows, out_dir: str, plan, n_kv_heads: int = 3) -> Optional[dict]:
   s = summarize(rows, out_dir, plan, n_kv_heads)
   if not any(ctx["delta_nll"] for ctx in s["contexts"].values()):
     return None
-  body = {k: v for k, v in s.items() if k != "md"}
+  if s["coverage_cells"]:
+    save_coverage(out_dir, plan, s["coverage_cells"])
+  body = {k: v for k, v in s.items() if k not in ("md", "coverage_cells")}
   results_io.atomic_write_text(os.path.join(out_dir, "summary.json"),
                                json.dumps(results_io.json_safe(body), indent=1, sort_keys=True))
   results_io.atomic_write_text(os.path.join(out_dir, "report.md"), HEADER + s["md"])
@@ -229,6 +271,8 @@ bootstrap over segments. Coverage: the per-call radius at delta 0.05 over
 every attention call after the first chunk; calibrated with per-(layer, KV
 head) conformal scales fitted on the calibration segments (other source
 files); sharpness = median radius / error over covered calls; unseen
-deletions = calls with radius 0 and a nonzero error.
+deletions = calls with radius 0 and a nonzero error. Coverage is computed
+from the per-call scores in `calls/` and kept in `coverage.json`, which a
+report rewritten without them reads.
 
 """
