@@ -256,16 +256,20 @@ class PriorityTail:
   samples the other slots among the rest: between a pure sample (0) and the
   deterministic top-k it approaches as the share grows (method, section 3,
   "Deterministic share"). The certificate still covers what is sampled.
+  ``heavy_score`` ranks that share (default: ``score``), e.g. SnapKV's window
+  attention beside a history-weighted sample.
 
   Attributes:
     score: non-negative importance score (default accumulated attention).
     eps: relative floor of the weights in (0, 1].
     heavy_share: fraction of the slots filled by score, in [0, 1).
+    heavy_score: the score that fills them (None: ``score``).
   """
 
   score: scores.Score = scores.AccumulatedAttention()
   eps: float = 1e-6
   heavy_share: float = 0.0
+  heavy_score: Optional[scores.Score] = None
   randomized = True
 
   def __post_init__(self):
@@ -280,7 +284,8 @@ class PriorityTail:
     top = jnp.zeros_like(tail)
     if self.heavy_share:
       n_top = jnp.floor(self.heavy_share * jnp.asarray(slots, jnp.float32)).astype(jnp.int32)
-      top = tail & sampling.top_k_mask(jnp.where(tail, s, -jnp.inf), n_top)
+      h = s if self.heavy_score is None else self.heavy_score(cache).astype(jnp.float32)
+      top = tail & sampling.top_k_mask(jnp.where(tail, h, -jnp.inf), n_top)
       sampled = tail & ~top
       slots = slots - n_top
     draw = sampling.priority_draw(key, s, sampled, slots, self.eps)

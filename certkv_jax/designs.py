@@ -136,7 +136,7 @@ class EvictionDesign:
   @property
   def reads(self) -> frozenset:
     """What the design's scores read of the cache (``scores.READS``)."""
-    used = [getattr(self.tail, "score", None)]
+    used = [getattr(self.tail, "score", None), getattr(self.tail, "heavy_score", None)]
     if self.certain.heavy:
       used.append(self.certain.heavy_score)
     return frozenset().union(*(scores.reads_of(x) for x in used if x is not None))
@@ -331,6 +331,38 @@ def priority_floor(budget, *, min_tail: int = 16, **kwargs) -> EvictionDesign:
   certainty set (:class:`EvictionDesign`'s ``min_tail``), as :func:`poisson_floor`."""
   return dataclasses.replace(priority_tail(budget, min_tail=min_tail, **kwargs),
                              name="priority_floor")
+
+
+def priority_blend(budget, *, n_sink: int = 0, window: int = 0, window_weight: float = 0.5,
+                   window_share: float = 0.0, pool_size: int = 5, min_tail: int = 16,
+                   heavy: int = 0, eps: float = 1e-6,
+                   observation_window: Optional[int] = None) -> EvictionDesign:
+  """:func:`priority_floor` with SnapKV's statistic beside H2O's: the tail's
+  weights are ``scores.Blend`` of accumulated attention (weight
+  ``1 - window_weight``) and the observation window's pooled attention
+  (``window_weight``), and ``window_share`` of the tail slots are first filled
+  with the tokens the window attends to most (SnapKV's choice, kept with
+  certainty), so a token only the question points at is kept even when the
+  history never looked at it (method, section 3, "Blended weights").
+  ``observation_window`` defaults to ``max(window, 1)`` queries.
+
+  Raises:
+    ValueError naming ``window_weight`` unless it is in [0, 1], or
+    ``window_share`` unless it is in [0, 1).
+  """
+  ww = window_weight
+  if isinstance(ww, bool) or not isinstance(ww, (int, float)) or not 0.0 <= ww <= 1.0:
+    raise ValueError(f"window_weight must be a float in [0, 1], got {ww!r}")
+  f = window_share
+  if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0:
+    raise ValueError(f"window_share must be a float in [0, 1), got {f!r}")
+  obs = max(window, 1) if observation_window is None else observation_window
+  snap = scores.WindowAttention(pool_size)
+  score = scores.Blend((scores.AccumulatedAttention(), snap), (1.0 - ww, ww))
+  return compose(CertaintySet(n_sink=n_sink, window=window, heavy=heavy),
+                 PriorityTail(score=score, eps=eps, heavy_share=window_share,
+                              heavy_score=snap), budget,
+                 "priority_blend", observation_window=obs, min_tail=min_tail)
 
 
 def poisson_floor(budget, *, min_tail: int = 16, **kwargs) -> EvictionDesign:

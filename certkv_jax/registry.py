@@ -39,6 +39,7 @@ _FACTORIES: dict[str, Callable[..., EvictionDesign]] = {
     "poisson_floor": designs.poisson_floor,
     "priority_tail": designs.priority_tail,
     "priority_floor": designs.priority_floor,
+    "priority_blend": designs.priority_blend,
 }
 
 # A budget that any design accepts, to read a design's static properties.

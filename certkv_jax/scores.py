@@ -202,6 +202,52 @@ class Defensive:
     return ((1.0 - u) * normalized + u * uniform).astype(jnp.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class Blend:
+  """A weighted sum of scores, each first normalised to sum 1 over the valid
+  slots (a part that is 0 everywhere contributes 0).
+
+  Normalising makes parts of different scales comparable: accumulated
+  attention sums to the number of queries folded so far, window attention to
+  the window's size. ``Blend((AccumulatedAttention(), WindowAttention(5)),
+  (0.5, 0.5))`` ranks a token high when either the history (H2O) or the
+  latest queries (SnapKV) attend to it, which :func:`designs.priority_blend`
+  samples from.
+
+  Attributes:
+    parts: non-negative scores, at least one.
+    weights: one non-negative weight per part, summing to a positive number.
+  """
+
+  parts: tuple
+  weights: tuple
+
+  def __post_init__(self):
+    parts, weights = tuple(self.parts), tuple(self.weights)
+    if not parts or not all(callable(p) for p in parts):
+      raise TypeError(f"parts must be a non-empty tuple of scores, got {self.parts!r}")
+    if len(weights) != len(parts) or not all(
+        isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+        for w in weights) or sum(weights) <= 0:
+      raise ValueError(f"weights must be {len(parts)} finite numbers >= 0 with a positive "
+                       f"sum (one per part), got {self.weights!r}")
+    object.__setattr__(self, "parts", parts)
+    object.__setattr__(self, "weights", tuple(float(w) for w in weights))
+
+  @property
+  def reads(self) -> frozenset:
+    return frozenset().union(*(reads_of(p) for p in self.parts))
+
+  def __call__(self, cache: KVCache):
+    valid = cache.valid
+    out = jnp.zeros(valid.shape, jnp.float32)
+    for part, w in zip(self.parts, self.weights):
+      x = jnp.where(valid, jnp.asarray(part(cache), jnp.float32), 0.0)
+      total = jnp.sum(x)
+      out = out + w * jnp.where(total > 0, x / jnp.where(total > 0, total, 1.0), 0.0)
+    return out
+
+
 class Score(Protocol):
   """What a design scores tokens with (see the module docstring)."""
 

@@ -1,4 +1,4 @@
-"""Defensive and envelope designs: scores, observe_peak, evict, unbiasedness, R."""
+"""Defensive, envelope and blend designs: scores, observe_peak, evict, unbiasedness, R."""
 
 import math
 
@@ -56,7 +56,107 @@ def _evict(design, c, key):
 
 
 def _make(name, budget=32, uniform_share=0.2):
+  if name == "priority_blend":
+    return designs.priority_blend(budget, n_sink=2, window=4)
   return getattr(designs, name)(budget, n_sink=2, window=4, uniform_share=uniform_share)
+
+
+class BlendScoreTest(parameterized.TestCase):
+
+  def test_values_against_numpy(self):
+    c = _cache()
+    valid = np.asarray(c.valid)
+    acc = np.where(valid, np.asarray(c.acc, np.float64), 0.0)
+    obs = np.where(valid, np.asarray(c.obs, np.float64), 0.0)
+    want = 0.3 * acc / acc.sum() + 0.7 * obs / obs.sum()
+    got = scores.Blend((scores.AccumulatedAttention(), scores.WindowAttention(1)), (0.3, 0.7))(c)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-8)
+    self.assertAlmostEqual(float(np.sum(got)), 1.0, places=5)
+
+  def test_a_zero_part_contributes_nothing(self):
+    c = cache_lib.observe(cache_lib.append(cache_lib.init_cache(CAP, D), *_problem()[:2]),
+                          jnp.where(jnp.arange(CAP) < N, 1.0 / N, 0.0))  # obs stays 0
+    got = scores.Blend((scores.AccumulatedAttention(), scores.WindowAttention(1)), (0.5, 0.5))(c)
+    np.testing.assert_allclose(np.asarray(got)[:N], 0.5 / N, rtol=1e-5)
+    self.assertEqual(float(np.abs(np.asarray(got)[N:]).sum()), 0.0)
+
+  def test_reads_is_the_union(self):
+    b = scores.Blend((scores.AccumulatedAttention(), scores.WindowAttention(5)), (1, 1))
+    self.assertEqual(b.reads, {"acc", "obs", "pos"})
+    self.assertEqual(hash(b), hash(scores.Blend(
+        (scores.AccumulatedAttention(), scores.WindowAttention(5)), (1.0, 1.0))))
+
+  @parameterized.parameters(((1.0,),), ((-0.1, 1.0),), ((0.0, 0.0),), ((float("nan"), 1.0),),
+                            ((True, 1.0),))
+  def test_bad_weights(self, weights):
+    with self.assertRaisesRegex(ValueError, "weights must be 2 finite numbers >= 0"):
+      scores.Blend((scores.AccumulatedAttention(), scores.Uniform()), weights)
+
+  def test_bad_parts(self):
+    with self.assertRaisesRegex(TypeError, "parts must be a non-empty tuple of scores"):
+      scores.Blend((), ())
+    with self.assertRaisesRegex(TypeError, "parts must be a non-empty tuple of scores"):
+      scores.Blend((3.0,), (1.0,))
+
+
+class PriorityBlendTest(parameterized.TestCase):
+
+  def test_registered_with_its_own_window(self):
+    design = registry.make("priority_blend", 24, n_sink=2, window=4)
+    self.assertTrue(design.randomized)
+    self.assertEqual((design.observation_window, design.min_tail), (4, 16))
+    self.assertIsInstance(design.tail.score, scores.Blend)
+    self.assertEqual(design.tail.score.weights, (0.5, 0.5))
+    self.assertEqual(designs.priority_blend(24).observation_window, 1)
+    with self.assertRaisesRegex(ValueError, r"window_weight must be a float in \[0, 1\], got 1.5"):
+      designs.priority_blend(24, window_weight=1.5)
+
+  def test_window_weight_zero_is_priority_floor(self):
+    """Priority sampling is scale-free, so the normalised accumulated attention
+    keeps the same tokens with the same probabilities as priority_floor's raw one."""
+    blend = designs.priority_blend(24, n_sink=2, window=4, window_weight=0.0)
+    floor = designs.priority_floor(24, n_sink=2, window=4)
+    c = _cache()
+    for seed in range(3):
+      key = jax.random.PRNGKey(seed)
+      a, b = _evict(blend, c, key), _evict(floor, c, key)
+      np.testing.assert_array_equal(np.asarray(a[2].kept), np.asarray(b[2].kept))
+      np.testing.assert_allclose(np.asarray(a[2].pi), np.asarray(b[2].pi), rtol=1e-5)
+
+  def test_window_share_is_filled_by_the_window_score(self):
+    """window_share 0.5: the floor(0.5 * slots) tail tokens with the most pooled
+    window attention are kept with pi = 1 under every key."""
+    design = designs.priority_blend(24, n_sink=2, window=4, window_share=0.5)
+    c = _cache(design)
+    _, _, info = _evict(design, c, jax.random.PRNGKey(0))
+    tail = np.asarray(c.valid & ~info.certain)
+    slots = int(info.target) - int(np.sum(np.asarray(info.certain)))
+    snap = np.where(tail, np.asarray(scores.WindowAttention(5)(c)), -np.inf)
+    top = np.argsort(-snap, kind="stable")[:slots // 2]
+    for seed in range(5):
+      _, _, info = _evict(design, c, jax.random.PRNGKey(seed))
+      self.assertTrue(np.asarray(info.kept)[top].all())
+      np.testing.assert_array_equal(np.asarray(info.pi)[top], 1.0)
+    self.assertIn("obs", design.reads)
+
+  def test_a_token_only_the_window_attends_to_is_kept(self):
+    """A tail token with no history attention but most of the window's is kept
+    with certainty at window_weight 0.5, and almost never at 0 (a weight of
+    about eps times the tail mean)."""
+    c = _cache()
+    target = 10
+    c = c._replace(acc=c.acc.at[target].set(0.0),
+                   obs=c.obs.at[target].set(10.0 * float(jnp.sum(c.obs))))
+    keys = jax.random.split(jax.random.PRNGKey(3), 50)
+    kept = {}
+    for ww in (0.0, 0.5):
+      design = designs.priority_blend(20, n_sink=2, window=4, window_weight=ww, pool_size=1)
+      infos = jax.vmap(lambda k, d=design: d.evict(c, d.init(c), k)[2])(keys)
+      kept[ww] = np.asarray(infos.kept[:, target])
+      if ww:
+        np.testing.assert_allclose(np.asarray(infos.pi[:, target]), 1.0)
+    self.assertTrue(kept[0.5].all())
+    self.assertEqual(int(kept[0.0].sum()), 0)
 
 
 class DefensiveScoreTest(parameterized.TestCase):
@@ -236,14 +336,15 @@ class VariantDesignTest(parameterized.TestCase):
       tail = np.asarray(c.valid & ~inf.certain)
       self.assertAlmostEqual(float(np.asarray(inf.pi)[tail].sum()), float(inf.m), delta=1e-4)
 
-  @parameterized.parameters(*VARIANTS)
+  @parameterized.parameters(*VARIANTS, "priority_blend")
   def test_hajek_unbiased_within_monte_carlo_error(self, name):
     """4000 draws. The Horvitz-Thompson numerator sum_S a v / pi and
     denominator sum_S a / pi are exactly unbiased: each coordinate's mean is
     within 4 standard errors (sample sd / sqrt(4000)) of the full-cache value.
     The Hajek ratio o_hat is unbiased to second order: its mean is within
     4 standard errors plus the oracle second-order bias
-    (diagnostics.linearized_moments) of the full-cache output o."""
+    (diagnostics.linearized_moments) of the full-cache output o (Poisson
+    tails only: a priority tail's pi is conditional on the draw's tau)."""
     n_draws = 4000
     design = _make(name, budget=24)
     c = _cache(design, peaky=2.0)
@@ -260,6 +361,8 @@ class VariantDesignTest(parameterized.TestCase):
     se = lambda x: x.std(0, ddof=1) / math.sqrt(n_draws)
     self.assertTrue(np.all(np.abs(num.mean(0) - full_num) <= 4 * se(num)), name)
     self.assertLessEqual(abs(den.mean() - full_den), 4 * se(den), name)
+    if name == "priority_blend":  # its pi depends on the draw's tau: no one-draw oracle bias
+      return
     o_hat = num / den[:, None]
     pi = np.asarray(info.pi[0])
     moments = diagnostics.linearized_moments(q, c.k, c.v, c.valid, jnp.asarray(pi))

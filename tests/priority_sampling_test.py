@@ -176,20 +176,26 @@ N_STREAM_DRAWS = 3000
 
 
 @functools.lru_cache(maxsize=None)
-def _two_rounds(heavy_share=0.0):
-  """Two evictions of priority_tail with an append in between, N draws."""
+def _two_rounds(heavy_share=0.0, blend=False):
+  """Two evictions of priority_tail (``blend``: priority_blend with ``heavy_share``
+  as its window_share, each query folded as an observation window) with an
+  append in between, N draws."""
   s = STREAM
   rng = np.random.default_rng(3)
   n_total = s["first"] + s["second"]
   k_all = jnp.asarray(rng.normal(size=(n_total, s["d"])), jnp.float32)
   v_all = jnp.asarray(rng.normal(size=(n_total, s["d"])), jnp.float32)
   queries = jnp.asarray(rng.normal(size=(2, s["d"])), jnp.float32)
-  design = designs.priority_tail(s["budget"], n_sink=s["n_sink"], window=s["window"],
-                                 heavy_share=heavy_share)
+  if blend:
+    design = designs.priority_blend(s["budget"], n_sink=s["n_sink"], window=s["window"],
+                                    window_share=heavy_share, min_tail=0)
+  else:
+    design = designs.priority_tail(s["budget"], n_sink=s["n_sink"], window=s["window"],
+                                   heavy_share=heavy_share)
 
   def fold(c, st, q):  # the query's attention over the kept slots, with offsets
     probs = attention.attention_probs(q, c.k, c.log_pi, c.valid)
-    return design.update(c, st, probs)
+    return design.update(c, st, probs, observation=blend)
 
   def one(key):
     k1, k2 = jax.random.split(key)
@@ -244,10 +250,27 @@ class CompositionTest(absltest.TestCase):
     self.assertLess(abs(z_g), Z, (est_g.mean(), g.sum()))
     self.assertLess(abs(z_n), Z, (w.sum(-1).mean(), n_total))
 
+  def test_blend_with_a_window_share_stays_unbiased(self):
+    # priority_blend: 6 of the 12 tail slots go to the top of the pooled window
+    # attention with pi = 1, 6 are priority-sampled by the blended weights.
+    c, triggered, pi1, _, n_total = _two_rounds(0.5, blend=True)
+    self.assertTrue(triggered.all())
+    np.testing.assert_array_equal(c.valid.sum(-1), STREAM["budget"])
+    self.assertTrue(((pi1 == 1.0).sum(-1) >= STREAM["n_sink"] + STREAM["window"] + 6).all())
+    w = np.where(c.valid, np.exp(-c.log_pi.astype(np.float64)), 0.0)
+    g = np.random.default_rng(5).normal(size=n_total) + 0.5  # a fixed f(pos)
+    est_g = (w * np.where(c.valid, g[np.maximum(c.pos, 0)], 0.0)).sum(-1)
+    z_g, z_n = _z(est_g, g.sum()), _z(w.sum(-1), float(n_total))
+    # Two statistics, 4.5 SEs each. Measured: z = -1.41 (f = g), -0.48 (f = 1).
+    self.assertLess(abs(z_g), Z, (est_g.mean(), g.sum()))
+    self.assertLess(abs(z_n), Z, (w.sum(-1).mean(), n_total))
+
   def test_heavy_share_out_of_range_is_refused(self):
     for bad in (1.0, -0.1, True):
       with self.assertRaisesRegex(ValueError, "heavy_share"):
         designs.priority_tail(16, heavy_share=bad)
+      with self.assertRaisesRegex(ValueError, "window_share must be a float in"):
+        designs.priority_blend(16, window_share=bad)
 
   def test_offsets_are_cumulative(self):
     # Slots stay in place (eviction zeroes, append fills free slots), so a
