@@ -149,7 +149,9 @@ class TailRule(Protocol):
 def _tail_score(rule, cache, tail) -> Array:
   """A sampled tail rule's score on the tail (0 elsewhere), float32; where it is
   concrete, checked finite and non-negative (ValueError naming the rule)."""
-  s = jnp.where(tail, rule.score(cache).astype(jnp.float32), 0.0)
+  on = getattr(rule.score, "on", None)  # a score normalised over the candidates
+  raw = on(cache, tail) if on is not None else rule.score(cache)
+  s = jnp.where(tail, raw.astype(jnp.float32), 0.0)
   s_conc = _checks.concrete_array(s)
   if s_conc is not None:
     _checks.check_finite("score", s_conc)

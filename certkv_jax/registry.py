@@ -40,6 +40,7 @@ _FACTORIES: dict[str, Callable[..., EvictionDesign]] = {
     "priority_tail": designs.priority_tail,
     "priority_floor": designs.priority_floor,
     "priority_blend": designs.priority_blend,
+    "priority_focus": designs.priority_focus,
 }
 
 # A budget that any design accepts, to read a design's static properties.

@@ -11,6 +11,7 @@ import numpy as np
 
 import certkv_jax
 from certkv_jax import cache as cache_lib
+from certkv_jax import design_parts
 from certkv_jax import designs
 from certkv_jax import registry
 from certkv_jax import diagnostics
@@ -157,6 +158,86 @@ class PriorityBlendTest(parameterized.TestCase):
         np.testing.assert_allclose(np.asarray(infos.pi[:, target]), 1.0)
     self.assertTrue(kept[0.5].all())
     self.assertEqual(int(kept[0.0].sum()), 0)
+
+
+class FocusBlendTest(parameterized.TestCase):
+
+  def _numpy(self, c, mask, fb):
+    mask = np.asarray(mask)
+    a = np.where(mask, np.asarray(c.acc, np.float64), 0.0)
+    b = np.where(mask, np.asarray(c.obs, np.float64), 0.0)
+    a, b = a / a.sum(), b / b.sum()
+    share = 1.0 / (mask.sum() * np.sum(b * b))
+    t = np.clip((fb.diffuse - share) / (fb.diffuse - fb.focused), 0.0, 1.0)
+    lam = fb.diffuse_weight + t * (fb.focused_weight - fb.diffuse_weight)
+    return (1 - lam) * a + lam * b, lam, share
+
+  @parameterized.parameters((0.05, 0.2), (0.3, 0.9), (0.001, 0.01))
+  def test_values_against_numpy(self, focused, diffuse):
+    """Over the candidates (here every valid slot but the first two): the
+    weight follows the window's effective share, clipped at both ends."""
+    c = _cache()
+    mask = c.valid & (jnp.arange(CAP) >= 2)
+    fb = scores.FocusBlend(scores.AccumulatedAttention(), scores.WindowAttention(1),
+                           focused, diffuse, 0.9, 0.2)
+    want, lam, _ = self._numpy(c, mask, fb)
+    np.testing.assert_allclose(float(fb.window_weight(c, mask)), lam, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(fb.on(c, mask)), want, rtol=1e-4, atol=1e-8)
+    self.assertEqual(float(np.abs(np.asarray(fb.on(c, mask))[:2]).sum()), 0.0)
+
+  def test_a_focused_window_gets_the_focused_weight(self):
+    """A window whose attention sits on one candidate (share 1/n) gets
+    focused_weight; a flat one (share 1) gets diffuse_weight."""
+    c = _cache()
+    n = int(np.sum(np.asarray(c.valid)))
+    fb = scores.FocusBlend(scores.AccumulatedAttention(), scores.WindowAttention(1),
+                           focused=1.5 / n, diffuse=0.9)
+    one = c._replace(obs=jnp.zeros_like(c.obs).at[5].set(1.0))
+    flat = c._replace(obs=jnp.where(c.valid, 1.0, 0.0))
+    self.assertAlmostEqual(float(fb.window_weight(one, c.valid)), 1.0, places=6)
+    self.assertAlmostEqual(float(fb.window_weight(flat, c.valid)), 0.5, places=6)
+
+  def test_the_tail_rule_normalises_over_the_tail(self):
+    """A sampled tail scores a FocusBlend over its own candidates, not over
+    the sinks and window it never samples."""
+    design = designs.priority_focus(20, n_sink=2, window=4, pool_size=1)
+    c = _cache(design)
+    _, _, info = _evict(design, c, jax.random.PRNGKey(0))
+    tail = c.valid & ~info.certain
+    got = design_parts._tail_score(design.tail, c, tail)
+    want, _, _ = self._numpy(c, tail, design.tail.score)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-8)
+
+  @parameterized.parameters(
+      (dict(focused=0.3, diffuse=0.2), "focused must be below diffuse"),
+      (dict(focused=-0.1), r"focused must be a number in \[0, 1\], got -0.1"),
+      (dict(diffuse_weight=1.5), r"diffuse_weight must be a number in \[0, 1\], got 1.5"),
+      (dict(focused_weight=True), r"focused_weight must be a number in \[0, 1\], got True"))
+  def test_bad_arguments(self, kwargs, msg):
+    with self.assertRaisesRegex(ValueError, msg):
+      scores.FocusBlend(**kwargs)
+    with self.assertRaisesRegex(ValueError, msg):
+      designs.priority_focus(24, **kwargs)
+
+  def test_registered(self):
+    design = registry.make("priority_focus", 24, n_sink=2, window=4)
+    self.assertTrue(design.randomized)
+    self.assertEqual((design.observation_window, design.min_tail), (4, 16))
+    self.assertEqual(design.reads, {"acc", "obs", "pos"})
+    self.assertEqual(hash(design.tail.score), hash(scores.FocusBlend()))
+
+  def test_a_token_the_focused_window_points_at_is_kept(self):
+    """The needle case: a token with no history attention that a focused
+    window attends to is kept with certainty."""
+    c = _cache()
+    target = 10
+    c = c._replace(acc=c.acc.at[target].set(0.0),
+                   obs=jnp.zeros_like(c.obs).at[target].set(1.0).at[12].set(0.2))
+    design = designs.priority_focus(20, n_sink=2, window=4, pool_size=1)
+    keys = jax.random.split(jax.random.PRNGKey(3), 50)
+    infos = jax.vmap(lambda k: design.evict(c, design.init(c), k)[2])(keys)
+    np.testing.assert_array_equal(np.asarray(infos.kept[:, target]), True)
+    np.testing.assert_allclose(np.asarray(infos.pi[:, target]), 1.0)
 
 
 class DefensiveScoreTest(parameterized.TestCase):
