@@ -35,6 +35,24 @@ TEXT = ("it was the best of times, it was the worst of times, it was the age of 
 VARIANTS = ("snapkv", "priority_floor+cert", "priority_tail+adakv")
 
 
+class CoverageIntervalTest(absltest.TestCase):
+
+  def test_the_interval_resamples_segments(self):
+    """Ten segments of 150 calls covering shares 0, 0.1, ..., 0.9: pooled 0.45;
+    the segments' shares have sd 0.287, so the mean's 95% interval is about
+    +-0.18 (1.96 x 0.287 / sqrt(10)), far wider than the +-0.025 of 1,500
+    independent calls."""
+    evals = [np.where(np.arange(150).reshape(50, 1, 3) < 15 * i, 0.5, 2.0) for i in range(10)]
+    calib = [np.full((40, 1, 3), 0.5)]  # every head's scale: 0.5
+    cell = report.coverage(calib, evals, n_kv_heads=3)
+    self.assertAlmostEqual(cell["raw"], 0.45)
+    self.assertAlmostEqual(cell["calibrated"], 0.45)
+    for k in ("raw_ci", "calibrated_ci"):
+      lo, hi = cell[k]
+      self.assertTrue(0.2 < lo < 0.35 and 0.55 < hi < 0.7, cell[k])
+    self.assertEqual(cell["n_segments"], 10)
+
+
 @pytest.mark.slow
 class EqualMemoryTest(absltest.TestCase):
 
@@ -112,6 +130,9 @@ class EqualMemoryTest(absltest.TestCase):
       cov = s["contexts"]["32"]["coverage"][v]["0.5"]
       for k in ("raw", "calibrated"):
         self.assertTrue(0.0 <= cov[k] <= 1.0)
+        lo, hi = cov[k + "_ci"]  # a bootstrap over the 2 evaluation segments
+        self.assertTrue(0.0 <= lo <= cov[k] + 1e-12 and cov[k] - 1e-12 <= hi <= 1.0, cov)
+      self.assertEqual(cov["n_segments"], self.plan.n_eval)
       self.assertGreater(cov["n_calls"], 0)
     self.assertNotIn("snapkv", s["contexts"]["32"]["coverage"])
 

@@ -47,8 +47,9 @@ def _ci(values, seed) -> dict:
   return {"value": float(np.mean(v)), "ci": [float(iv.lo), float(iv.hi)], "n": int(v.size)}
 
 
-def _scores(out_dir, c, variant, split, memory, plan) -> Optional[np.ndarray]:
-  """All conformity scores ``[calls, layers, heads]`` of a split at one memory."""
+def _scores(out_dir, c, variant, split, memory, plan) -> Optional[list]:
+  """The conformity scores ``[calls, layers, heads]`` of a split at one memory,
+  one array per segment."""
   n = plan.n_eval if split == "eval" else plan.n_calib
   parts = []
   for start in range(0, n, plan.group):
@@ -57,7 +58,7 @@ def _scores(out_dir, c, variant, split, memory, plan) -> Optional[np.ndarray]:
       return None
     with np.load(path) as z:
       parts += [z[k].astype(np.float64) for k in z.files if k.startswith(f"m{memory}_")]
-  return np.concatenate(parts) if parts else None
+  return parts or None
 
 
 def _sharpness(scores, scale) -> Optional[float]:
@@ -65,8 +66,15 @@ def _sharpness(scores, scale) -> Optional[float]:
   return float(np.median(scale / covered)) if covered.size else None
 
 
-def coverage(calib, evals, n_kv_heads: int) -> dict:
-  """Raw and calibrated coverage of the evaluation calls (scores ``e / r``)."""
+def coverage(calib, evals, n_kv_heads: int, seed: int = 0) -> dict:
+  """Raw and calibrated coverage of the evaluation calls (scores ``e / r``).
+
+  ``calib`` and ``evals`` are lists of per-segment score arrays. Calls within a
+  segment are dependent, so each coverage's 95% interval (``raw_ci``,
+  ``calibrated_ci``) is a bootstrap over evaluation segments, the calibration
+  scales held fixed."""
+  per_segment = list(evals)
+  calib, evals = np.concatenate(list(calib)), np.concatenate(per_segment)
   L, H = evals.shape[1:]
   group = H // n_kv_heads
   scales = np.empty((L, n_kv_heads))
@@ -79,6 +87,14 @@ def coverage(calib, evals, n_kv_heads: int) -> dict:
   per_call = np.repeat(scales, group, axis=1)[None]  # [1, L, H]
   raw_cov = float(np.mean(evals <= 1.0))
   cal_cov = float(np.mean(evals <= per_call))
+  n_seg = np.asarray([e.size for e in per_segment], np.float64)
+  hits = {"raw": np.asarray([np.sum(e <= 1.0) for e in per_segment], np.float64),
+          "calibrated": np.asarray([np.sum(e <= per_call) for e in per_segment], np.float64)}
+  cis = {}
+  for k, h in hits.items():  # the pooled share of calls covered, segments resampled
+    iv = stats.bootstrap_ci(lambda a, b: np.sum(a) / np.sum(b), h, n_seg, n_boot=N_BOOT,
+                            seed=seed)
+    cis[k + "_ci"] = [float(iv.lo), float(iv.hi)]
   # sharpness over calls whose calibrated radius is finite (an infinite scale is
   # no guarantee, and its calls are covered trivially)
   covered = (evals > 0) & (evals <= per_call) & np.isfinite(per_call)
@@ -89,7 +105,8 @@ def coverage(calib, evals, n_kv_heads: int) -> dict:
           "median_scale": float(np.median(scales)),
           "infinite_scales": float(np.mean(np.isinf(scales))),
           "unseen_deletions": float(np.mean(np.isinf(evals))),
-          "n_calls": int(evals.size), "n_calib_calls": int(calib.size)}
+          "n_calls": int(evals.size), "n_calib_calls": int(calib.size),
+          "n_segments": len(per_segment), **cis}
 
 
 COVERAGE_FILE = "coverage.json"  # coverage cells, kept when calls/ (not committed) is gone
@@ -179,7 +196,7 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
         cal = _scores(out_dir, c, v, "calib", m, plan)
         evs = _scores(out_dir, c, v, "eval", m, plan)
         if cal is not None and evs is not None:
-          cell = coverage(cal, evs, n_kv_heads)
+          cell = coverage(cal, evs, n_kv_heads, seed=plan.seed)
           stored.setdefault(str(c), {}).setdefault(v, {})[str(m)] = cell
         else:
           cell = stored.get(str(c), {}).get(v, {}).get(str(m))
@@ -205,6 +222,13 @@ def _fmt_ci(e, spec="+.3f") -> str:
   return f"{e['value']:{spec}} [{e['ci'][0]:{spec}}, {e['ci'][1]:{spec}}]"
 
 
+def _cov(cell, k) -> str:
+  """A coverage with its segment-bootstrap interval (cells stored before the
+  interval existed have none)."""
+  ci = cell.get(k + "_ci")
+  return f"{cell[k]:.3f}" + ("" if ci is None else f" [{ci[0]:.3f}, {ci[1]:.3f}]")
+
+
 def _markdown(ctx, c, plan) -> list[str]:
   lines = [f"## {c} tokens: {plan.n_eval} evaluation segments, chunks of {plan.chunk}", "",
            "| variant | memory | held memory | delta NLL [95% CI] | vs best deterministic "
@@ -217,8 +241,9 @@ def _markdown(ctx, c, plan) -> list[str]:
       p = ctx["paired_vs_best_deterministic"].get(v, {}).get(str(m))
       cov = ctx["coverage"].get(v, {}).get(str(m))
       f = lambda x: "-" if x is None else f"{x:.2f}"
-      raw = "-" if cov is None else f"{cov['raw']:.3f} ({f(cov['raw_sharpness'])})"
-      cal = "-" if cov is None else f"{cov['calibrated']:.3f} ({f(cov['calibrated_sharpness'])})"
+      raw = "-" if cov is None else f"{_cov(cov, 'raw')} ({f(cov['raw_sharpness'])})"
+      cal = "-" if cov is None else (f"{_cov(cov, 'calibrated')} "
+                                     f"({f(cov['calibrated_sharpness'])})")
       unseen = "-" if cov is None else f"{cov['unseen_deletions']:.3f}"
       name = f"**{v}**" if v == best else v
       lines.append(f"| {name} | {m} | {ctx['held_memory'][v][str(m)]:.3f} | {_fmt_ci(d)} | "
