@@ -74,6 +74,10 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0) -> dict:
   ``calibrated_ci``) is a bootstrap over evaluation segments, the calibration
   scales held fixed."""
   per_segment = list(evals)
+  for name, parts in (("calib", calib), ("evals", per_segment)):
+    if any(np.ndim(p) != 3 for p in parts):
+      raise ValueError(f"{name} must be a list of [calls, layers, heads] arrays, "
+                       f"got ndims {[np.ndim(p) for p in parts]}")
   calib, evals = np.concatenate(list(calib)), np.concatenate(per_segment)
   L, H = evals.shape[1:]
   group = H // n_kv_heads

@@ -104,7 +104,7 @@ def coverage_cell(out_dir, plan, c, regime, design, ratio, rows, n_kv_heads: int
     for t, v in calls.items():
       calib = np.concatenate([_scores(w) for u, w in calls.items() if u != t])
       ev = _scores(v)
-      hits += equal_memory_report.coverage(calib, ev, n_kv_heads)["calibrated"] * ev.size
+      hits += equal_memory_report.coverage([calib], [ev], n_kv_heads)["calibrated"] * ev.size
       total += ev.size
     out["calibrated"] = hits / total
   else:
