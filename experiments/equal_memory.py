@@ -30,9 +30,10 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output directory.", required=True)
 flags.DEFINE_string("model", model_loading.DEFAULT_MODEL, "Model ('smollm2' or a Hugging "
                     "Face safetensors directory).")
-flags.DEFINE_string("sources", "/usr/share/vim/vim90/doc/usr_[0-9]*.txt", "Glob of UTF-8 "
-                    "text files, one segment each, in sorted order (default: the Vim user "
-                    "manual, natural English prose used nowhere else in this project).")
+flags.DEFINE_string("sources", "/usr/share/vim/vim90/doc/usr_[0-9]*.txt", "Comma-separated "
+                    "globs of UTF-8 text files, one segment each, each glob sorted, the globs "
+                    "in order (default: the Vim user manual, natural English prose used "
+                    "nowhere else in this project).")
 flags.DEFINE_list("context_lens", ["1024"], "Tokens per segment (BOS included).")
 flags.DEFINE_list("variants", list(experiment.DEFAULT_VARIANTS), "design[+allocation]: "
                   f"allocations {list(experiment.ALLOCATIONS)}; aliases "

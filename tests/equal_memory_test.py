@@ -52,6 +52,40 @@ class CoverageIntervalTest(absltest.TestCase):
       self.assertTrue(0.2 < lo < 0.35 and 0.55 < hi < 0.7, cell[k])
     self.assertEqual(cell["n_segments"], 10)
 
+  def test_robust_scale_is_the_largest_segment_quantile(self):
+    """Calibration segment A scores 0.5 everywhere; B has 7% of its calls at
+    1.5. B's own conformal quantile (rank ceil(301 x 0.95) = 286 of 300, past
+    its 279 low calls) is 1.5; pooled with A only 3.5% are high (rank 571 of
+    600, within 579 low), so the pooled scale is 0.5. An evaluation segment
+    like B is covered 0.93 by the pooled scale and fully by the robust one."""
+    a = np.full((100, 1, 3), 0.5)
+    b = np.where(np.arange(300).reshape(100, 1, 3) < 21, 1.5, 0.5)
+    cell = report.coverage([a, b], [b.copy()], n_kv_heads=1)
+    self.assertAlmostEqual(cell["median_scale"], 0.5)
+    self.assertAlmostEqual(cell["median_robust_scale"], 1.5)
+    self.assertAlmostEqual(cell["calibrated"], 0.93)
+    self.assertAlmostEqual(cell["robust"], 1.0)
+    self.assertAlmostEqual(cell["raw"], 0.93)
+    self.assertAlmostEqual(cell["robust_sharpness"], 3.0)  # 279 calls at 1.5 / 0.5
+
+  def test_scores_must_be_three_dimensional(self):
+    with self.assertRaisesRegex(ValueError, "evals must be a list of"):
+      report.coverage([np.ones((4, 1, 3))], np.ones((4, 3)), n_kv_heads=1)
+
+
+class SourcesTest(absltest.TestCase):
+
+  def test_globs_keep_their_order(self):
+    root = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, root)
+    for name in ("a_1.txt", "a_2.txt", "b_1.txt", "a_toc.txt"):
+      with open(os.path.join(root, name), "w") as f:
+        f.write("x")
+    got = experiment.default_sources(f"{root}/b_*.txt, {root}/a_*.txt")
+    self.assertEqual([os.path.basename(p) for p in got], ["b_1.txt", "a_1.txt", "a_2.txt"])
+    with self.assertRaisesRegex(ValueError, "--sources: files listed more than once"):
+      experiment.default_sources(f"{root}/a_1.txt,{root}/a_*.txt")
+
 
 @pytest.mark.slow
 class EqualMemoryTest(absltest.TestCase):

@@ -237,5 +237,16 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
 
 
 def default_sources(pattern: str) -> tuple:
-  paths = tuple(sorted(glob.glob(pattern)))
-  return tuple(p for p in paths if "toc" not in os.path.basename(p))
+  """The files of a comma-separated list of globs: each glob sorted, the globs
+  in the given order (tables of contents left out).
+
+  Raises:
+    ValueError naming --sources when a file is listed twice.
+  """
+  paths = []
+  for part in pattern.split(","):
+    paths += [p for p in sorted(glob.glob(part.strip())) if "toc" not in os.path.basename(p)]
+  twice = sorted({p for p in paths if paths.count(p) > 1})
+  if twice:
+    raise ValueError(f"--sources: files listed more than once: {twice}")
+  return tuple(paths)

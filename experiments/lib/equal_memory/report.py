@@ -69,16 +69,19 @@ def _sharpness(scores, scale) -> Optional[float]:
 def coverage(calib, evals, n_kv_heads: int, seed: int = 0) -> dict:
   """Raw and calibrated coverage of the evaluation calls (scores ``e / r``).
 
-  ``calib`` and ``evals`` are lists of per-segment score arrays. Calls within a
-  segment are dependent, so each coverage's 95% interval (``raw_ci``,
-  ``calibrated_ci``) is a bootstrap over evaluation segments, the calibration
-  scales held fixed."""
-  per_segment = list(evals)
-  for name, parts in (("calib", calib), ("evals", per_segment)):
+  ``calib`` and ``evals`` are lists of per-segment score arrays. Two
+  calibrations, both per (layer, KV head): ``calibrated`` pools the
+  calibration segments' calls into one conformal quantile; ``robust`` takes
+  the largest of the segments' own quantiles (method, section 10). Calls
+  within a segment are dependent, so each coverage's 95% interval
+  (``raw_ci``, ...) is a bootstrap over evaluation segments, the scales held
+  fixed."""
+  per_segment, calib_parts = list(evals), list(calib)
+  for name, parts in (("calib", calib_parts), ("evals", per_segment)):
     if any(np.ndim(p) != 3 for p in parts):
       raise ValueError(f"{name} must be a list of [calls, layers, heads] arrays, "
                        f"got ndims {[np.ndim(p) for p in parts]}")
-  calib, evals = np.concatenate(list(calib)), np.concatenate(per_segment)
+  calib, evals = np.concatenate(calib_parts), np.concatenate(per_segment)
   L, H = evals.shape[1:]
   group = H // n_kv_heads
   scales = np.empty((L, n_kv_heads))
@@ -88,29 +91,47 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0) -> dict:
     for g in range(n_kv_heads):
       s = calib[:, layer, g * group:(g + 1) * group].ravel()
       scales[layer, g] = calibration.conformal_quantile(s, DELTA) if s.size >= need else pooled
-  per_call = np.repeat(scales, group, axis=1)[None]  # [1, L, H]
-  raw_cov = float(np.mean(evals <= 1.0))
-  cal_cov = float(np.mean(evals <= per_call))
+  robust = _robust_scales(list(calib_parts), L, n_kv_heads, group, need)
+  per_call = {"raw": np.ones((1, L, H)),
+              "calibrated": np.repeat(scales, group, axis=1)[None],  # [1, L, H]
+              "robust": np.repeat(robust, group, axis=1)[None]}
   n_seg = np.asarray([e.size for e in per_segment], np.float64)
-  hits = {"raw": np.asarray([np.sum(e <= 1.0) for e in per_segment], np.float64),
-          "calibrated": np.asarray([np.sum(e <= per_call) for e in per_segment], np.float64)}
-  cis = {}
-  for k, h in hits.items():  # the pooled share of calls covered, segments resampled
-    iv = stats.bootstrap_ci(lambda a, b: np.sum(a) / np.sum(b), h, n_seg, n_boot=N_BOOT,
+  out = {}
+  for k, s in per_call.items():
+    hits = np.asarray([np.sum(e <= s) for e in per_segment], np.float64)
+    out[k] = float(np.mean(evals <= s))
+    # the pooled share of calls covered, segments resampled
+    iv = stats.bootstrap_ci(lambda a, b: np.sum(a) / np.sum(b), hits, n_seg, n_boot=N_BOOT,
                             seed=seed)
-    cis[k + "_ci"] = [float(iv.lo), float(iv.hi)]
-  # sharpness over calls whose calibrated radius is finite (an infinite scale is
-  # no guarantee, and its calls are covered trivially)
-  covered = (evals > 0) & (evals <= per_call) & np.isfinite(per_call)
-  ratio = np.broadcast_to(per_call, evals.shape)[covered] / evals[covered]
-  cal_sharp = float(np.median(ratio)) if ratio.size else None
-  return {"raw": raw_cov, "raw_sharpness": _sharpness(evals, 1.0),
-          "calibrated": cal_cov, "calibrated_sharpness": cal_sharp,
+    out[k + "_ci"] = [float(iv.lo), float(iv.hi)]
+    # sharpness over calls whose radius is finite (an infinite scale is no
+    # guarantee, and its calls are covered trivially)
+    covered = (evals > 0) & (evals <= s) & np.isfinite(s)
+    ratio = np.broadcast_to(s, evals.shape)[covered] / evals[covered]
+    out[k + "_sharpness"] = float(np.median(ratio)) if ratio.size else None
+  return {**out,
           "median_scale": float(np.median(scales)),
+          "median_robust_scale": float(np.median(robust)),
           "infinite_scales": float(np.mean(np.isinf(scales))),
           "unseen_deletions": float(np.mean(np.isinf(evals))),
           "n_calls": int(evals.size), "n_calib_calls": int(calib.size),
-          "n_segments": len(per_segment), **cis}
+          "n_segments": len(per_segment)}
+
+
+def _robust_scales(parts, n_layers: int, n_kv_heads: int, group: int, need: int):
+  """[L, n_kv_heads]: per (layer, KV head) the largest of the calibration
+  segments' own conformal quantiles (segments with too few calls have no say;
+  +inf where none has enough), the shipped calibration's max over sources
+  (``certkv_jax.robust_calibration``) per head."""
+  scales = np.full((n_layers, n_kv_heads), -np.inf)
+  for p in parts:
+    for layer in range(n_layers):
+      for g in range(n_kv_heads):
+        s = p[:, layer, g * group:(g + 1) * group].ravel()
+        if s.size >= need:
+          scales[layer, g] = max(scales[layer, g], calibration.conformal_quantile(s, DELTA))
+  scales[np.isneginf(scales)] = np.inf
+  return scales
 
 
 COVERAGE_FILE = "coverage.json"  # coverage cells, kept when calls/ (not committed) is gone
@@ -236,8 +257,9 @@ def _cov(cell, k) -> str:
 def _markdown(ctx, c, plan) -> list[str]:
   lines = [f"## {c} tokens: {plan.n_eval} evaluation segments, chunks of {plan.chunk}", "",
            "| variant | memory | held memory | delta NLL [95% CI] | vs best deterministic "
-           "(paired) [95% CI] | segments better | raw coverage (sharpness) | calibrated "
-           "coverage (sharpness) | unseen deletions |", "|---" * 9 + "|"]
+           "(paired) [95% CI] | segments better | raw coverage (sharpness) | calibrated, "
+           "pooled (sharpness) | calibrated, robust (sharpness) | unseen deletions |",
+           "|---" * 10 + "|"]
   for m in plan.memories:
     best = ctx["best_deterministic"].get(str(m))
     for v in ctx["delta_nll"]:
@@ -248,12 +270,14 @@ def _markdown(ctx, c, plan) -> list[str]:
       raw = "-" if cov is None else f"{_cov(cov, 'raw')} ({f(cov['raw_sharpness'])})"
       cal = "-" if cov is None else (f"{_cov(cov, 'calibrated')} "
                                      f"({f(cov['calibrated_sharpness'])})")
+      rob = "-" if cov is None or "robust" not in cov else (
+          f"{_cov(cov, 'robust')} ({f(cov['robust_sharpness'])})")
       unseen = "-" if cov is None else f"{cov['unseen_deletions']:.3f}"
       name = f"**{v}**" if v == best else v
       lines.append(f"| {name} | {m} | {ctx['held_memory'][v][str(m)]:.3f} | {_fmt_ci(d)} | "
                    f"{'-' if p is None else _fmt_ci(p)} | "
                    f"{'-' if p is None else str(p['wins']) + '/' + str(p['n'])} | {raw} | {cal} "
-                   f"| {unseen} |")
+                   f"| {rob} | {unseen} |")
   if ctx["not_run"]:
     lines += ["", f"Not run (no complete rows): {', '.join(ctx['not_run'])}."]
   return lines + [""]
@@ -299,7 +323,9 @@ variant with uniform budgets (bold) on the same segments, with a 95%
 bootstrap over segments. Coverage: the per-call radius at delta 0.05 over
 every attention call after the first chunk; calibrated with per-(layer, KV
 head) conformal scales fitted on the calibration segments (other source
-files); sharpness = median radius / error over covered calls; unseen
+files), pooled (one quantile of all their calls) or robust (the largest of
+the segments' own quantiles; cells computed before it existed have none;
+method, section 12); sharpness = median radius / error over covered calls; unseen
 deletions = calls with radius 0 and a nonzero error. Coverage is computed
 from the per-call scores in `calls/` and kept in `coverage.json`, which a
 report rewritten without them reads.
