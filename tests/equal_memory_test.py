@@ -68,6 +68,16 @@ class CoverageIntervalTest(absltest.TestCase):
     self.assertAlmostEqual(cell["raw"], 0.93)
     self.assertAlmostEqual(cell["robust_sharpness"], 3.0)  # 279 calls at 1.5 / 0.5
 
+  def test_worst_heads(self):
+    """Two layers, two KV heads of two query heads: only layer 1, KV head 0
+    misses (half its calls)."""
+    e = np.full((10, 2, 4), 0.5)
+    e[::2, 1, 0:2] = 2.0
+    cell = report.coverage([np.full((20, 2, 4), 0.5)], [e], n_kv_heads=2)
+    self.assertEqual(cell["raw_worst_heads"][0], [1, 0, 0.5])
+    self.assertEqual(cell["raw_worst_heads"][1][2], 1.0)
+    self.assertAlmostEqual(cell["raw_heads_below"], 0.25)
+
   def test_scores_must_be_three_dimensional(self):
     with self.assertRaisesRegex(ValueError, "evals must be a list of"):
       report.coverage([np.ones((4, 1, 3))], np.ones((4, 3)), n_kv_heads=1)

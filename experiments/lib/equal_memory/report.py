@@ -109,7 +109,13 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0) -> dict:
     covered = (evals > 0) & (evals <= s) & np.isfinite(s)
     ratio = np.broadcast_to(s, evals.shape)[covered] / evals[covered]
     out[k + "_sharpness"] = float(np.median(ratio)) if ratio.size else None
+  per_head = (evals <= 1.0).reshape(-1, L, n_kv_heads, group).mean(axis=(0, 3))  # [L, kv]
+  worst = np.argsort(per_head, axis=None, kind="stable")[:5]
   return {**out,
+          # where the raw radius misses: the (layer, KV head)s that cover least
+          "raw_worst_heads": [[int(i // n_kv_heads), int(i % n_kv_heads),
+                               float(per_head.flat[i])] for i in worst],
+          "raw_heads_below": float(np.mean(per_head < 1.0 - DELTA)),
           "median_scale": float(np.median(scales)),
           "median_robust_scale": float(np.median(robust)),
           "infinite_scales": float(np.mean(np.isinf(scales))),
@@ -278,6 +284,14 @@ def _markdown(ctx, c, plan) -> list[str]:
                    f"{'-' if p is None else _fmt_ci(p)} | "
                    f"{'-' if p is None else str(p['wins']) + '/' + str(p['n'])} | {raw} | {cal} "
                    f"| {rob} | {unseen} |")
+  worst = [(v, m, cell) for v, per in ctx["coverage"].items() for m, cell in per.items()
+           if "raw_worst_heads" in cell]
+  if worst:
+    lines += ["", "Where the raw radius misses: the (layer, KV head)s that cover least, and "
+              "the share of all (layer, KV head)s below 0.95:", ""]
+    for v, m, cell in worst:
+      heads = ", ".join(f"layer {l} head {h} {c:.2f}" for l, h, c in cell["raw_worst_heads"][:3])
+      lines.append(f"- {v} at {m}: {heads}; {cell['raw_heads_below']:.0%} below")
   if ctx["not_run"]:
     lines += ["", f"Not run (no complete rows): {', '.join(ctx['not_run'])}."]
   return lines + [""]
