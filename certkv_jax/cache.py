@@ -153,10 +153,15 @@ def slot_assignment(valid, new_valid) -> SlotAssignment:
   cap = valid.shape[-1]
   rank_new = (jnp.cumsum(new_valid) - 1).astype(jnp.int32)  # j-th real token -> j
   n_new = jnp.sum(new_valid).astype(jnp.int32)
-  free_slots = _free_slots(valid)  # free slots first, in slot order
+  if new_valid.shape[-1] == 1:  # a decode step: only the first free slot, one argmax
+    first = jnp.argmax(~valid).astype(jnp.int32)
+    free_slots = jnp.where(valid[first], cap, first)[None]
+  else:
+    free_slots = _free_slots(valid)  # free slots first, in slot order
   n_free = (cap - jnp.sum(valid)).astype(jnp.int32)
   fits = new_valid & (rank_new < n_free)
-  idx = jnp.where(fits, free_slots[jnp.clip(rank_new, 0, cap - 1)], cap).astype(jnp.int32)
+  idx = jnp.where(fits, free_slots[jnp.clip(rank_new, 0, free_slots.shape[0] - 1)],
+                  cap).astype(jnp.int32)
   n_stored = jnp.sum(fits).astype(jnp.int32)
   return SlotAssignment(idx, rank_new, n_new, n_stored, n_free)
 
