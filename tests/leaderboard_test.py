@@ -114,6 +114,7 @@ class LeaderboardTest(absltest.TestCase):
       cov = cell["coverage"]["poisson_tail"]["0.5"]
       self.assertEqual(cov["n_calls"], sum(r["n_calls"] for r in rows))
       self.assertBetween(cov["calibrated"], 0.0, 1.0)  # leave-one-task-out: 2 tasks
+      self.assertAlmostEqual(cov["robust"], cov["calibrated"])  # one other task: max = pool
       self.assertIn("n_sink", cov["shipped_note"])  # fitted with other settings
     self.assertIn("| full (reference) |", s["md"])
     self.assertIn("poisson_tail", s["md"])

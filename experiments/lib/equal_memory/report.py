@@ -126,17 +126,23 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0) -> dict:
 
 def _robust_scales(parts, n_layers: int, n_kv_heads: int, group: int, need: int):
   """[L, n_kv_heads]: per (layer, KV head) the largest of the calibration
-  segments' own conformal quantiles (segments with too few calls have no say;
-  +inf where none has enough), the shipped calibration's max over sources
-  (``certkv_jax.robust_calibration``) per head."""
+  segments' own conformal quantiles, the shipped calibration's max over
+  sources (``certkv_jax.robust_calibration``) per head. A segment with too
+  few calls of a head has no say there; a head no segment has enough calls
+  of takes the largest of the segments' quantiles over all their calls (as
+  the pooled scale falls back to the pooled quantile), +inf if none has
+  enough calls at all."""
   scales = np.full((n_layers, n_kv_heads), -np.inf)
+  fallback = -np.inf
   for p in parts:
+    if p.size >= need:
+      fallback = max(fallback, calibration.conformal_quantile(p.ravel(), DELTA))
     for layer in range(n_layers):
       for g in range(n_kv_heads):
         s = p[:, layer, g * group:(g + 1) * group].ravel()
         if s.size >= need:
           scales[layer, g] = max(scales[layer, g], calibration.conformal_quantile(s, DELTA))
-  scales[np.isneginf(scales)] = np.inf
+  scales[np.isneginf(scales)] = fallback if np.isfinite(fallback) else np.inf
   return scales
 
 

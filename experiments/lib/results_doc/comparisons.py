@@ -93,7 +93,8 @@ def _ruler(root: str, rel: str, title: str) -> list[str]:
     if cov:
       out += ["", "Certificate of the randomized designs on every decode call up to the "
               f"answer's end (delta {s['delta']}): raw / leave-one-task-out calibrated "
-              "coverage, median radius / median true error:", ""]
+              "coverage (pooled and robust per-head scales), median radius / median true "
+              "error:", ""]
       body = []
       for d, per in cov.items():
         for r in ratios:
@@ -101,10 +102,11 @@ def _ruler(root: str, rel: str, title: str) -> list[str]:
           if c is None:
             continue
           body.append([d, r, str(c["n_calls"]), fmt.num(c["raw"]),
-                       fmt.num(c.get("calibrated")),
+                       fmt.num(c.get("calibrated")), fmt.num(c.get("robust")),
                        f"{fmt.num(c['median_radius'], '.4f')} / "
                        f"{fmt.num(c['median_error'], '.4f')}"])
-      out += fmt.table(["design", "ratio", "calls", "raw", "calibrated", "radius / error"],
+      out += fmt.table(["design", "ratio", "calls", "raw", "calibrated", "robust",
+                        "radius / error"],
                        body)
     if cell["not_run"]:
       out += ["", f"Not run: {', '.join(cell['not_run'])}."]
