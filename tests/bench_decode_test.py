@@ -120,6 +120,14 @@ class CommandTest(absltest.TestCase):
     self.assertEqual(summary["ratio_vs_full"], summary["ratio_vs_full_by_design"][
         "poisson_tail"]["without_certificate"])
     self.assertEqual(set(summary["ratio_vs_full_amortized"]["every_4"]), {"0.25", "0.5"})
+    self.assertEqual(summary["evict_every"], 1)
+    # Only amortized rows timed: the per-design tables are those of k = 4.
+    only4 = dict(results, decode=[r for r in results["decode"]
+                                  if r["design"] == "full" or r["evict_every"] == 4])
+    s4 = bench_decode_report.summarize(only4)
+    self.assertEqual(s4["evict_every"], 4)
+    self.assertEqual(s4["ratio_vs_full"]["0.25"], {"64": quarter4["ratio_vs_full"]})
+    self.assertEqual(s4["ratio_vs_full_amortized"], {})
     self.assertEqual(bench_decode_report.label(quarter4), "poisson_tail every 4")
     for r in results["decode"]:  # no batch 1 in a plan: the smallest batch, said in the note
       r["batch"] = 4

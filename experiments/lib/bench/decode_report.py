@@ -92,14 +92,16 @@ def summarize(results: dict) -> dict:
   rows = [r for r in rows if loop(r) == hl]  # the headline loop's tables
   at_b = [r for r in rows if r["batch"] == b]
   has = lambda d, c: any(r["design"] == d and r["certificate"] == c for r in at_b)
-  by_design = {d: {CERT_KEYS[c]: _table(rows, d, c, b, "ratio_vs_full")
+  # The per-design tables use the most frequent eviction timed (1: after every step).
+  k0 = min((every(r) for r in at_b if r["design"] != "full"), default=1)
+  by_design = {d: {CERT_KEYS[c]: _table(rows, d, c, b, "ratio_vs_full", k0)
                    for c in (False, True) if has(d, c)} for d in designs}
   # Step time over its floor (bytes / this run's streaming bandwidth), and the scan loop
   # over the unrolled one (same round), both with the headline's certificate setting.
   per_design = lambda field, c=h["certificate"]: dict(
       {"full": _table(rows, "full", False, b, field)},
-      **{d: _table(rows, d, c, b, field) for d in designs if has(d, c)})
-  floor_by_design = {d: {CERT_KEYS[c]: _table(rows, d, c, b, "floor_multiple")
+      **{d: _table(rows, d, c, b, field, k0) for d in designs if has(d, c)})
+  floor_by_design = {d: {CERT_KEYS[c]: _table(rows, d, c, b, "floor_multiple", k0)
                          for c in (False, True) if has(d, c)} for d in designs}
   bandwidth = {key(x["context"]): x["gbps"] for x in results.get("bandwidth", [])
                if x["batch"] == b}
@@ -110,7 +112,7 @@ def summarize(results: dict) -> dict:
     if r["design"] != "full":
       compile_s.setdefault(label(r), {}).setdefault(key(r["budget"]), {})[
           key(r["context"])] = r["compile_s"]
-  ks = sorted({every(r) for r in at_b if r["design"] == h["design"]} - {1})
+  ks = sorted({every(r) for r in at_b if r["design"] == h["design"]} - {k0})
   amortized = {f"every_{k}": _table(rows, h["design"], h["certificate"], b, "ratio_vs_full", k)
                for k in ks}
   prefill = {}
@@ -122,14 +124,16 @@ def summarize(results: dict) -> dict:
   prefill["cached_vs_plain"] = {c: cached[c] / plain[c] for c in cached if c in plain}
   return dict(
       base, headline=h, design=h["design"], certificate=h["certificate"], batch=b,
-      ratio_vs_full=_table(rows, h["design"], h["certificate"], b, "ratio_vs_full"),
-      ratio_vs_full_ci=_table(rows, h["design"], h["certificate"], b, "ratio_vs_full_ci"),
+      evict_every=k0,
+      ratio_vs_full=_table(rows, h["design"], h["certificate"], b, "ratio_vs_full", k0),
+      ratio_vs_full_ci=_table(rows, h["design"], h["certificate"], b, "ratio_vs_full_ci", k0),
       ratio_vs_full_by_design=by_design,
       # The headline's design and certificate evicting every k decode steps (amortized).
       ratio_vs_full_amortized=amortized,
       # The bytes ratio: (weight bytes + the design's cache bytes) / (weight bytes + the full
       # cache's bytes), the ratio of a step that reads every byte once at one bandwidth.
-      bytes_ratio_vs_full=_table(rows, h["design"], h["certificate"], b, "bytes_ratio_vs_full")
+      bytes_ratio_vs_full=_table(rows, h["design"], h["certificate"], b, "bytes_ratio_vs_full",
+                                 k0)
       if all("bytes_ratio_vs_full" in r for r in at_b) else None,
       full_ms={key(r["context"]): r["median"] for r in at_b if r["design"] == "full"},
       layer_loop=hl, bandwidth_gbps=bandwidth,
