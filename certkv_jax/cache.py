@@ -153,11 +153,7 @@ def slot_assignment(valid, new_valid) -> SlotAssignment:
   cap = valid.shape[-1]
   rank_new = (jnp.cumsum(new_valid) - 1).astype(jnp.int32)  # j-th real token -> j
   n_new = jnp.sum(new_valid).astype(jnp.int32)
-  if new_valid.shape[-1] == 1:  # a decode step: only the first free slot, one argmax
-    first = jnp.argmax(~valid).astype(jnp.int32)
-    free_slots = jnp.where(valid[first], cap, first)[None]
-  else:
-    free_slots = _free_slots(valid)  # free slots first, in slot order
+  free_slots = _free_slots(valid, new_valid.shape[-1])  # free slots first, in slot order
   n_free = (cap - jnp.sum(valid)).astype(jnp.int32)
   fits = new_valid & (rank_new < n_free)
   idx = jnp.where(fits, free_slots[jnp.clip(rank_new, 0, free_slots.shape[0] - 1)],
@@ -166,16 +162,21 @@ def slot_assignment(valid, new_valid) -> SlotAssignment:
   return SlotAssignment(idx, rank_new, n_new, n_stored, n_free)
 
 
-def _free_slots(valid) -> Array:
-  """[cap] int32: the free slots in slot order, then ``cap`` (no sort on the decode path).
+def _free_slots(valid, t: int) -> Array:
+  """[cap] int32 (``[1]`` for ``t = 1``): the free slots in slot order, then
+  ``cap`` (no sort), for a chunk of ``t`` new tokens.
 
   Entry ``j < n_free`` is the ``j``-th free slot, the same as
   ``jnp.argsort(valid, stable=True)[j]``; the entries from ``n_free`` on
   (where that argsort lists the occupied slots) are ``cap``, which
   :func:`slot_assignment` never reads: a token whose rank reaches ``n_free``
-  does not fit. A cumulative count and one scatter replace the sort.
+  does not fit. A cumulative count and one scatter replace the sort; a decode
+  step (``t = 1``) needs only the first free slot, one argmax.
   """
   cap = valid.shape[-1]
+  if t == 1:
+    first = jnp.argmax(~valid).astype(jnp.int32)
+    return jnp.where(valid[first], cap, first)[None]
   free = ~valid
   free_rank = (jnp.cumsum(free) - 1).astype(jnp.int32)  # j on the j-th free slot
   dest = jnp.where(free, free_rank, cap)  # occupied slots are dropped

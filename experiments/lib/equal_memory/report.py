@@ -61,18 +61,13 @@ def _scores(out_dir, c, variant, split, memory, plan) -> Optional[list]:
   return parts or None
 
 
-def _sharpness(scores, scale) -> Optional[float]:
-  covered = scores[(scores > 0) & (scores <= scale)]
-  return float(np.median(scale / covered)) if covered.size else None
-
-
 def coverage(calib, evals, n_kv_heads: int, seed: int = 0) -> dict:
   """Raw and calibrated coverage of the evaluation calls (scores ``e / r``).
 
   ``calib`` and ``evals`` are lists of per-segment score arrays. Two
   calibrations, both per (layer, KV head): ``calibrated`` pools the
   calibration segments' calls into one conformal quantile; ``robust`` takes
-  the largest of the segments' own quantiles (method, section 10). Calls
+  the largest of the segments' own quantiles (method, section 12). Calls
   within a segment are dependent, so each coverage's 95% interval
   (``raw_ci``, ...) is a bootstrap over evaluation segments, the scales held
   fixed."""
@@ -84,14 +79,10 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0) -> dict:
   calib, evals = np.concatenate(calib_parts), np.concatenate(per_segment)
   L, H = evals.shape[1:]
   group = H // n_kv_heads
-  scales = np.empty((L, n_kv_heads))
-  pooled = calibration.conformal_quantile(calib.ravel(), DELTA)
-  need = calibration.min_finite_calls(DELTA)
-  for layer in range(L):
-    for g in range(n_kv_heads):
-      s = calib[:, layer, g * group:(g + 1) * group].ravel()
-      scales[layer, g] = calibration.conformal_quantile(s, DELTA) if s.size >= need else pooled
-  robust = _robust_scales(list(calib_parts), L, n_kv_heads, group, need)
+  # pooled: each head's quantile of all calibration calls, else the pooled quantile
+  scales = _head_quantiles(calib, n_kv_heads)
+  scales[np.isnan(scales)] = calibration.conformal_quantile(calib.ravel(), DELTA)
+  robust = _robust_scales(calib_parts, n_kv_heads)
   per_call = {"raw": np.ones((1, L, H)),
               "calibrated": np.repeat(scales, group, axis=1)[None],  # [1, L, H]
               "robust": np.repeat(robust, group, axis=1)[None]}
@@ -124,7 +115,19 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0) -> dict:
           "n_segments": len(per_segment)}
 
 
-def _robust_scales(parts, n_layers: int, n_kv_heads: int, group: int, need: int):
+def _head_quantiles(scores, n_kv_heads: int) -> np.ndarray:
+  """[L, n_kv_heads]: the conformal quantile of each (layer, KV head)'s calls in
+  ``scores`` [calls, L, H]; NaN where a head has too few calls for a finite one."""
+  n, L, H = scores.shape
+  by_head = scores.reshape(n, L, n_kv_heads, H // n_kv_heads).transpose(1, 2, 0, 3)
+  by_head = by_head.reshape(L, n_kv_heads, -1)
+  if by_head.shape[-1] < calibration.min_finite_calls(DELTA):
+    return np.full((L, n_kv_heads), np.nan)
+  return np.asarray([[calibration.conformal_quantile(s, DELTA) for s in row]
+                     for row in by_head])
+
+
+def _robust_scales(parts, n_kv_heads: int) -> np.ndarray:
   """[L, n_kv_heads]: per (layer, KV head) the largest of the calibration
   segments' own conformal quantiles, the shipped calibration's max over
   sources (``certkv_jax.robust_calibration``) per head. A segment with too
@@ -132,17 +135,10 @@ def _robust_scales(parts, n_layers: int, n_kv_heads: int, group: int, need: int)
   of takes the largest of the segments' quantiles over all their calls (as
   the pooled scale falls back to the pooled quantile), +inf if none has
   enough calls at all."""
-  scales = np.full((n_layers, n_kv_heads), -np.inf)
-  fallback = -np.inf
-  for p in parts:
-    if p.size >= need:
-      fallback = max(fallback, calibration.conformal_quantile(p.ravel(), DELTA))
-    for layer in range(n_layers):
-      for g in range(n_kv_heads):
-        s = p[:, layer, g * group:(g + 1) * group].ravel()
-        if s.size >= need:
-          scales[layer, g] = max(scales[layer, g], calibration.conformal_quantile(s, DELTA))
-  scales[np.isneginf(scales)] = fallback if np.isfinite(fallback) else np.inf
+  need = calibration.min_finite_calls(DELTA)
+  scales = np.fmax.reduce([_head_quantiles(p, n_kv_heads) for p in parts], axis=0)
+  whole = [calibration.conformal_quantile(p.ravel(), DELTA) for p in parts if p.size >= need]
+  scales[np.isnan(scales)] = max(whole) if whole else np.inf
   return scales
 
 
