@@ -261,32 +261,60 @@ class PriorityTail:
   ``heavy_score`` ranks that share (default: ``score``), e.g. SnapKV's window
   attention beside a history-weighted sample.
 
+  ``focus_share`` adds a share that follows the window (``score`` a
+  :class:`scores.FocusBlend`): per head and eviction, ``focus_share`` times
+  the score's ``focus`` (1 at a window focused on few tokens, 0 at a diffuse
+  one), ranked by the window's score (method, section 3, "Focused share"). A
+  question that points at a few tokens then keeps them together, as SnapKV
+  does; running text stays sampled.
+
   Attributes:
     score: non-negative importance score (default accumulated attention).
     eps: relative floor of the weights in (0, 1].
     heavy_share: fraction of the slots filled by score, in [0, 1).
-    heavy_score: the score that fills them (None: ``score``).
+    heavy_score: the score that fills them (None: ``score``, or the
+      window's score when ``focus_share`` is set).
+    focus_share: the share added at a focused window, in [0, 1) with
+      ``heavy_share + focus_share < 1``.
   """
 
   score: scores.Score = scores.AccumulatedAttention()
   eps: float = 1e-6
   heavy_share: float = 0.0
   heavy_score: Optional[scores.Score] = None
+  focus_share: float = 0.0
   randomized = True
 
   def __post_init__(self):
     sampling.check_eps(self.eps)
-    h = self.heavy_share
-    if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0.0 <= h < 1.0:
-      raise ValueError(f"heavy_share must be a float in [0, 1), got {h!r}")
+    for name in ("heavy_share", "focus_share"):
+      h = getattr(self, name)
+      if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0.0 <= h < 1.0:
+        raise ValueError(f"{name} must be a float in [0, 1), got {h!r}")
+    if self.heavy_share + self.focus_share >= 1.0:
+      raise ValueError("heavy_share + focus_share must be below 1 (a slot left to sample), "
+                       f"got {self.heavy_share!r} + {self.focus_share!r}")
+    if self.focus_share and not hasattr(self.score, "focus"):
+      raise ValueError(f"focus_share needs a score with a window (scores.FocusBlend), "
+                       f"got {self.score!r}")
+
+  def _share(self, cache, tail):
+    """The share of the slots kept by rank (a float, or a traced scalar)."""
+    if not self.focus_share:
+      return self.heavy_share
+    return self.heavy_share + self.focus_share * self.score.focus(cache, tail)
 
   def select(self, cache, tail, slots, key) -> TailChoice:
     s = _tail_score(self, cache, tail)
     sampled = tail
     top = jnp.zeros_like(tail)
-    if self.heavy_share:
-      n_top = jnp.floor(self.heavy_share * jnp.asarray(slots, jnp.float32)).astype(jnp.int32)
-      h = s if self.heavy_score is None else self.heavy_score(cache).astype(jnp.float32)
+    if self.heavy_share or self.focus_share:
+      share = self._share(cache, tail)
+      n_top = jnp.floor(share * jnp.asarray(slots, jnp.float32)).astype(jnp.int32)
+      rank = self.heavy_score
+      if rank is None and self.focus_share:
+        rank = self.score.window
+      h = s if rank is None else rank(cache).astype(jnp.float32)
       top = tail & sampling.top_k_mask(jnp.where(tail, h, -jnp.inf), n_top)
       sampled = tail & ~top
       slots = slots - n_top

@@ -368,23 +368,27 @@ def priority_blend(budget, *, n_sink: int = 0, window: int = 0, window_weight: f
 def priority_focus(budget, *, n_sink: int = 0, window: int = 0, focused: float = 0.05,
                    diffuse: float = 0.2, focused_weight: float = 1.0,
                    diffuse_weight: float = 0.5, pool_size: int = 5, min_tail: int = 16,
-                   heavy: int = 0, eps: float = 1e-6,
+                   heavy: int = 0, eps: float = 1e-6, focus_share: float = 0.0,
                    observation_window: Optional[int] = None) -> EvictionDesign:
   """:func:`priority_blend` whose window weight follows the window: per head
   and eviction, ``scores.FocusBlend`` weighs SnapKV's statistic by how
   concentrated the observation window's attention over the tail is (a
   question pointing at a fact) against H2O's (running text), both normalised
-  over the tail (method, section 3, "Focus-weighted blend").
+  over the tail (method, section 3, "Focus-weighted blend"). ``focus_share``
+  of the slots, scaled by how focused the window is (0 at ``diffuse``, 1 at
+  ``focused``), go by rank of the window's score with certainty
+  (:class:`PriorityTail`; method, section 3, "Focused share").
 
   Raises:
     ValueError naming the argument unless the shares and weights are in
-    [0, 1] with ``focused < diffuse``.
+    [0, 1] with ``focused < diffuse``, and ``focus_share`` is in [0, 1).
   """
   obs = max(window, 1) if observation_window is None else observation_window
   score = scores.FocusBlend(scores.AccumulatedAttention(), scores.WindowAttention(pool_size),
                             focused, diffuse, focused_weight, diffuse_weight)
-  return compose(CertaintySet(n_sink=n_sink, window=window, heavy=heavy),
-                 PriorityTail(score=score, eps=eps), budget, "priority_focus",
+  tail = PriorityTail(score=score, eps=eps, focus_share=focus_share)
+  return compose(CertaintySet(n_sink=n_sink, window=window, heavy=heavy), tail, budget,
+                 "priority_focus",
                  observation_window=obs, min_tail=min_tail)
 
 

@@ -293,12 +293,22 @@ class FocusBlend:
   def reads(self) -> frozenset:
     return reads_of(self.history) | reads_of(self.window)
 
-  def window_weight(self, cache: KVCache, mask):
-    """The window weight on ``mask``'s slots (a scalar float32)."""
+  def effective_share(self, cache: KVCache, mask):
+    """The window's effective share ``1 / (n sum b_i^2)`` over ``mask``'s ``n``
+    slots (a scalar float32; 1 when flat, ``1/n`` on one token)."""
     b = _normalised(self.window(cache), mask)
     n = jnp.maximum(jnp.sum(mask).astype(jnp.float32), 1.0)
-    share = 1.0 / jnp.maximum(n * jnp.sum(b * b), 1e-30)
-    t = jnp.clip((self.diffuse - share) / (self.diffuse - self.focused), 0.0, 1.0)
+    return 1.0 / jnp.maximum(n * jnp.sum(b * b), 1e-30)
+
+  def focus(self, cache: KVCache, mask):
+    """How focused the window is on ``mask``'s slots: 0 at an effective share
+    of ``diffuse`` or more, 1 at ``focused`` or less, linear between."""
+    share = self.effective_share(cache, mask)
+    return jnp.clip((self.diffuse - share) / (self.diffuse - self.focused), 0.0, 1.0)
+
+  def window_weight(self, cache: KVCache, mask):
+    """The window weight on ``mask``'s slots (a scalar float32)."""
+    t = self.focus(cache, mask)
     return self.diffuse_weight + t * (self.focused_weight - self.diffuse_weight)
 
   def on(self, cache: KVCache, mask):

@@ -240,6 +240,64 @@ class FocusBlendTest(parameterized.TestCase):
     np.testing.assert_allclose(np.asarray(infos.pi[:, target]), 1.0)
 
 
+class FocusedShareTest(parameterized.TestCase):
+  """``priority_focus(focus_share=f)``: a focused window fills ``floor(f k)`` of
+  the ``k`` tail slots by rank of its score with ``pi = 1``; a flat one adds
+  nothing."""
+
+  def _design(self, focus_share, **kwargs):
+    return designs.priority_focus(20, n_sink=2, window=4, pool_size=1, min_tail=0,
+                                  focus_share=focus_share, **kwargs)
+
+  def test_a_focused_window_keeps_its_top_with_certainty(self):
+    c = _cache()
+    ranked = [10, 12, 14, 16, 18, 20, 22, 24, 26, 28]  # the window's top, in order
+    obs = jnp.zeros_like(c.obs)
+    for i, pos in enumerate(ranked):
+      obs = obs.at[pos].set(1.0 - 0.05 * i)
+    c = c._replace(obs=obs)  # effective share over the 42 tail slots: about 0.22
+    design = self._design(0.5, focused=0.3, diffuse=0.6)
+    tail_slots = 20 - 2 - 4
+    n_top = math.floor(0.5 * tail_slots)  # share 0.22 <= focused: the whole 0.5
+    keys = jax.random.split(jax.random.PRNGKey(3), 40)
+    infos = jax.vmap(lambda k: design.evict(c, design.init(c), k)[2])(keys)
+    kept, pi = np.asarray(infos.kept), np.asarray(infos.pi)
+    np.testing.assert_array_equal(kept.sum(-1), 20)  # every slot used
+    np.testing.assert_array_equal(kept[:, ranked[:n_top]], True)
+    np.testing.assert_allclose(pi[:, ranked[:n_top]], 1.0)
+    without = self._design(0.0)
+    infos0 = jax.vmap(lambda k: without.evict(c, without.init(c), k)[2])(keys)
+    # Without the share the window's 7th-ranked token is sampled, not certain.
+    self.assertLess(float(np.asarray(infos0.pi)[:, ranked[n_top - 1]].min()), 1.0)
+
+  def test_a_diffuse_window_adds_nothing(self):
+    """Above ``diffuse`` the design is ``focus_share=0``, draw for draw."""
+    c = _cache(peaky=0.1)  # near-flat attention: effective share near 1
+    fb = self._design(0.5).tail.score
+    tail = c.valid & (jnp.arange(CAP) >= 2)
+    self.assertGreater(float(fb.effective_share(c, tail)), 0.5)
+    key = jax.random.PRNGKey(5)
+    _, _, a = _evict(self._design(0.5), c, key)
+    _, _, b = _evict(self._design(0.0), c, key)
+    np.testing.assert_array_equal(np.asarray(a.kept), np.asarray(b.kept))
+    np.testing.assert_array_equal(np.asarray(a.pi), np.asarray(b.pi))
+
+  @parameterized.parameters(
+      (dict(focus_share=1.0), r"focus_share must be a float in \[0, 1\), got 1.0"),
+      (dict(focus_share=-0.1), r"focus_share must be a float in \[0, 1\)"),
+      (dict(focus_share=0.5, focused=0.1, diffuse=0.1), "focused must be below diffuse"))
+  def test_bad_arguments(self, kwargs, msg):
+    with self.assertRaisesRegex(ValueError, msg):
+      designs.priority_focus(24, **kwargs)
+
+  def test_needs_a_window_score_and_a_slot_to_sample(self):
+    with self.assertRaisesRegex(ValueError, "focus_share needs a score with a window"):
+      design_parts.PriorityTail(focus_share=0.5)
+    fb = scores.FocusBlend()
+    with self.assertRaisesRegex(ValueError, "heavy_share \\+ focus_share must be below 1"):
+      design_parts.PriorityTail(score=fb, heavy_share=0.5, focus_share=0.5)
+
+
 class DefensiveScoreTest(parameterized.TestCase):
 
   @parameterized.product(share=(0.0, 0.2, 0.7, 1.0),
