@@ -134,7 +134,7 @@ class UnbiasednessTest(absltest.TestCase):
     num = (inv * x).sum(-1)  # sum_kept a_i v_i / pi_i
     den = (inv * a).sum(-1)  # sum_kept a_i / pi_i
     z_num, z_den = _z(num, x.sum()), _z(den, 1.0)
-    # Two statistics, 4.5 SEs each. Measured: z = -1.38 (num), -0.58 (den);
+    # Measured: z = -1.38 (num), -0.58 (den);
     # with tau the k-th instead of the (k+1)-th priority: z = 28.6 (den).
     self.assertLess(abs(z_num), Z, (num.mean(), x.sum()))
     self.assertLess(abs(z_den), Z, den.mean())
@@ -222,22 +222,25 @@ def _two_rounds(heavy_share=0.0, blend=False):
 
 class CompositionTest(absltest.TestCase):
 
+  def _assert_unbiased(self, c, n_total):
+    """The two-round Hajek weights estimate a fixed f(pos) and the token count
+    (f = 1) without bias: two statistics, 4.5 SEs each."""
+    w = np.where(c.valid, np.exp(-c.log_pi.astype(np.float64)), 0.0)
+    g = np.random.default_rng(5).normal(size=n_total) + 0.5  # a fixed f(pos)
+    est_g = (w * np.where(c.valid, g[np.maximum(c.pos, 0)], 0.0)).sum(-1)
+    z_g, z_n = _z(est_g, g.sum()), _z(w.sum(-1), float(n_total))
+    self.assertLess(abs(z_g), Z, (est_g.mean(), g.sum()))
+    self.assertLess(abs(z_n), Z, (w.sum(-1).mean(), n_total))
+
   def test_hajek_weights_compose_across_rounds(self):
     c, triggered, _, _, n_total = _two_rounds()
     self.assertTrue(triggered.all())
     np.testing.assert_array_equal(c.valid.sum(-1), STREAM["budget"])  # fixed size
     np.testing.assert_array_equal(c.n_dropped, 0)
-    g = np.random.default_rng(5).normal(size=n_total) + 0.5  # a fixed f(pos)
-    w = np.where(c.valid, np.exp(-c.log_pi.astype(np.float64)), 0.0)
-    f_pos = np.where(c.valid, g[np.maximum(c.pos, 0)], 0.0)
-    est_g = (w * f_pos).sum(-1)
-    est_n = w.sum(-1)  # f = 1: estimates the number of tokens seen
-    z_g, z_n = _z(est_g, g.sum()), _z(est_n, float(n_total))
-    # Two statistics, 4.5 SEs each. Measured: z = -0.33 (f = g), 0.94 (f = 1);
+    # Measured: z = -0.33 (f = g), 0.94 (f = 1, the number of tokens seen);
     # with only the second round's offset (not cumulative) z_n = -88; with tau
     # the k-th instead of the (k+1)-th priority z_n = 19.3.
-    self.assertLess(abs(z_g), Z, (est_g.mean(), g.sum()))
-    self.assertLess(abs(z_n), Z, (est_n.mean(), n_total))
+    self._assert_unbiased(c, n_total)
 
   def test_heavy_share_keeps_the_top_and_stays_unbiased(self):
     # heavy_share 0.5: of the 12 tail slots (16 minus 2 sinks and 2 recent),
@@ -248,13 +251,8 @@ class CompositionTest(absltest.TestCase):
     np.testing.assert_array_equal(c.valid.sum(-1), STREAM["budget"])
     certain_pi1 = (pi1 == 1.0).sum(-1)  # sinks, recent and the top share (and ties)
     self.assertTrue((certain_pi1 >= STREAM["n_sink"] + STREAM["window"] + 6).all())
-    w = np.where(c.valid, np.exp(-c.log_pi.astype(np.float64)), 0.0)
-    g = np.random.default_rng(5).normal(size=n_total) + 0.5  # a fixed f(pos)
-    est_g = (w * np.where(c.valid, g[np.maximum(c.pos, 0)], 0.0)).sum(-1)
-    z_g, z_n = _z(est_g, g.sum()), _z(w.sum(-1), float(n_total))
-    # Two statistics, 4.5 SEs each. Measured: z = 0.61 (f = g), 0.88 (f = 1).
-    self.assertLess(abs(z_g), Z, (est_g.mean(), g.sum()))
-    self.assertLess(abs(z_n), Z, (w.sum(-1).mean(), n_total))
+    # Measured: z = 0.61 (f = g), 0.88 (f = 1).
+    self._assert_unbiased(c, n_total)
 
   def test_blend_with_a_window_share_stays_unbiased(self):
     # priority_blend: 6 of the 12 tail slots go to the top of the pooled window
@@ -263,13 +261,8 @@ class CompositionTest(absltest.TestCase):
     self.assertTrue(triggered.all())
     np.testing.assert_array_equal(c.valid.sum(-1), STREAM["budget"])
     self.assertTrue(((pi1 == 1.0).sum(-1) >= STREAM["n_sink"] + STREAM["window"] + 6).all())
-    w = np.where(c.valid, np.exp(-c.log_pi.astype(np.float64)), 0.0)
-    g = np.random.default_rng(5).normal(size=n_total) + 0.5  # a fixed f(pos)
-    est_g = (w * np.where(c.valid, g[np.maximum(c.pos, 0)], 0.0)).sum(-1)
-    z_g, z_n = _z(est_g, g.sum()), _z(w.sum(-1), float(n_total))
-    # Two statistics, 4.5 SEs each. Measured: z = -1.41 (f = g), -0.48 (f = 1).
-    self.assertLess(abs(z_g), Z, (est_g.mean(), g.sum()))
-    self.assertLess(abs(z_n), Z, (w.sum(-1).mean(), n_total))
+    # Measured: z = -1.41 (f = g), -0.48 (f = 1).
+    self._assert_unbiased(c, n_total)
 
   def test_focus_blend_stays_unbiased(self):
     # priority_focus: the window weight is a function of the cache before the
@@ -278,13 +271,8 @@ class CompositionTest(absltest.TestCase):
     c, triggered, _, _, n_total = _two_rounds(blend="focus")
     self.assertTrue(triggered.all())
     np.testing.assert_array_equal(c.valid.sum(-1), STREAM["budget"])
-    w = np.where(c.valid, np.exp(-c.log_pi.astype(np.float64)), 0.0)
-    g = np.random.default_rng(5).normal(size=n_total) + 0.5  # a fixed f(pos)
-    est_g = (w * np.where(c.valid, g[np.maximum(c.pos, 0)], 0.0)).sum(-1)
-    z_g, z_n = _z(est_g, g.sum()), _z(w.sum(-1), float(n_total))
-    # Two statistics, 4.5 SEs each. Measured: z = -1.09 (f = g), 0.23 (f = 1).
-    self.assertLess(abs(z_g), Z, (est_g.mean(), g.sum()))
-    self.assertLess(abs(z_n), Z, (w.sum(-1).mean(), n_total))
+    # Measured: z = -1.09 (f = g), 0.23 (f = 1).
+    self._assert_unbiased(c, n_total)
 
   def test_focused_share_stays_unbiased(self):
     # priority_focus with focus_share: how many slots go by the window's rank
@@ -298,13 +286,8 @@ class CompositionTest(absltest.TestCase):
     # The share acts: measured 3.0 more certain tokens per draw than the
     # certainty set, against 0.18 (ties at the top) for priority_focus alone.
     self.assertGreater(float(((pi1 == 1.0).sum(-1) - base).mean()), 2.5)
-    w = np.where(c.valid, np.exp(-c.log_pi.astype(np.float64)), 0.0)
-    g = np.random.default_rng(5).normal(size=n_total) + 0.5  # a fixed f(pos)
-    est_g = (w * np.where(c.valid, g[np.maximum(c.pos, 0)], 0.0)).sum(-1)
-    z_g, z_n = _z(est_g, g.sum()), _z(w.sum(-1), float(n_total))
-    # Two statistics, 4.5 SEs each. Measured: z = -0.83 (f = g), 0.90 (f = 1).
-    self.assertLess(abs(z_g), Z, (est_g.mean(), g.sum()))
-    self.assertLess(abs(z_n), Z, (w.sum(-1).mean(), n_total))
+    # Measured: z = -0.83 (f = g), 0.90 (f = 1).
+    self._assert_unbiased(c, n_total)
 
   def test_heavy_share_out_of_range_is_refused(self):
     for bad in (1.0, -0.1, True):
