@@ -15,6 +15,12 @@ it is wider at small delta and needs no range term. Both are approximate: they
 plug in estimates of ``V`` and ``b``, and the linearisation ignores the Hajek
 ratio's second-order terms.
 
+``V_hat`` is skewed: it collapses when the tokens that carry ``V`` were not
+kept. :func:`smoothed_variance` replaces it by the larger of itself and the
+mean ``V_hat`` of the same head's last few calls (method, section 5,
+"Smoothed variance"); :class:`VarianceWindow` is the same for a caller that
+decodes one step at a time.
+
 Everything here is elementwise or a reduction over given axes, so radii for
 all heads and layers come from ``jax.vmap`` of the attention call.
 """
@@ -22,6 +28,7 @@ all heads and layers come from ``jax.vmap`` of the attention call.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +38,69 @@ from certkv_jax import _checks
 Array = jax.Array
 
 FORMS = ("bernstein", "chebyshev")
+SMOOTHING_WINDOW = 6  # the paper's moving window over decode steps
+
+
+def _check_window(window) -> int:
+  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    raise ValueError(f"window must be an int >= 1, got {window!r}")
+  return window
+
+
+def smoothed_variance(var_hat, window: int = SMOOTHING_WINDOW, axis: int = 0) -> Array:
+  """``max(V_hat_t, mean(V_hat_{t-window+1..t}))`` per call, causal along ``axis``.
+
+  ``axis`` orders one head's calls (decode steps, or a chunk's query
+  positions); the first ``window - 1`` calls average over those there are.
+  Neighbouring queries see the same kept set, and one of them usually weights
+  the heavy, rarely kept tokens that the others' ``V_hat`` misses, so the
+  local mean is a far less skewed estimate of ``V`` (method, section 5,
+  "Smoothed variance"). ``window=1`` returns ``var_hat``. A NaN (a call left
+  out of a subsampled certificate) makes NaN only the windows that hold it.
+  """
+  window = _check_window(window)
+  v = jnp.moveaxis(jnp.asarray(var_hat, jnp.float32), axis, 0)
+  n = v.shape[0]
+  total = v
+  for s in range(1, min(window, n)):
+    total = total + jnp.pad(v, [(s, 0)] + [(0, 0)] * (v.ndim - 1))[:n]
+  count = jnp.minimum(jnp.arange(1, n + 1), window).astype(jnp.float32)
+  mean = total / count.reshape((n,) + (1,) * (v.ndim - 1))
+  return jnp.moveaxis(jnp.maximum(v, mean), 0, axis)
+
+
+class VarianceWindow(NamedTuple):
+  """The last calls' ``V_hat`` for :func:`smoothed_variance` one step at a time.
+
+  ``recent`` [window - 1, ...] holds the previous calls, newest last;
+  ``count`` (int32) how many of them are real. Carry it between decode steps.
+  """
+
+  recent: Array
+  count: Array
+
+  @classmethod
+  def init(cls, shape, window: int = SMOOTHING_WINDOW) -> "VarianceWindow":
+    window = _check_window(window)
+    return cls(jnp.zeros((window - 1,) + tuple(shape), jnp.float32), jnp.zeros((), jnp.int32))
+
+  def update(self, var_hat) -> tuple:
+    """``(smoothed V_hat of this call, the state for the next call)``."""
+    v = jnp.asarray(var_hat, jnp.float32)
+    if v.shape != self.recent.shape[1:]:
+      raise ValueError(f"var_hat must have shape {self.recent.shape[1:]}, got {v.shape}")
+    k = self.recent.shape[0]
+    real = (jnp.arange(k) >= k - self.count).reshape((k,) + (1,) * v.ndim)
+    mean = (jnp.sum(jnp.where(real, self.recent, 0.0), axis=0) + v) / (
+        jnp.minimum(self.count, k) + 1).astype(jnp.float32)
+    recent = jnp.concatenate([self.recent, v[None]])[1:] if k else self.recent
+    return jnp.maximum(v, mean), VarianceWindow(recent, jnp.minimum(self.count + 1, k))
+
+
+def smoothed_radius(var_hat, range_hat, delta, window: int = SMOOTHING_WINDOW,
+                    axis: int = 0, form: str = "bernstein") -> Array:
+  """:func:`radius_from_stats` with ``V_hat`` replaced by :func:`smoothed_variance`."""
+  return radius_from_stats(smoothed_variance(var_hat, window, axis), range_hat, delta, form)
 
 
 def _check_delta(delta):

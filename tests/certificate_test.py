@@ -59,6 +59,59 @@ class RadiusTest(parameterized.TestCase):
     np.testing.assert_allclose(mapped, direct, rtol=1e-5)
 
 
+class SmoothedVarianceTest(parameterized.TestCase):
+
+  def _numpy(self, v, window):
+    out = np.empty_like(v)
+    for t in range(v.shape[1]):
+      out[:, t] = np.maximum(v[:, t], v[:, max(0, t - window + 1):t + 1].mean(axis=1))
+    return out
+
+  @parameterized.parameters(1, 3, 6, 40)
+  def test_matches_numpy_along_axis(self, window):
+    v = np.random.default_rng(0).exponential(size=(2, 17, 3)).astype(np.float32)
+    got = certificate.smoothed_variance(v, window, axis=1)
+    np.testing.assert_allclose(got, self._numpy(v, window), rtol=1e-6)
+    self.assertTrue(np.all(np.asarray(got) >= v))
+    if window == 1:
+      np.testing.assert_array_equal(got, v)
+
+  def test_window_state_matches_the_whole_axis(self):
+    v = jnp.asarray(np.random.default_rng(1).exponential(size=(9, 2, 4)), jnp.float32)
+    whole = certificate.smoothed_variance(v, 4)
+
+    def step(state, x):
+      out, state = state.update(x)
+      return state, out
+
+    _, stepped = jax.lax.scan(step, certificate.VarianceWindow.init((2, 4), 4), v)
+    np.testing.assert_allclose(stepped, whole, rtol=1e-6)
+
+  def test_nan_stays_in_its_windows(self):
+    v = np.ones((10,), np.float32)
+    v[3] = np.nan
+    got = np.asarray(certificate.smoothed_variance(v, 3))
+    np.testing.assert_array_equal(np.isnan(got), np.isin(np.arange(10), [3, 4, 5]))
+
+  def test_smoothed_radius(self):
+    v = jnp.asarray([0.0, 4.0, 0.0], jnp.float32)
+    b = jnp.asarray([0.1, 0.1, 0.1], jnp.float32)
+    np.testing.assert_allclose(certificate.smoothed_radius(v, b, 0.05, 2),
+                               certificate.radius_from_stats(jnp.asarray([0.0, 4.0, 2.0]), b,
+                                                             0.05), rtol=1e-6)
+
+  @parameterized.parameters(0, -1, 1.5, True)
+  def test_bad_window(self, window):
+    with self.assertRaisesRegex(ValueError, "window must be an int >= 1"):
+      certificate.smoothed_variance(jnp.ones(3), window)
+    with self.assertRaisesRegex(ValueError, "window must be an int >= 1"):
+      certificate.VarianceWindow.init((3,), window)
+
+  def test_bad_state_shape(self):
+    with self.assertRaisesRegex(ValueError, r"var_hat must have shape \(3,\)"):
+      certificate.VarianceWindow.init((3,), 4).update(jnp.ones(4))
+
+
 class AnytimeTest(absltest.TestCase):
 
   def test_union_bound(self):

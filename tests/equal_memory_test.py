@@ -78,6 +78,19 @@ class CoverageIntervalTest(absltest.TestCase):
     self.assertEqual(cell["raw_worst_heads"][1][2], 1.0)
     self.assertAlmostEqual(cell["raw_heads_below"], 0.25)
 
+  def test_smoothed_coverage(self):
+    """The smoothed radius's scores are reported uncalibrated beside the raw:
+    one of two segments covered at 0.5, the other at 1.0."""
+    e = [np.full((10, 1, 3), 2.0), np.full((10, 1, 3), 2.0)]
+    w = [np.where(np.arange(30).reshape(10, 1, 3) < 15, 0.25, 2.0), np.full((10, 1, 3), 0.5)]
+    cell = report.coverage([np.full((40, 1, 3), 0.5)], e, n_kv_heads=1, smoothed=w)
+    self.assertEqual(cell["raw"], 0.0)
+    self.assertAlmostEqual(cell["smoothed"], 0.75)
+    self.assertAlmostEqual(cell["smoothed_sharpness"], 2.0)  # 1 / 0.5 is the median of 4, 2
+    self.assertEqual(cell["smoothed_heads_below"], 1.0)
+    with self.assertRaisesRegex(ValueError, "smoothed must hold one array per"):
+      report.coverage([np.full((40, 1, 3), 0.5)], e, n_kv_heads=1, smoothed=w[:1])
+
   def test_scores_must_be_three_dimensional(self):
     with self.assertRaisesRegex(ValueError, "evals must be a list of"):
       report.coverage([np.ones((4, 1, 3))], np.ones((4, 3)), n_kv_heads=1)
@@ -178,6 +191,8 @@ class EqualMemoryTest(absltest.TestCase):
         self.assertTrue(0.0 <= lo <= cov[k] + 1e-12 and cov[k] - 1e-12 <= hi <= 1.0, cov)
       self.assertEqual(cov["n_segments"], self.plan.n_eval)
       self.assertGreater(cov["n_calls"], 0)
+      # the smoothed radius is never below the raw one, so it covers at least as often
+      self.assertGreaterEqual(cov["smoothed"], cov["raw"])
     self.assertNotIn("snapkv", s["contexts"]["32"]["coverage"])
 
   def test_report_without_calls_keeps_the_stored_coverage(self):
@@ -247,6 +262,28 @@ class EqualMemoryTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "evaluate needs certificate=True"):
       streaming_loss_core.StreamConfig(chunk=8, design=design, capacity=16, evaluate=True,
                                        certificate=False).check(toks)
+    with self.assertRaisesRegex(ValueError, "smooth_window must be an int >= 1, got 0"):
+      streaming_loss_core.StreamConfig(chunk=8, design=design, capacity=16,
+                                       smooth_window=0).check(toks)
+
+  def test_evaluation_mode_smooths_each_heads_calls_over_positions(self):
+    """Calls.smoothed is the radius of certificate.smoothed_variance along the
+    stream's positions (across chunks), computed from the same statistics."""
+    toks = jnp.asarray(np.asarray([experiment.source_segments(
+        self.tok, self.plan.sources, 32, 1)[1][0]], np.int32))
+    design = design_defaults.make_design("priority_tail", 0.25, 1, 2, heavy_share=0.5)
+    res = {}
+    for w in (1, 4):
+      stream = streaming_loss_core.StreamConfig(chunk=8, design=design, evaluate=True,
+                                                smooth_window=w)
+      res[w] = streaming_loss_core.streaming_nll(
+          self.params, toks, jnp.ones(toks.shape, bool), jax.random.PRNGKey(0),
+          config=self.config, stream=stream).calls
+    np.testing.assert_array_equal(res[1].smoothed, res[1].radius)  # window 1: the raw radius
+    np.testing.assert_array_equal(res[4].radius, res[1].radius)
+    raw, smooth = np.asarray(res[4].radius), np.asarray(res[4].smoothed)
+    self.assertTrue(np.all(smooth >= raw - 1e-6))
+    self.assertTrue(np.any(smooth > raw * 1.01))
 
 
 if __name__ == "__main__":

@@ -225,6 +225,9 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
         r = res.calls.radius[j][sc]
         score = calibration.conformity_scores(e.ravel(), r.ravel()).reshape(e.shape)
         calls[f"m{m}_s{s}"] = score.astype(np.float16)
+        w = res.calls.smoothed[j][sc]  # the smoothed radius (method, section 5)
+        calls[f"w{m}_s{s}"] = calibration.conformity_scores(
+            e.ravel(), w.ravel()).reshape(e.shape).astype(np.float16)
         row.update(coverage=float(np.mean(score <= 1.0)),
                    median_radius=float(np.median(r)), median_error=float(np.median(e)))
       results.add(row)

@@ -47,9 +47,10 @@ def _ci(values, seed) -> dict:
   return {"value": float(np.mean(v)), "ci": [float(iv.lo), float(iv.hi)], "n": int(v.size)}
 
 
-def _scores(out_dir, c, variant, split, memory, plan) -> Optional[list]:
+def _scores(out_dir, c, variant, split, memory, plan, prefix="m") -> Optional[list]:
   """The conformity scores ``[calls, layers, heads]`` of a split at one memory,
-  one array per segment."""
+  one array per segment: of the raw radius (``prefix`` "m") or of the smoothed
+  one ("w"; None where the calls were stored without it)."""
   n = plan.n_eval if split == "eval" else plan.n_calib
   parts = []
   for start in range(0, n, plan.group):
@@ -57,11 +58,11 @@ def _scores(out_dir, c, variant, split, memory, plan) -> Optional[list]:
     if not os.path.exists(path):
       return None
     with np.load(path) as z:
-      parts += [z[k].astype(np.float64) for k in z.files if k.startswith(f"m{memory}_")]
+      parts += [z[k].astype(np.float64) for k in z.files if k.startswith(f"{prefix}{memory}_")]
   return parts or None
 
 
-def coverage(calib, evals, n_kv_heads: int, seed: int = 0) -> dict:
+def coverage(calib, evals, n_kv_heads: int, seed: int = 0, smoothed=None) -> dict:
   """Raw and calibrated coverage of the evaluation calls (scores ``e / r``).
 
   ``calib`` and ``evals`` are lists of per-segment score arrays. Two
@@ -70,7 +71,8 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0) -> dict:
   the largest of the segments' own quantiles (method, section 12). Calls
   within a segment are dependent, so each coverage's 95% interval
   (``raw_ci``, ...) is a bootstrap over evaluation segments, the scales held
-  fixed."""
+  fixed. ``smoothed``: the same calls' scores against the smoothed radius
+  (method, section 5), reported uncalibrated as ``smoothed``."""
   per_segment, calib_parts = list(evals), list(calib)
   for name, parts in (("calib", calib_parts), ("evals", per_segment)):
     if any(np.ndim(p) != 3 for p in parts):
@@ -88,7 +90,13 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0) -> dict:
               "robust": np.repeat(robust, group, axis=1)[None]}
   n_seg = np.asarray([e.size for e in per_segment], np.float64)
   out = {}
-  for k, s in per_call.items():
+  runs = [(k, s, per_segment, evals) for k, s in per_call.items()]
+  if smoothed is not None:
+    smoothed = list(smoothed)
+    if [np.shape(p) for p in smoothed] != [np.shape(p) for p in per_segment]:
+      raise ValueError("smoothed must hold one array per evaluation segment, shaped as evals")
+    runs.append(("smoothed", np.ones((1, L, H)), smoothed, np.concatenate(smoothed)))
+  for k, s, per_segment, evals in runs:
     hits = np.asarray([np.sum(e <= s) for e in per_segment], np.float64)
     out[k] = float(np.mean(evals <= s))
     # the pooled share of calls covered, segments resampled
@@ -100,6 +108,10 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0) -> dict:
     covered = (evals > 0) & (evals <= s) & np.isfinite(s)
     ratio = np.broadcast_to(s, evals.shape)[covered] / evals[covered]
     out[k + "_sharpness"] = float(np.median(ratio)) if ratio.size else None
+  per_segment, evals = runs[0][2], runs[0][3]
+  if smoothed is not None:
+    out["smoothed_heads_below"] = float(np.mean(
+        (runs[-1][3] <= 1.0).reshape(-1, L, n_kv_heads, group).mean(axis=(0, 3)) < 1.0 - DELTA))
   per_head = (evals <= 1.0).reshape(-1, L, n_kv_heads, group).mean(axis=(0, 3))  # [L, kv]
   worst = np.argsort(per_head, axis=None, kind="stable")[:5]
   return {**out,
@@ -229,7 +241,8 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
         cal = _scores(out_dir, c, v, "calib", m, plan)
         evs = _scores(out_dir, c, v, "eval", m, plan)
         if cal is not None and evs is not None:
-          cell = coverage(cal, evs, n_kv_heads, seed=plan.seed)
+          cell = coverage(cal, evs, n_kv_heads, seed=plan.seed,
+                          smoothed=_scores(out_dir, c, v, "eval", m, plan, prefix="w"))
           stored.setdefault(str(c), {}).setdefault(v, {})[str(m)] = cell
         else:
           cell = stored.get(str(c), {}).get(v, {}).get(str(m))
@@ -266,8 +279,9 @@ def _markdown(ctx, c, plan) -> list[str]:
   lines = [f"## {c} tokens: {plan.n_eval} evaluation segments, chunks of {plan.chunk}", "",
            "| variant | memory | held memory | delta NLL [95% CI] | vs best deterministic "
            "(paired) [95% CI] | segments better | raw coverage (sharpness) | calibrated, "
-           "pooled (sharpness) | calibrated, robust (sharpness) | unseen deletions |",
-           "|---" * 10 + "|"]
+           "pooled (sharpness) | calibrated, robust (sharpness) | raw, smoothed V (sharpness) "
+           "| unseen deletions |",
+           "|---" * 11 + "|"]
   for m in plan.memories:
     best = ctx["best_deterministic"].get(str(m))
     for v in ctx["delta_nll"]:
@@ -280,12 +294,14 @@ def _markdown(ctx, c, plan) -> list[str]:
                                      f"({f(cov['calibrated_sharpness'])})")
       rob = "-" if cov is None or "robust" not in cov else (
           f"{_cov(cov, 'robust')} ({f(cov['robust_sharpness'])})")
+      smooth = "-" if cov is None or "smoothed" not in cov else (
+          f"{_cov(cov, 'smoothed')} ({f(cov['smoothed_sharpness'])})")
       unseen = "-" if cov is None else f"{cov['unseen_deletions']:.3f}"
       name = f"**{v}**" if v == best else v
       lines.append(f"| {name} | {m} | {ctx['held_memory'][v][str(m)]:.3f} | {_fmt_ci(d)} | "
                    f"{'-' if p is None else _fmt_ci(p)} | "
                    f"{'-' if p is None else str(p['wins']) + '/' + str(p['n'])} | {raw} | {cal} "
-                   f"| {rob} | {unseen} |")
+                   f"| {rob} | {smooth} | {unseen} |")
   worst = [(v, m, cell) for v, per in ctx["coverage"].items() for m, cell in per.items()
            if "raw_worst_heads" in cell]
   if worst:
@@ -341,7 +357,10 @@ every attention call after the first chunk; calibrated with per-(layer, KV
 head) conformal scales fitted on the calibration segments (other source
 files), pooled (one quantile of all their calls) or robust (the largest of
 the segments' own quantiles; cells computed before it existed have none;
-method, section 12); sharpness = median radius / error over covered calls; unseen
+method, section 12); raw, smoothed V: the radius with each head's V_hat
+replaced by the larger of itself and its mean over the head's last 6 calls
+(method, section 5, "Smoothed variance"; uncalibrated; cells computed before
+it existed have none); sharpness = median radius / error over covered calls; unseen
 deletions = calls with radius 0 and a nonzero error. Coverage is computed
 from the per-call scores in `calls/` and kept in `coverage.json`, which a
 report rewritten without them reads.

@@ -59,6 +59,7 @@ from models import forward
 from models.llama import LlamaModel
 
 DELTA = suite_settings.PRIMARY_DELTA  # the certificate's miss probability (per call)
+SMOOTH_WINDOW = certificate.SMOOTHING_WINDOW
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,8 @@ class StreamConfig:
     certificate: False runs a randomized design without its certificate
       statistics (the same logits, radius 0): a loss-only run, several times
       faster. Evaluation mode needs it.
+    smooth_window: calls per head in the smoothed radius that evaluation mode
+      reports beside the raw one (``certkv_jax.certificate.smoothed_variance``).
   """
 
   chunk: int
@@ -92,6 +95,7 @@ class StreamConfig:
   allocation: object = None
   evaluate: bool = False
   certificate: bool = True
+  smooth_window: int = SMOOTH_WINDOW
 
   def sized(self, n: int, budget=None, config=None) -> "StreamConfig":
     """This config with its capacity set (``certkv_jax.budgets.capacity`` for ``n``
@@ -116,6 +120,9 @@ class StreamConfig:
                        f"({tokens.shape[1]} tokens) without a design")
     if self.evaluate and not self.certificate:
       raise ValueError("evaluate needs certificate=True (the radius beside each error)")
+    w = self.smooth_window
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+      raise ValueError(f"smooth_window must be an int >= 1, got {w!r}")
     d = self.delta
     if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 < d < 1.0:
       raise ValueError(f"delta must be a float in (0, 1), got {d!r}")
@@ -137,6 +144,9 @@ class Calls(NamedTuple):
 
   radius: jax.Array  # float32 raw radius at delta (0 for the first chunk's calls)
   error: jax.Array  # float32 true error ||o_hat - o|| against the shadow full cache
+  # float32 the radius with V_hat smoothed over each head's last smooth_window calls
+  # (the stream's positions, across chunks: certificate.smoothed_variance)
+  smoothed: Optional[jax.Array] = None
 
 
 def chunked_targets(tokens, mask, chunk: int):
@@ -184,8 +194,8 @@ def _streaming_nll(params, tokens, mask, key, budget, *, config,
       r_call = certificate.radius_from_stats(st.var_hat, st.range_hat, delta)
       r = jnp.where(sc, jnp.sum(r_call, axis=(1, 3)).T, 0.0)
       if shadow is not None:  # [t, layers, b, heads] -> [b, t, layers, heads]
-        calls = Calls(jnp.transpose(r_call, (2, 0, 1, 3)),
-                      jnp.transpose(st.true_error, (2, 0, 1, 3)))
+        calls = tuple(jnp.transpose(a, (2, 0, 1, 3))
+                      for a in (r_call, st.true_error, st.var_hat, st.range_hat))
     else:
       r = jnp.zeros(lp.shape, jnp.float32)
     if design is not None:
@@ -200,8 +210,11 @@ def _streaming_nll(params, tokens, mask, key, budget, *, config,
   (caches, _, _), (lp, r, kept, calls) = jax.lax.scan(step, (caches, shadow, key), xs)
   unchunk = lambda a: a.swapaxes(0, 1).reshape((b, n_chunks * chunk) + a.shape[3:])[:, :n]
   n_dropped = jnp.sum(caches.n_dropped, axis=(0, 2)).astype(jnp.int32)
-  if calls is not None:
-    calls = Calls(*(unchunk(a) for a in calls))
+  if calls is not None:  # [b, n, layers, heads]
+    radius, error, var_hat, range_hat = (unchunk(a) for a in calls)
+    smoothed = certificate.smoothed_radius(var_hat, range_hat, delta, stream.smooth_window,
+                                           axis=1)
+    calls = Calls(radius, error, smoothed)
   return StreamingNLL(unchunk(lp), scored, unchunk(r), kept.T, n_dropped, calls)
 
 
