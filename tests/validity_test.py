@@ -155,6 +155,11 @@ class ValidityEndToEndTest(absltest.TestCase):
     self.assertLen([c for c in cells if c["radius"] == "raw"], 8)
     cal = [c for c in cells if c["radius"] == "calibrated"]
     self.assertLen(cal, 8)
+    smoothed = [c for c in cells if c["radius"] == "smoothed"]  # the same cells, uncalibrated
+    self.assertLen(smoothed, 8)
+    for r, w in zip([c for c in cells if c["radius"] == "raw"], smoothed):
+      self.assertEqual((r["budget"], r["regime"], r["data"]), (w["budget"], w["regime"], w["data"]))
+      self.assertGreaterEqual(w["coverage"]["0.05"], r["coverage"]["0.05"])  # never a smaller radius
     for c in cells:
       for key in ("design", "radius", "budget", "regime", "data", "held_out", "context_len",
                   "n_calls", "coverage", "coverage_ci", "sharpness", "m_median", "R_median"):
@@ -193,7 +198,7 @@ class ValidityEndToEndTest(absltest.TestCase):
     raw = lambda cells: [c for c in cells if c["radius"] == "raw" and c["data"] != "kv_retrieval"]
     self.assertEqual(raw(grown["cells"]), raw(summary["cells"]))  # old units untouched
     self.assertEqual({(r["radius"], r["context_len"]) for r in grown["by_context"]},
-                     {("raw", 64), ("calibrated", 64)})
+                     {("raw", 64), ("smoothed", 64), ("calibrated", 64)})
     # Another study (another context, a source the artifact never saw) scores this
     # study's artifact unchanged: its cells are the binned radius of every call.
     artifact = os.path.join(out, "calibration")

@@ -309,7 +309,9 @@ def _markdown(ctx, c, plan) -> list[str]:
               "the share of all (layer, KV head)s below 0.95:", ""]
     for v, m, cell in worst:
       heads = ", ".join(f"layer {l} head {h} {c:.2f}" for l, h, c in cell["raw_worst_heads"][:3])
-      lines.append(f"- {v} at {m}: {heads}; {cell['raw_heads_below']:.0%} below")
+      smooth = ("" if "smoothed_heads_below" not in cell else
+                f" ({cell['smoothed_heads_below']:.0%} with the smoothed radius)")
+      lines.append(f"- {v} at {m}: {heads}; {cell['raw_heads_below']:.0%} below{smooth}")
   if ctx["not_run"]:
     lines += ["", f"Not run (no complete rows): {', '.join(ctx['not_run'])}."]
   return lines + [""]

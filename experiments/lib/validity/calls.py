@@ -69,8 +69,9 @@ def load_calls(paths: Sequence[str]) -> Calls:
   ``kv_head``, ``budget``, ``example`` (index within its data source),
   ``cluster`` (one id per (context, regime, design, data, example): the calls
   that are not independent of each other), ``correct`` / ``mean_logprob`` of
-  its row, ``n_prompt`` (its row's prompt tokens: context + question), and the
-  unit's ``context_len``, ``regime``, ``design``, ``data``.
+  its row, ``n_prompt`` (its row's prompt tokens: context + question),
+  ``var_smoothed`` (:func:`smoothed_radii`'s variance), and the unit's
+  ``context_len``, ``regime``, ``design``, ``data``.
   """
   if not paths:
     raise ValueError("paths: no unit files to load (run the collection first)")
@@ -105,6 +106,9 @@ def load_calls(paths: Sequence[str]) -> Calls:
         "design": np.full(step.shape, meta["design"]),
         "data": np.full(step.shape, meta["data"]),
     }
+    # V_hat smoothed over each (layer, row, head)'s decode steps (method, section 5)
+    add["var_smoothed"] = np.asarray(certificate.smoothed_variance(
+        arrays["var_hat"].astype(np.float32), axis=0), np.float64).ravel()
     cluster_base += int(arrays["example"].max()) + 1
     for k in collect_lib.CALL_FIELDS + collect_lib.SIGNAL_FIELDS:
       if k in arrays:
@@ -120,6 +124,14 @@ def raw_radii(calls: Calls, delta: float) -> np.ndarray:
   """The certificate's (Bernstein) radius of every call at ``delta`` (method, section 5)."""
   return np.asarray(certificate.radius_from_stats(calls["var_hat"], calls["range_hat"], delta),
                     np.float64)
+
+
+def smoothed_radii(calls: Calls, delta: float) -> np.ndarray:
+  """The smoothed radius of every call at ``delta``: the Bernstein radius with ``V_hat``
+  replaced by the larger of itself and its mean over the call's (layer, row, head)'s
+  last 6 decode steps (method, section 5, "Smoothed variance")."""
+  return np.asarray(certificate.radius_from_stats(calls["var_smoothed"], calls["range_hat"],
+                                                  delta), np.float64)
 
 
 def fit_fold(calls: Calls, *, design: str, data: Sequence[str], context_len: int,

@@ -7,8 +7,10 @@ are dependent), the sharpness (median ``r / ||e||`` over covered calls with a
 positive error, method, section 5), the median tail size ``m`` and the median
 Assumption-2 ratio ``R`` (method, section 6). ``radius`` is "raw" (the
 Bernstein certificate) or "calibrated" (split-conformal scales, method,
-section 10); a calibrated cell is ``held_out`` when its data source was not
-among those its calibration was fitted on.
+section 10), or "smoothed" (the raw radius with ``V_hat`` smoothed over each
+head's last 6 decode steps, method, section 5; uncalibrated); a calibrated
+cell is ``held_out`` when its data source was not among those its calibration
+was fitted on.
 
 Warning signals (method, section 10) are scored as predictors of a raw miss
 at the primary delta: AUC with a cluster-bootstrap interval, oriented before
@@ -148,10 +150,10 @@ def scheme_radii(dcalls, design, sources, calib_context, budgets, deltas):
 
 def all_cells(calls: calls_lib.Calls, *, calib_context: int, budgets: Sequence[float],
               deltas: Sequence[float] = calls_lib.DELTAS) -> tuple[list, list, dict]:
-  """Raw and calibrated cells of every design.
+  """Raw, smoothed and calibrated cells of every design.
 
   Returns ``(cells, alternative_cells, calibrations)``: ``cells`` hold the raw
-  radius and the default calibration (:data:`SCHEMES`' first), each calibrated
+  and the smoothed radius and the default calibration (:data:`SCHEMES`' first), each calibrated
   cell scored by a calibration that did not see its data source;
   ``alternative_cells`` the text-vs-tasks folds of the binned and the
   per-(layer, KV head) calibrations; ``calibrations[(design, scheme, data)]``
@@ -166,6 +168,7 @@ def all_cells(calls: calls_lib.Calls, *, calib_context: int, budgets: Sequence[f
       for data, cal in fitted.items():
         calibrations[(design, scheme, data)] = cal
     raw_all = {d: calls_lib.raw_radii(dcalls, d) for d in deltas}
+    smoothed_all = {d: calls_lib.smoothed_radii(dcalls, d) for d in deltas}
     keys = sorted({(float(b), str(r), str(x), int(c)) for b, r, x, c in zip(
         dcalls["budget"], dcalls["regime"], dcalls["data"], dcalls["context_len"])})
     for b, regime, data, c in keys:
@@ -175,6 +178,8 @@ def all_cells(calls: calls_lib.Calls, *, calib_context: int, budgets: Sequence[f
       kw = dict(design=design, budget=b, regime=regime, data=data, context_len=c)
       cells.append(cell(sub, {d: r[m] for d, r in raw_all.items()}, kw, radius="raw",
                         held_out=True))
+      cells.append(cell(sub, {d: r[m] for d, r in smoothed_all.items()}, kw,
+                        radius="smoothed", held_out=True))
       for scheme, (radii, label, _) in schemes.items():
         if np.isnan(radii[deltas[0]][m]).any():
           continue

@@ -124,7 +124,7 @@ def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
   designs = sorted(np.unique(calls["design"]).tolist())
   everything = cells + alt_cells
   overview = {d: {r: _summary_rows(everything, d, r, min_context)
-                  for r in ("raw",) + report_lib.SCHEMES} for d in designs}
+                  for r in ("raw", "smoothed") + report_lib.SCHEMES} for d in designs}
   default_rows = overview.get(default_design, {}).get("calibrated")
   summary = dict(
       default=dict(design=default_design, radius="calibrated",
