@@ -20,8 +20,9 @@ def equal_memory(root: str) -> list[str]:
             "the full cache with a 95% bootstrap over segments; 'paired' = minus the best "
             "deterministic design with uniform budgets on the same segments; coverage per "
             f"call at delta {s['delta']} (raw / calibrated on {plan['n_calib']} other "
-            "sources with per-head scales, pooled / robust (largest per-source scale), "
-            "sharpness in parentheses):", ""]
+            "sources with per-head scales, pooled / robust (largest per-source scale) / "
+            "smoothed (raw with V_hat smoothed over each head's last 6 calls, method, "
+            "section 5), sharpness in parentheses):", ""]
     body = []
     for m in plan["memories"]:
       best = ctx["best_deterministic"].get(str(m))
@@ -32,14 +33,16 @@ def equal_memory(root: str) -> list[str]:
             f"{cov['raw']:.3f} ({fmt.num(cov['raw_sharpness'], '.2f')}) / "
             f"{cov['calibrated']:.3f} ({fmt.num(cov['calibrated_sharpness'], '.2f')}) / "
             + ("-" if "robust" not in cov else
-               f"{cov['robust']:.3f} ({fmt.num(cov['robust_sharpness'], '.2f')})"))
+               f"{cov['robust']:.3f} ({fmt.num(cov['robust_sharpness'], '.2f')})")
+            + ("" if "smoothed" not in cov else
+               f" / {cov['smoothed']:.3f} ({fmt.num(cov['smoothed_sharpness'], '.2f')})"))
         body.append([fmt.pct(m), f"**{v}**" if v == best else v,
                      f"{ctx['held_memory'][v][str(m)]:.3f}",
                      fmt.ci((d["value"], *d["ci"]), "+.3f"),
                      fmt.ci((p["value"], *p["ci"]), "+.3f") + f" ({p['wins']}/{p['n']})",
                      cov_s])
     out += fmt.table(["memory", "design", "held memory", "delta NLL", "paired vs best",
-                      "coverage raw / pooled / robust"], body)
+                      "coverage raw / pooled / robust / smoothed"], body)
     if ctx["not_run"]:
       out += ["", f"Not run: {', '.join(ctx['not_run'])}."]
   return out

@@ -81,9 +81,12 @@ def validity(root: str) -> list[str]:
     cal = _agg(_cells(cells, design=default, radius="calibrated", context_len=ctx), cov_t)
     body.append([f"{ctx:,}",
                  f"{raw['mean']:.3f} / {raw['min']:.3f} / {fmt.num(raw['sharpness'], '.2f')}",
+                 _cov_line(_cells(cells, design=default, radius="smoothed", context_len=ctx),
+                           cov_t),
                  f"{cal['mean']:.3f} / {cal['min']:.3f} / {fmt.num(cal['sharpness'], '.2f')}",
                  f"{raw['below']} of {raw['n']} -> {cal['below']} of {cal['n']}"])
   out += fmt.table(["context", "raw: mean / worst cell / sharpness",
+                    "smoothed (method, section 5)",
                     "calibrated (held out): mean / worst cell / sharpness",
                     f"cells below {cov_t}, raw -> calibrated"], body)
   out += ["", f"Every design and scheme at contexts >= {min_ctx:,} (held-out cells; "
@@ -240,11 +243,15 @@ def validity_long(root: str) -> list[str]:
       body.append([f"{ctx:,}",
                    _cov_line(_cells(short["cells"], design=design, radius="raw",
                                     context_len=ctx), cov_t),
+                   _cov_line(_cells(short["cells"], design=design, radius="smoothed",
+                                    context_len=ctx), cov_t),
                    _cov_line(_cells(short["cells"], design=design, radius="calibrated",
                                     context_len=ctx), cov_t), "-"])
     for ctx in plan["context_lens"]:
       body.append([f"{ctx:,}",
                    _cov_line(_cells(cells, design=design, radius="raw", context_len=ctx), cov_t),
+                   _cov_line(_cells(cells, design=design, radius="smoothed", context_len=ctx),
+                             cov_t),
                    _cov_line(_cells(cells, design=design, radius="calibrated", context_len=ctx,
                                     held_out=True), cov_t),
                    _cov_line(_cells(t_cells, design=design, context_len=ctx), cov_t)])
@@ -252,7 +259,8 @@ def validity_long(root: str) -> list[str]:
     if not body:
       continue
     out += [f"`{design}`:", ""]
-    out += fmt.table(["context", "raw", "calibrated (held out)", "calibrated (1k artifact)"],
+    out += fmt.table(["context", "raw", "smoothed", "calibrated (held out)",
+                      "calibrated (1k artifact)"],
                      body)
     out += [""]
   default = d["default"]["design"]
