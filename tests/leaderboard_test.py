@@ -76,6 +76,8 @@ class LeaderboardTest(absltest.TestCase):
       self.assertLen(r["error_steps"], used)
       self.assertEqual(r["n_calls"], used * self.config.n_layers * self.config.n_heads)
       self.assertBetween(r["raw_coverage"], 0.0, 1.0)
+      # the smoothed radius is never below the raw one
+      self.assertBetween(r["smoothed_coverage"], r["raw_coverage"], 1.0)
     calls = os.listdir(os.path.join(self.out, "calls"))
     self.assertLen(calls, 4)  # poisson_tail: one file per (task, regime)
     self.assertTrue(any("full" in line for line in self.logs))
@@ -113,6 +115,8 @@ class LeaderboardTest(absltest.TestCase):
       self.assertAlmostEqual(cell["score"]["poisson_tail"]["0.5"], want)
       cov = cell["coverage"]["poisson_tail"]["0.5"]
       self.assertEqual(cov["n_calls"], sum(r["n_calls"] for r in rows))
+      self.assertAlmostEqual(cov["smoothed"], sum(r["smoothed_coverage"] * r["n_calls"]
+                                                  for r in rows) / cov["n_calls"])
       self.assertBetween(cov["calibrated"], 0.0, 1.0)  # leave-one-task-out: 2 tasks
       self.assertAlmostEqual(cov["robust"], cov["calibrated"])  # one other task: max = pool
       self.assertIn("n_sink", cov["shipped_note"])  # fitted with other settings

@@ -302,10 +302,13 @@ def row_certificate(out, j: int, used: int) -> tuple[dict, Optional[dict]]:
   var = np.asarray(out.var_hat[:used, :, j], np.float32)  # [steps, layers, heads]
   rng = np.asarray(out.range_hat[:used, :, j], np.float32)
   radius = np.asarray(certificate.radius_from_stats(var, rng, DELTA), np.float64)
+  # V_hat smoothed over each head's last decode steps (method, section 5)
+  smoothed = np.asarray(certificate.smoothed_radius(var, rng, DELTA, axis=0), np.float64)
   err = np.asarray(out.true_error[:used, :, j], np.float64)
   flat = lambda a: a.reshape(a.shape[0], -1)
   score = calibration.conformity_scores(err.ravel(), radius.ravel())
   fields = {"n_calls": int(err.size), "raw_coverage": float(np.mean(err <= radius)),
+            "smoothed_coverage": float(np.mean(err <= smoothed)),
             "median_radius": float(np.median(radius)), "median_error": float(np.median(err)),
             "unseen_deletions": float(np.mean(np.isinf(score))),
             "radius_steps": [float(x) for x in np.median(flat(radius), axis=1)],

@@ -91,6 +91,8 @@ def coverage_cell(out_dir, plan, c, regime, design, ratio, rows, n_kv_heads: int
     return out
   out["raw"] = float(sum(r["raw_coverage"] * r["n_calls"] for r in sel) / n)
   out["unseen_deletions"] = float(sum(r["unseen_deletions"] * r["n_calls"] for r in sel) / n)
+  if all("smoothed_coverage" in r for r in sel):  # rows made before it have none
+    out["smoothed"] = float(sum(r["smoothed_coverage"] * r["n_calls"] for r in sel) / n)
   calls = {t: _load_calls(out_dir, plan, c, t, regime, design, ratio)
            for t in plan.tasks_for(c)}
   calls = {t: v for t, v in calls.items() if v is not None}
@@ -310,9 +312,9 @@ def _markdown(cell, c, regime, tasks, plan) -> list[str]:
   if cell["coverage"]:
     lines += ["", f"Certificate of the randomized designs (delta {experiment.DELTA}; calls of "
               "every decode step up to the answer's end):", "",
-              "| design | ratio | calls | raw coverage | calibrated (leave-one-task-out) | "
-              "robust calibrated | shipped calibration | median radius | median error | "
-              "unseen deletions |", "|---" * 10 + "|"]
+              "| design | ratio | calls | raw coverage | smoothed (method, section 5) | "
+              "calibrated (leave-one-task-out) | robust calibrated | shipped calibration | "
+              "median radius | median error | unseen deletions |", "|---" * 11 + "|"]
     for d, per in cell["coverage"].items():
       for ratio in plan.ratios:
         v = per.get(_key(ratio), {})
@@ -320,7 +322,7 @@ def _markdown(cell, c, regime, tasks, plan) -> list[str]:
         if "shipped" in v and v.get("shipped_in_range") is False:
           shipped += " (outside its context range)"
         lines.append(f"| {d} | {ratio} | {v.get('n_calls', 0)} | {_fmt(v.get('raw'))} | "
-                     f"{_fmt(v.get('calibrated'))} | {_fmt(v.get('robust'))} | {shipped} | "
+                     f"{_fmt(v.get('smoothed'))} | {_fmt(v.get('calibrated'))} | {_fmt(v.get('robust'))} | {shipped} | "
                      f"{_fmt(v.get('median_radius'), '.3g')} | "
                      f"{_fmt(v.get('median_error'), '.3g')} | "
                      f"{_fmt(v.get('unseen_deletions'))} |")
