@@ -71,6 +71,9 @@ class GenerateTextTest(absltest.TestCase):
     self.assertEqual(cert.radius_summary.median.shape, (steps,))
     self.assertEqual(cert.radius_summary.max.shape, (steps,))
     np.testing.assert_allclose(cert.radius_summary.max, cert.radius.reshape(steps, -1).max(1))
+    self.assertEqual(cert.smoothed_radius.shape, shape)
+    self.assertTrue(np.all(cert.smoothed_radius >= cert.radius - 1e-6))
+    np.testing.assert_allclose(cert.smoothed_radius[0], cert.radius[0], rtol=1e-6)  # step 0: itself
     self.assertIsInstance(answer.text, str)
     self.assertEqual(answer.text, self.tok.decode(answer.token_ids))
     self.assertEqual(res.run.n_dropped, 0)

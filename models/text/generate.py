@@ -170,6 +170,9 @@ class Certificate(NamedTuple):
     calibration_in_range: whether the prompt's length lies in the context range
       the calibration was fitted on (False: ``calibration_note`` is a warning);
       None without a calibrated radius.
+    smoothed_radius: [steps, n_layers, n_heads] the raw radius with each head's
+      ``V_hat`` replaced by the larger of itself and its mean over the head's
+      last 6 decode steps (method, section 5, "Smoothed variance"; uncalibrated).
   """
 
   radius: np.ndarray
@@ -181,6 +184,7 @@ class Certificate(NamedTuple):
   calibrated_summary: Optional[generate_certificate.RadiusSummary]
   calibration_note: str
   calibration_in_range: Optional[bool]
+  smoothed_radius: Optional[np.ndarray] = None
 
 
 class Evaluation(NamedTuple):
@@ -386,6 +390,7 @@ def generate_text(prompt: str, *, params, config, tokenizer,
   steps = int(kept.size)
   take = lambda a: np.asarray(a, np.float64)[:steps, :, 0, :]  # [steps, layers, heads]
   radius = take(certificate.radius_from_stats(gen.var_hat, gen.range_hat, delta))
+  smoothed = take(certificate.smoothed_radius(gen.var_hat, gen.range_hat, delta))
   certified, cert_note = generate_certificate.certificate_status(design, design_obj)
   sampled = float(np.mean(np.sum(np.asarray(gen.caches.valid)
                                  & (np.asarray(gen.caches.log_pi) < 0), axis=-1)))
@@ -415,7 +420,8 @@ def generate_text(prompt: str, *, params, config, tokenizer,
           calibrated_radius=cal_radius,
           calibrated_summary=(None if cal_radius is None
                               else generate_certificate.summarize(cal_radius)),
-          calibration_note=cal_note, calibration_in_range=cal_in_range),
+          calibration_note=cal_note, calibration_in_range=cal_in_range,
+          smoothed_radius=smoothed),
       evaluation=(Evaluation(true_error=take(gen.true_error), rel_error=take(gen.rel_error))
                   if s.evaluate else None),
       prompt=PromptInfo(prompt_tokens=n_context + n_question, context_tokens=n_context,

@@ -157,6 +157,10 @@ def format_result(result: generate.TextResult, tokenizer, *, model_label: str = 
     if ev is not None:
       overall += (f"; covered {np.mean(ev.true_error <= c.radius):.3f} of the calls at delta "
                   f"{run.delta:g}")
+    if c.smoothed_radius is not None:
+      overall += f"; smoothed radius (method, section 5): median {_g(np.median(c.smoothed_radius))}"
+      if ev is not None:
+        overall += f", covered {np.mean(ev.true_error <= c.smoothed_radius):.3f}"
     lines += ["", overall + "."]
   elif ev is not None:
     lines += ["", f"over all {a.steps} steps: median ||e|| {_g(np.median(ev.true_error))}, max "
