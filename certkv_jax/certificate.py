@@ -52,10 +52,10 @@ def smoothed_variance(var_hat, window: int = SMOOTHING_WINDOW, axis: int = 0) ->
 
   ``axis`` orders one head's calls (decode steps, or a chunk's query
   positions); the first ``window - 1`` calls average over those there are.
-  Neighbouring queries see the same kept set, and one of them usually weights
-  the heavy, rarely kept tokens that the others' ``V_hat`` misses, so the
-  local mean is a far less skewed estimate of ``V`` (method, section 5,
-  "Smoothed variance"). ``window=1`` returns ``var_hat``. A NaN (a call left
+  ``V_hat`` is unbiased but skewed (usually too small, now and then far too
+  large); neighbouring queries share the kept set and much of their
+  attention, so the mean of their ``V_hat`` is a far less skewed estimate of
+  their common variance (method, section 5, "Smoothed variance"). ``window=1`` returns ``var_hat``. A NaN (a call left
   out of a subsampled certificate) makes NaN only the windows that hold it.
   """
   window = _check_window(window)
