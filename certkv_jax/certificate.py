@@ -55,8 +55,9 @@ def smoothed_variance(var_hat, window: int = SMOOTHING_WINDOW, axis: int = 0) ->
   ``V_hat`` is unbiased but skewed (usually too small, now and then far too
   large); neighbouring queries share the kept set and much of their
   attention, so the mean of their ``V_hat`` is a far less skewed estimate of
-  their common variance (method, section 5, "Smoothed variance"). ``window=1`` returns ``var_hat``. A NaN (a call left
-  out of a subsampled certificate) makes NaN only the windows that hold it.
+  their common variance (method, section 5, "Smoothed variance").
+  ``window=1`` returns ``var_hat``. A NaN (a call left out of a subsampled
+  certificate) makes NaN only the windows that hold it.
   """
   window = _check_window(window)
   v = jnp.moveaxis(jnp.asarray(var_hat, jnp.float32), axis, 0)

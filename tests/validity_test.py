@@ -159,7 +159,8 @@ class ValidityEndToEndTest(absltest.TestCase):
     self.assertLen(smoothed, 8)
     for r, w in zip([c for c in cells if c["radius"] == "raw"], smoothed):
       self.assertEqual((r["budget"], r["regime"], r["data"]), (w["budget"], w["regime"], w["data"]))
-      self.assertGreaterEqual(w["coverage"]["0.05"], r["coverage"]["0.05"])  # never a smaller radius
+      # never a smaller radius, so never less coverage
+      self.assertGreaterEqual(w["coverage"]["0.05"], r["coverage"]["0.05"])
     for c in cells:
       for key in ("design", "radius", "budget", "regime", "data", "held_out", "context_len",
                   "n_calls", "coverage", "coverage_ci", "sharpness", "m_median", "R_median"):

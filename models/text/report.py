@@ -158,7 +158,8 @@ def format_result(result: generate.TextResult, tokenizer, *, model_label: str = 
       overall += (f"; covered {np.mean(ev.true_error <= c.radius):.3f} of the calls at delta "
                   f"{run.delta:g}")
     if c.smoothed_radius is not None:
-      overall += f"; smoothed radius (method, section 5): median {_g(np.median(c.smoothed_radius))}"
+      overall += ("; smoothed radius (method, section 5): median "
+                  f"{_g(np.median(c.smoothed_radius))}")
       if ev is not None:
         overall += f", covered {np.mean(ev.true_error <= c.smoothed_radius):.3f}"
     lines += ["", overall + "."]

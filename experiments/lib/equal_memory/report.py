@@ -90,29 +90,33 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0, smoothed=None) -> dic
               "robust": np.repeat(robust, group, axis=1)[None]}
   n_seg = np.asarray([e.size for e in per_segment], np.float64)
   out = {}
-  runs = [(k, s, per_segment, evals) for k, s in per_call.items()]
-  if smoothed is not None:
-    smoothed = list(smoothed)
-    if [np.shape(p) for p in smoothed] != [np.shape(p) for p in per_segment]:
-      raise ValueError("smoothed must hold one array per evaluation segment, shaped as evals")
-    runs.append(("smoothed", np.ones((1, L, H)), smoothed, np.concatenate(smoothed)))
-  for k, s, per_segment, evals in runs:
-    hits = np.asarray([np.sum(e <= s) for e in per_segment], np.float64)
-    out[k] = float(np.mean(evals <= s))
+
+  def covered_share(k, s, parts):
+    """``out[k]``, its interval and sharpness: calls with score <= the scale ``s``."""
+    whole = np.concatenate(parts)
+    hits = np.asarray([np.sum(e <= s) for e in parts], np.float64)
+    out[k] = float(np.mean(whole <= s))
     # the pooled share of calls covered, segments resampled
     iv = stats.bootstrap_ci(lambda a, b: np.sum(a) / np.sum(b), hits, n_seg, n_boot=N_BOOT,
                             seed=seed)
     out[k + "_ci"] = [float(iv.lo), float(iv.hi)]
     # sharpness over calls whose radius is finite (an infinite scale is no
     # guarantee, and its calls are covered trivially)
-    covered = (evals > 0) & (evals <= s) & np.isfinite(s)
-    ratio = np.broadcast_to(s, evals.shape)[covered] / evals[covered]
+    covered = (whole > 0) & (whole <= s) & np.isfinite(s)
+    ratio = np.broadcast_to(s, whole.shape)[covered] / whole[covered]
     out[k + "_sharpness"] = float(np.median(ratio)) if ratio.size else None
-  per_segment, evals = runs[0][2], runs[0][3]
+
+  by_head = lambda x: (x <= 1.0).reshape(-1, L, n_kv_heads, group).mean(axis=(0, 3))  # [L, kv]
+  for k, s in per_call.items():
+    covered_share(k, s, per_segment)
   if smoothed is not None:
-    out["smoothed_heads_below"] = float(np.mean(
-        (runs[-1][3] <= 1.0).reshape(-1, L, n_kv_heads, group).mean(axis=(0, 3)) < 1.0 - DELTA))
-  per_head = (evals <= 1.0).reshape(-1, L, n_kv_heads, group).mean(axis=(0, 3))  # [L, kv]
+    smoothed = list(smoothed)
+    if [np.shape(p) for p in smoothed] != [np.shape(p) for p in per_segment]:
+      raise ValueError("smoothed must hold one array per evaluation segment, shaped as evals")
+    covered_share("smoothed", per_call["raw"], smoothed)
+    out["smoothed_heads_below"] = float(np.mean(by_head(np.concatenate(smoothed))
+                                                < 1.0 - DELTA))
+  per_head = by_head(evals)
   worst = np.argsort(per_head, axis=None, kind="stable")[:5]
   return {**out,
           # where the raw radius misses: the (layer, KV head)s that cover least

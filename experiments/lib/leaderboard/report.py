@@ -322,7 +322,8 @@ def _markdown(cell, c, regime, tasks, plan) -> list[str]:
         if "shipped" in v and v.get("shipped_in_range") is False:
           shipped += " (outside its context range)"
         lines.append(f"| {d} | {ratio} | {v.get('n_calls', 0)} | {_fmt(v.get('raw'))} | "
-                     f"{_fmt(v.get('smoothed'))} | {_fmt(v.get('calibrated'))} | {_fmt(v.get('robust'))} | {shipped} | "
+                     f"{_fmt(v.get('smoothed'))} | {_fmt(v.get('calibrated'))} | "
+                     f"{_fmt(v.get('robust'))} | {shipped} | "
                      f"{_fmt(v.get('median_radius'), '.3g')} | "
                      f"{_fmt(v.get('median_error'), '.3g')} | "
                      f"{_fmt(v.get('unseen_deletions'))} |")

@@ -153,8 +153,9 @@ def all_cells(calls: calls_lib.Calls, *, calib_context: int, budgets: Sequence[f
   """Raw, smoothed and calibrated cells of every design.
 
   Returns ``(cells, alternative_cells, calibrations)``: ``cells`` hold the raw
-  and the smoothed radius and the default calibration (:data:`SCHEMES`' first), each calibrated
-  cell scored by a calibration that did not see its data source;
+  and the smoothed radius and the default calibration (:data:`SCHEMES`'
+  first), each calibrated cell scored by a calibration that did not see its
+  data source;
   ``alternative_cells`` the text-vs-tasks folds of the binned and the
   per-(layer, KV head) calibrations; ``calibrations[(design, scheme, data)]``
   every fitted artifact.
