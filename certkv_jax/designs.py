@@ -369,6 +369,7 @@ def priority_focus(budget, *, n_sink: int = 0, window: int = 0, focused: float =
                    diffuse: float = 0.2, focused_weight: float = 1.0,
                    diffuse_weight: float = 0.5, pool_size: int = 5, min_tail: int = 16,
                    heavy: int = 0, eps: float = 1e-6, focus_share: float = 0.0,
+                   window_share: float = 0.0,
                    observation_window: Optional[int] = None) -> EvictionDesign:
   """:func:`priority_blend` whose window weight follows the window: per head
   and eviction, ``scores.FocusBlend`` weighs SnapKV's statistic by how
@@ -378,15 +379,26 @@ def priority_focus(budget, *, n_sink: int = 0, window: int = 0, focused: float =
   of the slots, scaled by how focused the window is (0 at ``diffuse``, 1 at
   ``focused``), go by rank of the window's score with certainty
   (:class:`PriorityTail`; method, section 3, "Focused share").
+  ``window_share`` of the slots go by that rank at every eviction, focused or
+  not (method, section 3, "Window share"): a question whose attention is
+  broad still keeps the span it ranks first, as SnapKV does.
 
   Raises:
     ValueError naming the argument unless the shares and weights are in
-    [0, 1] with ``focused < diffuse``, and ``focus_share`` is in [0, 1).
+    [0, 1] with ``focused < diffuse``, ``focus_share`` and ``window_share``
+    are in [0, 1) and their sum is below 1.
   """
+  f = window_share
+  if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0:
+    raise ValueError(f"window_share must be a float in [0, 1), got {f!r}")
+  if f and isinstance(focus_share, (int, float)) and f + focus_share >= 1.0:
+    raise ValueError("window_share + focus_share must be below 1 (a slot left to sample), "
+                     f"got {f!r} + {focus_share!r}")
   obs = max(window, 1) if observation_window is None else observation_window
   score = scores.FocusBlend(scores.AccumulatedAttention(), scores.WindowAttention(pool_size),
                             focused, diffuse, focused_weight, diffuse_weight)
-  tail = PriorityTail(score=score, eps=eps, focus_share=focus_share)
+  tail = PriorityTail(score=score, eps=eps, focus_share=focus_share, heavy_share=window_share,
+                      heavy_score=score.window if window_share else None)
   return compose(CertaintySet(n_sink=n_sink, window=window, heavy=heavy), tail, budget,
                  "priority_focus",
                  observation_window=obs, min_tail=min_tail)

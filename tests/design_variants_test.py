@@ -282,7 +282,30 @@ class FocusedShareTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.asarray(a.kept), np.asarray(b.kept))
     np.testing.assert_array_equal(np.asarray(a.pi), np.asarray(b.pi))
 
+  def test_window_share_ranks_a_diffuse_window_too(self):
+    """``window_share=w`` keeps the window's top ``floor(w k)`` with certainty
+    even where the window is diffuse and the focused share adds nothing."""
+    c = _cache(peaky=0.1)
+    ranked = [10, 12, 14, 16, 18, 20, 22, 24, 26, 28]
+    obs = jnp.full_like(c.obs, 0.5)
+    for i, pos in enumerate(ranked):
+      obs = obs.at[pos].set(1.0 - 0.04 * i)  # a broad window with a clear order
+    c = c._replace(obs=obs)
+    design = self._design(0.3, window_share=0.5)
+    tail = c.valid & (jnp.arange(CAP) >= 2)
+    self.assertEqual(float(design.tail.score.focus(c, tail)), 0.0)
+    n_top = math.floor(0.5 * (20 - 2 - 4))
+    keys = jax.random.split(jax.random.PRNGKey(4), 40)
+    infos = jax.vmap(lambda k: design.evict(c, design.init(c), k)[2])(keys)
+    kept, pi = np.asarray(infos.kept), np.asarray(infos.pi)
+    np.testing.assert_array_equal(kept.sum(-1), 20)
+    np.testing.assert_allclose(pi[:, ranked[:n_top]], 1.0)
+    self.assertLess(float(pi[:, ranked[n_top]].min()), 1.0)  # the next one is sampled
+
   @parameterized.parameters(
+      (dict(window_share=1.0), r"window_share must be a float in \[0, 1\), got 1.0"),
+      (dict(window_share=0.5, focus_share=0.5),
+       r"window_share \+ focus_share must be below 1"),
       (dict(focus_share=1.0), r"focus_share must be a float in \[0, 1\), got 1.0"),
       (dict(focus_share=-0.1), r"focus_share must be a float in \[0, 1\)"),
       (dict(focus_share=0.5, focused=0.1, diffuse=0.1), "focused must be below diffuse"))
