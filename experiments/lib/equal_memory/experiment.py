@@ -59,7 +59,8 @@ DEFAULT_VARIANTS = ("snapkv", "tova", "h2o", "pyramidkv", "snapkv+adakv", "tova+
                     "poisson_floor+cert", "priority_blend", "priority_blend+adakv",
                     "priority_blend+cert:min_share=0.8", "priority_focus",
                     "priority_focus:diffuse_weight=0.3+cert:min_share=0.8",
-                    "priority_focus:diffuse_weight=0.3:focus_share=0.95+cert:min_share=0.8")
+                    "priority_focus:diffuse_weight=0.3:focus_share=0.95+cert:min_share=0.8",
+                    "priority_focus:diffuse_weight=0.3:focus_share=0.95+cert:min_share=0.95")
 
 
 def source_segments(tok, paths: Sequence[str], context_len: int, n_needed: int):
