@@ -108,6 +108,7 @@ from certkv_jax import registry
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib.bench import decode_report as report_lib
+from experiments.lib.bench import flags
 from experiments.lib.bench.timing import LEVEL, WARMUP  # noqa: F401 (re-exported)
 from experiments.lib.bench.timing import _finish, _memo, _round_robin, _stepper, _Timed
 from experiments.lib.bench.timing import _timed_call, median_interval
@@ -180,8 +181,8 @@ class Plan:
                          "cache is always timed)")
     if not all(isinstance(b, float) and 0.0 < b < 1.0 for b in self.budgets):
       raise ValueError(f"--budgets must be fractions in (0, 1), got {list(self.budgets)}")
-    _check_int("n_sink", self.n_sink, 0)
-    _check_int("window", self.window, 1)
+    flags.check_int("n_sink", self.n_sink, 0)
+    flags.check_int("window", self.window, 1)
     lo, hi = self.n_sink + self.window + 1, max_positions
     for c in self.contexts:
       if not isinstance(c, int) or c < lo or (hi is not None and c > hi):
@@ -189,14 +190,14 @@ class Plan:
                          f"{hi if hi is not None else 'inf'}] (the model's context), got "
                          f"{list(self.contexts)}")
     for b in self.batches:
-      _check_int("batches", b, 1, 4096)
+      flags.check_int("batches", b, 1, 4096)
     for k in self.evict_every:
-      _check_int("evict_every", k, 1, 4096)
+      flags.check_int("evict_every", k, 1, 4096)
       if self.steps_per_call % k:
         raise ValueError(f"--evict_every values must divide the largest "
                          f"({self.steps_per_call}), got {list(self.evict_every)}")
-    _check_int("repeats", self.repeats, 1, 10000)
-    _check_int("seed", self.seed, 0)
+    flags.check_int("repeats", self.repeats, 1, 10000)
+    flags.check_int("seed", self.seed, 0)
     if self.certificate not in CERTIFICATE:
       raise ValueError(f"--certificate must be one of {list(CERTIFICATE)}, got "
                        f"{self.certificate!r}")
@@ -210,27 +211,13 @@ class Plan:
     return self
 
 
-def _check_int(flag, value, lo, hi=None):
-  if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
-      hi is not None and value > hi):
-    raise ValueError(f"--{flag} must be an int in [{lo}, {hi if hi is not None else 'inf'}], "
-                     f"got {value!r}")
-
-
-def _parse(flag, values, kind):
-  try:
-    return tuple(kind(v) for v in values)
-  except ValueError as err:
-    raise ValueError(f"--{flag} must be {kind.__name__}s, got {list(values)}") from err
-
-
 def plan_from_flags(fv) -> Plan:
   """The checked :class:`Plan` of the flags (``--quick`` replaces the defaults of the flags
   not given)."""
-  kw = dict(designs=tuple(fv.designs), budgets=_parse("budgets", fv.budgets, float),
-            contexts=_parse("contexts", fv.contexts, int),
-            batches=_parse("batches", fv.batches, int),
-            evict_every=_parse("evict_every", fv.evict_every, int), repeats=fv.repeats,
+  kw = dict(designs=tuple(fv.designs), budgets=flags.parse("budgets", fv.budgets, float),
+            contexts=flags.parse("contexts", fv.contexts, int),
+            batches=flags.parse("batches", fv.batches, int),
+            evict_every=flags.parse("evict_every", fv.evict_every, int), repeats=fv.repeats,
             certificate=fv.certificate, capacity=fv.capacity, n_sink=fv.n_sink,
             window=fv.window, seed=fv.seed, max_seconds=fv.max_seconds,
             layer_loop=tuple(fv.layer_loop), plain_prefill=fv.plain_prefill)

@@ -56,6 +56,7 @@ import time
 from typing import Callable, Optional
 
 from experiments.lib import results_io
+from experiments.lib.bench import flags
 
 CONTEXTS = (1024, 2048, 4096, 8192)
 CHUNKS = (512,)
@@ -88,13 +89,13 @@ class Plan:
         raise ValueError(f"--{flag} has duplicates: {list(vals)}")
     hi = max_positions if max_positions is not None else 1 << 20
     for c in self.contexts:
-      _check_int("contexts", c, 1, hi)
+      flags.check_int("contexts", c, 1, hi)
     for c in self.chunks:
-      _check_int("chunks", c, 1, 1 << 20)
-    _check_int("oneshot_max", self.oneshot_max, 0, 1 << 20)
-    _check_int("batch", self.batch, 1, 4096)
-    _check_int("repeats", self.repeats, 1, 10000)
-    _check_int("seed", self.seed, 0)
+      flags.check_int("chunks", c, 1, 1 << 20)
+    flags.check_int("oneshot_max", self.oneshot_max, 0, 1 << 20)
+    flags.check_int("batch", self.batch, 1, 4096)
+    flags.check_int("repeats", self.repeats, 1, 10000)
+    flags.check_int("seed", self.seed, 0)
     for flag in ("max_seconds", "child_timeout"):
       v = getattr(self, flag)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
@@ -112,24 +113,10 @@ class Plan:
     return out
 
 
-def _check_int(flag, value, lo, hi=None):
-  if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
-      hi is not None and value > hi):
-    raise ValueError(f"--{flag} must be an int in [{lo}, {hi if hi is not None else 'inf'}], "
-                     f"got {value!r}")
-
-
-def _parse(flag, values, kind):
-  try:
-    return tuple(kind(v) for v in values)
-  except ValueError as err:
-    raise ValueError(f"--{flag} must be {kind.__name__}s, got {list(values)}") from err
-
-
 def plan_from_flags(fv) -> Plan:
   """The checked :class:`Plan` of the flags."""
-  return Plan(contexts=_parse("contexts", fv.contexts, int),
-              chunks=_parse("chunks", fv.chunks, int), oneshot_max=fv.oneshot_max,
+  return Plan(contexts=flags.parse("contexts", fv.contexts, int),
+              chunks=flags.parse("chunks", fv.chunks, int), oneshot_max=fv.oneshot_max,
               batch=fv.batch, repeats=fv.repeats, max_seconds=fv.max_seconds, seed=fv.seed,
               child_timeout=fv.child_timeout).check()
 

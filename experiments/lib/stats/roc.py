@@ -24,6 +24,20 @@ def average_ranks(x: np.ndarray) -> np.ndarray:
   return ranks
 
 
+def _checked(scores, labels):
+  """Scores and boolean labels as arrays with the positive and negative counts."""
+  s = validation.vector(scores, "scores")
+  lab = validation.labels(labels)
+  validation.same_length(scores=s, labels=lab)
+  if not np.all(np.isfinite(s)):
+    raise ValueError("scores must be finite")
+  n1 = int(lab.sum())
+  n0 = len(lab) - n1
+  if n1 == 0 or n0 == 0:
+    raise ValueError(f"labels must contain both classes, got {n1} positives and {n0} negatives")
+  return s, lab, n1, n0
+
+
 def roc_auc(scores, labels) -> float:
   """Area under the ROC curve: P(score of a positive > score of a negative), ties 1/2.
 
@@ -34,15 +48,7 @@ def roc_auc(scores, labels) -> float:
   Raises:
     ValueError: shapes differ, non-finite scores, or only one class present.
   """
-  s = validation.vector(scores, "scores")
-  lab = validation.labels(labels)
-  validation.same_length(scores=s, labels=lab)
-  if not np.all(np.isfinite(s)):
-    raise ValueError("scores must be finite")
-  n1 = int(lab.sum())
-  n0 = len(lab) - n1
-  if n1 == 0 or n0 == 0:
-    raise ValueError(f"labels must contain both classes, got {n1} positives and {n0} negatives")
+  s, lab, n1, n0 = _checked(scores, labels)
   ranks = average_ranks(s)
   return float((ranks[lab].sum() - n1 * (n1 + 1) / 2.0) / (n1 * n0))
 
@@ -58,15 +64,7 @@ def roc_curve(scores, labels) -> RocCurve:
 
   The trapezoid area under ``(fpr, tpr)`` equals :func:`roc_auc`.
   """
-  s = validation.vector(scores, "scores")
-  lab = validation.labels(labels)
-  validation.same_length(scores=s, labels=lab)
-  if not np.all(np.isfinite(s)):
-    raise ValueError("scores must be finite")
-  n1 = int(lab.sum())
-  n0 = len(lab) - n1
-  if n1 == 0 or n0 == 0:
-    raise ValueError(f"labels must contain both classes, got {n1} positives and {n0} negatives")
+  s, lab, n1, n0 = _checked(scores, labels)
   order = np.argsort(-s, kind="mergesort")
   ss, ll = s[order], lab[order]
   last = np.r_[np.flatnonzero(np.diff(ss)), len(ss) - 1]  # last index of each tie group
