@@ -1,0 +1,102 @@
+"""Task scores pooled over seeds (experiments/pool_tasks.py, .lib.leaderboard.pooled).
+
+Hand-made rows: the paired difference and its counts, strata by (seed,
+task), examples only one design ran left out, disagreeing duplicates and
+disjoint designs rejected, and the command's files.
+"""
+
+import json
+import os
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import flagsaver
+
+from experiments import pool_tasks
+from experiments.lib.leaderboard import pooled
+from tests import test_util
+
+
+def _row(design, seed, task, example, score, ratio=0.75):
+  return dict(design=design, seed=seed, context_len=1024, regime="query_aware", task=task,
+              example=example, score=score, ratio=ratio)
+
+
+# Seed 0: a wins one, loses two of four; seed 2: a and b tie on two.
+ROWS = ([_row("b", 0, "t1", e, s) for e, s in enumerate((1, 1, 0, 0))]
+        + [_row("a", 0, "t1", e, s) for e, s in enumerate((0, 0, 1, 0))]
+        + [_row("b", 2, "t1", e, s) for e, s in enumerate((1, 0))]
+        + [_row("a", 2, "t1", e, s) for e, s in enumerate((1, 0))]
+        + [_row("a", 2, "t2", 0, 1)])  # b never ran t2: left out
+
+
+class PooledTest(absltest.TestCase):
+
+  def test_paired_difference_and_counts(self):
+    p = pooled.paired(ROWS, "a", "b", 0.75)
+    self.assertEqual(p["n"], 6)
+    self.assertEqual(p["seeds"], [0, 2])
+    self.assertEqual((p["wins"], p["losses"]), (1, 2))
+    self.assertAlmostEqual(p["value"], 100.0 * (1 - 2) / 6)
+    self.assertAlmostEqual(p["score"]["value"], 100.0 * 2 / 6)
+    self.assertAlmostEqual(p["against_score"]["value"], 100.0 * 3 / 6)
+    lo, hi = p["ci"]
+    self.assertLessEqual(lo, p["value"])
+    self.assertGreaterEqual(hi, p["value"])
+
+  def test_a_stratum_with_no_difference_adds_no_spread(self):
+    # seed 2 ties on every example, so its resamples all add 0: the interval
+    # is seed 0's spread scaled by 4/6, never wider than seed 0 alone.
+    only0 = pooled.paired([r for r in ROWS if r["seed"] == 0], "a", "b", 0.75)
+    both = pooled.paired(ROWS, "a", "b", 0.75)
+    self.assertAlmostEqual(both["ci"][0], only0["ci"][0] * 4 / 6)
+    self.assertAlmostEqual(both["ci"][1], only0["ci"][1] * 4 / 6)
+
+  def test_rows_that_disagree_are_an_error(self):
+    with self.assertRaisesRegex(ValueError, "rows disagree"):
+      pooled.example_scores(ROWS + [_row("a", 0, "t1", 0, 1)], "a", 0.75)
+
+  def test_no_shared_example_is_an_error(self):
+    with self.assertRaisesRegex(ValueError, "share no example"):
+      pooled.paired(ROWS, "a", "b", 0.5)
+
+  def test_summarize_defaults_and_markdown(self):
+    s = pooled.summarize(ROWS + [_row("full", 0, "t1", 0, 1, ratio=0.0)], against="b")
+    self.assertEqual(list(s["paired"]), ["a"])
+    self.assertEqual(list(s["paired"]["a"]), ["0.75"])
+    self.assertIn("| a | 0.75 | 0, 2 | 6 |", pooled.markdown(s))
+
+
+class CommandTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    test_util.ensure_flags_parsed()
+
+  def test_writes_summary_and_report(self):
+    with tempfile.TemporaryDirectory() as root:
+      runs = []
+      for seed in (0, 2):
+        run = os.path.join(root, f"seed{seed}")
+        os.makedirs(run)
+        with open(os.path.join(run, "rows.jsonl"), "w") as f:
+          f.writelines(json.dumps(r) + "\n" for r in ROWS if r["seed"] == seed)
+        runs.append(run)
+      out = os.path.join(root, "pooled")
+      with flagsaver.flagsaver(out=out, runs=runs, against="b", designs=[], ratios=[]):
+        pool_tasks.main([])
+      with open(os.path.join(out, "summary.json")) as f:
+        s = json.load(f)
+      self.assertEqual(s["paired"]["a"]["0.75"]["n"], 6)
+      self.assertEqual(s["runs"], runs)
+      self.assertTrue(os.path.exists(os.path.join(out, "report.md")))
+      with flagsaver.flagsaver(out=out, runs=[os.path.join(root, "none")], against="b"):
+        with self.assertRaisesRegex(ValueError, "--runs"):
+          pool_tasks.main([])
+      with flagsaver.flagsaver(out=out, runs=runs, against="zzz", designs=[], ratios=[]):
+        with self.assertRaisesRegex(ValueError, "--against"):
+          pool_tasks.main([])
+
+
+if __name__ == "__main__":
+  absltest.main()
