@@ -29,6 +29,7 @@ COMMAND = "python -m experiments.results_doc"
 SECTIONS = (studies.validity, studies.validity_long, studies.min_tail, suite.design_quality, suite.suite_quick,
             suite.suite_full, suite.overhead_long, suite.demo, studies.damage,
             comparisons.equal_memory, comparisons.equal_memory_tasks,
+            comparisons.equal_memory_tasks_pooled,
             comparisons.leaderboard,
             benchmarks.kernels, benchmarks.bench_decode, benchmarks.sharding,
             benchmarks.montecarlo, benchmarks.not_measured)

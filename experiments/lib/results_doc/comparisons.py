@@ -58,6 +58,28 @@ def equal_memory_tasks(root: str) -> list[str]:
   return _ruler(root, "equal_memory_tasks", "## Task accuracy at equal memory")
 
 
+def equal_memory_tasks_pooled(root: str) -> list[str]:
+  """Task accuracy of several seeds' runs, paired against one design (``pool_tasks``)."""
+  rel = "equal_memory_tasks_pooled"
+  s = fmt.read_json(root, f"{rel}/summary.json")
+  out = ["## Task accuracy pooled over seeds", ""]
+  out += fmt.source([f"{rel}/summary.json", f"{rel}/report.md", f"{rel}/COMMAND.md"],
+                    fmt.command(root, f"{rel}/COMMAND.md"))
+  out += [f"The task runs {', '.join(f'`{r}`' for r in s['runs'])} pooled: each design "
+          f"paired with {s['against']} on the examples both ran, in points (95% bootstrap "
+          "over examples within each seed and task):", ""]
+  body = []
+  for d, per in s["paired"].items():
+    for ratio, p in per.items():
+      body.append([d, ratio, ", ".join(map(str, p["seeds"])), str(p["n"]),
+                   fmt.num(p["score"]["value"], ".1f"),
+                   fmt.num(p["against_score"]["value"], ".1f"),
+                   fmt.ci((p["value"], *p["ci"]), "+.1f"), f"{p['wins']} / {p['losses']}"])
+  out += fmt.table(["design", "ratio", "seeds", "examples", "score", s["against"],
+                    "paired", "better / worse"], body)
+  return out
+
+
 def _ruler(root: str, rel: str, title: str) -> list[str]:
   s = fmt.read_json(root, f"{rel}/summary.json")
   plan = s["plan"]
