@@ -7,14 +7,15 @@ disjoint designs rejected, and the command's files.
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
 from absl.testing import absltest
-from absl.testing import flagsaver
 
-from experiments import pool_tasks
 from experiments.lib.leaderboard import pooled
-from tests import test_util
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _row(design, seed, task, example, score, ratio=0.75):
@@ -68,10 +69,12 @@ class PooledTest(absltest.TestCase):
 
 
 class CommandTest(absltest.TestCase):
+  """The command in its own process (its absl flags would clash with other scripts')."""
 
-  def setUp(self):
-    super().setUp()
-    test_util.ensure_flags_parsed()
+  def _run(self, *args):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "experiments.pool_tasks", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
 
   def test_writes_summary_and_report(self):
     with tempfile.TemporaryDirectory() as root:
@@ -83,19 +86,18 @@ class CommandTest(absltest.TestCase):
           f.writelines(json.dumps(r) + "\n" for r in ROWS if r["seed"] == seed)
         runs.append(run)
       out = os.path.join(root, "pooled")
-      with flagsaver.flagsaver(out=out, runs=runs, against="b", designs=[], ratios=[]):
-        pool_tasks.main([])
+      proc = self._run(f"--out={out}", f"--runs={','.join(runs)}", "--against=b")
+      self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
       with open(os.path.join(out, "summary.json")) as f:
         s = json.load(f)
       self.assertEqual(s["paired"]["a"]["0.75"]["n"], 6)
       self.assertEqual(s["runs"], runs)
       self.assertTrue(os.path.exists(os.path.join(out, "report.md")))
-      with flagsaver.flagsaver(out=out, runs=[os.path.join(root, "none")], against="b"):
-        with self.assertRaisesRegex(ValueError, "--runs"):
-          pool_tasks.main([])
-      with flagsaver.flagsaver(out=out, runs=runs, against="zzz", designs=[], ratios=[]):
-        with self.assertRaisesRegex(ValueError, "--against"):
-          pool_tasks.main([])
+      for args, flag in (((f"--runs={os.path.join(root, 'none')}",), "--runs"),
+                         ((f"--runs={','.join(runs)}", "--against=zzz"), "--against")):
+        proc = self._run(f"--out={out}", *args)
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn(flag, proc.stderr)
 
 
 if __name__ == "__main__":
