@@ -52,9 +52,14 @@ def paired(rows: Sequence[dict], design: str, against: str, ratio: float, *,
     ValueError naming the designs if they share no example at ``ratio``.
   """
   a, b = example_scores(rows, design, ratio), example_scores(rows, against, ratio)
-  keys = sorted(set(a) & set(b))
-  if not keys:
+  if not set(a) & set(b):
     raise ValueError(f"designs {design!r} and {against!r} share no example at ratio {ratio}")
+  return _paired(a, b, seed)
+
+
+def _paired(a: dict, b: dict, seed: int) -> dict:
+  """:func:`paired` of two :func:`example_scores` dicts that share an example."""
+  keys = sorted(set(a) & set(b))
   x = np.array([a[k] for k in keys])
   y = np.array([b[k] for k in keys])
   strata = np.array([f"{k[0]}/{k[3]}" for k in keys])
@@ -72,14 +77,16 @@ def summarize(rows: Sequence[dict], *, against: str, designs: Sequence[str] = ()
               ratios: Sequence[float] = ()) -> dict:
   """``paired[design][ratio]`` (see :func:`paired`) for every design other than
   ``against`` (default: every design in the rows except the full cache) at
-  every ratio it shares with ``against`` (default: every ratio in the rows but 0)."""
+  every ratio where the two share an example (default: every ratio in the rows but 0)."""
   designs = list(designs) or sorted({r["design"] for r in rows} - {against, "full"})
   ratios = list(ratios) or sorted({float(r["ratio"]) for r in rows} - {0.0})
   out = {"against": against, "paired": {}}
+  ref = {ratio: example_scores(rows, against, ratio) for ratio in ratios}
   for d in designs:
     for ratio in ratios:
-      if example_scores(rows, d, ratio) and example_scores(rows, against, ratio):
-        out["paired"].setdefault(d, {})[_key(ratio)] = paired(rows, d, against, ratio)
+      own = example_scores(rows, d, ratio)
+      if set(own) & set(ref[ratio]):
+        out["paired"].setdefault(d, {})[_key(ratio)] = _paired(own, ref[ratio], seed=0)
   return out
 
 

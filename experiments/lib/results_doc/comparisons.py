@@ -3,6 +3,7 @@ RULER-style leaderboard."""
 
 from __future__ import annotations
 
+from experiments.lib.leaderboard import pooled
 from experiments.lib.results_doc import markdown as fmt
 
 
@@ -65,19 +66,8 @@ def equal_memory_tasks_pooled(root: str) -> list[str]:
   out = ["## Task accuracy pooled over seeds", ""]
   out += fmt.source([f"{rel}/summary.json", f"{rel}/report.md", f"{rel}/COMMAND.md"],
                     fmt.command(root, f"{rel}/COMMAND.md"))
-  out += [f"The task runs {', '.join(f'`{r}`' for r in s['runs'])} pooled: each design "
-          f"paired with {s['against']} on the examples both ran, in points (95% bootstrap "
-          "over examples within each seed and task):", ""]
-  body = []
-  for d, per in s["paired"].items():
-    for ratio, p in per.items():
-      body.append([d, ratio, ", ".join(map(str, p["seeds"])), str(p["n"]),
-                   fmt.num(p["score"]["value"], ".1f"),
-                   fmt.num(p["against_score"]["value"], ".1f"),
-                   fmt.ci((p["value"], *p["ci"]), "+.1f"), f"{p['wins']} / {p['losses']}"])
-  out += fmt.table(["design", "ratio", "seeds", "examples", "score", s["against"],
-                    "paired", "better / worse"], body)
-  return out
+  out += ["The task runs " + ", ".join(f"`{r}`" for r in s["runs"]) + " pooled.", ""]
+  return out + pooled.markdown(s).rstrip("\n").split("\n")
 
 
 def _ruler(root: str, rel: str, title: str) -> list[str]:
