@@ -175,6 +175,13 @@ class CommandTest(absltest.TestCase):
     self.assertGreaterEqual(bw["matvec_floor_multiple"], FLOOR_TOLERANCE)
     self.assertEqual(set(summary["matvec_floor_multiple"]), {"32"})
     self.assertIn("Matrix-vector floor", report)
+    # The full cache's attention alone: its keys' and values' bytes, over their floor.
+    caches = certkv_jax.caches.init_caches(config, 1, 32 + plan.n_calls * plan.steps_per_call)
+    self.assertEqual(bw["attention_bytes"], caches.k.nbytes + caches.v.nbytes)
+    self.assertGreaterEqual(bw["attention_floor_multiple"], FLOOR_TOLERANCE)
+    self.assertEqual(set(summary["attention_floor_multiple"]), {"32"})
+    self.assertIn("Attention floor", report)
+    self.assertRegex(report, r"batch 1 n=32: [0-9.]+ = [0-9.]+ \+ [0-9.]+ \+ -?[0-9.]+")
 
   def test_bad_flag_fails_naming_it(self):
     done = _command(tempfile.mkdtemp(prefix="bench_decode_out_"), "--budgets=0.25,1.5")
@@ -267,6 +274,32 @@ class FloorTest(absltest.TestCase):
     self.assertEqual(bench_decode.matvec_bytes(params, tied), emb.nbytes + w.nbytes + norm.nbytes)
     np.testing.assert_allclose(bench_decode._matvec_fn(tied, 2)(params),
                                2 * (emb.sum() + w.sum()) + norm.sum(), rtol=1e-4)
+
+  def test_attention_probe_is_the_full_caches_softmax_attention(self):
+    config = test_util.tiny_config()
+    rng = np.random.default_rng(1)
+    caches = certkv_jax.caches.init_caches(config, 2, 6)
+    n_valid = 4  # slots 4 and 5 empty: masked out
+    k = rng.normal(size=caches.k.shape).astype(np.float32)
+    v = rng.normal(size=caches.v.shape).astype(np.float32)
+    caches = caches._replace(
+        k=jnp.asarray(k), v=jnp.asarray(v), valid=caches.valid.at[..., :n_valid].set(True),
+        pos=jnp.broadcast_to(jnp.arange(6, dtype=caches.pos.dtype), caches.pos.shape),
+        log_pi=jnp.zeros_like(caches.log_pi))
+    args = bench_decode.attention_inputs(caches, config, n_valid, jax.random.PRNGKey(0))
+    per_layer, qg, positions = args
+    self.assertLen(per_layer, config.n_layers)
+    self.assertEqual(qg.shape, (2, config.n_kv_heads, config.n_heads // config.n_kv_heads, 1,
+                                config.head_dim))
+    np.testing.assert_array_equal(positions, [[n_valid], [n_valid]])
+    got = bench_decode._attention_fn()(*args)
+    q = np.asarray(qg)[:, :, :, 0]  # [b, h, g, d]
+    logits = np.einsum("bhgd,lbhnd->lbhgn", q, k[..., :n_valid, :]) / np.sqrt(config.head_dim)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.einsum("lbhgn,lbhnd->", p, v[..., :n_valid, :])
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    self.assertEqual(bench_decode.attention_bytes(caches), k.nbytes + v.nbytes)
 
   def test_summary_and_report_from_rows(self):
     row = lambda design, budget, loop, ms, fm, ratio: dict(

@@ -67,7 +67,11 @@ floor multiple is the median of the per-round ratios of the step's time to
 its floor in the same round. Beside them the round-robin times the weights'
 matrix-vector products alone (every weight matrix times a ``[batch, in]``
 vector, :func:`_matvec_fn`): their floor multiple bounds what a step whose
-weights dominate its bytes can reach on this backend.
+weights dominate its bytes can reach on this backend. It also times the full
+cache's attention alone (one query per head over every layer's caches,
+:func:`_attention_fn`) over its floor, the caches' key and value bytes; the
+full cache's step less these two parts is the rest (embedding, norms, rotary,
+appends, argmax), which the report gives per cell.
 
 Cache layout (``--capacity``): ``compact`` (default) allocates what a deployment
 would: the most tokens the design keeps during the timed calls plus ``k``
@@ -112,7 +116,8 @@ from experiments.lib.bench import flags
 from experiments.lib.bench.timing import LEVEL, WARMUP  # noqa: F401 (re-exported)
 from experiments.lib.bench.timing import _finish, _memo, _round_robin, _stepper, _Timed
 from experiments.lib.bench.timing import _timed_call, median_interval
-from experiments.lib.bench.floor import _matvec_fn, _read_fn  # noqa: F401 (re-exported)
+from experiments.lib.bench.floor import _attention_fn, _matvec_fn, _read_fn  # noqa: F401 (re-exported)
+from experiments.lib.bench.floor import attention_bytes, attention_inputs
 from experiments.lib.bench.floor import floor_bytes, matvec_bytes, weight_bytes  # noqa: F401 (re-exported)
 from models import forward
 from models import llama
@@ -339,6 +344,8 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
 
   add("full", None, False, None, full_caches, logits, context)
   probe_bytes = timed[0].row["floor_bytes"]  # the full cache's step bytes
+  att_args = attention_inputs(full_caches, config, context, jax.random.fold_in(key, 11))
+  att_bytes = attention_bytes(full_caches)
   del full_caches
   for name in plan.designs:
     design = design_defaults.make_design(name, _STATIC_BUDGET, plan.n_sink, plan.window)
@@ -362,7 +369,10 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
   matvec = _memo(steps, ("matvec", batch), lambda: _matvec_fn(config, batch))
   mv = _Timed(dict(base, bytes=matvec_bytes(per_layer, config)),
               lambda: _timed_call(matvec, per_layer)[1])
-  _round_robin(timed + [probe, mv], plan.repeats)
+  attention = _memo(steps, ("attention",), _attention_fn)
+  att = _Timed(dict(base, bytes=att_bytes), lambda: _timed_call(attention, *att_args)[1])
+  _round_robin(timed + [probe, mv, att], plan.repeats)
+  del att_args
   dropped = [int(jnp.sum(caches_lib.stack(s["carry"][0]).n_dropped)) for s in states]
   if any(dropped):
     raise RuntimeError(f"decode benchmark bug: tokens found no cache slot ({dropped}); the "
@@ -372,11 +382,17 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
   # The weights' matrix-vector products alone over their floor, per round.
   mv_floor = mv.row["bytes"] * probe_s / probe.row["bytes"]
   mvm = median_interval(np.asarray(mv.samples) / mv_floor)
+  # The full cache's attention alone over its floor (keys and values), per round.
+  am = median_interval(np.asarray(att.samples) / (att.row["bytes"] * probe_s / probe.row["bytes"]))
   bandwidth = dict(base, bytes=probe.row["bytes"], samples=probe.samples,
                    gbps=probe.row["bytes"] / float(np.median(probe_s)) / 1e9,
                    matvec_bytes=mv.row["bytes"], matvec_ms=float(np.median(mv.samples)) * 1e3,
                    matvec_floor_multiple=mvm["median"],
-                   matvec_floor_multiple_ci=[mvm["lo"], mvm["hi"]])
+                   matvec_floor_multiple_ci=[mvm["lo"], mvm["hi"]],
+                   attention_bytes=att.row["bytes"],
+                   attention_ms=float(np.median(att.samples)) * 1e3,
+                   attention_floor_multiple=am["median"],
+                   attention_floor_multiple_ci=[am["lo"], am["hi"]])
   per_round = lambda a, b: median_interval(np.asarray(a["samples"]) / np.asarray(b["samples"]))
   same = lambda r, **kw: next(x for x in rows if all(x[k] == v for k, v in dict(dict(
       design=r["design"], certificate=r["certificate"], budget=r["budget"],
@@ -451,7 +467,8 @@ def run(params, config, plan: Plan, out: Optional[str], *, model: str, log=print
     jax.clear_caches()
     log(f"[{i + 1}/{len(cells)}] context {context} batch {batch}: "
         f"{bandwidth['gbps']:.1f} GB/s, weights' matvecs "
-        f"{bandwidth['matvec_floor_multiple']:.2f}x floor; "
+        f"{bandwidth['matvec_floor_multiple']:.2f}x floor, attention "
+        f"{bandwidth['attention_floor_multiple']:.2f}x floor; "
         + ", ".join(f"{r['design']}{'+cert' if r['certificate'] else ''}"
                     f"{'' if r['budget'] is None else '@' + str(r['budget'])}"
                     f"[{r['layer_loop']}] {r['median']:.1f} ms = {r['floor_multiple']:.2f}x "

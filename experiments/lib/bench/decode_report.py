@@ -107,6 +107,9 @@ def summarize(results: dict) -> dict:
                if x["batch"] == b}
   matvec = {key(x["context"]): x["matvec_floor_multiple"] for x in results.get("bandwidth", [])
             if x["batch"] == b and "matvec_floor_multiple" in x}
+  attention = {key(x["context"]): x["attention_floor_multiple"]
+               for x in results.get("bandwidth", [])
+               if x["batch"] == b and "attention_floor_multiple" in x}
   compile_s = {"full": {key(r["context"]): r["compile_s"] for r in at_b if r["design"] == "full"}}
   for r in at_b:
     if r["design"] != "full":
@@ -141,6 +144,8 @@ def summarize(results: dict) -> dict:
       floor_multiple_by_design=floor_by_design,
       # The weights' matrix-vector products alone over their floor (same round-robin).
       matvec_floor_multiple=matvec,
+      # The full cache's attention alone over its floor (its keys and values).
+      attention_floor_multiple=attention,
       layer_loop_ratio=per_design("scan_over_unrolled") if len(loops(results)) == 2 else None,
       compile_s=compile_s, executables=results.get("executables"), prefill=prefill,
       budgets_traced=("every step passes the budget as a traced argument; with "
@@ -149,6 +154,18 @@ def summarize(results: dict) -> dict:
                          "budget compiles its own executable"
                          if results["plan"]["capacity"] == "compact" else
                          "one executable per design serves every budget")))
+
+
+def _parts(results: dict, bw: dict) -> str:
+  """``batch b n=c: step S = matvecs M + attention A + rest R`` for the full cache's
+  step in the headline loop of the cell ``bw``."""
+  loop = headline_loop(results)
+  step = next(r["median"] for r in results["decode"]
+              if r["design"] == "full" and r["layer_loop"] == loop
+              and r["context"] == bw["context"] and r["batch"] == bw["batch"])
+  rest = step - bw["matvec_ms"] - bw["attention_ms"]
+  return (f"batch {bw['batch']} n={bw['context']}: {step:.1f} = {bw['matvec_ms']:.1f} + "
+          f"{bw['attention_ms']:.1f} + {rest:.1f}")
 
 
 def _cell(median, ci, digits=3) -> str:
@@ -187,6 +204,18 @@ def render(results: dict, summary: dict) -> str:
         + ", ".join(f"batch {x['batch']} n={x['context']}: {x['matvec_floor_multiple']:.2f}x "
                     f"({x['matvec_ms']:.1f} ms)"
                     for x in results.get("bandwidth", []) if "matvec_floor_multiple" in x)
+        + ".",
+        "- Attention floor: the full cache's attention alone (one query per head over every "
+        "layer's caches, `certified_attention.attend` without the certificate, as the full "
+        "cache's step attends), timed in the same round-robin, over its own floor (the "
+        "caches' key and value bytes over the bandwidth). Per cell: "
+        + ", ".join(f"batch {x['batch']} n={x['context']}: "
+                    f"{x['attention_floor_multiple']:.2f}x ({x['attention_ms']:.1f} ms)"
+                    for x in results.get("bandwidth", []) if "attention_floor_multiple" in x)
+        + ". The full cache's step beside its parts (ms; the rest: embedding, norms, "
+        "rotary, appends, argmax): "
+        + ", ".join(_parts(results, x) for x in results.get("bandwidth", [])
+                    if "attention_floor_multiple" in x)
         + ".",
         "",
         "- A step: the argmax token through `forward_chunk` plus `evict` with the traced "

@@ -1,13 +1,16 @@
 """A decode step's memory floor: the bytes it must read (weights, cache slots with
 their metadata), the streaming-read probe that measures this machine's bandwidth,
-and the weights' matrix-vector products alone (``experiments.lib.bench.decode``
-times all three beside every step)."""
+and two parts of the full cache's step alone: the weights' matrix-vector products
+and the attention over the caches (``experiments.lib.bench.decode`` times all four
+beside every step)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from certkv_jax import caches as caches_lib
+from certkv_jax import certified_attention
 from certkv_jax import memory as memory_lib
 
 
@@ -61,3 +64,36 @@ def matvec_bytes(per_layer_params, config) -> int:
   """Bytes :func:`_matvec_fn` reads: every parameter but an untied embedding."""
   return sum(int(w.nbytes) for path, w in jax.tree_util.tree_leaves_with_path(per_layer_params)
              if config.tie_embeddings or "embed" not in jax.tree_util.keystr(path))
+
+
+def _attention_fn():
+  """A jitted attention of one query per head over every layer's caches, as the
+  full cache's decode step attends (``certified_attention.attend`` without the
+  certificate) with nothing else: what this backend's attention attains
+  against its floor, the caches' key and value bytes (:func:`attention_bytes`)."""
+
+  def attention(per_layer_caches, qg, positions):
+    total = jnp.float32(0.0)
+    for cache in per_layer_caches:
+      out, _, _ = certified_attention.attend(qg, cache, None, positions, certificate=False,
+                                             with_probs=False)
+      total += jnp.sum(out)
+    return total
+  return jax.jit(attention)
+
+
+def attention_inputs(caches, config, context: int, key):
+  """:func:`_attention_fn`'s arguments for stacked ``caches``: per-layer copies, one
+  random query per head ``[batch, n_kv_heads, group, 1, head_dim]`` and its position
+  ``context`` (after every cached token)."""
+  batch = caches.k.shape[1]
+  group = config.n_heads // config.n_kv_heads
+  qg = jax.random.normal(key, (batch, config.n_kv_heads, group, 1, config.head_dim),
+                         caches.k.dtype)
+  return caches_lib.unstack(caches), qg, jnp.full((batch, 1), context, jnp.int32)
+
+
+def attention_bytes(caches) -> int:
+  """Bytes of the attention's floor: the keys and values of stacked ``caches``
+  (the full cache's slot bytes, ``certkv_jax.memory.slot_bytes(None, head_dim)``)."""
+  return int(caches.k.nbytes) + int(caches.v.nbytes)
