@@ -372,7 +372,6 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
   attention = _memo(steps, ("attention",), _attention_fn)
   att = _Timed(dict(base, bytes=att_bytes), lambda: _timed_call(attention, *att_args)[1])
   _round_robin(timed + [probe, mv, att], plan.repeats)
-  del att_args
   dropped = [int(jnp.sum(caches_lib.stack(s["carry"][0]).n_dropped)) for s in states]
   if any(dropped):
     raise RuntimeError(f"decode benchmark bug: tokens found no cache slot ({dropped}); the "
