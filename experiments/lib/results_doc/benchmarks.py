@@ -79,6 +79,7 @@ def _floor_lines(s) -> list[str]:
       body.append([f"`{design}`", "" if design == "full" else fmt.pct(b)] + cells)
   bw = s.get("bandwidth_gbps", {})
   mv = s.get("matvec_floor_multiple", {})
+  att = s.get("attention_floor_multiple", {})
   full = fm["full"]["1.0"]
   designs = [(d, b, c, v) for d, per_b in fm.items() if d != "full"
              for b, per_c in per_b.items() for c, v in per_c.items()]
@@ -102,7 +103,11 @@ def _floor_lines(s) -> list[str]:
              ": this backend's matrix-vector product does not stream the weights at the "
              "bandwidth a reduction reaches, and the weights are most of a step's bytes at "
              "batch 1, so a whole step cannot come near 1.5x of its floor here."
-             if mv and min(mv.values()) >= 1.45 else ".")]
+             if mv and min(mv.values()) >= 1.45 else ".")
+         + ("" if not att else " The full cache's attention alone (one query per head over "
+            "every layer's caches, same round-robin) takes "
+            + " / ".join(f"{att[c]:.2f}x" for c in ctxs if c in att)
+            + " of its floor (the caches' key and value bytes).")]
 
 
 def bench_decode(root: str) -> list[str]:
