@@ -110,11 +110,15 @@ def _ruler(root: str, rel: str, title: str) -> list[str]:
               f"answer's end (delta {s['delta']}): raw / leave-one-task-out calibrated "
               "coverage (pooled and robust per-head scales), median radius / median true "
               "error:", ""]
-      body = []
+      body, no_calls = [], []
       for d, per in cov.items():
         for r in ratios:
           c = per.get(r)
           if c is None:
+            continue
+          if not c["n_calls"]:  # run without evaluation mode (--nocoverage)
+            if d not in no_calls:
+              no_calls.append(d)
             continue
           body.append([d, r, str(c["n_calls"]), fmt.num(c["raw"]),
                        fmt.num(c.get("calibrated")), fmt.num(c.get("robust")),
@@ -123,6 +127,9 @@ def _ruler(root: str, rel: str, title: str) -> list[str]:
       out += fmt.table(["design", "ratio", "calls", "raw", "calibrated", "robust",
                         "radius / error"],
                        body)
+      if no_calls:
+        out += ["", "No decode calls recorded (run without evaluation mode): "
+                f"{', '.join(no_calls)}."]
     if cell["not_run"]:
       out += ["", f"Not run: {', '.join(cell['not_run'])}."]
   return out
