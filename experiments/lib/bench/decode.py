@@ -378,11 +378,12 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
                        "capacity must hold every appended token")
   rows = [_finish(t, 1e3) for t in timed]
   probe_s = np.asarray(probe.samples)
-  # The weights' matrix-vector products alone over their floor, per round.
-  mv_floor = mv.row["bytes"] * probe_s / probe.row["bytes"]
-  mvm = median_interval(np.asarray(mv.samples) / mv_floor)
-  # The full cache's attention alone over its floor (keys and values), per round.
-  am = median_interval(np.asarray(att.samples) / (att.row["bytes"] * probe_s / probe.row["bytes"]))
+  # A part's floor in each round: its bytes at that round's probe bandwidth (seconds).
+  floor_s = lambda nbytes: nbytes * probe_s / probe.row["bytes"]
+  # The weights' matrix-vector products and the full cache's attention alone, each over
+  # its own floor, per round.
+  mvm = median_interval(np.asarray(mv.samples) / floor_s(mv.row["bytes"]))
+  am = median_interval(np.asarray(att.samples) / floor_s(att.row["bytes"]))
   bandwidth = dict(base, bytes=probe.row["bytes"], samples=probe.samples,
                    gbps=probe.row["bytes"] / float(np.median(probe_s)) / 1e9,
                    matvec_bytes=mv.row["bytes"], matvec_ms=float(np.median(mv.samples)) * 1e3,
@@ -403,8 +404,7 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
     r["ratio_vs_full_ci"] = [ratio["lo"], ratio["hi"]]
     # The bytes ratio: a step that reads every weight and cache byte once at one bandwidth.
     r["bytes_ratio_vs_full"] = r["step_bytes"] / full["step_bytes"]
-    # The floor in each round: floor bytes at that round's probe bandwidth (ms).
-    floor_ms = r["floor_bytes"] * probe_s / probe.row["bytes"] * 1e3
+    floor_ms = floor_s(r["floor_bytes"]) * 1e3
     fm = median_interval(np.asarray(r["samples"]) / floor_ms)
     r["floor_ms"] = float(np.median(floor_ms))
     r["floor_multiple"], r["floor_multiple_ci"] = fm["median"], [fm["lo"], fm["hi"]]
