@@ -293,13 +293,29 @@ class FloorTest(absltest.TestCase):
                                 config.head_dim))
     np.testing.assert_array_equal(positions, [[n_valid], [n_valid]])
     got = bench_decode._attention_fn()(*args)
-    q = np.asarray(qg)[:, :, :, 0]  # [b, h, g, d]
-    logits = np.einsum("bhgd,lbhnd->lbhgn", q, k[..., :n_valid, :]) / np.sqrt(config.head_dim)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    want = np.einsum("lbhgn,lbhnd->", p, v[..., :n_valid, :])
+    q, want = np.asarray(qg)[:, :, :, 0], 0.0  # [b, h, g, d]
+    for layer in range(config.n_layers):  # each layer's output is the next one's query
+      logits = np.einsum("bhgd,bhnd->bhgn", q, k[layer, ..., :n_valid, :]) / np.sqrt(
+          config.head_dim)
+      p = np.exp(logits - logits.max(-1, keepdims=True))
+      p /= p.sum(-1, keepdims=True)
+      q = np.einsum("bhgn,bhnd->bhgd", p, v[layer, ..., :n_valid, :])
+      want += q.sum()
+    self.assertGreater(config.n_layers, 1)
     np.testing.assert_allclose(got, want, rtol=1e-4)
     self.assertEqual(bench_decode.attention_bytes(caches), k.nbytes + v.nbytes)
+
+  def test_matvec_probe_chains_each_product_on_the_latest_of_its_width(self):
+    config = test_util.tiny_config()
+    rng = np.random.default_rng(2)
+    w1 = rng.normal(size=(config.hidden, 5)).astype(np.float32)
+    w2 = rng.normal(size=(5, 3)).astype(np.float32)
+    params = {"params": {"layers": ({"a": w1}, {"b": w2})}}
+    y1 = np.ones((2, config.hidden), np.float32) @ w1
+    x2 = y1 / np.sqrt(np.mean(y1 * y1, axis=-1, keepdims=True) + 1e-6)
+    want = y1.sum() + (x2 @ w2).sum()  # unchained, w2 would see ones: 2 * w2.sum()
+    np.testing.assert_allclose(bench_decode._matvec_fn(config, 2)(params), want, rtol=1e-5)
+    self.assertGreater(abs(want - (y1.sum() + 2 * w2.sum())), 1e-3)
 
   def test_summary_and_report_from_rows(self):
     row = lambda design, budget, loop, ms, fm, ratio: dict(

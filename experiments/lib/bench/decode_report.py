@@ -198,7 +198,9 @@ def render(results: dict, summary: dict) -> str:
         + ", ".join(f"batch {x['batch']} n={x['context']}: {x['gbps']:.1f}"
                     for x in results.get("bandwidth", [])) + ".",
         "- Matrix-vector floor: the weights' matrix-vector products alone (every weight "
-        "matrix times a `[batch, in]` vector, nothing else), timed in the same round-robin, "
+        "matrix times a `[batch, in]` vector, nothing else, each product's input the latest "
+        "output of its width so that they run one after another as in a step), timed in the "
+        "same round-robin, "
         "over their own floor (weight bytes over the bandwidth); what a step whose weights "
         "dominate its bytes can reach on this backend. Per cell: "
         + ", ".join(f"batch {x['batch']} n={x['context']}: {x['matvec_floor_multiple']:.2f}x "
@@ -207,7 +209,8 @@ def render(results: dict, summary: dict) -> str:
         + ".",
         "- Attention floor: the full cache's attention alone (one query per head over every "
         "layer's caches, `certified_attention.attend` without the certificate, as the full "
-        "cache's step attends), timed in the same round-robin, over its own floor (the "
+        "cache's step attends; each layer's output the next one's query, so the layers run "
+        "one after another), timed in the same round-robin, over its own floor (the "
         "caches' key and value bytes over the bandwidth). Per cell: "
         + ", ".join(f"batch {x['batch']} n={x['context']}: "
                     f"{x['attention_floor_multiple']:.2f}x ({x['attention_ms']:.1f} ms)"

@@ -40,13 +40,16 @@ def _read_fn():
 
 
 def _matvec_fn(config, batch: int):
-  """A jitted ``[batch, in] @ W`` over every weight matrix of per-layer params
-  (the tied embedding as the output projection; an untied one, of which a step
-  reads one row, skipped): the weight reads of a step with nothing else, what
-  this backend's matrix-vector products attain against the floor."""
+  """A jitted chain of ``[batch, in] @ W`` over every weight matrix of per-layer
+  params (the tied embedding as the output projection; an untied one, of which a
+  step reads one row, skipped): the weight reads of a step with nothing else,
+  what this backend's matrix-vector products attain against the floor. Each
+  product's input is the latest output of its width (RMS-normalized; ones for
+  the first), so they run one after another as a step's do: independent
+  products would overlap on the CPU's cores, which a step's cannot."""
 
   def matvecs(params):
-    total = jnp.float32(0.0)
+    total, latest = jnp.float32(0.0), {}
     for path, w in jax.tree_util.tree_leaves_with_path(params):
       embed = "embed" in jax.tree_util.keystr(path)
       if embed and not config.tie_embeddings:
@@ -54,8 +57,11 @@ def _matvec_fn(config, batch: int):
       if w.ndim != 2:  # norms
         total += jnp.sum(w)
         continue
-      x = jnp.ones((batch, w.shape[1] if embed else w.shape[0]), w.dtype)
-      total += jnp.sum(x @ w.T if embed else x @ w)
+      width = w.shape[1] if embed else w.shape[0]
+      x = latest.get(width, jnp.ones((batch, width), w.dtype))
+      y = x @ w.T if embed else x @ w
+      latest[y.shape[-1]] = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
+      total += jnp.sum(y)
     return total
   return jax.jit(matvecs)
 
@@ -68,15 +74,18 @@ def matvec_bytes(per_layer_params, config) -> int:
 
 def _attention_fn():
   """A jitted attention of one query per head over every layer's caches, as the
-  full cache's decode step attends (``certified_attention.attend`` without the
-  certificate) with nothing else: what this backend's attention attains
-  against its floor, the caches' key and value bytes (:func:`attention_bytes`)."""
+  full cache's decode step attends (``certkv_jax.certified_attention.attend``
+  without the certificate) with nothing else: what this backend's attention
+  attains against its floor, the caches' key and value bytes
+  (:func:`attention_bytes`). Each layer's output is the next layer's query, so
+  the layers attend one after another as in a step, not overlapped."""
 
   def attention(per_layer_caches, qg, positions):
     total = jnp.float32(0.0)
     for cache in per_layer_caches:
       out, _, _ = certified_attention.attend(qg, cache, None, positions, certificate=False,
                                              with_probs=False)
+      qg = out.astype(qg.dtype)  # [batch, n_kv_heads, group, 1, head_dim], as qg
       total += jnp.sum(out)
     return total
   return jax.jit(attention)
