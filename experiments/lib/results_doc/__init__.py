@@ -30,8 +30,9 @@ SECTIONS = (studies.validity, studies.validity_long, studies.min_tail, suite.des
             suite.suite_full, suite.overhead_long, suite.demo, studies.damage,
             comparisons.equal_memory, comparisons.equal_memory_tasks,
             comparisons.equal_memory_tasks_pooled,
-            comparisons.leaderboard,
-            benchmarks.kernels, benchmarks.bench_decode, benchmarks.sharding,
+            comparisons.leaderboard, comparisons.leaderboard_8k,
+            benchmarks.kernels, benchmarks.bench_decode, benchmarks.bench_decode_parts,
+            benchmarks.sharding,
             benchmarks.montecarlo, benchmarks.not_measured)
 
 

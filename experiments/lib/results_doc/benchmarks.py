@@ -158,6 +158,36 @@ def bench_decode(root: str) -> list[str]:
   return out
 
 
+def bench_decode_parts(root: str) -> list[str]:
+  """The full cache's decode step split into the weights' products, the attention and
+  the rest, each part timed alone beside the step (``bench_decode_parts``)."""
+  rel = "bench_decode_parts"
+  s = fmt.read_json(root, f"{rel}/summary.json")
+  res = fmt.read_json(root, f"{rel}/results.json")
+  out = ["## Decode step and its parts", ""]
+  out += fmt.source([f"{rel}/summary.json", f"{rel}/report.md", f"{rel}/COMMAND.md"],
+                    fmt.command(root, f"{rel}/COMMAND.md"))
+  body = []
+  for bw in res["bandwidth"]:
+    c = str(bw["context"])
+    full = s["full_ms"][c]
+    rest = full - bw["matvec_ms"] - bw["attention_ms"]
+    body.append([f"{int(c):,}", f"{bw['gbps']:.1f}", f"{full:.1f}",
+                 f"{s['floor_multiple']['full']['1.0'][c]:.2f}x",
+                 f"{bw['matvec_ms']:.1f} ({bw['matvec_floor_multiple']:.2f}x)",
+                 f"{bw['attention_ms']:.1f} ({bw['attention_floor_multiple']:.2f}x)",
+                 f"{rest:.1f}"])
+  out += [f"Batch {s['batch']}, layer loop `{s['layer_loop']}`: the full cache's step, its "
+          "floor multiple, and its parts timed alone in the same round-robin (the weights' "
+          "matrix-vector products, and the attention over every layer's caches; COMMAND.md "
+          "says whether the probes ran chained, as a step does, or could overlap), each with "
+          "its own floor multiple; the rest is the step less the two parts (embedding, norms, "
+          "rotary, appends, argmax):", ""]
+  out += fmt.table(["context", "GB/s", "full ms", "full / floor", "matvecs ms (/ floor)",
+                    "attention ms (/ floor)", "rest ms"], body)
+  return out + _floor_lines(s)
+
+
 def sharding(root: str) -> list[str]:
   rows = fmt.read_rows(root, "bench_sharding_cpu.jsonl")
   out = ["## Sharded decoding (fake CPU devices)", ""]

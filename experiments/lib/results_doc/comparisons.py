@@ -54,6 +54,11 @@ def leaderboard(root: str) -> list[str]:
   return _ruler(root, "leaderboard", "## RULER-style leaderboard")
 
 
+def leaderboard_8k(root: str) -> list[str]:
+  """The leaderboard's subset at 8,192 tokens (``leaderboard_8k``)."""
+  return _ruler(root, "leaderboard_8k", "## RULER-style leaderboard at 8k tokens (a subset)")
+
+
 def equal_memory_tasks(root: str) -> list[str]:
   """Retrieval-task accuracy at equal memory (the leaderboard's code, ``--equal_memory``)."""
   return _ruler(root, "equal_memory_tasks", "## Task accuracy at equal memory")
