@@ -66,12 +66,13 @@ the timed calls' for the full cache) at ``certkv_jax.memory.slot_bytes`` each
 floor multiple is the median of the per-round ratios of the step's time to
 its floor in the same round. Beside them the round-robin times the weights'
 matrix-vector products alone (every weight matrix times a ``[batch, in]``
-vector, chained one after another as in a step, :func:`_matvec_fn`): their floor multiple bounds what a step whose
-weights dominate its bytes can reach on this backend. It also times the full
-cache's attention alone (one query per head over every layer's caches, layer
-after layer, :func:`_attention_fn`) over its floor, the caches' key and value bytes; the
-full cache's step less these two parts is the rest (embedding, norms, rotary,
-appends, argmax), which the report gives per cell.
+vector, chained one after another as in a step, :func:`_matvec_fn`): their
+floor multiple bounds what a step whose weights dominate its bytes can reach
+on this backend. It also times the full cache's attention alone (one query
+per head over every layer's caches, layer after layer, :func:`_attention_fn`)
+over its floor, the caches' key and value bytes; the full cache's step less
+these two parts is the rest (embedding, norms, rotary, appends, argmax), which
+the report gives per cell.
 
 Cache layout (``--capacity``): ``compact`` (default) allocates what a deployment
 would: the most tokens the design keeps during the timed calls plus ``k``

@@ -156,16 +156,20 @@ def summarize(results: dict) -> dict:
                          "one executable per design serves every budget")))
 
 
-def _parts(results: dict, bw: dict) -> str:
-  """``batch b n=c: step S = matvecs M + attention A + rest R`` for the full cache's
-  step in the headline loop of the cell ``bw``."""
+def step_parts(results: dict, bw: dict) -> tuple:
+  """``(step, matvecs, attention, rest)`` ms of the full cache's step in the headline
+  loop of the cell ``bw`` (a ``results["bandwidth"]`` entry with the two probes)."""
   loop = headline_loop(results)
   step = next(r["median"] for r in results["decode"]
               if r["design"] == "full" and r["layer_loop"] == loop
               and r["context"] == bw["context"] and r["batch"] == bw["batch"])
-  rest = step - bw["matvec_ms"] - bw["attention_ms"]
-  return (f"batch {bw['batch']} n={bw['context']}: {step:.1f} = {bw['matvec_ms']:.1f} + "
-          f"{bw['attention_ms']:.1f} + {rest:.1f}")
+  return step, bw["matvec_ms"], bw["attention_ms"], step - bw["matvec_ms"] - bw["attention_ms"]
+
+
+def _parts(results: dict, bw: dict) -> str:
+  """``batch b n=c: step S = matvecs M + attention A + rest R`` (:func:`step_parts`)."""
+  return (f"batch {bw['batch']} n={bw['context']}: "
+          + "{:.1f} = {:.1f} + {:.1f} + {:.1f}".format(*step_parts(results, bw)))
 
 
 def _cell(median, ci, digits=3) -> str:

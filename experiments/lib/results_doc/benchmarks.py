@@ -3,6 +3,7 @@ benchmark, sharded decoding, the Monte Carlo of the certificate, and what is not
 
 from __future__ import annotations
 
+from experiments.lib.bench import decode_report
 from experiments.lib.results_doc import markdown as fmt
 
 def kernels(root: str) -> list[str]:
@@ -170,8 +171,7 @@ def bench_decode_parts(root: str) -> list[str]:
   body = []
   for bw in res["bandwidth"]:
     c = str(bw["context"])
-    full = s["full_ms"][c]
-    rest = full - bw["matvec_ms"] - bw["attention_ms"]
+    full, _, _, rest = decode_report.step_parts(res, bw)
     body.append([f"{int(c):,}", f"{bw['gbps']:.1f}", f"{full:.1f}",
                  f"{s['floor_multiple']['full']['1.0'][c]:.2f}x",
                  f"{bw['matvec_ms']:.1f} ({bw['matvec_floor_multiple']:.2f}x)",
