@@ -127,7 +127,7 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
                  layer_loop=gen.layer_loop)
   caches, shadow, state, key = carry
   if gen.layer_loop == "unrolled":  # per-layer weights and caches for the whole loop
-    params = forward.unstack_layers(params)
+    params = forward.unstack_layers(params, config)
     caches = caches_lib.unstack(caches)
     shadow = None if shadow is None else caches_lib.unstack(shadow)
 
@@ -447,7 +447,7 @@ def decode_step(params, caches: KVCache, tokens, *, config: LlamaConfig, design=
   model with certificate statistics. The caches are donated (updated in place);
   evict between steps with ``certkv_jax.eviction.evict``.
 
-  The fastest step takes ``forward.unstack_layers(params)`` and
+  The fastest step takes ``forward.unstack_layers(params, config)`` and
   ``caches.unstack(caches)`` (both once, before the loop): every layer's
   weights and caches are then read in place (``layer_loop="unrolled"``, which
   ``None`` picks for them; stacked params and caches: ``"scan"``).

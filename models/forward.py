@@ -34,6 +34,7 @@ from certkv_jax import certified_attention
 from certkv_jax import layer
 from certkv_jax.cache import KVCache
 from models.config import LlamaConfig
+from models import llama
 from models.llama import Block
 from models.llama import LlamaModel
 
@@ -84,19 +85,22 @@ def allocation_args(params, config: LlamaConfig, allocation) -> dict:
 LAYER_LOOPS = ("scan", "unrolled")
 
 
-def unstack_layers(params):
-  """``params`` with the stacked ``layers`` subtree split into a tuple of per-layer trees.
+def unstack_layers(params, config: LlamaConfig):
+  """``params`` with the stacked ``layers`` subtree split into a tuple of per-layer
+  trees, each with its q, k and v projections fused (``models.llama.fuse_qkv``).
 
   Call it once, outside ``jit``: every layer's weights become buffers of their
   own, which :func:`forward_chunk` (``layer_loop="unrolled"``) reads in place;
   inside the ``lax.scan`` over stacked weights each step copies its layer's
-  slice out first. Params already unstacked are returned as they are.
+  slice out first. A decode step's three small q, k, v products become one.
+  Params already unstacked are returned as they are.
   """
   layers = params["params"]["layers"]
   if isinstance(layers, (tuple, list)):
     return params
   n = jax.tree_util.tree_leaves(layers)[0].shape[0]
-  split = tuple(jax.tree_util.tree_map(lambda x, i=i: x[i], layers) for i in range(n))
+  split = tuple(llama.fuse_qkv(jax.tree_util.tree_map(lambda x, i=i: x[i], layers), config)
+                for i in range(n))
   return {**params, "params": {**params["params"], "layers": split}}
 
 
@@ -105,7 +109,8 @@ def stack_layers(params):
   layers = params["params"]["layers"]
   if not isinstance(layers, (tuple, list)):
     return params
-  stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+  stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs),
+                                   *[llama.unfuse_qkv(l) for l in layers])
   return {**params, "params": {**params["params"], "layers": stacked}}
 
 

@@ -52,7 +52,7 @@ class GenerationConfig:
       (``models.forward.forward_chunk``): "scan", or "unrolled" (per-layer
       weights and caches read in place; the caches are split before the decode
       loop and stacked after it, and stacked params sliced once per call:
-      pass ``forward.unstack_layers(params)`` to skip that). The prefill scans.
+      pass ``forward.unstack_layers(params, config)`` to skip that). The prefill scans.
   """
 
   n_steps: int

@@ -16,6 +16,9 @@ axis by ``nn.scan``, so a checkpoint's layer ``i`` is ``leaf[i]``)::
     final_norm/scale                      [hidden]
     lm_head/kernel                        [hidden, vocab]   (absent if tied)
 
+Per-layer params for a decode loop (``models.forward.unstack_layers``) hold
+``qkv_proj`` instead of the three projections (:func:`fuse_qkv`).
+
 A :class:`Block` exposes its two halves, :meth:`Block.qkv` (norm, projections,
 RoPE) and :meth:`Block.finish` (output projection, residual, MLP), so that
 cached decoding (``models.decode``) can put a KV cache between them.
@@ -118,6 +121,9 @@ class Block(nn.Module):
     self.q_proj = dense(c.n_heads * c.head_dim, c.qkv_bias, "q_proj")
     self.k_proj = dense(c.n_kv_heads * c.head_dim, c.qkv_bias, "k_proj")
     self.v_proj = dense(c.n_kv_heads * c.head_dim, c.qkv_bias, "v_proj")
+    self.qkv_proj = nn.DenseGeneral((c.n_kv_heads, _group(c) + 2, c.head_dim),
+                                    use_bias=c.qkv_bias, dtype=c.dtype,
+                                    param_dtype=jnp.float32, name="qkv_proj")
     self.o_proj = dense(c.hidden, c.out_bias, "o_proj")
     self.mlp_norm = RMSNorm(c.rms_eps)
     self.mlp = SwiGLU(c.hidden, c.ffn_dim, c.dtype)
@@ -125,15 +131,26 @@ class Block(nn.Module):
   def qkv(self, x, positions):
     """Queries, keys and values of ``x`` [batch, seq, hidden] after RoPE.
 
+    The layer's params hold ``q_proj``, ``k_proj`` and ``v_proj`` (as
+    loaded), or ``qkv_proj`` (:func:`fuse_qkv`): the same numbers, one
+    matrix product instead of three, which a decode step's small products
+    are the faster for.
+
     Returns:
       q [batch, seq, n_heads, head_dim], k and v [batch, seq, n_kv_heads, head_dim].
     """
     c = self.config
     b, s, _ = x.shape
     h = self.attn_norm(x)
-    q = self.q_proj(h).reshape(b, s, c.n_heads, c.head_dim)
-    k = self.k_proj(h).reshape(b, s, c.n_kv_heads, c.head_dim)
-    v = self.v_proj(h).reshape(b, s, c.n_kv_heads, c.head_dim)
+    if self.has_variable("params", "qkv_proj"):  # fused (fuse_qkv): one product, not three
+      g = _group(c)
+      out = self.qkv_proj(h)  # [b, s, n_kv_heads, g + 2, head_dim]
+      q = out[..., :g, :].reshape(b, s, c.n_heads, c.head_dim)
+      k, v = out[..., g, :], out[..., g + 1, :]
+    else:
+      q = self.q_proj(h).reshape(b, s, c.n_heads, c.head_dim)
+      k = self.k_proj(h).reshape(b, s, c.n_kv_heads, c.head_dim)
+      v = self.v_proj(h).reshape(b, s, c.n_kv_heads, c.head_dim)
     return rope.apply_rope(q, positions, c), rope.apply_rope(k, positions, c), v
 
   def finish(self, x, attn):
@@ -224,6 +241,42 @@ def init_params(config: LlamaConfig, key, seq: int = 8):
   """
   seq = _checks.check_positive_int("seq", seq)
   return LlamaModel(config).init(key, jnp.zeros((1, seq), jnp.int32))
+
+
+def _group(config: LlamaConfig) -> int:
+  return config.n_heads // config.n_kv_heads
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def fuse_qkv(layer, config: LlamaConfig) -> dict:
+  """One layer's params (a leading layer axis allowed) with ``q_proj``,
+  ``k_proj`` and ``v_proj`` replaced by ``qkv_proj``: kernel
+  ``[hidden, n_kv_heads, group + 2, head_dim]`` (each KV head's queries, then
+  its key and value; bias ``[n_kv_heads, group + 2, head_dim]``), applied by
+  :meth:`Block.qkv` as one product. Inverse: :func:`unfuse_qkv`."""
+  if "qkv_proj" in layer:
+    return layer
+  g, n_kv, d = _group(config), config.n_kv_heads, config.head_dim
+  heads = lambda w, n: w.reshape(w.shape[:-1] + (n_kv, n, d))
+  fused = {name: jnp.concatenate([heads(layer[p][name], n) for p, n in zip(_QKV, (g, 1, 1))],
+                                 axis=-2)
+           for name in layer["q_proj"]}
+  return {**{k: v for k, v in layer.items() if k not in _QKV}, "qkv_proj": fused}
+
+
+def unfuse_qkv(layer) -> dict:
+  """The inverse of :func:`fuse_qkv` (params without ``qkv_proj`` returned as they
+  are); the head layout is read from the fused kernel's shape."""
+  if "qkv_proj" not in layer:
+    return layer
+  fused = layer["qkv_proj"]
+  g = fused["kernel"].shape[-2] - 2
+  flat = lambda w: w.reshape(w.shape[:-3] + (-1,))
+  parts = {p: {name: flat(w[..., sl, :]) for name, w in fused.items()}
+           for p, sl in zip(_QKV, (slice(0, g), slice(g, g + 1), slice(g + 1, g + 2)))}
+  return {**{k: v for k, v in layer.items() if k != "qkv_proj"}, **parts}
 
 
 def layer_params(params, i: int):

@@ -171,7 +171,7 @@ class CommandTest(absltest.TestCase):
     # of their floor in the same tolerance as the steps'.
     (bw,) = results["bandwidth"]
     self.assertEqual(bw["matvec_bytes"], bench_decode.matvec_bytes(
-        bench_decode.forward.unstack_layers(params), config))
+        bench_decode.forward.unstack_layers(params, config), config))
     self.assertGreaterEqual(bw["matvec_floor_multiple"], FLOOR_TOLERANCE)
     self.assertEqual(set(summary["matvec_floor_multiple"]), {"32"})
     self.assertIn("Matrix-vector floor", report)

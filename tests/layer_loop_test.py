@@ -17,6 +17,7 @@ from certkv_jax import caches as caches_lib
 from certkv_jax import eviction
 from models import decode
 from models import forward
+from models import llama
 from tests import test_util
 
 
@@ -53,7 +54,7 @@ class LayerLoopTest(absltest.TestCase):
                  (certkv_jax.designs.h2o(0.5, n_sink=1, window=2), False)))
 
   def _agree(self, cases):
-    per_layer = forward.unstack_layers(self.params)
+    per_layer = forward.unstack_layers(self.params, self.config)
     one = jnp.ones((2, 1), bool)
     for design, cert in cases:
       with self.subTest(design=None if design is None else design.name, certificate=cert):
@@ -107,9 +108,33 @@ class LayerLoopTest(absltest.TestCase):
     self.assertFalse(caches_lib.is_unstacked(caches))
     self.assertIs(caches_lib.unstack(per_layer), per_layer)
     _close(self, caches_lib.stack(per_layer), caches)
-    params = forward.unstack_layers(self.params)
+    params = forward.unstack_layers(self.params, self.config)
     self.assertLen(params["params"]["layers"], self.config.n_layers)
+    self.assertNotIn("q_proj", params["params"]["layers"][0])  # fused: one product
     _close(self, forward.stack_layers(params), self.params)
+
+  def test_fused_qkv_is_the_three_projections(self):
+    """``llama.fuse_qkv`` (with biases, as Qwen2's) gives the same q, k, v as
+    the three projections, each KV head's query group beside its key and value,
+    and ``unfuse_qkv`` inverts it exactly."""
+    config = self.config.replace(qkv_bias=True)
+    params = llama.init_params(config, jax.random.PRNGKey(5))
+    layer = llama.layer_params(params, 1)
+    fused = llama.fuse_qkv(layer, config)
+    g = config.n_heads // config.n_kv_heads
+    self.assertEqual(fused["qkv_proj"]["kernel"].shape,
+                     (config.hidden, config.n_kv_heads, g + 2, config.head_dim))
+    self.assertEqual(fused["qkv_proj"]["bias"].shape, (config.n_kv_heads, g + 2,
+                                                       config.head_dim))
+    x = jax.random.normal(jax.random.PRNGKey(6), (2, 3, config.hidden))
+    pos = jnp.broadcast_to(jnp.arange(3), (2, 3))
+    qkv = lambda p: llama.Block(config).apply({"params": p}, x, pos, method=llama.Block.qkv)
+    _close(self, qkv(fused), qkv(layer))
+    back = llama.unfuse_qkv(fused)
+    self.assertEqual(set(back), set(layer))
+    for name in ("q_proj", "k_proj", "v_proj"):
+      for leaf in ("kernel", "bias"):
+        np.testing.assert_array_equal(back[name][leaf], layer[name][leaf])
 
   def test_reserve_then_write_kv_is_append(self):
     _, caches = self._prefilled(None)
@@ -133,7 +158,7 @@ class LayerLoopTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, r"layer_loop must be one of \('scan', 'unrolled'\)"):
       call(self.params, caches, "while")
     with self.assertRaisesRegex(ValueError, "layer_loop='scan' needs stacked params and caches"):
-      call(forward.unstack_layers(self.params), caches, "scan")
+      call(forward.unstack_layers(self.params, self.config), caches, "scan")
     with self.assertRaisesRegex(ValueError, "layer_loop='scan' needs stacked params and caches"):
       call(self.params, caches_lib.unstack(caches), "scan")
     with self.assertRaisesRegex(ValueError, "caches has 1 unstacked layers, config says "
@@ -149,8 +174,8 @@ class LayerLoopTest(absltest.TestCase):
     want = decode.decode_step(self.params, jax.tree_util.tree_map(jnp.copy, caches), token[:, 0],
                               config=self.config)
     per_layer = caches_lib.unstack(caches)
-    got = decode.decode_step(forward.unstack_layers(self.params), per_layer, token[:, 0],
-                             config=self.config, layer_loop="unrolled")
+    got = decode.decode_step(forward.unstack_layers(self.params, self.config), per_layer,
+                             token[:, 0], config=self.config, layer_loop="unrolled")
     self.assertTrue(per_layer[0].k.is_deleted())  # donated: updated in place
     _close(self, got[0], want[0])
     _close(self, caches_lib.stack(got[1]), want[1])

@@ -302,7 +302,7 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
               executables: set, per_layer_params=None) -> tuple[list, list, dict]:
   """Decode rows, prefill rows and the bandwidth probe of one (context, batch) cell.
 
-  ``per_layer_params``: ``forward.unstack_layers(params)`` for the unrolled loop
+  ``per_layer_params``: ``forward.unstack_layers(params, config)`` for the unrolled loop
   (made here when None and the plan times it).
   """
   key = jax.random.PRNGKey(plan.seed)
@@ -314,7 +314,7 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
   param_bytes = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(params))
   loop_params = {"scan": params}
   if "unrolled" in plan.layer_loop:
-    loop_params["unrolled"] = (forward.unstack_layers(params) if per_layer_params is None
+    loop_params["unrolled"] = (forward.unstack_layers(params, config) if per_layer_params is None
                                else per_layer_params)
   base = dict(context=context, batch=batch)
   full_prefill = _memo(steps, ("prefill", None, cap_full),
@@ -366,7 +366,7 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
     del d_caches
   read, buf = _read_fn(), jnp.ones((max(probe_bytes // 4, 1),), jnp.float32)
   probe = _Timed(dict(base, bytes=int(buf.nbytes)), lambda: _timed_call(read, buf)[1])
-  per_layer = loop_params.get("unrolled") or forward.unstack_layers(params)
+  per_layer = loop_params.get("unrolled") or forward.unstack_layers(params, config)
   matvec = _memo(steps, ("matvec", batch), lambda: _matvec_fn(config, batch))
   mv = _Timed(dict(base, bytes=matvec_bytes(per_layer, config)),
               lambda: _timed_call(matvec, per_layer)[1])
@@ -445,7 +445,7 @@ def run(params, config, plan: Plan, out: Optional[str], *, model: str, log=print
                  warmup_calls=WARMUP, decode=[], prefill=[], bandwidth=[],
                  cells_done=[], cells_skipped=[], complete=False)
   steps, executables = {}, set()
-  per_layer = forward.unstack_layers(params) if "unrolled" in plan.layer_loop else None
+  per_layer = forward.unstack_layers(params, config) if "unrolled" in plan.layer_loop else None
   t_start = time.perf_counter()
   cells = [(c, b) for b in plan.batches for c in plan.contexts]
   for i, (context, batch) in enumerate(cells):
