@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import types
 
 from absl.testing import absltest
@@ -51,8 +50,8 @@ class CommandTest(absltest.TestCase):
 
   @pytest.mark.slow  # a child process: about 10 compiles of the tiny model's decode step
   def test_tiny_plan_writes_every_budget_and_context(self):
-    model = test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="bench_decode_model_"))
-    out = tempfile.mkdtemp(prefix="bench_decode_out_")
+    model = test_util.tiny_hf_dir(test_util.temp_dir(self, "bench_decode_model_"))
+    out = test_util.temp_dir(self, "bench_decode_out_")
     done = _command(out, f"--model={model}", "--capacity=full", *TINY_PLAN)
     self.assertEqual(done.returncode, 0, done.stderr[-3000:])
     with open(os.path.join(out, "summary.json")) as f:
@@ -94,11 +93,11 @@ class CommandTest(absltest.TestCase):
   def test_compact_layout_allocates_the_kept_tokens(self):
     test_util.ensure_flags_parsed()
     params, config, _ = model_loading.load_model(
-        test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="bench_decode_model_")))
+        test_util.tiny_hf_dir(test_util.temp_dir(self, "bench_decode_model_")))
     plan = bench_decode.Plan(designs=("poisson_tail",), budgets=(0.25, 0.5), contexts=(64,),
                              batches=(1,), repeats=2, certificate="without", n_sink=2,
                              window=4, evict_every=(1, 4), layer_loop=("scan",)).check()
-    out = tempfile.mkdtemp(prefix="bench_decode_out_")
+    out = test_util.temp_dir(self, "bench_decode_out_")
     results = bench_decode.run(params, config, plan, out, model="tiny", log=lambda _: None)
     full, quarter, quarter4, half, half4 = results["decode"]
     self.assertEqual(plan.steps_per_call, 4)  # every configuration: 4 steps per timed call
@@ -139,12 +138,12 @@ class CommandTest(absltest.TestCase):
   def test_floor_and_layer_loops(self):
     test_util.ensure_flags_parsed()
     params, config, _ = model_loading.load_model(
-        test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="bench_decode_model_")))
+        test_util.tiny_hf_dir(test_util.temp_dir(self, "bench_decode_model_")))
     plan = bench_decode.Plan(designs=("h2o",), budgets=(0.25,), contexts=(32,), batches=(1,),
                              repeats=3, certificate="with", n_sink=2, window=4,
                              evict_every=(1,), plain_prefill=False).check()
     self.assertEqual(plan.layer_loop, ("scan", "unrolled"))  # the default: both
-    out = tempfile.mkdtemp(prefix="bench_decode_out_")
+    out = test_util.temp_dir(self, "bench_decode_out_")
     results = bench_decode.run(params, config, plan, out, model="tiny", log=lambda _: None)
     with open(os.path.join(out, "summary.json")) as f:
       summary = json.load(f)
@@ -184,7 +183,7 @@ class CommandTest(absltest.TestCase):
     self.assertRegex(report, r"batch 1 n=32: [0-9.]+ = [0-9.]+ \+ [0-9.]+ \+ -?[0-9.]+")
 
   def test_bad_flag_fails_naming_it(self):
-    done = _command(tempfile.mkdtemp(prefix="bench_decode_out_"), "--budgets=0.25,1.5")
+    done = _command(test_util.temp_dir(self, "bench_decode_out_"), "--budgets=0.25,1.5")
     self.assertNotEqual(done.returncode, 0)
     self.assertIn("--budgets must be fractions in (0, 1)", done.stderr)
 

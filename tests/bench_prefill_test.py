@@ -8,7 +8,6 @@ failing with the flag's name, and (slow) one configuration in a child process.
 
 import json
 import os
-import tempfile
 
 from absl.testing import absltest
 import pytest
@@ -52,10 +51,10 @@ class RunTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.model = test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="bench_prefill_model_"))
+    cls.model = test_util.tiny_hf_dir(test_util.temp_dir(cls, "bench_prefill_model_"))
 
   def test_in_process_rows_summary_and_resume(self):
-    out = tempfile.mkdtemp(prefix="bench_prefill_out_")
+    out = test_util.temp_dir(self, "bench_prefill_out_")
     plan = bench_prefill.Plan(**TINY).check()
     summary = bench_prefill.run(plan, out, model=self.model, runner=bench_prefill.measure,
                                 log=lambda s: None)
@@ -81,7 +80,7 @@ class RunTest(absltest.TestCase):
     self.assertEqual(again, summary)
 
   def test_failed_row_recorded_and_retried(self):
-    out = tempfile.mkdtemp(prefix="bench_prefill_out_")
+    out = test_util.temp_dir(self, "bench_prefill_out_")
     plan = bench_prefill.Plan(**TINY).check()
     fake = lambda spec: dict({k: spec[k] for k in bench_prefill.KEY_FIELDS}, chunk=spec["chunk"],
                              peak_rss_mib=2.0, working_mib=1.0, load_rss_mib=1.0,

@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 from absl.testing import absltest
 import jax
@@ -29,7 +28,7 @@ class TokenDamageTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.model_dir = test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="damage_model_"))
+    cls.model_dir = test_util.tiny_hf_dir(test_util.temp_dir(cls, "damage_model_"))
     cls.params, cls.config, cls.tok = model_loading.load_model(cls.model_dir)
     cls.tokens = jax.random.randint(jax.random.PRNGKey(0), (1, 96), 3, 30)
     cls.mask = jnp.ones(cls.tokens.shape, bool)
@@ -119,8 +118,8 @@ class PlanTest(absltest.TestCase):
 class CommandTest(absltest.TestCase):
 
   def test_runs_resumes_and_reports(self):
-    model_dir = test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="damage_cmd_model_"))
-    out = tempfile.mkdtemp(prefix="damage_out_")
+    model_dir = test_util.tiny_hf_dir(test_util.temp_dir(self, "damage_cmd_model_"))
+    out = test_util.temp_dir(self, "damage_out_")
     text = os.path.join(out, "text.txt")
     with open(text, "w", encoding="utf-8") as f:
       f.write(TEXT)

@@ -117,7 +117,7 @@ class EqualMemoryTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     test_util.ensure_flags_parsed()
-    cls.root = tempfile.mkdtemp()
+    cls.root = test_util.temp_dir(cls)
     model_dir = os.path.join(cls.root, "tiny_char")
     os.makedirs(model_dir)
     test_util.tiny_hf_dir(model_dir, CHARS)

@@ -11,7 +11,6 @@ pass twice (full, poisson_tail) and the one-shot forward once.
 
 import os
 import shutil
-import tempfile
 
 from absl import flags
 from absl.testing import absltest
@@ -53,7 +52,7 @@ class PerplexityTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     test_util.ensure_flags_parsed()
-    cls.root = tempfile.mkdtemp()
+    cls.root = test_util.temp_dir(cls)
     cls.model_dir = os.path.join(cls.root, "tiny_char")  # the rows' model name
     os.makedirs(cls.model_dir)
     test_util.tiny_hf_dir(cls.model_dir, CHARS, lowercase=True)  # TEXT is mixed case

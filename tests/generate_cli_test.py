@@ -97,7 +97,7 @@ class CommandTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.model_dir = test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="generate_cli_"))
+    cls.model_dir = test_util.tiny_hf_dir(test_util.temp_dir(cls, "generate_cli_"))
 
   def test_too_long_and_empty_prompts_get_one_line_before_the_weights(self):
     path = os.path.join(self.model_dir, "long.txt")

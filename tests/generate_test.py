@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 from absl.testing import absltest
 import numpy as np
@@ -25,9 +24,10 @@ PROMPT = CONTEXT + "\nwhere does the fox sleep?"
 STEPS = 6
 
 
-def _tiny_dir(**tokenizer_config):
-  """A tiny HF directory; ``tokenizer_config`` entries are added to its tokenizer_config.json."""
-  directory = test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="generate_model_"))
+def _tiny_dir(owner, **tokenizer_config):
+  """A tiny HF directory, removed when ``owner`` (a test or test class) finishes;
+  ``tokenizer_config`` entries are added to its tokenizer_config.json."""
+  directory = test_util.tiny_hf_dir(test_util.temp_dir(owner, "generate_model_"))
   if tokenizer_config:
     path = os.path.join(directory, "tokenizer_config.json")
     with open(path) as f:
@@ -53,7 +53,7 @@ class GenerateTextTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.model_dir = _tiny_dir()
+    cls.model_dir = _tiny_dir(cls)
     cls.params, cls.config, cls.tok = model_loading.load_model(cls.model_dir)
     cls.model = dict(params=cls.params, config=cls.config, tokenizer=cls.tok)
 
@@ -218,7 +218,7 @@ class GenerateTextTest(absltest.TestCase):
       with self.assertRaisesRegex(ValueError, "exactly one of --prompt and --prompt_file, got "
                                   + got):
         generate_report.read_prompt(*args)
-    path = os.path.join(tempfile.mkdtemp(), "p.txt")
+    path = os.path.join(test_util.temp_dir(self), "p.txt")
     with open(path, "w") as f:
       f.write(PROMPT)
     self.assertEqual(generate_report.read_prompt(None, path), PROMPT)
@@ -236,9 +236,9 @@ class GenerateTextTest(absltest.TestCase):
 class TokenizerTest(absltest.TestCase):
 
   def test_stop_ids_from_eos_token_and_end_of_turn_strings(self):
-    tok = model_loading.HFTokenizer(_tiny_dir(eos_token="?"))
+    tok = model_loading.HFTokenizer(_tiny_dir(self, eos_token="?"))
     self.assertEqual(answer_text.stop_ids(tok), (tok.backend.token_to_id("?"),))
-    self.assertEqual(answer_text.stop_ids(model_loading.HFTokenizer(_tiny_dir())), ())
+    self.assertEqual(answer_text.stop_ids(model_loading.HFTokenizer(_tiny_dir(self))), ())
 
     class Backend:
       def token_to_id(self, s):
@@ -253,14 +253,14 @@ class TokenizerTest(absltest.TestCase):
   def test_chat_template_wraps_context_and_question(self):
     template = ("{% for m in messages %}q: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}a:{% endif %}")
-    tok = model_loading.HFTokenizer(_tiny_dir(chat_template=template))
+    tok = model_loading.HFTokenizer(_tiny_dir(self, chat_template=template))
     ctx, question, _, applied = prompt_encoding.split_prompt(tok, PROMPT, chat=True)
     self.assertTrue(applied)
     self.assertTrue(tok.decode(ctx[1:]).startswith("q: the quick"))  # after BOS
     self.assertEqual(tok.decode(question), "where does the fox sleep?\na:")
     _, _, _, applied = prompt_encoding.split_prompt(tok, PROMPT, chat=False)
     self.assertFalse(applied)
-    plain = model_loading.HFTokenizer(_tiny_dir())  # no template: plain text
+    plain = model_loading.HFTokenizer(_tiny_dir(self))  # no template: plain text
     _, question, _, applied = prompt_encoding.split_prompt(plain, PROMPT, chat=True)
     self.assertFalse(applied)
     self.assertEqual(plain.decode(question), "where does the fox sleep?")
@@ -382,8 +382,8 @@ class CommandTest(absltest.TestCase):
 
   @pytest.mark.slow
   def test_profile_dir_writes_a_trace(self):
-    model_dir = _tiny_dir()
-    trace = os.path.join(tempfile.mkdtemp(prefix="generate_trace_"), "trace")
+    model_dir = _tiny_dir(self)
+    trace = os.path.join(test_util.temp_dir(self, "generate_trace_"), "trace")
     done = self._command(f"--model={model_dir}", f"--prompt={PROMPT}", "--max_new_tokens=3",
                          "--regime=streaming", "--evaluate", f"--profile_dir={trace}")
     self.assertEqual(done.returncode, 0, done.stderr[-3000:])

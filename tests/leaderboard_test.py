@@ -44,7 +44,7 @@ class LeaderboardTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     test_util.ensure_flags_parsed()
-    cls.root = tempfile.mkdtemp()
+    cls.root = test_util.temp_dir(cls)
     cls.params, cls.config, cls.tok = _tiny_model(cls.root)
     cls.plan = experiment.Plan(**PLAN)
     cls.out = os.path.join(cls.root, "out")
@@ -172,7 +172,7 @@ class SharedPrefillTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     test_util.ensure_flags_parsed()
-    cls.root = tempfile.mkdtemp()
+    cls.root = test_util.temp_dir(cls)
     cls.params, cls.config, cls.tok = _tiny_model(cls.root)
     cls.plan = experiment.Plan(**PLAN)
     from experiments.lib import ruler  # pylint: disable=g-import-not-at-top

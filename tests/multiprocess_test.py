@@ -22,7 +22,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 
 from absl.testing import absltest
 import numpy as np
@@ -94,7 +93,7 @@ def _free_port() -> int:
 class MultiProcessTest(absltest.TestCase):
 
   def test_two_processes_match_one(self):
-    out_dir = tempfile.mkdtemp()
+    out_dir = test_util.temp_dir(self)
     out_path = os.path.join(out_dir, "result.npz")
     port = _free_port()
     env = dict(os.environ)

@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import shutil
+import tempfile
 
 from absl import flags
 
@@ -23,6 +24,16 @@ TINY_LLAMA = os.path.join(FIXTURES, "tiny_llama")
 LOWER_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:?\n"
 MIXED_CASE_CHARS = ("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
                     " .,:;?!'-=()\n")
+
+
+def temp_dir(owner, prefix: str = "certkv_test_") -> str:
+  """A fresh directory, removed when ``owner`` finishes: a test (``self``), or a
+  test class in ``setUpClass`` (``cls``). absltest's ``create_tempdir`` needs
+  parsed flags, which pytest does not give."""
+  path = tempfile.mkdtemp(prefix=prefix)
+  cleanup = owner.addClassCleanup if isinstance(owner, type) else owner.addCleanup
+  cleanup(shutil.rmtree, path, ignore_errors=True)
+  return path
 
 
 def ensure_flags_parsed():

@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 from absl.testing import absltest
 import jax
@@ -135,7 +134,7 @@ class ValidityEndToEndTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     test_util.ensure_flags_parsed()
-    cls.model_dir = test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="validity_model_"))
+    cls.model_dir = test_util.tiny_hf_dir(test_util.temp_dir(cls, "validity_model_"))
     cls.model = model_loading.load_model(cls.model_dir)
 
   @pytest.mark.slow  # 186 s cold on the 2-core CI machine (2026-12-01)
@@ -255,11 +254,11 @@ class CalibrateCommandTest(absltest.TestCase):
 
   @pytest.mark.slow  # a child process: jax import and one compile
   def test_calibrate_writes_a_loadable_binned_calibration(self):
-    model_dir = test_util.tiny_hf_dir(tempfile.mkdtemp(prefix="calibrate_model_"))
+    model_dir = test_util.tiny_hf_dir(test_util.temp_dir(self, "calibrate_model_"))
     text = os.path.join(model_dir, "text.txt")
     with open(text, "w") as f:
       f.write(TEXT)
-    out = tempfile.mkdtemp(prefix="calibrate_out_")
+    out = test_util.temp_dir(self, "calibrate_out_")
     cmd = [sys.executable, "-m", "experiments.calibrate", f"--out={out}",
            f"--model={model_dir}", "--data=text,passkey", "--regimes=question_aware",
            "--budgets=0.5", "--deltas=0.05", "--context_len=48", "--num_examples=2",

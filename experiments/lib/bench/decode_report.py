@@ -220,7 +220,9 @@ def render(results: dict, summary: dict) -> str:
                     f"{x['attention_floor_multiple']:.2f}x ({x['attention_ms']:.1f} ms)"
                     for x in results.get("bandwidth", []) if "attention_floor_multiple" in x)
         + ". The full cache's step beside its parts (ms; the rest: embedding, norms, "
-        "rotary, appends, argmax): "
+        "rotary, appends, argmax; negative where the parts alone take longer than in "
+        "the step, since each probe chains its pieces with ops of its own, a norm between "
+        "products and a sum per layer, and overlaps nothing): "
         + ", ".join(_parts(results, x) for x in results.get("bandwidth", [])
                     if "attention_floor_multiple" in x)
         + ".",

@@ -182,7 +182,9 @@ def bench_decode_parts(root: str) -> list[str]:
           "matrix-vector products, and the attention over every layer's caches; COMMAND.md "
           "says whether the probes ran chained, as a step does, or could overlap), each with "
           "its own floor multiple; the rest is the step less the two parts (embedding, norms, "
-          "rotary, appends, argmax):", ""]
+          "rotary, appends, argmax), negative where the chained probes, with their chaining "
+          "ops (a norm between products, a sum per layer), take longer than the same "
+          "work in the step:", ""]
   out += fmt.table(["context", "GB/s", "full ms", "full / floor", "matvecs ms (/ floor)",
                     "attention ms (/ floor)", "rest ms"], body)
   return out + _floor_lines(s)
