@@ -99,8 +99,7 @@ def unstack_layers(params, config: LlamaConfig):
   if isinstance(layers, (tuple, list)):
     return params
   n = jax.tree_util.tree_leaves(layers)[0].shape[0]
-  split = tuple(llama.fuse_qkv(jax.tree_util.tree_map(lambda x, i=i: x[i], layers), config)
-                for i in range(n))
+  split = tuple(llama.fuse_qkv(llama.layer_params(params, i), config) for i in range(n))
   return {**params, "params": {**params["params"], "layers": split}}
 
 

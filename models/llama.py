@@ -273,9 +273,9 @@ def unfuse_qkv(layer) -> dict:
     return layer
   fused = layer["qkv_proj"]
   g = fused["kernel"].shape[-2] - 2
-  flat = lambda w: w.reshape(w.shape[:-3] + (-1,))
-  parts = {p: {name: flat(w[..., sl, :]) for name, w in fused.items()}
-           for p, sl in zip(_QKV, (slice(0, g), slice(g, g + 1), slice(g + 1, g + 2)))}
+  split = {name: jnp.split(w, [g, g + 1], axis=-2) for name, w in fused.items()}
+  parts = {p: {name: ws[j].reshape(ws[j].shape[:-3] + (-1,)) for name, ws in split.items()}
+           for j, p in enumerate(_QKV)}
   return {**{k: v for k, v in layer.items() if k != "qkv_proj"}, **parts}
 
 

@@ -7,8 +7,6 @@ no Monte Carlo tolerance is involved.
 import json
 import math
 import os
-import shutil
-import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -17,6 +15,7 @@ import numpy as np
 from certkv_jax import calibration
 from certkv_jax import calibration_store
 from certkv_jax import certificate
+from tests import test_util
 
 L, H = 2, 3  # layers, KV heads
 BUDGETS = (0.125, 0.25)
@@ -111,15 +110,9 @@ class FitTest(parameterized.TestCase):
 
 class StoreTest(parameterized.TestCase):
 
-  def _tempdir(self):
-    # tempfile, not absltest's create_tempdir (which needs parsed flags under pytest).
-    path = tempfile.mkdtemp(prefix="calibration_store_test-")
-    self.addCleanup(shutil.rmtree, path, ignore_errors=True)
-    return path
-
   def test_round_trip(self):
     cal = _fit()
-    path = os.path.join(self._tempdir(), "cal")
+    path = os.path.join(test_util.temp_dir(self, "calibration_store_test-"), "cal")
     self.assertEqual(calibration_store.save(path, cal), path)
     back = calibration_store.load(path)
     for name in ("scales", "n_calls", "fell_back"):
@@ -137,12 +130,12 @@ class StoreTest(parameterized.TestCase):
     scales = np.array(cal.scales)
     scales[0, 0, 0, 0] = math.inf
     cal = calibration_store.Calibration(**{**cal.__dict__, "scales": scales})
-    path = os.path.join(self._tempdir(), "cal")
+    path = os.path.join(test_util.temp_dir(self, "calibration_store_test-"), "cal")
     calibration_store.save(path, cal)
     self.assertEqual(calibration_store.load(path).scales[0, 0, 0, 0], math.inf)
 
   def test_overwrite(self):
-    path = os.path.join(self._tempdir(), "cal")
+    path = os.path.join(test_util.temp_dir(self, "calibration_store_test-"), "cal")
     calibration_store.save(path, _fit())
     with self.assertRaisesRegex(FileExistsError, "overwrite=True"):
       calibration_store.save(path, _fit(provenance=OTHER))
@@ -152,7 +145,7 @@ class StoreTest(parameterized.TestCase):
     self.assertEqual(os.listdir(os.path.dirname(path)), ["cal"])
 
   def test_load_errors(self):
-    tmp = self._tempdir()
+    tmp = test_util.temp_dir(self, "calibration_store_test-")
     with self.assertRaisesRegex(FileNotFoundError, "no calibration at"):
       calibration_store.load(os.path.join(tmp, "missing"))
     os.makedirs(os.path.join(tmp, "empty"))
@@ -160,7 +153,7 @@ class StoreTest(parameterized.TestCase):
       calibration_store.load(os.path.join(tmp, "empty"))
 
   def test_unknown_format_version(self):
-    path = os.path.join(self._tempdir(), "cal")
+    path = os.path.join(test_util.temp_dir(self, "calibration_store_test-"), "cal")
     calibration_store.save(path, _fit())
     meta_file = os.path.join(path, "metadata", "metadata")
     with open(meta_file, encoding="utf-8") as f:

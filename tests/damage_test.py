@@ -10,8 +10,6 @@ predictor is fitted on seeded synthetic rows with a known answer.
 
 import math
 import os
-import shutil
-import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -19,6 +17,7 @@ import numpy as np
 
 from certkv_jax import damage
 from certkv_jax import damage_predictor
+from tests import test_util
 
 L, H, HD, HIDDEN = 2, 3, 4, 16  # tiny model: layers, query heads, head_dim, hidden
 
@@ -194,11 +193,6 @@ class PredictorTest(parameterized.TestCase):
     cls.linear = damage_predictor.fit(_spec(0), *_linear_rows(0), seed=0)
     cls.mlp = damage_predictor.fit(_spec(16), *_nonlinear_rows(1), seed=1)
 
-  def _tempdir(self):
-    path = tempfile.mkdtemp(prefix="damage_test-")
-    self.addCleanup(shutil.rmtree, path, ignore_errors=True)
-    return path
-
   def test_linear_recovers_known_map(self):
     x, y = _linear_rows(100)  # fresh rows, not seen in the fit
     self.assertGreater(_r2(self.linear.predict(x), y), 0.98)
@@ -217,7 +211,7 @@ class PredictorTest(parameterized.TestCase):
     self.assertEqual(self.mlp.predict(x).shape, (2000,))
 
   def test_save_load_round_trip(self):
-    path = os.path.join(self._tempdir(), "pred")
+    path = os.path.join(test_util.temp_dir(self, "damage_test-"), "pred")
     damage_predictor.save(self.mlp, path)
     back = damage_predictor.load(path, expect_features=FEATURES, model="tiny",
                                  design="poisson_tail", budget="0.25", target="log_kl")
@@ -240,13 +234,13 @@ class PredictorTest(parameterized.TestCase):
        r"predictor was trained for features \['f0', 'f1', 'f2', 'f3', 'f4'\], not"),
   )
   def test_load_refuses_mismatch(self, expect, message):
-    path = os.path.join(self._tempdir(), "pred")
+    path = os.path.join(test_util.temp_dir(self, "damage_test-"), "pred")
     damage_predictor.save(self.linear, path)
     with self.assertRaisesRegex(ValueError, message):
       damage_predictor.load(path, **expect)
 
   def test_load_missing_and_foreign(self):
-    tmp = self._tempdir()
+    tmp = test_util.temp_dir(self, "damage_test-")
     with self.assertRaises(FileNotFoundError):
       damage_predictor.load(os.path.join(tmp, "nothing"))
     with self.assertRaisesRegex(ValueError, "is not a damage predictor"):

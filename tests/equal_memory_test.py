@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 
 from absl.testing import absltest
 import jax
@@ -99,8 +98,7 @@ class CoverageIntervalTest(absltest.TestCase):
 class SourcesTest(absltest.TestCase):
 
   def test_globs_keep_their_order(self):
-    root = tempfile.mkdtemp()
-    self.addCleanup(shutil.rmtree, root)
+    root = test_util.temp_dir(self)
     for name in ("a_1.txt", "a_2.txt", "b_1.txt", "a_toc.txt"):
       with open(os.path.join(root, name), "w") as f:
         f.write("x")

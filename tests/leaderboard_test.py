@@ -10,7 +10,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 
 from absl.testing import absltest
 import jax
@@ -136,8 +135,7 @@ class EqualMemoryTest(absltest.TestCase):
 
   def test_rows_and_mixing(self):
     test_util.ensure_flags_parsed()
-    root = tempfile.mkdtemp()
-    self.addCleanup(shutil.rmtree, root, ignore_errors=True)
+    root = test_util.temp_dir(self)
     params, config, tok = _tiny_model(root)
     plan = experiment.Plan(**dict(PLAN, tasks=("niah_single_1",), regimes=("streaming",),
                                   designs=("h2o", "h2o+adakv", "priority_floor+cert"),

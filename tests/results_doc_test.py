@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 
 from absl.testing import absltest
 
@@ -40,8 +39,7 @@ class ResultsDocTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.tmp = tempfile.mkdtemp()
-    self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
+    self.tmp = test_util.temp_dir(self)
     self.copy = os.path.join(self.tmp, "results")
     shutil.copytree(RESULTS, self.copy, ignore=_NOT_READ)
 
