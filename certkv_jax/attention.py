@@ -29,9 +29,10 @@ class AttentionConfig:
   """How :func:`offset_attention` computes (static, hashable), in one value.
 
   Attributes:
-    implementation: "xla" (the jnp reference), "pallas" (the fused kernel of
-      ``pallas_kernels.offset_decode``; in interpret mode on CPU) or "auto"
-      (Pallas on GPU/TPU, XLA on CPU).
+    implementation: "auto" (default: the compiled Pallas kernel on GPU/TPU
+      when the query rows share their keys, as in a decode step; XLA
+      otherwise), "xla" (the jnp reference) or "pallas" (the fused kernel of
+      ``pallas_kernels.offset_decode``; in interpret mode on CPU).
     block_size: for "xla": None computes all logits at once; an int sweeps the
       keys in blocks with online-softmax rescaling (the kernel's algorithm).
     block_sizes: for "pallas": ``pallas_kernels.offset_decode.BlockSizes``
@@ -40,7 +41,7 @@ class AttentionConfig:
       bound.
   """
 
-  implementation: str = "xla"
+  implementation: str = "auto"
   block_size: Optional[int] = None
   block_sizes: Optional[Any] = None
   range_mode: str = "exact"
@@ -193,7 +194,9 @@ def offset_attention(
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "auto":
-    implementation = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+    implementation = _auto(k, v, log_pi, mask, block_size, block_sizes)
+    if implementation == "pallas":
+      value_sqnorm = None  # the kernel takes the norms from its tiles
   if implementation == "pallas" and block_size is not None:
     raise ValueError("block_size is for implementation='xla'; use block_sizes for 'pallas'")
   if implementation == "xla" and block_sizes is not None:
@@ -220,6 +223,22 @@ def offset_attention(
   ref = back(res)
   out_dtype = jnp.result_type(q.dtype, v.dtype)
   return OffsetAttentionResult(ref.out.astype(out_dtype), ref.lse, ref.var_hat, ref.range_hat)
+
+
+def _auto(k, v, log_pi, mask, block_size, block_sizes) -> str:
+  """"pallas" on a GPU/TPU when every KV row is read once (no row of keys is
+  broadcast over non-group query axes, e.g. a decode step's one query per
+  head); "xla" elsewhere, or when a tiling of the other is given."""
+  if jax.default_backend() not in ("gpu", "tpu") or block_size is not None:
+    return "xla"
+  if block_sizes is not None:
+    return "pallas"
+  r = max(k.ndim - 2, v.ndim - 2, log_pi.ndim - 1, mask.ndim - 1)
+  pad = lambda shape: (1,) * (r - len(shape)) + tuple(shape)
+  kv_rows = math.prod(jnp.broadcast_shapes(pad(k.shape[:-2]), pad(v.shape[:-2])))
+  slots = math.prod(jnp.broadcast_shapes(pad(k.shape[:-2]), pad(v.shape[:-2]),
+                                         pad(log_pi.shape[:-1]), pad(mask.shape[:-1])))
+  return "pallas" if slots == kv_rows else "xla"
 
 
 def _check_sqnorm(value_sqnorm, v, mask):

@@ -219,7 +219,8 @@ def _plain_heads(qg, cache: KVCache, positions, probs, heads):
                                        _mask(c, positions))
   else:
     probs = take(probs)
-  return jnp.einsum("bhgtn,bhnd->bhgtd", probs, take(cache.v).astype(jnp.float32))
+  return jnp.einsum("bhgtn,bhnd->bhgtd", probs, take(cache.v).astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)
 
 
 def _nan_stats(shape, evaluation: bool) -> ChunkStats:

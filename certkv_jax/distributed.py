@@ -228,7 +228,7 @@ def _local_partials(q, k, v, log_pi, mask, scale, second_order):
   """
   offset = -log_pi.astype(jnp.float32)[..., None, :]  # [b, h, 1, n]
   w = reference.one_minus_pi(offset)
-  l = reference.slot_logits(q, k, offset, mask, scale, _HP)
+  l = reference.slot_logits(q, k, offset, mask, scale)
   col = jnp.any(mask, axis=-2)  # [b, h, n]: slots some row may read
   # Centre of the second-order sums: the value of the highest-logit slot (one
   # gather, as in reference.grouped_reference); combine re-centres the parts.

@@ -22,6 +22,12 @@ into SMEM and empty tiles are skipped with ``pl.when``). ``interpret=True`` runs
 either on any backend (CPU tests). These knobs (backend, tiling, interpret,
 debug, range mode, Triton warps and stages) travel together as one static
 :class:`KernelConfig`.
+
+Precision: every product states it (``reference.product_operands``). Float32
+keys and queries multiply at ``HIGHEST`` (IEEE float32 on Triton, not TF32);
+bfloat16 keys and queries multiply as they are with float32 accumulation;
+the value products (float32 weights times values upcast in the tile) run at
+``HIGHEST``. Statistics, offsets and accumulators are float32 throughout.
 """
 
 from __future__ import annotations
@@ -41,11 +47,24 @@ from pallas_kernels import reference
 from pallas_kernels.config import KernelConfig
 
 __all__ = ["BACKENDS", "BlockSizes", "ChunkKV", "KernelConfig", "decode_partials",
-           "default_backend", "offset_chunk_attention", "offset_decode_attention",
+           "default_backend", "device_cores", "offset_chunk_attention",
+           "offset_decode_attention",
            "offset_decode_reference", "pad_slots"]
 
 BACKENDS = ("triton", "mosaic")
 _STATS = ("m", "z", "s0", "s2", "r1", "rv")  # per-row scalar statistics
+
+
+# A split's tiles run one after another in its program: fewer than this and the
+# program's fixed cost (loading q, writing partials, the combine) dominates.
+MIN_TILES_PER_SPLIT = 4
+DEFAULT_CORES = 132  # an H100/H200's SMs, for devices that report no core count
+
+
+def device_cores() -> int:
+  """The default device's core count (SMs on a GPU), ``DEFAULT_CORES`` if unknown."""
+  cores = getattr(jax.devices()[0], "core_count", None)
+  return int(cores) if isinstance(cores, int) and cores > 0 else DEFAULT_CORES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +83,25 @@ class BlockSizes:
   num_splits: int = 1
 
   @classmethod
-  def get_default(cls, n: int, batch_rows: int = 1, backend: str = "triton") -> "BlockSizes":
-    """Defaults: 128-key tiles; on GPU, enough splits to give about 128
-    programs (an H100/H200 has 132 SMs) while keeping >= 4 tiles per split."""
+  def get_default(cls, n: int, batch_rows: int = 1, backend: str = "triton",
+                  cores: Optional[int] = None) -> "BlockSizes":
+    """Defaults: 128-key tiles; on GPU, enough splits that ``batch_rows x
+    splits`` programs cover every core (SM) of the device, while each split
+    keeps at least ``MIN_TILES_PER_SPLIT`` tiles (fewer only for short caches).
+
+    ``cores``: the device's core count (default: the default device's
+    ``core_count``, or ``DEFAULT_CORES`` where it reports none).
+    """
     block_k = 128 if backend == "triton" else 512 if n >= 4096 else 128
     tiles = -(-n // block_k)
     splits = 1
     if backend == "triton":
-      splits = max(1, min(tiles // 4, 128 // max(batch_rows, 1), 32))
+      cores = device_cores() if cores is None else cores
+      wanted = -(-cores // max(batch_rows, 1))
+      splits = max(1, min(wanted, tiles // MIN_TILES_PER_SPLIT))
+      if n % block_k == 0:  # a split count dividing the tiles needs no padded copy
+        fit = max(s for s in range(1, splits + 1) if tiles % s == 0)
+        splits = fit if 2 * fit >= splits else splits
     return cls(block_k=block_k, num_splits=splits)
 
   def validate(self, backend: str) -> None:
@@ -94,8 +124,8 @@ def _tile_update(carry, q, k_tile, v_tile, off_row, off_col, first_index, length
   two layouts the arithmetic needs (beside the logits, and beside the values).
   """
   block_k = k_tile.shape[0]
-  kf = k_tile.astype(jnp.float32)
-  s = jax.lax.dot_general(q, kf, (((1,), (1,)), ((), ())),
+  kt, qt, precision = reference.product_operands(k_tile, q)
+  s = jax.lax.dot_general(qt, kt, (((1,), (1,)), ((), ())), precision=precision,
                           preferred_element_type=jnp.float32)  # [G, bk]
   idx_row = first_index + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
   idx_col = first_index + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
@@ -105,7 +135,8 @@ def _tile_update(carry, q, k_tile, v_tile, off_row, off_col, first_index, length
   w = reference.one_minus_pi(jnp.where(valid, off_row, 0.0))
   return reference.online_update(
       carry, l, v_tile, w, valid, valid_col,
-      options=reference.UpdateOptions(second_order=with_stats, stacked_matmul=stacked))
+      options=reference.UpdateOptions(precision=jax.lax.Precision.HIGHEST,
+                                      second_order=with_stats, stacked_matmul=stacked))
 
 
 def _rows_of(refs):
@@ -126,7 +157,7 @@ def _triton_kernel(len_ref, q_ref, k_ref, v_ref, off_ref, offc_ref, *out_refs, s
                    block_k, split_len, with_stats):
   """grid = (B, splits); loops over the tiles of this split."""
   split = pl.program_id(1)
-  q = q_ref[...].astype(jnp.float32)
+  q = q_ref[...]
   rows, dv = q.shape[0], v_ref.shape[-1]
   length = len_ref[...]
   start = split * split_len
@@ -156,7 +187,7 @@ def _mosaic_kernel(len_ref, q_ref, k_ref, v_ref, off_ref, offc_ref, *out_refs, s
   @pl.when(first < length)
   def _accumulate():
     carry = _rows_of(out_refs)
-    q = q_ref[...].astype(jnp.float32)
+    q = q_ref[...]
     _store(out_refs, _tile_update(carry, q, k_ref[...], v_ref[...], off_ref[...],
                                   offc_ref[...], first, length, scale, with_stats, True))
 
@@ -293,11 +324,13 @@ def _cache_partials(q, k, v, offset, lengths, *, scale, config, with_stats=True)
     the rest as in :func:`offset_decode_attention`.
   Returns: ``reference.Partials`` with rows [B, R].
   """
-  rows = q.shape[1]
+  rows, n = q.shape[1], k.shape[1]
   rows_pad = rows
   if config.backend == "triton":
     rows_pad = max(16, 1 << (rows - 1).bit_length())  # Triton dots need >= 16 rows
-  extra = pad_slots(k.shape[1], config.block_sizes)
+  extra = pad_slots(n, config.block_sizes)
+  if lengths is None and extra:  # the padded tiles are skipped, not only masked
+    lengths = jnp.full((q.shape[0],), n, jnp.int32)
   parts = decode_partials(
       jnp.pad(q, ((0, 0), (0, rows_pad - rows), (0, 0))),
       jnp.pad(k, ((0, 0), (0, extra), (0, 0))), jnp.pad(v, ((0, 0), (0, extra), (0, 0))),

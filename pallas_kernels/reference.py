@@ -97,7 +97,8 @@ class UpdateOptions:
   reference, the kernels' tiles, the sharded path) pass one value.
 
   Attributes:
-    precision: matmul precision (None: backend default).
+    precision: precision of the float32 value products (default HIGHEST:
+      full float32; a GPU's default would round operands to TF32).
     second_order: False skips the certificate statistics (the kernel's
       statistics-free mode, for measuring their cost); they stay zero.
     stacked_matmul: compute ``e @ v`` and ``w e^2 @ v`` as one matmul over
@@ -110,7 +111,7 @@ class UpdateOptions:
       options holding one are not hashable (not a ``jit`` static argument).
   """
 
-  precision: Optional[jax.lax.Precision] = None
+  precision: Optional[jax.lax.Precision] = jax.lax.Precision.HIGHEST
   second_order: bool = True
   stacked_matmul: bool = True
   center: Optional[Array] = None
@@ -277,14 +278,29 @@ def finalize(p: Partials) -> Finalized:
   )
 
 
-def slot_logits(q, k, offset, valid, scale, precision=jax.lax.Precision.HIGHEST):
+LOW_PRECISION = (jnp.bfloat16, jnp.float16)
+
+
+def product_operands(a, b):
+  """The operands and precision of a product that loses nothing: two bfloat16
+  (or float16) operands as they are (their products are exact in float32, the
+  accumulation type); anything else in float32 at ``HIGHEST`` (on a GPU the
+  default rounds float32 operands to TF32, about 1e-3 relative)."""
+  if a.dtype == b.dtype and a.dtype in LOW_PRECISION:
+    return a, b, jax.lax.Precision.DEFAULT
+  return a.astype(jnp.float32), b.astype(jnp.float32), jax.lax.Precision.HIGHEST
+
+
+def slot_logits(q, k, offset, valid, scale):
   """``q . k * scale + offset`` for rows q [..., g, d] and keys k [..., n, d].
 
   Computed as ``k @ q^T`` (keys on the left): with the keys' contracted axis
-  minor, XLA's CPU matmul reads them where they lie instead of a transposed copy.
+  minor, XLA's CPU matmul reads them where they lie instead of a transposed
+  copy. Precision: :func:`product_operands`.
   """
-  s = jnp.swapaxes(jnp.matmul(k.astype(jnp.float32), jnp.swapaxes(q.astype(jnp.float32), -1, -2),
-                              precision=precision), -1, -2)
+  k, q, precision = product_operands(k, q)
+  s = jnp.swapaxes(jnp.matmul(k, jnp.swapaxes(q, -1, -2), precision=precision,
+                              preferred_element_type=jnp.float32), -1, -2)
   return jnp.where(valid, s * scale + offset, _NEG_INF)
 
 
@@ -430,7 +446,7 @@ def grouped_reference(
   if block_size is None or block_size >= n:
     # One block: the logits stay materialised, so the centre (the value of the
     # highest-logit slot of the first row: one gather) costs no extra sweep.
-    l = slot_logits(q, k, offset, valid, scale, hp)  # [..., g, n]
+    l = slot_logits(q, k, offset, valid, scale)  # [..., g, n]
     top = jnp.argmax(jnp.where(valid, l, M_EMPTY)[..., :1, :], axis=-1)[..., None]
     vb = jnp.broadcast_to(v, lead + (n, dv))
     center = jnp.take_along_axis(vb, jnp.broadcast_to(top, lead + (1, 1)), axis=-2)
@@ -447,7 +463,7 @@ def grouped_reference(
   carry = empty_partials(rows, dv)
   blocks = [slice(b * bs, min((b + 1) * bs, n)) for b in range(-(-n // bs))]
   for sl in blocks:  # static Python loop: the blocked path is for testing the algorithm
-    l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale, hp)
+    l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale)
     carry = online_update(carry, l_b, v[..., sl, :], w[..., sl], valid[..., sl],
                           sqnorm=None if given_sq is None else given_sq[..., sl],
                           options=UpdateOptions(precision=hp, second_order=with_stats))
@@ -457,7 +473,7 @@ def grouped_reference(
   else:
     rng = jnp.zeros(rows, jnp.float32)
     for sl in blocks:  # the exact range needs the final output: a second sweep
-      l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale, hp)
+      l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale)
       rng = jnp.maximum(rng, exact_range(
           l_b, v[..., sl, :], w[..., sl], valid[..., sl], fin.out, fin.lse,
           None if given_sq is None else given_sq[..., sl]))

@@ -9,6 +9,7 @@ on CPU, which catches block-shape and op-support errors without the hardware.
 
 import functools
 import math
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import certkv_jax
+from certkv_jax import certified_attention
 from pallas_kernels import offset_decode as od
 
 
@@ -63,6 +65,20 @@ def _np_stats(q, k, v, off, lengths):
   return out, var, rng, scale
 
 
+# Tolerances per input dtype (``_check``). The kernel states the precision of
+# every product (tests/precision_test.py): float32 inputs multiply in IEEE
+# float32, bfloat16 inputs multiply exactly (an 8-bit mantissa product fits
+# float32's 24) and accumulate in float32, and the references read the same
+# values. Both dtypes thus differ from the float32 reference only by float32
+# rounding in another summation order (tiles, splits): a few hundred slots
+# at eps = 1.2e-7 give 2e-5 on the output, and from float64 the same plus the
+# reference's own rounding, 1e-4. A TF32 product (10-bit mantissa) would miss
+# these by 10-100x, as the compiled kernels did on a GPU before precision was
+# stated.
+_TOL = {jnp.dtype(jnp.float32): dict(out_ref=2e-5, out_f64=1e-4),
+        jnp.dtype(jnp.bfloat16): dict(out_ref=2e-5, out_f64=1e-4)}
+
+
 def _var_atol(scale):
   # 100 float32 epsilons (1.2e-5) of the cancelled terms: summation over a few
   # hundred slots plus the expanded square. See test_common_mode_values.
@@ -78,7 +94,9 @@ class KernelTest(parameterized.TestCase):
       self.skipTest("compiled Pallas kernels need a GPU or TPU")
     self.backend = "mosaic" if jax.default_backend() == "tpu" else "triton"
 
-  def _check(self, q, k, v, off, lengths=None, block_sizes=None, backends=None, rtol=2e-5):
+  def _check(self, q, k, v, off, lengths=None, block_sizes=None, backends=None):
+    tol = _TOL[jnp.dtype(k.dtype)]
+    rtol = tol["out_ref"]
     lens = np.full(q.shape[0], k.shape[1]) if lengths is None else np.asarray(lengths)
     out, var, rng, scale = _np_stats(q, k, v, off, lens)
     ref = od.offset_decode_reference(q, k, v, off, lengths)
@@ -101,7 +119,8 @@ class KernelTest(parameterized.TestCase):
       np.testing.assert_allclose(got.range_hat, ref.range_hat, rtol=1e-3, atol=range_atol,
                                  err_msg=backend)
       # vs float64 NumPy
-      np.testing.assert_allclose(got.out, out, rtol=1e-4, atol=1e-4, err_msg=backend)
+      np.testing.assert_allclose(got.out, out, rtol=tol["out_f64"], atol=tol["out_f64"],
+                                 err_msg=backend)
       self.assertTrue(np.all(np.abs(np.asarray(got.var_hat) - var)
                              <= 1e-4 * var + _var_atol(scale) + 1e-12), backend)
       np.testing.assert_allclose(got.range_hat, rng, rtol=1e-3, atol=range_atol,
@@ -228,6 +247,59 @@ class LoweringTest(parameterized.TestCase):
         q, k, v, off, od.ChunkKV(kc, vc),
         config=od.KernelConfig(backend=backend, range_mode="bound"))
     jax.jit(f).trace(*args).lower(lowering_platforms=(platform,))
+
+
+def _primitives(jaxpr):
+  """Names of every primitive in ``jaxpr`` and the jaxprs it calls."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for v in eqn.params.values():
+      for x in (v if isinstance(v, (tuple, list)) else (v,)):
+        sub = getattr(x, "jaxpr", x)
+        if hasattr(sub, "eqns"):
+          names |= _primitives(sub)
+  return names
+
+
+class DefaultsTest(parameterized.TestCase):
+  """The defaults a GPU gets: split counts and the "auto" implementation."""
+
+  @parameterized.parameters((8192, 1), (8192, 3), (32768, 8), (32768, 64), (8320, 3),
+                            (8208, 1), (300, 2), (100_000, 1))
+  def test_split_count_covers_the_cores(self, n, rows):
+    bs = od.BlockSizes.get_default(n, rows, "triton", cores=132)
+    tiles = -(-n // bs.block_k)
+    # At least MIN_TILES_PER_SPLIT tiles per split, unless the cache is that short.
+    self.assertTrue(bs.num_splits == 1 or tiles // bs.num_splits >= od.MIN_TILES_PER_SPLIT)
+    # Enough programs for every core, unless the tiles run out first (a divisor of
+    # the tiles, chosen to avoid a padded copy, may give up to half of the target).
+    target = min(-(-132 // rows), tiles // od.MIN_TILES_PER_SPLIT)
+    self.assertGreaterEqual(2 * bs.num_splits, max(target, 1))
+    if n % bs.block_k == 0 and 2 * bs.num_splits < 2 * target:
+      self.assertEqual(tiles % bs.num_splits, 0)
+
+  def test_more_cores_more_splits(self):
+    small = od.BlockSizes.get_default(65536, 1, "triton", cores=16)
+    large = od.BlockSizes.get_default(65536, 1, "triton", cores=132)
+    self.assertEqual((small.num_splits, large.num_splits), (16, 128))
+    self.assertEqual(od.BlockSizes.get_default(65536, 1, "mosaic").num_splits, 1)
+
+  def _attend_primitives(self, t):
+    b, h, g, cap, d = 1, 2, 3, 256, 64
+    cache = certkv_jax.caches.init_caches(certkv_jax.caches.CacheSpec(1, h, d), b, cap)
+    cache = jax.tree_util.tree_map(lambda a: a[0], cache)
+    fn = lambda qg, cache: certified_attention.attend(
+        qg, cache, None, jnp.zeros((b, t), jnp.int32), certificate=True, with_probs=False)
+    return _primitives(jax.make_jaxpr(fn)(jnp.ones((b, h, g, t, d)), cache).jaxpr)
+
+  def test_auto_picks_the_kernel_for_decode_on_a_gpu(self):
+    self.assertNotIn("pallas_call", self._attend_primitives(1))  # CPU: XLA
+    with mock.patch.object(jax, "default_backend", return_value="gpu"):
+      self.assertIn("pallas_call", self._attend_primitives(1))  # one query per row
+      # A chunk's queries see different slots (causal): the keys would be copied per
+      # query, so "auto" stays on XLA.
+      self.assertNotIn("pallas_call", self._attend_primitives(4))
 
 
 class KernelErrorTest(absltest.TestCase):

@@ -17,8 +17,9 @@ For every (batch, context) cell, side by side in one run:
   likewise materialized (``[batch, heads, seq, capacity]``).
 
 The step's attention is ``certkv_jax.offset_attention`` with its default
-``implementation='xla'`` (with the certificate) or ``certkv_jax.attention_probs``
-(without): the jnp path on every backend, not the Pallas kernel.
+``implementation='auto'`` (with the certificate: the compiled Pallas kernel on
+a GPU or TPU, the jnp path on CPU) or ``certkv_jax.attention_probs``
+(without: the jnp path everywhere).
 
 How a decode step is timed (as ``models.decode.generate`` decodes, and as
 ``experiments.lib.overhead`` times them): a random prompt of ``context`` tokens

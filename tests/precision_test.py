@@ -1,0 +1,142 @@
+"""Every product of the kernels and of the certificate's XLA path states its precision.
+
+A float32 product left at the default precision is computed in TF32 on a GPU
+(operands rounded to 10 mantissa bits: errors of 1e-4 to 1e-2 against
+float32 references), which CPU tests cannot see numerically. These tests read
+the traced programs instead: every ``dot_general``, inside the ``pallas_call``
+and in the jnp path, must either take float32 operands at ``HIGHEST`` or take
+bfloat16/float16 operands with float32 accumulation.
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.extend  # noqa: F401 (jax.extend.core: Jaxpr, ClosedJaxpr)
+import jax.numpy as jnp
+from jax._src import source_info_util  # the user frame of an equation
+
+import certkv_jax
+from certkv_jax import certified_attention
+from certkv_jax.cache import KVCache
+from pallas_kernels import offset_decode as od
+
+_HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+_LOW = (jnp.bfloat16, jnp.float16)
+
+
+def _sub_jaxprs(params):
+  for v in params.values():
+    for x in (v if isinstance(v, (tuple, list)) else (v,)):
+      if isinstance(x, jax.extend.core.ClosedJaxpr):
+        yield x.jaxpr
+      elif isinstance(x, jax.extend.core.Jaxpr):
+        yield x
+
+
+def products(jaxpr, inside=()):
+  """``(where, dot_general equation)`` for every product in ``jaxpr`` and the
+  jaxprs it calls (pallas kernels, scans, conds, pjit), ``where`` the chain of
+  enclosing primitives."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      yield inside, eqn
+    for sub in _sub_jaxprs(eqn.params):
+      yield from products(sub, inside + (eqn.primitive.name,))
+
+
+def imprecise(fn, *args):
+  """The products of ``fn(*args)`` that state no precision that loses nothing."""
+  bad, n = [], 0
+  for where, eqn in products(jax.make_jaxpr(fn)(*args).jaxpr):
+    n += 1
+    dtypes = {v.aval.dtype for v in eqn.invars}
+    prec = eqn.params["precision"]
+    if dtypes == {jnp.dtype(jnp.float32)}:
+      ok = prec == _HIGHEST or prec == jax.lax.DotAlgorithmPreset.F32_F32_F32
+    elif len(dtypes) == 1 and dtypes.pop() in _LOW:
+      ok = prec is not None and eqn.params["preferred_element_type"] == jnp.float32
+    else:
+      ok = False  # mixed operands: the product's arithmetic is whatever promotion gives
+    if not ok:
+      bad.append(f"{'/'.join(where)}: {[str(v.aval) for v in eqn.invars]} precision={prec} "
+                 f"at {source_info_util.summarize(eqn.source_info)}")
+  return bad, n
+
+
+def _kernel_args(dtype, batch=2, groups=4, n=512, d=64):
+  s = jax.ShapeDtypeStruct
+  return (s((batch, groups, d), dtype), s((batch, n, d), dtype), s((batch, n, d), dtype),
+          s((batch, n), jnp.float32))
+
+
+class KernelPrecisionTest(parameterized.TestCase):
+
+  @parameterized.product(backend=od.BACKENDS, dtype=(jnp.float32, jnp.bfloat16),
+                         with_stats=(True, False))
+  def test_decode_kernel(self, backend, dtype, with_stats):
+    bs = od.BlockSizes(128, 2)
+    fn = functools.partial(od.offset_decode_attention, with_stats=with_stats,
+                           config=od.KernelConfig(backend=backend, block_sizes=bs,
+                                                  interpret=True))
+    bad, n = imprecise(fn, *_kernel_args(dtype))
+    in_kernel = [w for w, _ in products(jax.make_jaxpr(fn)(*_kernel_args(dtype)).jaxpr)
+                 if "pallas_call" in w]
+    self.assertGreaterEqual(len(in_kernel), 2)  # the walk reaches inside the kernel
+    self.assertEqual(bad, [], f"{len(bad)} of {n} products")
+
+  @parameterized.parameters(*od.BACKENDS)
+  def test_chunk_kernel(self, backend):
+    s = jax.ShapeDtypeStruct
+    args = [s(x, jnp.float32) for x in
+            ((2, 4, 2, 64), (2, 256, 64), (2, 256, 64), (2, 256), (2, 4, 64), (2, 4, 64))]
+    fn = lambda q, k, v, off, kc, vc: od.offset_chunk_attention(
+        q, k, v, off, od.ChunkKV(kc, vc), config=od.KernelConfig(
+            backend=backend, block_sizes=od.BlockSizes(128, 1), interpret=True))
+    bad, _ = imprecise(fn, *args)
+    self.assertEqual(bad, [])
+
+  def test_walker_catches_a_default_precision_product(self):
+    fn = lambda a, b: jnp.maximum(a @ b, 0.0)
+    bad, n = imprecise(fn, jnp.ones((4, 4)), jnp.ones((4, 4)))
+    self.assertEqual((len(bad), n), (1, 1))
+
+
+class XlaPathPrecisionTest(parameterized.TestCase):
+
+  @parameterized.parameters(jnp.float32, jnp.bfloat16)
+  def test_offset_attention_and_probs(self, dtype):
+    q = jnp.ones((2, 3, 4, 64), dtype)
+    k = jnp.ones((2, 3, 1, 40, 64), dtype)
+    log_pi = jnp.zeros((2, 3, 1, 40))
+    mask = jnp.ones((2, 3, 1, 40), bool)
+    for config in (certkv_jax.AttentionConfig(),
+                   certkv_jax.AttentionConfig(block_size=16),
+                   certkv_jax.AttentionConfig(range_mode="bound")):
+      fn = lambda q, k, lp, m: certkv_jax.offset_attention(q, k, k, lp, m, config=config)
+      self.assertEqual(imprecise(fn, q, k, log_pi, mask)[0], [], config)
+    fn = lambda q, k, lp, m: certkv_jax.attention_probs(q, k, lp, m)
+    self.assertEqual(imprecise(fn, q, k, log_pi, mask)[0], [])
+
+  @parameterized.product(certificate=(True, False), evaluation=(True, False),
+                         dtype=(jnp.float32, jnp.bfloat16))
+  def test_layer_attention(self, certificate, evaluation, dtype):
+    b, h, g, t, cap, d = 1, 2, 3, 1, 32, 64
+    cache = certkv_jax.caches.init_caches(certkv_jax.caches.CacheSpec(1, h, d), b, cap, dtype)
+    cache = jax.tree_util.tree_map(lambda a: a[0], cache)
+    cache = cache._replace(valid=cache.valid.at[:, :, :20].set(True),
+                           pos=cache.pos.at[:, :, :20].set(jnp.arange(20)))
+    shadow = cache if evaluation else None
+    qg = jnp.ones((b, h, g, t, d), dtype)
+    fn = lambda qg, cache, shadow: certified_attention.attend(
+        qg, cache, shadow, jnp.full((b, t), 20, jnp.int32), certificate=certificate,
+        with_probs=True)
+    self.assertIsInstance(cache, KVCache)
+    bad, n = imprecise(fn, qg, cache, shadow)
+    self.assertGreater(n, 0)
+    self.assertEqual(bad, [])
+
+
+if __name__ == "__main__":
+  absltest.main()
