@@ -15,6 +15,7 @@ Writes ``--out/results.json`` (every measurement), ``summary.json``
   python -m experiments.bench_decode --out=/tmp/bench_decode --quick   # a small plan
   python -m experiments.bench_decode --out=/tmp/bd --contexts=2048 --batches=1 \
       --layer_loop=scan,unrolled --noplain_prefill
+  python -m experiments.bench_decode --out=/tmp/bd --dtype=bfloat16   # weights and caches
 """
 
 from absl import app
@@ -55,6 +56,7 @@ flags.DEFINE_list("layer_loop", list(_P.layer_loop), "Layer loops to time, inter
 flags.DEFINE_bool("plain_prefill", _P.plain_prefill, "Also time the plain one-shot forward "
                   "beside the cached prefill (its dense softmax grows with the square of "
                   "the context: most of a 4k cell's time).")
+model_loading.define_dtype_flag()
 flags.DEFINE_bool("quick", False, f"The reduced plan {bench_decode.QUICK} (flags not given "
                   "keep it).")
 

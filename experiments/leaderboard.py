@@ -64,6 +64,7 @@ flags.DEFINE_bool("equal_memory", False, "Ratios remove a share of the kept byte
                   "values and per-slot metadata), not of the tokens: designs at equal memory.")
 flags.DEFINE_bool("coverage", True, "Run randomized designs in evaluation mode (a shadow full "
                   "cache: every decode call's true error beside its radius).")
+model_loading.define_dtype_flag()
 flags.DEFINE_bool("report_only", False, "Write the report from the rows on file; run nothing "
                   "(designs without every row are listed as not run).")
 
@@ -88,9 +89,9 @@ def main(argv):
       regimes=tuple(FLAGS.regimes), chunk=FLAGS.chunk, group=FLAGS.group, seed=FLAGS.seed,
       haystack=FLAGS.haystack, max_new_tokens=FLAGS.max_new_tokens or None,
       use_chat=FLAGS.use_chat, equal_memory=FLAGS.equal_memory, coverage=FLAGS.coverage,
-      max_units=None if FLAGS.max_units < 0 else FLAGS.max_units).check()
+      dtype=FLAGS.dtype, max_units=None if FLAGS.max_units < 0 else FLAGS.max_units).check()
   t0 = time.time()
-  params, config, tok = model_loading.load_model(FLAGS.model)
+  params, config, tok = model_loading.load_model(FLAGS.model, plan.dtype)
   name = model_loading.model_name(FLAGS.model)
   if FLAGS.report_only:
     rows = results_io.read_rows(os.path.join(FLAGS.out, experiment.ROWS_FILE))

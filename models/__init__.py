@@ -11,6 +11,7 @@
 * :mod:`models.prefill` -- a long prompt into the caches chunk by chunk, in bounded memory.
 * :mod:`models.memory` -- bytes of a run's caches (K/V, metadata) vs. the full cache.
 * :mod:`models.param_tree` -- the parameter tree from per-layer tensors (loaders).
+* :mod:`models.precision` -- the dtype option: float32 or bfloat16 weights and caches.
 * :mod:`models.hf_loader` -- Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2).
 * :mod:`models.gguf_loader` -- GGUF files; the default model SmolLM2-135M-Instruct.
 * :mod:`models.gguf_reader` -- opening a GGUF file and reading its metadata.
@@ -27,6 +28,7 @@ from models import hf_loader
 from models import llama
 from models import memory
 from models import param_tree
+from models import precision
 from models import prefill
 from models import rope
 from models import tokenizer
@@ -59,6 +61,7 @@ __all__ = [
     "llama",
     "memory",
     "param_tree",
+    "precision",
     "prefill",
     "pyramid_budgets",
     "load_gguf",

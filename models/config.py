@@ -43,8 +43,10 @@ class LlamaConfig:
     max_positions: the model's context length (HF ``max_position_embeddings``,
       GGUF ``{arch}.context_length``), if known: ``models.decode`` refuses a
       prompt plus decoded tokens longer than this. None: unknown, unchecked.
-    dtype: activation dtype name (``"float32"`` default; ``"bfloat16"``).
-      Attention softmax, norms and the logits are computed in float32.
+    dtype: the compute dtype name (``"float32"`` default; ``"bfloat16"``): the
+      matrix products' operands (the loaders store the matrices in it) and the
+      cached keys and values (:mod:`models.precision`). Products accumulate in
+      float32; the residual stream, norms, attention softmax and logits are float32.
   """
 
   vocab_size: int

@@ -55,6 +55,7 @@ from certkv_jax.eviction import evict_and_record
 from certkv_jax.eviction import init_state
 from certkv_jax.eviction import record_inclusion
 from models import forward
+from models import precision
 from models.forward import allocation_args
 from models.forward import forward_chunk
 from models.generation import Generation
@@ -353,8 +354,9 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, gen: GenerationC
   if capacity < need:
     raise ValueError(f"capacity ({capacity}) must hold the prompt ({prompt_len} tokens)"
                      f"{'' if design is not None else f' plus {gen.n_steps} decoded tokens'}")
-  caches = init_caches(config, batch, capacity)
-  shadow = init_caches(config, batch, prompt_len + gen.n_steps) if gen.evaluate else None
+  kv_dtype = precision.cache_dtype(config)  # keys and values; the statistics are float32
+  caches = init_caches(config, batch, capacity, kv_dtype)
+  shadow = init_caches(config, batch, prompt_len + gen.n_steps, kv_dtype) if gen.evaluate else None
   state = None if design is None else init_state(design, caches)
   logits, caches, _, shadow = forward_chunk(
       params, config, tokens, mask, caches, design=design, certificate=False, shadow=shadow,
@@ -425,11 +427,13 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
                                                                  gen.allocation))
     return (caches, shadow, state, key), None
 
-  caches = init_caches(config, batch, capacity)
+  kv_dtype = precision.cache_dtype(config)
+  caches = init_caches(config, batch, capacity, kv_dtype)
   state = None if design is None else init_state(design, caches)
   shadow = None
   if gen.evaluate:
-    shadow = init_caches(config, batch, n_chunks * chunk + question.shape[1] + gen.n_steps)
+    shadow = init_caches(config, batch, n_chunks * chunk + question.shape[1] + gen.n_steps,
+                         kv_dtype)
   (caches, shadow, state, key), _ = jax.lax.scan(
       feed, (caches, shadow, state, key), (as_chunks(context), as_chunks(context_mask)))
   logits, caches, _, shadow = forward_chunk(

@@ -12,7 +12,8 @@ rows of ``W_q`` and ``W_k`` into the interleaved RoPE layout
 (``models.rope.half_to_interleaved_rows``), so GGUF weights are used as stored
 with ``rope_layout="interleaved"``. Files are opened and their metadata read
 with ``models.gguf_reader`` (``open_gguf`` and ``metadata``, also reachable
-here), which the tokenizer shares.
+here), which the tokenizer shares. ``dtype="bfloat16"`` stores the matrices in
+bfloat16 and returns a config that computes in it (:mod:`models.precision`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import re
 import numpy as np
 
 from models import param_tree
+from models import precision
 from models import tokenizer as tokenizer_lib
 from models.config import LlamaConfig
 from models.gguf_reader import metadata
@@ -132,9 +134,15 @@ def _dequantize(tensor) -> np.ndarray:
   return np.asarray(x, np.float32).reshape(shape)
 
 
-def params_from_gguf(reader, config: LlamaConfig, dtype=np.float32) -> dict:
-  """Our ``{"params": ...}`` tree from the tensors of a GGUF file."""
+def params_from_gguf(reader, config: LlamaConfig, dtype=None) -> dict:
+  """Our ``{"params": ...}`` tree from the tensors of a GGUF file, its matrices in
+  ``dtype`` ("float32" or "bfloat16"; None: ``config.dtype``), the rest float32.
+
+  Raises:
+    ValueError naming ``dtype`` and its allowed values.
+  """
   c = config
+  dtype = precision.check_dtype(c.dtype if dtype is None else dtype)
   shapes = param_tree.layer_shapes(c)
   layers = [dict() for _ in range(c.n_layers)]
   top = {}
@@ -160,23 +168,28 @@ def params_from_gguf(reader, config: LlamaConfig, dtype=np.float32) -> dict:
   return param_tree.assemble(top, layers, c, dtype)
 
 
-def load_gguf(path: str, dtype=np.float32):
+def load_gguf(path: str, dtype="float32"):
   """Loads a Llama-architecture GGUF file.
 
   Args:
     path: the ``.gguf`` file.
-    dtype: parameter dtype after dequantization (default float32).
+    dtype: "float32" (default) or "bfloat16": the matrices' dtype after
+      dequantization and the config's ``dtype`` (:mod:`models.precision`).
 
   Returns:
     ``(params, config, reader)``; the reader gives the tokenizer
     (``models.tokenizer.tokenizer_from_gguf``) and other metadata.
+
+  Raises:
+    ValueError naming ``dtype`` and its allowed values (before the file is read).
   """
+  dtype = precision.check_dtype(dtype)
   reader = open_gguf(path)
-  config = config_from_gguf(reader)
-  return params_from_gguf(reader, config, dtype), config, reader
+  config = config_from_gguf(reader).replace(dtype=dtype)
+  return params_from_gguf(reader, config), config, reader
 
 
-def load_smollm2(dtype=np.float32):
+def load_smollm2(dtype="float32"):
   """The default model: ``(params, config, tokenizer)`` of SmolLM2-135M-Instruct."""
   params, config, reader = load_gguf(smollm2_path(), dtype)
   return params, config, tokenizer_lib.tokenizer_from_gguf(reader)

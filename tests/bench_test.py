@@ -27,23 +27,65 @@ class BenchKernelsTest(absltest.TestCase):
   def test_rows_and_table(self):
     out = os.path.join(self.create_tempdir().full_path, "bench.md")
     plan = bench_kernels.Plan(lengths=(32,), head_dims=(8,), batch=1, groups=2,
-                              dtype="float32", repeats=1, pallas=False)
+                              dtype="float32", repeats=1, pallas=False, iters=2, probe_mb=1)
     rows = bench_kernels.run_and_report(plan, out=out)
     (row,) = rows
-    self.assertEqual((row["n"], row["d"], row["dtype"]), (32, 8, "float32"))
-    self.assertEqual(set(row["seconds"]),
-                     {"plain", "offset", "xla_offset", "stats_stored", "stats_stored_exact",
-                      "stats_bound", "stats_exact"})
+    self.assertEqual((row["n"], row["d"], row["dtype"], row["iters"]), (32, 8, "float32", 2))
+    methods = {"plain", "offset", "xla_offset", "stats_stored", "stats_stored_exact",
+               "stats_bound", "stats_exact"}
+    self.assertEqual(set(row["seconds"]), methods)
     lo, hi, _ = row["stats_over_offset_interval"]
     self.assertTrue(lo <= row["stats_over_offset"] <= hi)
     self.assertEqual(row["ratio_to_plain"]["plain"], 1.0)
     self.assertTrue(all(t > 0 for t in row["seconds"].values()))
-    self.assertIn("| 32 | 8 |", open(out).read())
+    # Bytes a call reads: q [1, 2, 8], k and v [1, 32, 8] float32, offsets [1, 32] float32.
+    self.assertEqual(row["bytes"], 4 * (2 * 8 + 2 * 32 * 8 + 32))
+    self.assertEqual(row["probe_bytes"], 2**20)
+    self.assertGreater(row["bandwidth_gbps"], 0)
+    self.assertEqual(set(row["gbps"]), methods)
+    for m in methods:
+      self.assertAlmostEqual(row["gbps"][m], row["bytes"] / row["seconds"][m] / 1e9)
+      self.assertAlmostEqual(row["fraction_of_bandwidth"][m],
+                             row["gbps"][m] / row["bandwidth_gbps"])
+    text = open(out).read()
+    self.assertIn("| 32 | 8 |", text)
+    self.assertIn("| 32 | 8 | stats_stored |", text)
     with open(os.path.splitext(out)[0] + ".json") as f:
-      self.assertEqual(json.load(f)["rows"], json.loads(json.dumps(rows)))
-    with self.assertRaisesRegex(ValueError, "--lengths must be positive"):
-      bench_kernels.run_and_report(bench_kernels.Plan(lengths=(0,), head_dims=(8,), batch=1,
-                                                      groups=1, dtype="float32", repeats=1))
+      saved = json.load(f)
+    self.assertEqual(saved["rows"], json.loads(json.dumps(rows)))
+    self.assertEqual(saved["jax"], jax.__version__)
+    self.assertEqual(saved["plan"]["lengths"], [32])
+
+  def test_bad_plans(self):
+    for kw, flag in ((dict(lengths=(0,)), "--lengths must be positive"),
+                     (dict(splits=(0,)), "--splits must be positive"),
+                     (dict(batch=0), "--batch must be an int >= 1"),
+                     (dict(iters=-1), r"--iters must be an int in \[0, 1000\]"),
+                     (dict(dtype="float16"), "--dtype must be bfloat16 or float32")):
+      with self.assertRaisesRegex(ValueError, flag):
+        bench_kernels.run_and_report(bench_kernels.Plan(**dict(
+            dict(lengths=(8,), head_dims=(8,), batch=1, groups=1, dtype="float32",
+                 repeats=1), **kw)))
+
+  def test_defaults_by_backend(self):
+    plan = bench_kernels.Plan().resolve()
+    want = bench_kernels.DEFAULTS["accelerator" if bench_kernels.on_accelerator() else "cpu"]
+    self.assertEqual((plan.lengths, plan.batch), (want["lengths"], want["batch"]))
+    gpu = bench_kernels.DEFAULTS["accelerator"]  # bytes dominate: 64 rows x 32k keys x d 128
+    self.assertTrue(gpu["batch"] >= 64 and 32768 in gpu["lengths"] and 128 in gpu["head_dims"])
+
+  @pytest.mark.slow  # the Pallas kernel interpreted: about 30 s on the 2-core machine
+  def test_pallas_split_sweep(self):
+    plan = bench_kernels.Plan(lengths=(256,), head_dims=(16,), batch=1, groups=2,
+                              dtype="float32", repeats=1, pallas=True, splits=(2, 4),
+                              iters=1, probe_mb=1)
+    (row,) = bench_kernels.run_and_report(plan)
+    self.assertEqual(row["default_block_sizes"], {"block_k": 128, "num_splits": 1})
+    (split,) = row["splits"]  # 4 splits of 128-key tiles do not fit 256 keys
+    self.assertEqual((split["num_splits"], split["padded_slots"]), (2, 0))
+    self.assertGreater(row["pallas_fraction"], 0)
+    self.assertEqual(row["pallas_gbps"], row["gbps"]["pallas_stats_bound"])
+    self.assertIn("pallas_stats_s2", row["seconds"])
 
 
 class BenchShardingTest(absltest.TestCase):

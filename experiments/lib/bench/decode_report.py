@@ -81,7 +81,8 @@ def _table(rows, design, cert, batch, field, k=1, layer_loop=None):
 def summarize(results: dict) -> dict:
   """The summary (``summary.json``): ratios to the full cache, compile times, prefill."""
   rows, pre = results["decode"], results["prefill"]
-  base = dict(model=results["model"], device=results["device"],
+  base = dict(model=results["model"], dtype=results.get("dtype", "float32"),
+              device=results["device"],
               capacity_layout=results["plan"]["capacity"], complete=results["complete"],
               cells_done=results["cells_done"], cells_skipped=results["cells_skipped"])
   if not rows:
@@ -183,7 +184,8 @@ def render(results: dict, summary: dict) -> str:
   levels = sorted({r["ci_level"] for r in rows + pre})
   multi = len(loops(results)) > 1
   md = ["# Decode benchmark", "",
-        f"Model {results['model']}; device {results['device']}. Designs {plan['designs']}, "
+        f"Model {results['model']} (weights and caches in {results.get('dtype', 'float32')}"
+        f"); device {results['device']}. Designs {plan['designs']}, "
         f"budgets {plan['budgets']}, certificate {plan['certificate']}, cache layout "
         f"--capacity={plan['capacity']}, layer loops {loops(results)}, {plan['repeats']} "
         f"timed calls per configuration after {results['warmup_calls']} warm-up calls, "

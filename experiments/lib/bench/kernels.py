@@ -1,14 +1,14 @@
-r"""Decode-attention benchmark: what do the certificate statistics cost?
+r"""Decode-attention benchmark: bandwidth, and what the certificate statistics cost.
 
-Side by side in one run (the machine is shared and noisy: compare ratios, not
-absolute times), for each cache length and head dim:
+Side by side in one run (the machine may be shared and noisy: compare ratios and
+fractions, not absolute times), for each cache length and head dim:
 
 * ``plain``: ``jax.nn.dot_product_attention`` with the validity mask;
 * ``offset``: the same with the Hajek offsets as a bias (no statistics);
 * ``xla_offset``: our XLA path (``reference.grouped_reference``) with the
   statistics switched off: offset attention alone, same code;
-* ``stats_stored``: ``certkv_jax.offset_attention`` with the fused
-  statistics and the one-pass range bound, reading each slot's stored
+* ``stats_stored``: ``certkv_jax.offset_attention`` (implementation "xla") with
+  the fused statistics and the one-pass range bound, reading each slot's stored
   ``||v_i||^2`` (``value_sqnorm``, as the model's caches keep them:
   ``KVCache.v_sq``);
 * ``stats_stored_exact``: the same with the exact range term, which then
@@ -17,24 +17,37 @@ absolute times), for each cache length and head dim:
 * ``stats_bound`` / ``stats_exact``: the same statistics recomputing the
   norms from the values (one more pass over them), with the one-pass range
   bound / the exact range term;
-* on a GPU or TPU also the Pallas kernel: ``pallas_offset`` (kernel without
-  statistics), ``pallas_stats_bound``, ``pallas_stats_exact``, with the
-  achieved memory bandwidth (bytes of K, V and offsets read per second).
+* with the Pallas kernel (default on a GPU or TPU; interpreted on CPU, only on
+  request): ``pallas_offset`` (kernel without statistics), ``pallas_stats_bound``,
+  ``pallas_stats_exact`` at the default tiling, and ``pallas_offset_s{S}`` /
+  ``pallas_stats_s{S}`` for each ``num_splits`` S of the sweep (``Plan.splits``).
 
-The methods are timed in interleaved rounds (round r times every method once,
-in turn), so that a slow spell of the shared machine hits all of them; the
-reported time is the median over rounds. Ratios are to ``plain``. The
+Launch overhead is amortized: each timed call is one jitted ``fori_loop`` of
+``iters`` attention calls, each call's queries perturbed by ``eps`` (a runtime
+zero) times the previous output, and every input passed through
+``lax.optimization_barrier`` with them, so that XLA can neither hoist work out
+of the loop nor drop any output; a call's time is the loop's over ``iters``.
+Its achieved bandwidth is the bytes a call must read (keys, values, float32
+offsets and queries) over that time, reported beside the device's streaming-read
+bandwidth measured in the same rounds by the same kind of loop (a read-reduce of
+a large float32 buffer, the ``probe``), and as a fraction of it.
+
+The methods and the probe are timed in interleaved rounds (round r times every
+one once, in turn), so that a slow spell of a shared machine hits all of them;
+the reported time is the median over rounds. Ratios are to ``plain``. The
 statistics' own cost is the median over rounds of the per-round ratio
-``stats_stored / xla_offset`` (target <= 1.15 on the XLA path), with its
-order-statistic interval (``intervals.median_interval``: coverage >= 0.95
-from 6 rounds on; the level it has is stored beside it), and ``pallas_stats_bound / pallas_offset`` (target
-<= 1.05 on a GPU).
+``stats_stored / xla_offset`` (XLA path) and ``pallas_stats_bound /
+pallas_offset`` (the kernel; issue 42's GPU targets: <= 1.15x, and the kernel at
+>= 50% of the probe's bandwidth), with order-statistic intervals
+(``intervals.median_interval``: coverage >= 0.95 from 6 rounds on; the level it
+has is stored beside it).
 
 The command: ``python -m experiments.bench_kernels --out=experiments/results/bench_cpu.md``.
 """
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import statistics
@@ -50,21 +63,76 @@ from experiments.lib.stats import intervals
 from pallas_kernels import offset_decode
 from pallas_kernels import reference
 
+# The default plan by backend: on an accelerator, sizes where bytes dominate
+# (64 rows x 32k keys x d 128 in bfloat16 read about 1 GB a call); on CPU the
+# sizes of experiments/results/bench_cpu.md. ``loop_bytes``: an ``iters`` of 0
+# loops enough calls to read this many bytes per timed call.
+DEFAULTS = {
+    "accelerator": dict(lengths=(4096, 32768), head_dims=(64, 128), batch=64, probe_mb=1024,
+                        loop_bytes=8e9),
+    "cpu": dict(lengths=(1024, 4096, 16384, 32768), head_dims=(64, 128), batch=8, probe_mb=64,
+                loop_bytes=2.5e8),
+}
+MAX_ITERS = 1000
+TARGETS = {"stats_over_offset": 1.15, "fraction_of_bandwidth": 0.5}  # issue 42, on a GPU
 
-def _time_rounds(methods, args, repeats):
-  """{name: [seconds per round]}: every method once per round, in turn."""
-  for fn in methods.values():
+
+def on_accelerator() -> bool:
+  return jax.default_backend() in ("gpu", "tpu")
+
+
+def _time_rounds(calls, repeats):
+  """{name: [seconds per attention call, one per round]}: every loop once per round, in
+  turn (the first of a round rotating). ``calls``: {name: (fn, args, iters)}."""
+  for fn, args, _ in calls.values():
     jax.block_until_ready(fn(*args))  # compile + warm up
-  times = {name: [] for name in methods}
-  for _ in range(repeats):
-    for name, fn in methods.items():
+  names = list(calls)
+  times = {name: [] for name in names}
+  for r in range(repeats):
+    for i in range(len(names)):
+      name = names[(i + r) % len(names)]
+      fn, args, iters = calls[name]
       t0 = time.perf_counter()
       jax.block_until_ready(fn(*args))
-      times[name].append(time.perf_counter() - t0)
+      times[name].append((time.perf_counter() - t0) / iters)
   return times
 
 
+def _looped(fn, iters):
+  """A jitted ``(eps, q, *cache) -> q``: ``iters`` calls of ``fn(q, *cache)``, each
+  one's queries ``q + eps * (the previous output)``. With ``eps`` a runtime zero
+  the numbers do not change, but every call depends on the one before, and the
+  optimization barrier makes every input depend on the loop's carry: XLA can
+  neither hoist a query-independent part (value norms, padding) out of the loop
+  nor drop a statistic nobody reads."""
+
+  def run(eps, q, *cache):
+    def body(_, q_i):
+      q_b, *cache_b = jax.lax.optimization_barrier((q_i, *cache))
+      out, *stats = jax.tree_util.tree_leaves(fn(q_b, *cache_b))
+      upd = out.reshape(q.shape).astype(jnp.float32)
+      upd += sum(jnp.sum(s.astype(jnp.float32)) for s in stats)
+      return q_i + (eps * upd).astype(q.dtype)
+    return jax.lax.fori_loop(0, iters, body, q)
+  return jax.jit(run)
+
+
+def _probe(iters):
+  """A jitted ``(eps, buf) -> float32``: ``iters`` read-reduces of ``buf`` (the
+  streaming-read bandwidth probe), looped as :func:`_looped` loops attention."""
+
+  def run(eps, buf):
+    def body(_, c):
+      b, c_b = jax.lax.optimization_barrier((buf, c))
+      return c_b + eps * jnp.sum(b, dtype=jnp.float32)
+    return jax.lax.fori_loop(0, iters, body, jnp.float32(0.0))
+  return jax.jit(run)
+
+
 def _inputs(n, d, batch, groups, dtype):
+  """``(q, k, v, log_pi, mask, sq, off)``: random queries and cache, inclusion
+  probabilities, validity (a few empty slots), each slot's stored ``||v||^2`` and
+  the kernel's offsets (``-log pi``, ``-inf`` on empty slots)."""
   ks = jax.random.split(jax.random.PRNGKey(n + d), 5)
   q = jax.random.normal(ks[0], (batch, groups, d), dtype)
   k = jax.random.normal(ks[1], (batch, n, d), dtype)
@@ -75,162 +143,323 @@ def _inputs(n, d, batch, groups, dtype):
   mask = jnp.broadcast_to(mask, (batch, n))
   # What the cache stores beside the values: each slot's squared norm.
   sq = jnp.sum(v.astype(jnp.float32) ** 2, axis=-1)
-  return q, k, v, log_pi, mask, jnp.where(mask, sq, 0.0)
+  off = jnp.where(mask, -log_pi, -jnp.inf)
+  return q, k, v, log_pi, mask, jnp.where(mask, sq, 0.0), off
 
 
-def _methods(use_pallas):
-  def plain(q, k, v, log_pi, mask, *norms):
-    del log_pi, norms
+def _call_bytes(args) -> int:
+  """Bytes one call must read: keys, values, float32 offsets and queries."""
+  q, k, v, _, _, _, off = args
+  return int(q.nbytes + k.nbytes + v.nbytes + off.nbytes)
+
+
+def _xla_methods():
+  def plain(q, k, v, log_pi, mask, sq, off):
+    del log_pi, sq, off
     return jax.nn.dot_product_attention(q[:, None], k[:, :, None], v[:, :, None],
                                         mask=mask[:, None, None, :])
 
-  def offset(q, k, v, log_pi, mask, *norms):
-    del norms
-    bias = jnp.where(mask, -log_pi, 0.0).astype(q.dtype)[:, None, None, :]
-    return jax.nn.dot_product_attention(q[:, None], k[:, :, None], v[:, :, None],
-                                        bias=bias, mask=mask[:, None, None, :])
+  def offset(q, k, v, log_pi, mask, sq, off):
+    del log_pi, mask, sq  # the bias is -inf on empty slots: it masks them too
+    bias = (-off).astype(q.dtype)[:, None, None, :]
+    return jax.nn.dot_product_attention(q[:, None], k[:, :, None], v[:, :, None], bias=bias)
 
   def stats(range_mode, stored=False):
-    def f(q, k, v, log_pi, mask, sq):
+    def f(q, k, v, log_pi, mask, sq, off):
+      del off
       kw = {"value_sqnorm": sq[:, None]} if stored else {}
       return certkv_jax.offset_attention(
           q, k[:, None], v[:, None], log_pi[:, None], mask[:, None],
-          config=certkv_jax.attention.AttentionConfig(range_mode=range_mode), **kw)
+          config=certkv_jax.attention.AttentionConfig(implementation="xla",
+                                                      range_mode=range_mode), **kw)
     return f
 
-  def xla_offset(q, k, v, log_pi, mask, *norms):
-    del norms
+  def xla_offset(q, k, v, log_pi, mask, sq, off):
+    del sq, off
     return reference.grouped_reference(q, k, v, log_pi, mask, config=reference.ReferenceConfig(
         range_mode="bound", with_stats=False))
 
-  methods = {"plain": plain, "offset": offset, "xla_offset": xla_offset,
-             "stats_stored": stats("bound", stored=True),
-             "stats_stored_exact": stats("exact", stored=True), "stats_bound": stats("bound"),
-             "stats_exact": stats("exact")}
+  return {"plain": plain, "offset": offset, "xla_offset": xla_offset,
+          "stats_stored": stats("bound", stored=True),
+          "stats_stored_exact": stats("exact", stored=True), "stats_bound": stats("bound"),
+          "stats_exact": stats("exact")}
+
+
+def _kernel(with_stats, range_mode, block_sizes=None):
+  """The Pallas kernel (interpreted off an accelerator) on the precomputed offsets."""
+  config = offset_decode.KernelConfig(block_sizes=block_sizes, range_mode=range_mode,
+                                      interpret=not on_accelerator())
+
+  def f(q, k, v, log_pi, mask, sq, off):
+    del log_pi, mask, sq
+    return offset_decode.offset_decode_attention(q, k, v, off, with_stats=with_stats,
+                                                 config=config)
+  return f
+
+
+def _default_block_sizes(n, batch):
+  return offset_decode.BlockSizes.get_default(n, batch, offset_decode.default_backend())
+
+
+def _sweep_splits(n, batch, splits):
+  """The sweep's ``num_splits`` values that fit ``n`` (a split of >= one tile)."""
+  block_k = _default_block_sizes(n, batch).block_k
+  fit = [s for s in dict.fromkeys(splits) if s * block_k <= n]
+  if len(fit) < len(set(splits)):
+    print(f"n={n}: skipping num_splits {sorted(set(splits) - set(fit))} "
+          f"(more splits than {block_k}-key tiles)", flush=True)
+  return block_k, fit
+
+
+def _methods(use_pallas, n, batch, splits):
+  methods = _xla_methods()
   if use_pallas:
-    def kernel(with_stats, range_mode):
-      def f(q, k, v, log_pi, mask, *norms):
-        del norms
-        off = jnp.where(mask, -log_pi, -jnp.inf)
-        return offset_decode.offset_decode_attention(
-            q, k, v, off, with_stats=with_stats,
-            config=offset_decode.KernelConfig(range_mode=range_mode))
-      return f
-    methods.update({"pallas_offset": kernel(False, "bound"),
-                    "pallas_stats_bound": kernel(True, "bound"),
-                    "pallas_stats_exact": kernel(True, "exact")})
-  return {name: jax.jit(fn) for name, fn in methods.items()}
+    methods.update({"pallas_offset": _kernel(False, "bound"),
+                    "pallas_stats_bound": _kernel(True, "bound"),
+                    "pallas_stats_exact": _kernel(True, "exact")})
+    block_k, fit = _sweep_splits(n, batch, splits)
+    for s in fit:
+      bs = offset_decode.BlockSizes(block_k=block_k, num_splits=s)
+      methods[f"pallas_offset_s{s}"] = _kernel(False, "bound", bs)
+      methods[f"pallas_stats_s{s}"] = _kernel(True, "bound", bs)
+  return methods
 
 
-def run(lengths, head_dims, batch, groups, dtype, repeats, use_pallas):
+def _ratio(rounds, a, b):
+  """Median over rounds of the per-round ratio ``a / b``, with its interval."""
+  return intervals.median_interval([x / y for x, y in zip(rounds[a], rounds[b])])
+
+
+def _pallas_fields(row, rounds, n, batch):
+  """The kernel's fields of ``row``: its statistics' cost, bandwidth, the sweep."""
+  r = _ratio(rounds, "pallas_stats_bound", "pallas_offset")
+  row["pallas_stats_over_offset"] = r["median"]
+  row["pallas_stats_over_offset_interval"] = [r["lo"], r["hi"], r["level"]]
+  row["pallas_gbps"] = row["gbps"]["pallas_stats_bound"]
+  row["pallas_fraction"] = row["fraction_of_bandwidth"]["pallas_stats_bound"]
+  default = _default_block_sizes(n, batch)
+  row["default_block_sizes"] = {"block_k": default.block_k, "num_splits": default.num_splits}
+  block_k = default.block_k
+  row["splits"] = []
+  for s in sorted(int(m.rsplit("_s", 1)[1]) for m in rounds if m.startswith("pallas_offset_s")):
+    off, st = f"pallas_offset_s{s}", f"pallas_stats_s{s}"
+    row["splits"].append({
+        "num_splits": s, "block_k": block_k, "default": s == default.num_splits,
+        "padded_slots": offset_decode.pad_slots(
+            n, offset_decode.BlockSizes(block_k=block_k, num_splits=s)),
+        "offset_ms": row["seconds"][off] * 1e3, "stats_ms": row["seconds"][st] * 1e3,
+        "stats_over_offset": _ratio(rounds, st, off)["median"],
+        "offset_gbps": row["gbps"][off], "stats_gbps": row["gbps"][st],
+        "stats_fraction": row["fraction_of_bandwidth"][st]})
+
+
+def _cell(n, d, plan, use_pallas, probe):
+  """One row: every method and the probe timed in interleaved rounds."""
+  args = _inputs(n, d, plan.batch, plan.groups, jnp.dtype(plan.dtype))
+  nbytes = _call_bytes(args)
+  iters = plan.iters or _auto_iters(nbytes, plan.loop_bytes)
+  eps = jnp.zeros((), jnp.float32)
+  methods = _methods(use_pallas, n, plan.batch, plan.splits)
+  calls = {name: (_looped(fn, iters), (eps, *args), iters) for name, fn in methods.items()}
+  probe_iters = plan.iters or _auto_iters(probe.nbytes, plan.loop_bytes)
+  calls["probe"] = (_probe(probe_iters), (eps, probe), probe_iters)
+  rounds = _time_rounds(calls, plan.repeats)
+  probe_rounds = rounds.pop("probe")
+  times = {name: statistics.median(ts) for name, ts in rounds.items()}
+  bandwidth = int(probe.nbytes) / statistics.median(probe_rounds) / 1e9
+  gbps = {m: nbytes / t / 1e9 for m, t in times.items()}
+  row = {"n": n, "d": d, "batch": plan.batch, "groups": plan.groups,
+         "dtype": jnp.dtype(plan.dtype).name, "seconds": times, "rounds": plan.repeats,
+         "iters": iters, "bytes": nbytes, "gbps": gbps, "bandwidth_gbps": bandwidth,
+         "probe_bytes": int(probe.nbytes), "probe_iters": probe_iters,
+         "fraction_of_bandwidth": {m: g / bandwidth for m, g in gbps.items()}}
+  row["ratio_to_plain"] = {m: t / times["plain"] for m, t in times.items()}
+  ratio = _ratio(rounds, "stats_stored", "xla_offset")
+  row["stats_over_offset"] = ratio["median"]
+  row["stats_over_offset_interval"] = [ratio["lo"], ratio["hi"], ratio["level"]]
+  row["recompute_over_offset"] = _ratio(rounds, "stats_bound", "xla_offset")["median"]
+  row["exact_over_offset"] = _ratio(rounds, "stats_stored_exact", "xla_offset")["median"]
+  if use_pallas:
+    _pallas_fields(row, rounds, n, plan.batch)
+  return row
+
+
+def _auto_iters(nbytes, loop_bytes):
+  return max(1, min(MAX_ITERS, math.ceil(loop_bytes / nbytes)))
+
+
+def run(plan, use_pallas, write=None):
+  """The rows of ``plan`` (a resolved :class:`Plan`), one per (head dim, length);
+  ``write(rows)`` after each. No new cell starts after ``plan.max_seconds``."""
   rows = []
-  methods = _methods(use_pallas)
-  for d in head_dims:
-    for n in lengths:
-      args = _inputs(n, d, batch, groups, dtype)
-      rounds = _time_rounds(methods, args, repeats)
-      times = {name: statistics.median(ts) for name, ts in rounds.items()}
-      kv_bytes = 2 * batch * n * d * jnp.dtype(dtype).itemsize + batch * n * 4
-      row = {"n": n, "d": d, "batch": batch, "groups": groups, "dtype": jnp.dtype(dtype).name,
-             "seconds": times, "rounds": repeats}
-      row["ratio_to_plain"] = {m: t / times["plain"] for m, t in times.items()}
-      per_round = lambda a, b: [x / y for x, y in zip(rounds[a], rounds[b])]
-      ratio = intervals.median_interval(per_round("stats_stored", "xla_offset"))
-      row["stats_over_offset"] = ratio["median"]
-      row["stats_over_offset_interval"] = [ratio["lo"], ratio["hi"], ratio["level"]]
-      row["recompute_over_offset"] = intervals.median_interval(
-          per_round("stats_bound", "xla_offset"))["median"]
-      row["exact_over_offset"] = intervals.median_interval(
-          per_round("stats_stored_exact", "xla_offset"))["median"]
-      if use_pallas:
-        row["pallas_stats_over_offset"] = (times["pallas_stats_bound"]
-                                           / times["pallas_offset"])
-        row["pallas_gbps"] = kv_bytes / times["pallas_stats_bound"] / 1e9
-      rows.append(row)
-      print(_row_text(row), flush=True)
+  probe = jnp.ones((int(plan.probe_mb * 2**20) // 4,), jnp.float32)
+  t0 = time.perf_counter()
+  for d in plan.head_dims:
+    for n in plan.lengths:
+      if rows and plan.max_seconds and time.perf_counter() - t0 > plan.max_seconds:
+        print(f"--max_seconds={plan.max_seconds} reached: no new cell", flush=True)
+        return rows
+      rows.append(_cell(n, d, plan, use_pallas, probe))
+      print(_row_text(rows[-1]), flush=True)
+      if write:
+        write(rows)
   return rows
 
 
 def _row_text(r):
-  parts = [f"n={r['n']:6d} d={r['d']:3d}"]
-  parts += [f"{m} {t * 1e3:8.3f}ms ({r['ratio_to_plain'][m]:.2f}x)"
-            for m, t in r["seconds"].items()]
+  parts = [f"n={r['n']:6d} d={r['d']:3d} read probe {r['bandwidth_gbps']:.1f} GB/s"]
+  parts += [f"{m} {t * 1e3:.3f}ms {r['gbps'][m]:.1f}GB/s "
+            f"({r['fraction_of_bandwidth'][m]:.0%})" for m, t in r["seconds"].items()]
   lo, hi, _ = r["stats_over_offset_interval"]
   parts.append(f"stats/offset {r['stats_over_offset']:.2f}x [{lo:.2f}, {hi:.2f}] "
                f"(exact range {r['exact_over_offset']:.2f}x; recomputing the norms "
                f"{r['recompute_over_offset']:.2f}x)")
   if "pallas_gbps" in r:
     parts.append(f"pallas stats/offset {r['pallas_stats_over_offset']:.2f}x "
-                 f"{r['pallas_gbps']:.0f} GB/s")
+                 f"{r['pallas_gbps']:.0f} GB/s ({r['pallas_fraction']:.0%} of the probe)")
   return " | ".join(parts)
 
 
-def render(rows, device: str, repeats: int) -> str:
-  methods = list(rows[0]["seconds"])
-  lines = ["# Decode attention: cost of the certificate statistics", "",
-           f"Device: {device}. Batch rows {rows[0]['batch']}, GQA group {rows[0]['groups']}, "
-           f"dtype {rows[0]['dtype']}; {repeats} interleaved rounds after warm-up (every "
-           "method once per round); times in ms (median over rounds), ratio to `plain` in "
-           "parentheses. `stats/offset`: median over rounds of the per-round ratio "
-           "`stats_stored / xla_offset` [order-statistic interval, >= 95% from 6 rounds]; "
-           "`exact` and `recompute`: the same for `stats_stored_exact / xla_offset` and "
-           "`stats_bound / xla_offset`.", "",
-           "| n | d | " + " | ".join(methods) + " | stats/offset | exact | recompute |"
-           + (" pallas stats/offset | pallas GB/s |" if "pallas_gbps" in rows[0] else ""),
-           "|---|---|" + "---|" * (len(methods) + 3)
-           + ("---|---|" if "pallas_gbps" in rows[0] else "")]
+def _met(ok: bool) -> str:
+  return "met" if ok else "**not met**"
+
+
+def render(rows, device: str, plan) -> str:
+  """The markdown report: a summary per cell, every method, the split sweep."""
+  r0 = rows[0]
+  pallas = "pallas_gbps" in r0
+  lines = ["# Decode attention: bandwidth and the cost of the certificate statistics", "",
+           f"Device: {device}. Rows {r0['batch']} (sequence, KV head), GQA group "
+           f"{r0['groups']}, dtype {r0['dtype']}; {plan.repeats} interleaved rounds after "
+           "warm-up (every method and the probe once per round). A timed call is a jitted "
+           "loop of `iters` attention calls (each one's queries depending on the previous "
+           "output); times are ms per attention call (median over rounds). GB/s: the "
+           "bytes a call must read (keys, values, float32 offsets, queries) over its time; "
+           "`of probe`: as a fraction of the streaming-read bandwidth of a read-reduce of "
+           f"a {r0['probe_bytes'] / 2**20:.0f} MiB buffer in the same rounds. "
+           "`stats/offset`: median over rounds of the per-round ratio `stats_stored / "
+           "xla_offset` [order-statistic interval, >= 95% from 6 rounds]; `exact` and "
+           "`recompute`: the same for `stats_stored_exact` and `stats_bound`.", "",
+           "## Summary", "",
+           "| n | d | MB/call | iters | probe GB/s | stats/offset | exact | recompute |"
+           + (" pallas stats/offset | pallas GB/s (of probe) | default splits |"
+              if pallas else ""),
+           "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if pallas else "")]
   for r in rows:
-    cells = " | ".join(f"{r['seconds'][m] * 1e3:.3f} ({r['ratio_to_plain'][m]:.2f}x)"
-                       for m in methods)
-    extra = ""
-    if "pallas_gbps" in r:
-      extra = f" {r['pallas_stats_over_offset']:.2f}x | {r['pallas_gbps']:.0f} |"
     lo, hi, _ = r["stats_over_offset_interval"]
-    lines.append(f"| {r['n']} | {r['d']} | {cells} | {r['stats_over_offset']:.2f}x "
-                 f"[{lo:.2f}, {hi:.2f}] | {r['exact_over_offset']:.2f}x | "
-                 f"{r['recompute_over_offset']:.2f}x |{extra}")
+    line = (f"| {r['n']} | {r['d']} | {r['bytes'] / 1e6:.1f} | {r['iters']} | "
+            f"{r['bandwidth_gbps']:.1f} | {r['stats_over_offset']:.2f}x [{lo:.2f}, {hi:.2f}] | "
+            f"{r['exact_over_offset']:.2f}x | {r['recompute_over_offset']:.2f}x |")
+    if pallas:
+      plo, phi, _ = r["pallas_stats_over_offset_interval"]
+      line += (f" {r['pallas_stats_over_offset']:.2f}x [{plo:.2f}, {phi:.2f}] | "
+               f"{r['pallas_gbps']:.1f} ({r['pallas_fraction']:.0%}) | "
+               f"{r['default_block_sizes']['num_splits']} |")
+    lines.append(line)
+  if pallas:
+    lines += ["", "Targets of issue 42 (GPU), kernel with statistics (`pallas_stats_bound`) at "
+              "the default tiling:"]
+    for r in rows:
+      lines.append(
+          f"- n={r['n']}, d={r['d']}: stats/offset {r['pallas_stats_over_offset']:.2f}x <= "
+          f"{TARGETS['stats_over_offset']}x "
+          f"{_met(r['pallas_stats_over_offset'] <= TARGETS['stats_over_offset'])}; "
+          f"{r['pallas_fraction']:.0%} of the probe >= "
+          f"{TARGETS['fraction_of_bandwidth']:.0%} "
+          f"{_met(r['pallas_fraction'] >= TARGETS['fraction_of_bandwidth'])}.")
+  lines += ["", "## Every method", "",
+            "| n | d | method | ms/call | GB/s | of probe | ratio to plain |",
+            "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    for m, t in r["seconds"].items():
+      lines.append(f"| {r['n']} | {r['d']} | {m} | {t * 1e3:.4f} | {r['gbps'][m]:.1f} | "
+                   f"{r['fraction_of_bandwidth'][m]:.0%} | {r['ratio_to_plain'][m]:.2f}x |")
+  if pallas and any(r["splits"] for r in rows):
+    lines += ["", "## Pallas kernel: num_splits sweep", "",
+              "| n | d | splits | block_k | padded slots | offset ms | stats ms | stats/offset "
+              "| offset GB/s | stats GB/s (of probe) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+      for s in r["splits"]:
+        mark = " (default)" if s["default"] else ""
+        lines.append(f"| {r['n']} | {r['d']} | {s['num_splits']}{mark} | {s['block_k']} | "
+                     f"{s['padded_slots']} | {s['offset_ms']:.4f} | {s['stats_ms']:.4f} | "
+                     f"{s['stats_over_offset']:.2f}x | {s['offset_gbps']:.1f} | "
+                     f"{s['stats_gbps']:.1f} ({s['stats_fraction']:.0%}) |")
   return "\n".join(lines) + "\n"
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What :func:`run_and_report` times (the flags of ``experiments/bench_kernels.py``)."""
+  """What :func:`run_and_report` times (the flags of ``experiments/bench_kernels.py``).
 
-  lengths: tuple = (1024, 4096, 16384, 32768)  # cache lengths
-  head_dims: tuple = (64, 128)
-  batch: int = 8  # rows of (sequence, KV head)
+  Fields left None take the backend's value in ``DEFAULTS`` (:meth:`resolve`).
+  """
+
+  lengths: Optional[tuple] = None  # cache lengths
+  head_dims: Optional[tuple] = None
+  batch: Optional[int] = None  # rows of (sequence, KV head)
   groups: int = 4  # query heads per KV head (GQA group)
   dtype: str = "bfloat16"  # K/V/Q dtype
   repeats: int = 7  # interleaved timed rounds
   pallas: Optional[bool] = None  # the Pallas kernel too (None: on a GPU or TPU only)
+  splits: tuple = ()  # num_splits values of the kernel's sweep (beside the default)
+  iters: int = 0  # attention calls per timed loop (0: enough to read loop_bytes)
+  probe_mb: Optional[float] = None  # the read probe's buffer, MiB
+  loop_bytes: Optional[float] = None  # bytes a timed loop reads when iters is 0
+  max_seconds: float = 0.0  # start no new cell after this (0: no limit)
+
+  def resolve(self) -> "Plan":
+    """Defaults filled in for this backend, ints parsed, every size checked."""
+    defaults = DEFAULTS["accelerator" if on_accelerator() else "cpu"]
+    kw = {f: defaults[f] if getattr(self, f) is None else getattr(self, f)
+          for f in ("lengths", "head_dims", "batch", "probe_mb", "loop_bytes")}
+    for name in ("lengths", "head_dims", "splits"):
+      vals = [int(x) for x in (kw[name] if name in kw else getattr(self, name))]
+      if any(x < 1 for x in vals):
+        raise ValueError(f"--{name} must be positive ints, got {vals}")
+      kw[name] = tuple(vals)
+    for name in ("batch", "groups", "repeats"):
+      val = kw.get(name, getattr(self, name))
+      if not isinstance(val, int) or val < 1:
+        raise ValueError(f"--{name} must be an int >= 1, got {val!r}")
+    if not isinstance(self.iters, int) or not 0 <= self.iters <= MAX_ITERS:
+      raise ValueError(f"--iters must be an int in [0, {MAX_ITERS}], got {self.iters!r}")
+    if not kw["probe_mb"] > 0 or not kw["loop_bytes"] > 0 or self.max_seconds < 0:
+      raise ValueError(f"--probe_mb and loop_bytes must be > 0 and --max_seconds >= 0, got "
+                       f"{kw['probe_mb']}, {kw['loop_bytes']}, {self.max_seconds}")
+    if self.dtype not in ("bfloat16", "float32"):
+      raise ValueError(f"--dtype must be bfloat16 or float32, got {self.dtype!r}")
+    return dataclasses.replace(self, **kw)
+
+
+def device_text() -> str:
+  return (f"{jax.devices()[0].device_kind} ({jax.default_backend()}), {platform.machine()}, "
+          f"jax {jax.__version__}")
 
 
 def run_and_report(plan: Plan, *, out=None, profile_dir=None) -> list[dict]:
   """The command: checks the sizes, times every method of ``plan``, optionally under a
   profiler trace (``profile_dir``), and writes the markdown table to ``out`` (JSON rows
-  beside it); returns the rows."""
-  lengths = [int(x) for x in plan.lengths]
-  head_dims = [int(x) for x in plan.head_dims]
-  for name, vals in (("lengths", lengths), ("head_dims", head_dims)):
-    if any(x < 1 for x in vals):
-      raise ValueError(f"--{name} must be positive ints, got {vals}")
-  use_pallas = plan.pallas
-  if use_pallas is None:
-    use_pallas = jax.default_backend() in ("gpu", "tpu")
-  device = f"{jax.devices()[0].device_kind} ({jax.default_backend()}), {platform.machine()}, " \
-           f"jax {jax.__version__}"
+  beside it) after every cell; returns the rows."""
+  plan = plan.resolve()
+  use_pallas = on_accelerator() if plan.pallas is None else plan.pallas
+  plan = dataclasses.replace(plan, pallas=use_pallas)
+  device = device_text()
   print(device, flush=True)
-  dtype = jnp.dtype(plan.dtype)
-  repeats = plan.repeats
+
+  def write(rows):
+    if out:
+      results_io.atomic_write_text(out, render(rows, device, plan))
+      results_io.atomic_write_text(
+          os.path.splitext(out)[0] + ".json",
+          json.dumps(results_io.json_safe({"device": device, "jax": jax.__version__,
+                                           "plan": dataclasses.asdict(plan),
+                                           "targets": TARGETS, "rows": rows}), indent=1))
   if profile_dir:
     jax.profiler.start_trace(profile_dir)
   try:
-    rows = run(lengths, head_dims, plan.batch, plan.groups, dtype, repeats, use_pallas)
+    return run(plan, use_pallas, write)
   finally:
     if profile_dir:
       jax.profiler.stop_trace()
-  if out:
-    results_io.atomic_write_text(out, render(rows, device, repeats))
-    results_io.atomic_write_text(os.path.splitext(out)[0] + ".json",
-                                 json.dumps({"device": device, "rows": rows}, indent=1))
-  return rows

@@ -56,11 +56,13 @@ from certkv_jax import eviction
 from certkv_jax import memory
 from certkv_jax.caches import init_caches
 from experiments.lib import design_defaults
+from experiments.lib import model_loading
 from experiments.lib import results_io
 from experiments.lib import ruler
 from experiments.lib import variants
 from experiments.lib.suite import rows as suite_rows
 from models import decode
+from models import precision
 from models.forward import allocation_args, forward_chunk
 from models.text import answer_text
 
@@ -98,6 +100,7 @@ class Plan:
   # the ratio removes a share of the kept bytes (metadata included), not of the tokens
   equal_memory: bool = False
   coverage: bool = True  # randomized designs in evaluation mode (a shadow full cache)
+  dtype: str = model_loading.DEFAULT_DTYPE  # weights and KV caches (--dtype)
 
   def check(self) -> "Plan":
     if not self.tasks:
@@ -132,6 +135,7 @@ class Plan:
                        f"{self.max_new_tokens!r}")
     if self.haystack is not None and not os.path.isfile(self.haystack):
       raise ValueError(f"--haystack: no file {self.haystack!r}")
+    model_loading.check_dtype(self.dtype)
     return self
 
   @property
@@ -193,7 +197,7 @@ def token_budgets(plan: Plan, design, allocation, ratios, head_dim: int) -> list
 def prefill(params, tokens, mask, *, config, design, capacity: int):
   """The prompt through empty caches of ``capacity`` slots, ``design``'s statistics
   folded: ``(last logits [batch, vocab], caches)``."""
-  caches = init_caches(config, tokens.shape[0], capacity)
+  caches = init_caches(config, tokens.shape[0], capacity, precision.cache_dtype(config))
   logits, caches, _, _ = forward_chunk(params, config, tokens, mask, caches, design=design,
                                        certificate=False)
   return suite_rows.last_logits(logits, mask), caches
@@ -357,6 +361,12 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
   if mixed:
     raise ValueError(f"--equal_memory={plan.equal_memory} but {results.path} holds rows made "
                      f"with --equal_memory={mixed.pop()}; use another --out")
+  if config.dtype != plan.dtype:
+    raise ValueError(f"--dtype={plan.dtype} but the model was loaded in {config.dtype}")
+  mixed = {r.get("dtype", "float32") for r in results.rows} - {plan.dtype}
+  if mixed:
+    raise ValueError(f"--dtype={plan.dtype} but {results.path} holds rows made with "
+                     f"--dtype={mixed.pop()}; use another --out")
   todo_all = plan.units()
   todo = [u for u in todo_all if not done(u)]
   progress = results_io.Progress(len(todo_all), len(todo_all) - len(todo))
@@ -391,7 +401,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
       ids, stopped, _ = answer_text.truncate_at_stop(np.asarray(out.tokens[j]), stops)
       pred = ruler.postprocess(answer_text.whole_text(tok, ids))
       row = dict(context_len=c, task=task, regime=regime, design=name, ratio=r, example=e,
-                 seed=plan.seed, model=model, chunk=plan.chunk,
+                 seed=plan.seed, model=model, dtype=plan.dtype, chunk=plan.chunk,
                  budget=budget_of[r],
                  equal_memory=plan.equal_memory,
                  randomized=is_randomized(name), prediction=pred, answers=list(ex.answers),
