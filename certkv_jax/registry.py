@@ -10,18 +10,32 @@ factories that take them (:func:`make`); experiment defaults live in
 
     designs = registry.names()                       # every registered name
     design = registry.make("snapkv", 0.25, n_sink=4, window=16)
+
+A design string names a design, its own settings and a per-head allocation
+(:data:`ALLOCATIONS`), ``"design[:setting=value...][+allocation[:setting=value...]]"``;
+:func:`parse` is the one parser of these strings: ``generate``, the leaderboard,
+the equal-memory comparison and :func:`make` read them all through it, so a
+name means the same thing everywhere::
+
+    registry.parse("priority_floor:min_tail=8+cert").allocation      # "cert"
+    design = registry.make("priority_focus:diffuse_weight=0.3", 0.25)
+    design, allocation = registry.make_with_allocation(
+        "priority_focus:diffuse_weight=0.3:focus_share=0.95+cert:min_share=0.95", 0.25)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
+from certkv_jax import allocation as allocation_lib
 from certkv_jax import designs
 from certkv_jax import keydiff
 from certkv_jax.designs import EvictionDesign
 
 SHARED = ("n_sink", "window")
+FULL = "full"  # no eviction: the reference (no registered design)
 
 _FACTORIES: dict[str, Callable[..., EvictionDesign]] = {
     "sink_window": designs.sink_window,
@@ -46,6 +60,21 @@ _FACTORIES: dict[str, Callable[..., EvictionDesign]] = {
 # A budget that any design accepts, to read a design's static properties.
 _PROBE_BUDGET = 0.5
 
+# Per-head budgets by name (``+allocation`` in a design string; uniform: none).
+ALLOCATIONS = {
+    "uniform": None,
+    "adakv": allocation_lib.AdaKV(),
+    "cert": allocation_lib.CertificateTargeted(scope="layer"),
+    "cert_model": allocation_lib.CertificateTargeted(scope="model"),
+    "pyramid": allocation_lib.Pyramid(),
+    "pyramid_adakv": allocation_lib.Pyramid(within=allocation_lib.AdaKV()),
+}
+# PyramidKV = SnapKV's scores under the pyramid layer schedule (Cai et al., 2024).
+ALIASES = {"pyramidkv": "snapkv+pyramid", "pyramidkv+adakv": "snapkv+pyramid_adakv"}
+# The observation window an allocation that reads the window's queries (``needs_gains``)
+# gives a design without a window of its own (SnapKV's is its own).
+OBSERVATION_WINDOW = 16
+
 
 def register(name: str, factory: Callable[..., EvictionDesign]) -> None:
   """Adds a user's design (``factory(budget, **settings) -> EvictionDesign``).
@@ -67,27 +96,149 @@ def names(*, randomized: Optional[bool] = None) -> tuple[str, ...]:
 
 
 def make(name: str, budget, **settings) -> EvictionDesign:
-  """The design ``name`` at ``budget``.
+  """The design ``name`` at ``budget``; ``name`` may be a design string with the
+  design's own settings (``"priority_focus:diffuse_weight=0.3"``, :func:`parse`),
+  which override ``settings``.
 
   The shared settings (``n_sink``, ``window``) go to the factories that take
   them: :func:`designs.sink_window` has no recent-window setting (its window is
   whatever the budget leaves after the sinks). Any other setting must be one
-  of the factory's keywords.
+  of the factory's keywords. A string with a per-head allocation (``+cert``)
+  needs :func:`make_with_allocation`, which returns the allocation too.
 
   Raises:
     ValueError naming the design and listing the known names, or naming a
     setting the design does not take.
   """
-  if name not in _FACTORIES:
+  if name in _FACTORIES:
+    return _make_registered(name, budget, settings)
+  if not isinstance(name, str) or not (":" in name or "+" in name or name in ALIASES):
     raise ValueError(f"unknown design {name!r}; choose from {sorted(_FACTORIES)}")
+  spec = parse(name)
+  if spec.allocation != "uniform":
+    raise ValueError(f"design {name!r} has a per-head allocation ({spec.allocation!r}): "
+                     "use registry.make_with_allocation, which returns (design, allocation)")
+  return _make_registered(spec.name, budget, settings, spec.settings)
+
+
+def _make_registered(name: str, budget, settings: dict, own=()) -> EvictionDesign:
+  """The registered design ``name`` at ``budget`` with ``settings`` (see :func:`make`)
+  and the string's ``own`` settings, which override them and must be the design's."""
   factory = _FACTORIES[name]
   params = inspect.signature(factory).parameters
   takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
   kwargs = {}
-  for key, value in settings.items():
+  for key, value in list(settings.items()) + list(own):
     if key in params or takes_any:
       kwargs[key] = value
-    elif key not in SHARED:
+    elif key not in SHARED or key in dict(own):
       raise ValueError(f"design {name!r} takes no setting {key!r}; it takes "
                        f"{sorted(k for k in params if k != 'budget')}")
   return factory(budget, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """A parsed design string (:func:`parse`).
+
+  Attributes:
+    name: the registered design (or :data:`FULL`).
+    settings: the design's own settings, ``((key, value), ...)`` in the given order.
+    allocation: a name of :data:`ALLOCATIONS` (``"uniform"``: none).
+    allocation_settings: the allocation's settings, as ``settings``.
+  """
+
+  name: str
+  settings: tuple = ()
+  allocation: str = "uniform"
+  allocation_settings: tuple = ()
+
+
+def _settings(part: str, text: str, flag: str) -> tuple:
+  """``":a=1:b=0.5"`` -> ``(("a", 1), ("b", 0.5))`` (ints when written without a point)."""
+  out = []
+  for item in part.split(":")[1:]:
+    key, eq, value = item.partition("=")
+    try:
+      num = float(value)
+    except ValueError:
+      num = None
+    if not key or not eq or num is None:
+      raise ValueError(f"{flag}: setting {item!r} in {text!r} must be name=number")
+    out.append((key, int(num) if num.is_integer() and "." not in value else num))
+  return tuple(out)
+
+
+def parse(text: str, *, flag: str = "design") -> Spec:
+  """The :class:`Spec` of ``"design[:setting=value...][+allocation[:setting=value...]]"``
+  (aliases in :data:`ALIASES`; :data:`FULL` takes no settings or allocation).
+
+  Raises:
+    ValueError naming ``flag``, the unknown design, allocation or malformed setting,
+    and the allowed names.
+  """
+  if not isinstance(text, str) or not text:
+    raise ValueError(f"{flag}: a design must be a non-empty string, got {text!r}")
+  spec = ALIASES.get(text, text)
+  design_part, plus, alloc_part = spec.partition("+")
+  name, alloc = design_part.partition(":")[0], alloc_part.partition(":")[0]
+  if plus and not alloc:
+    raise ValueError(f"{flag}: no allocation after '+' in {text!r}; choose from "
+                     f"{list(ALLOCATIONS)}")
+  alloc = alloc or "uniform"
+  if name == FULL:
+    if spec != FULL:
+      raise ValueError(f"{flag}: {FULL!r} (no eviction) takes no settings or allocation, "
+                       f"got {text!r}")
+    return Spec(FULL)
+  if name not in _FACTORIES:
+    where = "" if name == text else f" in {text!r}"
+    raise ValueError(f"{flag}: unknown design {name!r}{where}; choose from "
+                     f"{[FULL] + list(_FACTORIES)}, as design[:setting=value...]"
+                     f"[+allocation[:setting=value...]] with an allocation of "
+                     f"{list(ALLOCATIONS)}")
+  if alloc not in ALLOCATIONS:
+    raise ValueError(f"{flag}: unknown allocation {alloc!r} in {text!r}; choose from "
+                     f"{list(ALLOCATIONS)}")
+  return Spec(name, _settings(design_part, text, flag), alloc,
+              _settings(alloc_part, text, flag))
+
+
+def _allocation(spec: Spec, text: str, flag: str):
+  """The allocation object of ``spec``, its settings applied."""
+  allocation = ALLOCATIONS[spec.allocation]
+  if not spec.allocation_settings:
+    return allocation
+  if allocation is None:
+    raise ValueError(f"{flag}: uniform budgets take no settings, got {text!r}")
+  fields = {f.name for f in dataclasses.fields(allocation)}
+  unknown = sorted(set(dict(spec.allocation_settings)) - fields)
+  if unknown:
+    raise ValueError(f"{flag}: allocation {spec.allocation!r} takes no setting "
+                     f"{unknown[0]!r} in {text!r}; it takes {sorted(fields)}")
+  return dataclasses.replace(allocation, **dict(spec.allocation_settings))
+
+
+def make_with_allocation(text: Union[str, Spec], budget, *, flag: str = "design",
+                         **settings):
+  """``(design, allocation)`` of a design string at ``budget``: ``(None, None)`` for
+  :data:`FULL`; the allocation is None for uniform budgets. ``settings`` (e.g. the
+  shared ``n_sink``, ``window``) go to the design as in :func:`make`; the string's own
+  settings override them. A design whose allocation reads the observation window
+  (``needs_gains``) but has none of its own gets :data:`OBSERVATION_WINDOW` queries.
+
+  Raises:
+    ValueError naming ``flag`` and what is wrong (:func:`parse`, :func:`make`).
+  """
+  spec = text if isinstance(text, Spec) else parse(text, flag=flag)
+  label = text if isinstance(text, str) else spec.name
+  if spec.name == FULL:
+    return None, None
+  allocation = _allocation(spec, label, flag)
+  try:
+    design = _make_registered(spec.name, budget, settings, spec.settings)
+  except ValueError as err:  # the factory's own checks, e.g. a setting out of range
+    raise ValueError(f"{flag}: {err} (in {label!r})") from err
+  if allocation is not None and allocation.needs_gains and design.observation_window < 1:
+    design = dataclasses.replace(design, observation_window=OBSERVATION_WINDOW)
+  return design, allocation

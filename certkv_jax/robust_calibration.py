@@ -19,7 +19,11 @@ tasks. This module fits what held up better there:
   covers at ``>= 1 - delta`` in every bin, so the mixture does too. A source
   unlike all of them is not covered by this argument: that shift is measured
   (leave-one-source-out), not assumed.
-* **Per regime, budget and delta**: one set of edges and scales each.
+* **Per regime, budget and delta**: one set of edges and scales each. A
+  budget between two fitted ones gets the log-linear mix of the two
+  calibrated radii (coverage is established at the fitted budgets only; the
+  mix is a reading between them, and the caller says so); outside the fitted
+  budgets' range there is no radius.
 * **The context lengths it was fitted on.** The artifact records the range
   ``context_range`` (fewest and most prompt tokens, context + question, of the
   calibration calls) next to its sources (``data``). Context length is a shift
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -177,6 +182,23 @@ class BinnedCalibration:
     span = f"{lo}" if lo == hi else f"{lo}-{hi}"
     return f"contexts of {span} tokens from sources {', '.join(self.data)}"
 
+  def budget_neighbours(self, budget: float) -> Optional[tuple]:
+    """``((b_lo, weight_lo), (b_hi, weight_hi))`` fitted-budget indices and weights
+    whose log-linear mix gives ``budget``: one entry of weight 1 when
+    ``budget`` was fitted, two when it lies between fitted budgets, None
+    outside their range."""
+    budget = float(budget)
+    hits = [i for i, s in enumerate(self.budgets) if abs(budget - s) <= store.MATCH_TOL]
+    if hits:
+      return ((hits[0], 1.0),)
+    order = sorted(range(len(self.budgets)), key=lambda i: self.budgets[i])
+    for lo, hi in zip(order, order[1:]):
+      b_lo, b_hi = self.budgets[lo], self.budgets[hi]
+      if b_lo < budget < b_hi:
+        t = math.log(budget / b_lo) / math.log(b_hi / b_lo)
+        return ((lo, 1.0 - t), (hi, t))
+    return None
+
   def _entry(self, model, design, regime, budget, delta):
     for name, want, got in (("model", self.model, model), ("design", self.design, design)):
       if got != want:
@@ -185,7 +207,14 @@ class BinnedCalibration:
       raise ValueError(f"regime: this calibration was made for {list(self.regimes)}, got "
                        f"{regime!r}")
     i = self.regimes.index(regime)
-    b = store._index_of("budget", budget, self.budgets)  # pylint: disable=protected-access
+    if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, (float, int, np.floating)):
+      raise ValueError(f"budget must be a float, got {budget!r}")
+    b = self.budget_neighbours(budget)
+    if b is None:
+      raise ValueError(f"budget: this calibration was fitted at budgets {self.budgets} and "
+                       f"interpolates between them; {budget!r} is outside "
+                       f"[{min(self.budgets)}, {max(self.budgets)}] (refit with the "
+                       "validity study at that budget)")
     d = store._index_of("delta", delta, self.deltas)  # pylint: disable=protected-access
     return i, b, d
 
@@ -224,8 +253,12 @@ class BinnedCalibration:
                          "established there (pass outside_range='warn' to use it anyway and "
                          "warn)")
     raw = jnp.asarray(raw)
-    bins = jnp.searchsorted(jnp.asarray(self.edges[i, b, d]), raw, side="right")
-    return calibration.apply_scales(raw, bins.astype(jnp.int32), self.scales[i, b, d])
+    out = 0.0
+    for j, weight in b:  # a fitted budget, or a log-linear mix of its two neighbours
+      bins = jnp.searchsorted(jnp.asarray(self.edges[i, j, d]), raw, side="right")
+      out = out + weight * calibration.apply_scales(raw, bins.astype(jnp.int32),
+                                                    self.scales[i, j, d])
+    return out
 
   def metadata(self) -> dict:
     return {"kind": KIND, "format_version": self.format_version, "model": self.model,

@@ -8,13 +8,17 @@ design with uniform budgets, and the randomized variants' raw and calibrated
 (fitted on separate sources) coverage is reported with sharpness. Rows go to
 ``--out/rows.jsonl`` (resumable; progress with an ETA); when complete,
 ``--out/report.md``, ``summary.json`` and ``delta_nll.png`` are written
-(:mod:`experiments.lib.equal_memory`).
+(:mod:`experiments.lib.equal_memory`). The default sources are the Vim user
+manual shipped in ``experiments/data/vim`` (its README gives source and licence).
+Variants are design strings of ``certkv_jax.registry.parse``, as in ``generate``
+and the leaderboard. A bad flag ends in one line naming it.
 
   python -m experiments.equal_memory --out=/tmp/eqm --context_lens=1024 \
       --n_eval=2 --n_calib=1 --variants=snapkv,priority_tail+cert --memories=0.25
 """
 
 import os
+import sys
 import time
 
 from absl import app
@@ -30,12 +34,15 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output directory.", required=True)
 flags.DEFINE_string("model", model_loading.DEFAULT_MODEL, "Model ('smollm2' or a Hugging "
                     "Face safetensors directory).")
-flags.DEFINE_string("sources", "/usr/share/vim/vim90/doc/usr_[0-9]*.txt", "Comma-separated "
+flags.DEFINE_string("sources", experiment.DEFAULT_SOURCES, "Comma-separated "
                     "globs of UTF-8 text files, one segment each, each glob sorted, the globs "
-                    "in order (default: the Vim user manual, natural English prose used "
-                    "nowhere else in this project).")
+                    "in order (default: the Vim user manual shipped in experiments/data/vim, "
+                    "natural English prose; the validity study at 4k-8k tokens reads its "
+                    "editing.txt, no other study these files).")
 flags.DEFINE_list("context_lens", ["1024"], "Tokens per segment (BOS included).")
-flags.DEFINE_list("variants", list(experiment.DEFAULT_VARIANTS), "design[+allocation]: "
+flags.DEFINE_list("variants", list(experiment.DEFAULT_VARIANTS), "Design strings "
+                  "design[:setting=value...][+allocation[:setting=value...]] "
+                  "(certkv_jax.registry.parse, as generate and the leaderboard read them): "
                   f"allocations {list(experiment.ALLOCATIONS)}; aliases "
                   f"{list(experiment.ALIASES)}. The full cache always runs.")
 flags.DEFINE_list("memories", ["0.125", "0.25", "0.5"], "Kept bytes as fractions of the full "
@@ -57,23 +64,50 @@ flags.DEFINE_bool("report_only", False, "Write the report from the rows on file;
                   "(variants without every row are listed as not run).")
 
 
+def _numbers(name: str, values, kind):
+  try:
+    return tuple(kind(v) for v in values)
+  except ValueError:
+    raise ValueError(f"--{name} entries must be {kind.__name__}s, got {values}") from None
+
+
+def plan_from_flags(fv) -> experiment.Plan:
+  """The checked :class:`experiment.Plan` of the parsed flags ``fv``.
+
+  Raises:
+    ValueError naming the flag.
+  """
+  sources = experiment.default_sources(fv.sources)
+  if fv.skip_sources >= len(sources):
+    raise ValueError(f"--skip_sources={fv.skip_sources} leaves none of the {len(sources)} "
+                     f"files of --sources")
+  return experiment.Plan(
+      sources=sources[fv.skip_sources:], context_lens=_numbers("context_lens",
+                                                               fv.context_lens, int),
+      variants=tuple(fv.variants), memories=_numbers("memories", fv.memories, float),
+      n_eval=fv.n_eval, n_calib=fv.n_calib, chunk=fv.chunk, seed=fv.seed, group=fv.group,
+      max_units=None if fv.max_units < 0 else fv.max_units, coverage=fv.coverage).check()
+
+
 def main(argv):
   del argv
   results_io.quiet_library_logs(FLAGS)
-  plan = experiment.Plan(
-      sources=experiment.default_sources(FLAGS.sources)[FLAGS.skip_sources:],
-      context_lens=tuple(int(c) for c in FLAGS.context_lens),
-      variants=tuple(FLAGS.variants), memories=tuple(float(m) for m in FLAGS.memories),
-      n_eval=FLAGS.n_eval, n_calib=FLAGS.n_calib, chunk=FLAGS.chunk, seed=FLAGS.seed,
-      group=FLAGS.group, max_units=None if FLAGS.max_units < 0 else FLAGS.max_units,
-      coverage=FLAGS.coverage).check()
+  try:  # flag errors before the model loads: one line naming the flag
+    plan = plan_from_flags(FLAGS)
+  except ValueError as err:
+    sys.exit(f"experiments.equal_memory: {err}")
   t0 = time.time()
   params, config, tok = model_loading.load_model(FLAGS.model)
   if FLAGS.report_only:
     rows = results_io.read_rows(os.path.join(FLAGS.out, experiment.ROWS_FILE))
   else:
-    rows = experiment.run(params, config, tok, FLAGS.out, plan,
-                          model=model_loading.model_name(FLAGS.model))
+    try:
+      rows = experiment.run(params, config, tok, FLAGS.out, plan,
+                            model=model_loading.model_name(FLAGS.model))
+    except ValueError as err:  # e.g. too few --sources files long enough for the segments
+      if not str(err).startswith("--"):
+        raise
+      sys.exit(f"experiments.equal_memory: {err}")
   summary = report.write(rows, FLAGS.out, plan, n_kv_heads=config.n_kv_heads)
   if summary is None:
     print("rows incomplete; rerun to finish (no report yet)")

@@ -12,6 +12,7 @@ and with ``--evaluate`` the true error (:mod:`models.text.generate`,
   python -m experiments.generate --prompt="What is the capital of France?" --budget=0.75
   python -m experiments.generate --prompt_file=doc.txt --regime=streaming --evaluate
   python -m experiments.generate --prompt_file=doc.txt --profile_dir=/tmp/trace
+  python -m experiments.generate --prompt_file=doc.txt --dtype=bfloat16   # a GPU's choice
 
 A sampled tail needs room beyond the certainty set (4 sinks + 16 recent
 tokens): a one-line question at budget 0.25 keeps only that set and gets no
@@ -40,7 +41,11 @@ def define_flags():
   flags.DEFINE_string("model", model_loading.DEFAULT_MODEL,
                       "'smollm2' or a Hugging Face safetensors directory with tokenizer.json.")
   flags.DEFINE_string("design", "poisson_tail",
-                      f"Eviction design: {', '.join(generate.design_names())} ('full': none).")
+                      f"Eviction design: {', '.join(generate.design_names())} ('full': none); "
+                      "a name may carry settings and a per-head allocation, "
+                      "design[:setting=value...][+allocation[:setting=value...]] "
+                      "(certkv_jax.registry.parse), e.g. "
+                      "priority_focus:diffuse_weight=0.3:focus_share=0.95+cert:min_share=0.95.")
   flags.DEFINE_float("budget", 0.25, "Fraction in (0, 1] of the tokens seen that is kept.")
   flags.DEFINE_integer("max_new_tokens", 64, "Decode steps; the answer stops at end-of-turn.")
   flags.DEFINE_enum("regime", "question_aware", list(generate.REGIMES),
@@ -60,6 +65,7 @@ def define_flags():
                       "(after a warm-up call) to this directory.")
   flags.DEFINE_bool("evaluate", False, "Evaluation mode: a shadow full cache gives the true "
                     "error of every call next to its radius.")
+  model_loading.define_dtype_flag()
 
 
 def main(argv):
@@ -78,7 +84,7 @@ def main(argv):
     sys.exit(f"experiments.generate: {err}")
   try:  # prompt too long for the model: found from the tokenizer, before the weights load
     generate_report.run_and_print(prompt, settings,
-                                  lambda: model_loading.ModelSource(FLAGS.model),
+                                  lambda: model_loading.ModelSource(FLAGS.model, FLAGS.dtype),
                                   name=model_loading.model_name(FLAGS.model),
                                   profile_dir=FLAGS.profile_dir)
   except ValueError as err:

@@ -5,11 +5,15 @@ r"""The main command: every experiment of method, section 8, then ``report.md`` 
 
 Collects the suite's rows once (resumable, ``DIR/rows.jsonl``), runs the
 Theorem-1 rotation, the overhead timing and the streaming loss under eviction
-on ``--text``, and writes ``DIR/report.md``: for each claim of method, section 7
-the paper's number, ours with a 95% interval and a verdict, followed by every
-experiment's tables and PNG plots. The plans (``QUICK``, ``FULL``) and the run:
-:mod:`experiments.lib.suite.runner`. A rerun resumes: finished rows are not
-recomputed.
+on ``--text``, and writes ``DIR/report.md``: what ran (contexts, examples,
+designs) and what its verdicts can and cannot say about the paper, then for
+each claim of method, section 7 the paper's number, ours with a 95% interval
+and a verdict beside what the project's committed longer-context runs measured
+(with links), followed by every experiment's tables and PNG plots. Progress is
+one line for the whole job (stage i of n, the job's ETA); at the end the
+terminal gets what ran, the claims table and the report's path. The plans
+(``QUICK``, ``FULL``) and the run: :mod:`experiments.lib.suite.runner`. A
+rerun resumes: finished rows are not recomputed.
 """
 
 import sys

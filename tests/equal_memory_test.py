@@ -12,6 +12,8 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 from absl.testing import absltest
 import jax
@@ -106,6 +108,39 @@ class SourcesTest(absltest.TestCase):
     self.assertEqual([os.path.basename(p) for p in got], ["b_1.txt", "a_1.txt", "a_2.txt"])
     with self.assertRaisesRegex(ValueError, "--sources: files listed more than once"):
       experiment.default_sources(f"{root}/a_1.txt,{root}/a_*.txt")
+    with self.assertRaisesRegex(ValueError, r"--sources: '.*/c_\*.txt' matches no file"):
+      experiment.default_sources(f"{root}/a_*.txt,{root}/c_*.txt")
+    with self.assertRaisesRegex(ValueError, "matches no file"):
+      experiment.default_sources(f"{root}/a_toc.txt")  # tables of contents are left out
+
+  def test_default_sources_are_shipped_with_their_licence(self):
+    """The default corpus is in the package (found from any working directory), the
+    files the committed runs read (their recorded sha256), with the licence beside it."""
+    got = experiment.default_sources(experiment.DEFAULT_SOURCES)
+    self.assertLen(got, 35)
+    self.assertEqual(os.path.basename(got[0]), "usr_01.txt")
+    for name in ("README.md", "OPL-1.0.txt", "uganda.txt", "editing.txt"):
+      self.assertTrue(os.path.exists(os.path.join(experiment.DATA_DIR, name)), name)
+    summary = os.path.join(test_util.ROOT, "experiments", "results", "equal_memory",
+                           "summary.json")
+    with open(summary, encoding="utf-8") as f:
+      plan = json.load(f)["plan"]
+    self.assertEqual([os.path.basename(p) for p in got], plan["sources"])
+    self.assertEqual(experiment.sources_sha256(got), plan["sources_sha256"])
+
+  def test_a_bad_flag_is_one_line(self):
+    for flag, msg in (("--sources=/nonexistent/*.txt", "--sources: '/nonexistent/*.txt' "
+                       "matches no file"),
+                      ("--variants=snapkv+nope", "--variants: unknown allocation 'nope'"),
+                      ("--memories=half", "--memories entries must be floats")):
+      done = subprocess.run([sys.executable, "-m", "experiments.equal_memory", "--out=unused",
+                             flag], cwd=test_util.temp_dir(self), capture_output=True,
+                            text=True, timeout=300, check=False,
+                            env=dict(os.environ, PYTHONPATH=test_util.ROOT))
+      lines = done.stderr.strip().splitlines()
+      self.assertEqual(done.returncode, 1, done.stderr)
+      self.assertLen(lines, 1, done.stderr)
+      self.assertStartsWith(lines[0], f"experiments.equal_memory: {msg}")
 
 
 @pytest.mark.slow

@@ -198,8 +198,9 @@ class GenerateTextTest(absltest.TestCase):
         (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
         (dict(delta=0.0), r"delta .* must be in \(0, 1\)"),
         (dict(delta=1.0), r"delta .* must be in \(0, 1\)"),
-        (dict(design="nope"), r"design: unknown design 'nope'; choose from \[.*'poisson_tail'.*"
-                              r"or 'full'"),
+        (dict(design="nope"), r"design: unknown design 'nope'; choose from \['full', "
+                              r".*'poisson_tail'.*\+allocation"),
+        (dict(design="snapkv+nope"), r"design: unknown allocation 'nope' in 'snapkv\+nope'"),
         (dict(regime="offline"), r"regime must be one of \['question_aware', 'streaming'\]"),
         (dict(seed=1.5), "seed must be an int"),
         (dict(chunk=0), "chunk must be an int >= 1"),
@@ -288,7 +289,12 @@ class CalibrationTest(absltest.TestCase):
     self.assertIn("method, section 10", note)
     self.assertIn("fitted on contexts of 1040-1156 tokens", note)
     self.assertFalse(note.startswith("WARNING"))
-    for change, field in ((dict(budget=0.3), "budget"), (dict(delta=0.2), "delta"),
+    # A budget between fitted ones (0.25, 0.5) mixes theirs and says so; outside them
+    # (fitted 0.125-0.5) there is none.
+    cal_03, note, _ = generate_certificate.calibrated(raw, run._replace(budget=0.3), **kw)
+    self.assertEqual(cal_03.shape, raw.shape)
+    self.assertIn("between the fitted budgets 0.25 and 0.5", note)
+    for change, field in ((dict(budget=0.6), "budget"), (dict(delta=0.2), "delta"),
                           (dict(design_name="poisson_flat"), "design"),
                           (dict(model_name="other"), "model"), (dict(window=8), "window"),
                           (dict(model_name=None), "model_name"),

@@ -187,6 +187,22 @@ class BinnedCalibrationTest(absltest.TestCase):
                                   r"reads version 2\. .*context lengths.*--from_units"):
         rc.load(path)
 
+  def test_budget_between_fitted_ones_mixes_their_radii_in_log_budget(self):
+    cal = self._fit()  # fitted at budgets 0.25 and 0.5
+    raw = np.array([0.05, 0.5, 5.0, 50.0])
+    kw = dict(model="m", design="poisson_tail", regime="streaming", delta=0.05)
+    at = lambda b: np.asarray(cal.radius(raw, budget=b, **kw), np.float64)
+    lo, hi = at(0.25), at(0.5)
+    # 0.25 * sqrt(2) is halfway in log budget: the mean of the two calibrated radii.
+    np.testing.assert_allclose(at(0.25 * math.sqrt(2.0)), 0.5 * (lo + hi), rtol=1e-6)
+    np.testing.assert_allclose(at(0.3), (1 - math.log(1.2) / math.log(2.0)) * lo
+                               + math.log(1.2) / math.log(2.0) * hi, rtol=1e-6)
+    self.assertEqual(cal.budget_neighbours(0.5), ((1, 1.0),))
+    for outside in (0.125, 0.75):
+      self.assertIsNone(cal.budget_neighbours(outside))
+      with self.assertRaisesRegex(ValueError, r"budget: .*outside \[0.25, 0.5\]"):
+        cal.radius(raw, budget=outside, **kw)
+
   def test_misuse_names_the_field(self):
     cal = self._fit()
     ok = dict(model="m", design="poisson_tail", regime="streaming", budget=0.25, delta=0.05)

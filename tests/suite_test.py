@@ -135,12 +135,22 @@ class SuiteTest(absltest.TestCase):
       self.assertEqual(r["n_calls"], 3 * self.config.n_layers * self.config.n_heads)
       if r["design"] == "full":
         self.assertLess(r["mean_err"], 1e-5)
+    # One progress line for the whole job: stage i of n, the job's ETA.
+    self.assertTrue(any(line.startswith("[stage 1/3 suite rows: ") and "| job " in line
+                        and ", ETA ~" in line for line in logs), logs)
+    self.assertTrue(any(line.startswith("[stage 3/3 validity") for line in logs), logs)
+    # The terminal gets what ran, the claims table and the report's path, not the report.
+    self.assertStartsWith(res["terminal"], "**What ran.**")
+    self.assertIn("| coverage of realised error", res["terminal"])
+    self.assertIn(os.path.join(out, "report.md"), res["terminal"])
+    self.assertNotIn("## Streaming loss under eviction", res["terminal"])
     # Every unit of the rerun was skipped on a third call.
     logs.clear()
     suite_runner.run_suite(self.params, self.config, self.tok, out, plan, run, **kw)
     self.assertIn("0 of 5 units to run", logs[0])
     self.assertLen(results_io.read_rows(os.path.join(out, "rows.jsonl")), expected)
     report = open(os.path.join(out, "report.md")).read()
+    self.assertIn("**What ran.** Model tiny; 2 tasks", report.splitlines()[2])
     self.assertIn("## Streaming loss under eviction", report)
     self.assertIn("## Validity of the certificate, raw and calibrated", report)
     self.assertTrue(os.path.exists(os.path.join(out, "validity", "summary.json")))
@@ -422,8 +432,9 @@ class TheoremAndOverheadTest(absltest.TestCase):
   def test_report_states_the_rule(self):
     settings = suite_settings.Settings(model="tiny").check()
     report = suite_report.render_report(sections=[], theorem1=None, overhead=None,
-                                        command="c", wall_s=1.0, settings=settings,
-                                        machine="m")
+                                        settings=settings,
+                                        header=suite_report.Header(command="c", wall_s=1.0,
+                                                                   machine="m"))
     self.assertIn(suite_report.VERDICT_RULE, report)
     self.assertIn("Machine: m", report)
     for phrase in ("reproduced if our whole 95% interval lies in the region",

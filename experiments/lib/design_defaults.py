@@ -6,7 +6,9 @@ experiments share (:data:`N_SINK`, :data:`WINDOW`; ``snapkv`` and
 ``poisson_envelope`` also take the window as their observation window), and
 :data:`FULL` names the reference that evicts nothing. The names an
 experiment accepts come from the registry (:func:`names`), so a design added
-there is known everywhere::
+there is known everywhere; a name may carry the design's own settings
+(``"priority_focus:diffuse_weight=0.3"``, parsed by ``certkv_jax.registry.parse``;
+per-head allocations: :mod:`experiments.lib.variants`)::
 
     design = make_design("snapkv", 0.25)          # snapkv with 4 sinks, window 16
     make_design(FULL, 0.25)                       # None: keep everything
@@ -22,7 +24,7 @@ from certkv_jax.designs import EvictionDesign
 
 N_SINK = 4  # sink tokens every design keeps
 WINDOW = 16  # recent tokens every design keeps (snapkv / poisson_envelope: observation window)
-FULL = "full"  # no eviction: the reference
+FULL = registry.FULL  # "full": no eviction, the reference
 
 
 def make_design(name: str, budget, n_sink: int = N_SINK,
@@ -47,5 +49,7 @@ def names(*, randomized: Optional[bool] = None) -> tuple[str, ...]:
 
 
 def is_randomized(name: str) -> bool:
-  """Whether the design ``name`` samples its tail (False for :data:`FULL`)."""
-  return name != FULL and bool(make_design(name, 0.5).randomized)
+  """Whether the design string ``name`` (allocations included) samples its tail (False
+  for :data:`FULL`)."""
+  design, _ = registry.make_with_allocation(name, 0.5, n_sink=N_SINK, window=WINDOW)
+  return design is not None and bool(design.randomized)

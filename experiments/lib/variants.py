@@ -1,10 +1,13 @@
 r"""Variants: a registered design, its settings and a per-head allocation, by name.
 
 ``"design[:setting=value...][+allocation[:setting=value...]]"`` names a design
-of the registry (``experiments.lib.design_defaults``) with the budgets of one
-allocation (:data:`ALLOCATIONS`: uniform, AdaKV, certificate-targeted,
-PyramidKV's layer schedule). The equal-memory comparison and the leaderboard
-read the same names, so a variant means the same thing in both::
+of the registry with the budgets of one allocation (uniform, AdaKV,
+certificate-targeted, PyramidKV's layer schedule). The strings are parsed by
+the one parser, ``certkv_jax.registry.parse`` (it lives in the core so that
+``models.text.generate`` reads them too); this module adds the experiments'
+shared sink and window sizes (``experiments.lib.design_defaults``) and the
+equal-memory budget. The equal-memory comparison, the leaderboard and
+``generate`` read the same names, so a variant means the same thing in all::
 
     parse_variant("priority_floor:min_tail=8+cert")   # ("priority_floor", "cert")
     design, alloc, b = make_variant("h2o+adakv", 64, 0.25, 4, 16)
@@ -16,23 +19,14 @@ A design with an allocation that reads the observation window's queries
 
 from __future__ import annotations
 
-import dataclasses
-
-from certkv_jax import allocation as allocation_lib
 from certkv_jax import memory
+from certkv_jax import registry
 from experiments.lib import design_defaults
 
-ALLOCATIONS = {
-    "uniform": None,
-    "adakv": allocation_lib.AdaKV(),
-    "cert": allocation_lib.CertificateTargeted(scope="layer"),
-    "cert_model": allocation_lib.CertificateTargeted(scope="model"),
-    "pyramid": allocation_lib.Pyramid(),
-    "pyramid_adakv": allocation_lib.Pyramid(within=allocation_lib.AdaKV()),
-}
-# PyramidKV = SnapKV's scores under the pyramid layer schedule (Cai et al., 2024).
-ALIASES = {"pyramidkv": "snapkv+pyramid", "pyramidkv+adakv": "snapkv+pyramid_adakv"}
-OBSERVATION_WINDOW = 16  # the window a cert allocation reads (SnapKV's is its own)
+# The registry's tables, re-exported (the names the experiments' flags list).
+ALLOCATIONS = registry.ALLOCATIONS
+ALIASES = registry.ALIASES
+OBSERVATION_WINDOW = registry.OBSERVATION_WINDOW
 
 
 def parse_variant(variant: str, flag: str = "--variants") -> tuple[str, str]:
@@ -40,19 +34,13 @@ def parse_variant(variant: str, flag: str = "--variants") -> tuple[str, str]:
   -> (design, allocation); the settings: :func:`variant_settings`.
 
   Raises:
-    ValueError naming the unknown design or allocation.
+    ValueError naming the unknown design or allocation (the full cache is no variant).
   """
-  variant = ALIASES.get(variant, variant)
-  design, _, alloc = variant.partition("+")
-  design, alloc = design.partition(":")[0], alloc.partition(":")[0]
-  alloc = alloc or "uniform"
-  if design not in design_defaults.names() or design == design_defaults.FULL:
-    raise ValueError(f"{flag}: unknown design {design!r} in {variant!r}; choose from "
-                     f"{list(design_defaults.names()[1:])}")
-  if alloc not in ALLOCATIONS:
-    raise ValueError(f"{flag}: unknown allocation {alloc!r} in {variant!r}; choose from "
-                     f"{list(ALLOCATIONS)}")
-  return design, alloc
+  spec = registry.parse(variant, flag=flag)
+  if spec.name == registry.FULL:
+    raise ValueError(f"{flag}: unknown design {variant!r} (the full cache always runs); "
+                     f"choose from {list(registry.names())}")
+  return spec.name, spec.allocation
 
 
 def variant_settings(variant: str, part: str = "design", flag: str = "--variants") -> dict:
@@ -63,39 +51,14 @@ def variant_settings(variant: str, part: str = "design", flag: str = "--variants
   Raises:
     ValueError naming the malformed setting.
   """
-  spec = ALIASES.get(variant, variant).partition("+")[0 if part == "design" else 2]
-  out = {}
-  for item in spec.split(":")[1:]:
-    key, eq, value = item.partition("=")
-    try:
-      num = float(value)
-    except ValueError:
-      num = None
-    if not key or not eq or num is None:
-      raise ValueError(f"{flag}: setting {item!r} in {variant!r} must be name=number")
-    out[key] = int(num) if num.is_integer() and "." not in value else num
-  return out
+  spec = registry.parse(variant, flag=flag)
+  return dict(spec.settings if part == "design" else spec.allocation_settings)
 
 
 def design_and_allocation(variant: str, n_sink: int, window: int, flag: str = "--variants"):
   """(design, allocation) of ``variant``, its settings applied (errors name the variant)."""
-  name, alloc_name = parse_variant(variant, flag)
-  allocation = ALLOCATIONS[alloc_name]
-  alloc_settings = variant_settings(variant, "allocation", flag)
-  if alloc_settings:
-    if allocation is None:
-      raise ValueError(f"{flag}: uniform budgets take no settings, got {variant!r}")
-    fields = {f.name for f in dataclasses.fields(allocation)}
-    unknown = sorted(set(alloc_settings) - fields)
-    if unknown:
-      raise ValueError(f"{flag}: allocation {alloc_name!r} takes no setting {unknown[0]!r}"
-                       f" in {variant!r}; it takes {sorted(fields)}")
-    allocation = dataclasses.replace(allocation, **alloc_settings)
-  design = design_defaults.make_design(name, 0.5, n_sink, window,
-                                       **variant_settings(variant, flag=flag))
-  if allocation is not None and allocation.needs_gains and design.observation_window < 1:
-    design = dataclasses.replace(design, observation_window=OBSERVATION_WINDOW)
-  return design, allocation
+  parse_variant(variant, flag)
+  return registry.make_with_allocation(variant, 0.5, flag=flag, n_sink=n_sink, window=window)
 
 
 def make_variant(variant: str, head_dim: int, memory_fraction: float, n_sink: int,
@@ -108,5 +71,4 @@ def make_variant(variant: str, head_dim: int, memory_fraction: float, n_sink: in
 
 def is_randomized(variant: str) -> bool:
   """Whether ``variant``'s design samples its tail (False for the full cache)."""
-  return (variant != design_defaults.FULL
-          and design_defaults.is_randomized(parse_variant(variant)[0]))
+  return design_defaults.is_randomized(variant)

@@ -54,13 +54,14 @@ def summarize(radius) -> RadiusSummary:
 
 
 def certificate_status(design_name: str, design) -> tuple[bool, str]:
-  """``(certified, note)``: only a Poisson tail with Hajek offsets yields a radius
-  that is a certificate (method, sections 3-5)."""
+  """``(certified, note)``: only a sampled tail with Hajek offsets (Poisson or
+  priority sampling) yields a radius that is a certificate (method, sections 3-5)."""
   if design is None:
     return False, ("design 'full' evicts nothing: o_hat = o exactly, so there is no error to "
                    "certify (the radius is 0)")
-  if isinstance(design.tail, designs.PoissonTail):
-    return True, (f"design {design_name!r} samples its tail (Poisson, Hajek offsets): the "
+  if isinstance(design.tail, (designs.PoissonTail, designs.PriorityTail)):
+    how = "Poisson" if isinstance(design.tail, designs.PoissonTail) else "priority sampling"
+    return True, (f"design {design_name!r} samples its tail ({how}, Hajek offsets): the "
                   "radius bounds ||o_hat - o|| of each call with probability about 1 - delta "
                   "(method, section 5)")
   kind = ("a uniform random tail with no Hajek offset" if design.randomized
@@ -154,13 +155,20 @@ def calibrated(raw, run: Run, *, calibration: Optional[str], context_tokens: int
   except ValueError as err:
     return None, str(err), None
   radius = np.asarray(out, np.float64)
+  mix = cal.budget_neighbours(float(run.budget))
+  between = ""
+  if len(mix) == 2:
+    b_lo, b_hi = (cal.budgets[j] for j, _ in mix)
+    between = (f"; budget {run.budget:g} lies between the fitted budgets {b_lo:g} and "
+               f"{b_hi:g}: the radius mixes theirs in log budget (coverage is established "
+               "at the fitted budgets, not between them)")
   if not cal.covers_context(int(context_tokens)):
     return radius, (
         f"WARNING: the calibration {calibration} was fitted on {cal.fitted_on()}; this "
         f"prompt has {int(context_tokens)} tokens, so its coverage is not established here "
         "(context length is a shift like another source: the calibrated radius can "
-        "under-cover; method, section 10)"), False
+        f"under-cover; method, section 10){between}"), False
   return radius, (
       f"{calibration} (model {cal.model}, design {cal.design}, fitted on "
       f"{cal.fitted_on()}): valid marginally per radius bin for calls like its "
-      "calibration sources (method, section 10)"), True
+      f"calibration sources (method, section 10){between}"), True

@@ -81,7 +81,9 @@ DEFAULT_CALIBRATION = generate_certificate.DEFAULT_CALIBRATION
 
 def design_names() -> tuple:
   """Every design name :func:`generate_text` accepts: ``"full"`` and the names of
-  ``certkv_jax.registry``."""
+  ``certkv_jax.registry``; each may carry settings and a per-head allocation
+  (``"priority_focus:diffuse_weight=0.3+cert:min_share=0.95"``,
+  ``certkv_jax.registry.parse``)."""
   return (FULL,) + registry.names()
 
 
@@ -273,6 +275,12 @@ def check_arguments(prompt, settings: TextSettings):
   Raises:
     ValueError naming the argument and its allowed values.
   """
+  return _checked(prompt, settings)[0]
+
+
+def _checked(prompt, settings: TextSettings):
+  """:func:`check_arguments`, returning ``(design, allocation)`` (None for uniform
+  budgets) of the design string."""
   s = settings
   if not isinstance(prompt, str) or not prompt.strip():
     raise ValueError(f"prompt must be a non-empty str, got {prompt!r}")
@@ -293,13 +301,11 @@ def check_arguments(prompt, settings: TextSettings):
     if not _is_int(value) or value < lo:
       raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
   if s.design == FULL:
-    return None
+    return None, None
   if not isinstance(s.design, str):
     raise ValueError(f"design must be one of {list(design_names())}, got {s.design!r}")
-  try:
-    return registry.make(s.design, float(s.budget), n_sink=int(s.n_sink), window=int(s.window))
-  except ValueError as err:
-    raise ValueError(f"design: {err}, or {FULL!r} (no eviction)") from err
+  return registry.make_with_allocation(s.design, float(s.budget), n_sink=int(s.n_sink),
+                                       window=int(s.window))
 
 
 def _row(ids) -> tuple[jax.Array, jax.Array]:
@@ -354,7 +360,7 @@ def generate_text(prompt: str, *, params, config, tokenizer,
     ValueError naming the argument and its allowed values.
   """
   s = settings
-  design_obj = check_arguments(prompt, s)
+  design_obj, allocation = _checked(prompt, s)
   design = s.design
   budget = 1.0 if design_obj is None else float(s.budget)
   delta = float(s.delta)
@@ -366,17 +372,20 @@ def generate_text(prompt: str, *, params, config, tokenizer,
                              max_positions=getattr(config, "max_positions", None))
   n_context, n_question = len(encoded.context), len(encoded.question)
   gen_cfg = decode.GenerationConfig(n_steps=max_new_tokens, design=design_obj,
-                                    evaluate=s.evaluate, on_token=on_token)
+                                    allocation=allocation, evaluate=s.evaluate,
+                                    on_token=on_token)
+  per_head = dict(allocation=allocation, config=config)  # capacity of the largest head
   if regime == "question_aware":
     run_chunk = None
-    capacity = budgets.capacity(design_obj, n_context=n_context, n_steps=max_new_tokens)
+    capacity = budgets.capacity(design_obj, n_context=n_context, n_steps=max_new_tokens,
+                                **per_head)
     tokens, mask = _row(encoded.context)
     gen_cfg = gen_cfg.replace(capacity=capacity)
     run = lambda: decode.generate(params, tokens, mask, key, config=config, gen=gen_cfg)
   else:
     run_chunk = min(s.chunk, n_context)
     capacity = budgets.capacity(design_obj, n_context=n_context, n_question=n_question,
-                                n_steps=max_new_tokens, chunk=run_chunk)
+                                n_steps=max_new_tokens, chunk=run_chunk, **per_head)
     ctx, ctx_mask = _row(encoded.context)
     qst, q_mask = _row(encoded.question)
     gen_cfg = gen_cfg.replace(capacity=capacity, chunk=run_chunk)

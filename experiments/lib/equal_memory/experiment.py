@@ -50,6 +50,11 @@ parse_variant, variant_settings = variants.parse_variant, variants.variant_setti
 design_and_allocation, make_variant = variants.design_and_allocation, variants.make_variant
 is_randomized = variants.is_randomized
 
+# The Vim user manual shipped with the package (experiments/data/vim: README.md gives its
+# source, version and licence); this file is experiments/lib/equal_memory/experiment.py.
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "data", "vim")
+DEFAULT_SOURCES = os.path.join(DATA_DIR, "usr_[0-9]*.txt")
 ROWS_FILE = "rows.jsonl"
 KEY_FIELDS = ("context_len", "variant", "memory", "split", "segment", "seed")
 DEFAULT_VARIANTS = ("snapkv", "tova", "h2o", "pyramidkv", "snapkv+adakv", "tova+adakv",
@@ -243,14 +248,20 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
 
 def default_sources(pattern: str) -> tuple:
   """The files of a comma-separated list of globs: each glob sorted, the globs
-  in the given order (tables of contents left out).
+  in the given order (tables of contents left out). Relative globs are read from
+  the working directory.
 
   Raises:
-    ValueError naming --sources when a file is listed twice.
+    ValueError naming --sources when a glob matches no file or a file is listed twice.
   """
   paths = []
   for part in pattern.split(","):
-    paths += [p for p in sorted(glob.glob(part.strip())) if "toc" not in os.path.basename(p)]
+    part = part.strip()
+    found = [p for p in sorted(glob.glob(part)) if "toc" not in os.path.basename(p)]
+    if not found:
+      raise ValueError(f"--sources: {part!r} matches no file (tables of contents left out; "
+                       f"default {DEFAULT_SOURCES!r})")
+    paths += found
   twice = sorted({p for p in paths if paths.count(p) > 1})
   if twice:
     raise ValueError(f"--sources: files listed more than once: {twice}")

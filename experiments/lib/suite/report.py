@@ -17,6 +17,7 @@ Choices the paper leaves open, fixed here (and printed in the report):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -26,6 +27,7 @@ from experiments.lib import model_loading
 from experiments.lib import overhead as overhead_lib
 from experiments.lib import results_io
 from experiments.lib.analyses import common
+from experiments.lib.suite import regime
 from experiments.lib.suite import rows as suite_rows
 from experiments.lib.suite import settings as suite_settings
 
@@ -67,30 +69,78 @@ def overhead_claims(overhead: Optional[dict]) -> list[dict]:
                        "decode step", f"about 2x (band {lo:g}-{hi:g})", ci, v, "; ".join(note))]
 
 
+@dataclasses.dataclass(frozen=True)
+class Header:
+  """What the report says of the run that made it.
+
+  Attributes:
+    command: the command line.
+    wall_s: its wall time (this invocation).
+    machine: the Machine line's text (None: this machine's).
+    out_dir: the report's folder (its links are relative to it; None: a plain path).
+    full_accuracy: ``((task, accuracy, n), ...)`` of the full cache
+      (:func:`full_cache_accuracy`).
+  """
+
+  command: str
+  wall_s: float
+  machine: Optional[str] = None
+  out_dir: Optional[str] = None
+  full_accuracy: tuple = ()
+
+
+def full_cache_accuracy(rows) -> tuple:
+  """``((task, accuracy, n), ...)`` of the full cache's rows, tasks in order of appearance."""
+  by = {}
+  for r in rows:
+    if r["design"] == "full":
+      by.setdefault(r["task"], []).append(float(bool(r["correct"])))
+  return tuple((t, sum(v) / len(v), len(v)) for t, v in by.items())
+
+
+def _claims(sections: Sequence[dict], overhead: Optional[dict]) -> list[dict]:
+  return [c for s in sections for c in s.get("claims", [])] + overhead_claims(overhead)
+
+
+def claims_lines(sections: Sequence[dict], overhead: Optional[dict], settings,
+                 header: Header, *, link: regime.Link) -> tuple[list[str], list[str]]:
+  """The report's opening (what ran, what its verdicts can say) and the claims table,
+  with the committed longer runs beside the claims they bear on (``link`` names files:
+  ``regime.links``): what the terminal shows of the report."""
+  found = regime.evidence(link)
+  lines = regime.describe(settings, header.full_accuracy, link) + [""]
+  return lines, common.table(
+      ["claim", "paper", "ours (95% CI)", "verdict", "note",
+       "the committed longer-context runs"],
+      [[c["claim"], c["paper"], c["ours"], c["verdict"], c["note"],
+        regime.beside(c["claim"], found)] for c in _claims(sections, overhead)])
+
+
 def render_report(*, sections: Sequence[dict], theorem1: Optional[dict],
-                  overhead: Optional[dict], command: str, wall_s: float, settings,
-                  extra: Sequence[str] = (), machine: Optional[str] = None) -> str:
-  """``report.md``: the claims table, then each section. ``machine``: the Machine line's
-  text (default: this machine's)."""
+                  overhead: Optional[dict], settings, header: Header,
+                  extra: Sequence[str] = ()) -> str:
+  """``report.md``: what ran and what its verdicts can say, the claims table, then each
+  section."""
   import jax  # pylint: disable=g-import-not-at-top
+  machine = header.machine
   if machine is None:
     machine = (f"{platform.platform()}, {os.cpu_count()} CPUs, jax {jax.__version__}, "
                f"python {platform.python_version()}")
-  claims = [c for s in sections for c in s.get("claims", [])] + overhead_claims(overhead)
-  lines = ["# certkv_jax: the paper's claims (method, section 7) on this setup", "",
-           f"Command: `{command}`  ", f"Wall time: {wall_s:.0f} s  ",
-           f"Machine: {machine}  ",
-           f"Settings: model {settings.model}, tasks {list(settings.tasks)}, context_len "
-           f"{settings.context_len}, {settings.num_examples} examples per task, budgets "
-           f"{list(settings.budgets)}, designs {list(settings.designs)}, regimes "
-           f"{list(settings.regimes)} ({list(settings.question_aware_only)} question-aware "
-           f"only; 'full' once), {settings.n_runs} runs of {list(settings.multi_run_designs)}, "
-           f"{settings.n_steps} decode steps, seed {settings.seed}"
-           + (f", at most {settings.max_batch} rows per call" if settings.max_batch else ""),
-           "", VERDICT_RULE, ""]
-  lines += common.table(["claim", "paper", "ours (95% CI)", "verdict", "note"],
-                        [[c["claim"], c["paper"], c["ours"], c["verdict"], c["note"]]
-                         for c in claims])
+  opening, table = claims_lines(sections, overhead, settings, header,
+                                link=regime.links(header.out_dir))
+  lines = ["# certkv_jax: the paper's claims (method, section 7) on this setup", ""]
+  lines += opening
+  lines += [f"Command: `{header.command}`  ", f"Wall time: {header.wall_s:.0f} s  ",
+            f"Machine: {machine}  ",
+            f"Settings: model {settings.model}, tasks {list(settings.tasks)}, context_len "
+            f"{settings.context_len}, {settings.num_examples} examples per task, budgets "
+            f"{list(settings.budgets)}, designs {list(settings.designs)}, regimes "
+            f"{list(settings.regimes)} ({list(settings.question_aware_only)} question-aware "
+            f"only; 'full' once), {settings.n_runs} runs of {list(settings.multi_run_designs)}, "
+            f"{settings.n_steps} decode steps, seed {settings.seed}"
+            + (f", at most {settings.max_batch} rows per call" if settings.max_batch else ""),
+            "", VERDICT_RULE, ""]
+  lines += table
   lines += ["", __doc__.split("Choices the paper leaves open, fixed here (and printed in the "
                               "report):")[1].strip().replace("\n\n", "\n"), ""]
   if theorem1:
@@ -101,6 +151,17 @@ def render_report(*, sections: Sequence[dict], theorem1: Optional[dict],
     lines += [s["md"], ""]
   lines += list(extra)
   return "\n".join(lines) + "\n"
+
+
+def render_terminal(*, sections: Sequence[dict], overhead: Optional[dict], settings,
+                    header: Header, path: str) -> str:
+  """What ``run_all`` prints at the end: what ran and what its verdicts can say, the
+  claims table and where the whole report is (``path``)."""
+  opening, table = claims_lines(sections, overhead, settings, header,
+                                link=regime.links(None))
+  return "\n".join(
+      opening + table + ["", f"The whole report (the verdict rule, every experiment's tables "
+                             f"and plots): {path}; wall time {header.wall_s:.0f} s."]) + "\n"
 
 
 def write_summary(out_dir: str, sections: Sequence[dict], title: str) -> str:

@@ -34,6 +34,13 @@ calibrated coverage on held-out data, 256-token contexts). ``--full``: 24
 examples per task, 512-token contexts, the designs of FULL, three tasks; 12
 segments of 512 tokens of the text; the validity study at 256 / 1024 / 2048
 tokens.
+
+Progress: one line for the whole job (:class:`experiments.lib.suite.progress.JobProgress`:
+stage i of n, the stage's units, the job's elapsed time and ETA over every stage
+still to come). At the end ``run_all`` prints what ran, what its verdicts can say
+and the claims table, with the committed longer-context runs beside the claims
+(:mod:`experiments.lib.suite.regime`), and the report's path; the report opens
+the same way.
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ from experiments.lib.damage import collect as damage_collect
 from experiments.lib.damage import report as damage_report
 from experiments.lib.streaming_loss import experiment as streaming_loss_experiment
 from experiments.lib.streaming_loss import report as streaming_loss_report
+from experiments.lib.suite import progress as suite_progress
+from experiments.lib.suite import regime
 from experiments.lib.suite import report as suite_report
 from experiments.lib.suite import rows as suite_rows
 from experiments.lib.suite import settings as suite_settings
@@ -109,6 +118,11 @@ FULL = dict(
     # The committed experiments/results/damage run (method, section 11): the Plan defaults.
     damage=dict(),
 )
+# The stages of run_suite in the order they run, each with a rough share of the quick
+# plan's time on a 2-core CPU: the job's ETA weighs the stages by it (the pace itself is
+# measured as the job runs, so only the shares' proportions matter).
+STAGES = (("suite rows", 0.45), ("Theorem 1", 0.05), ("overhead", 0.05),
+          ("streaming loss", 0.12), ("validity", 0.18), ("damage", 0.15))
 # experiments/data/gpl-3.0.txt (this file is experiments/lib/suite/runner.py)
 DEFAULT_TEXT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data",
@@ -144,14 +158,19 @@ def run_suite(params, config, tok, out: str, plan: dict, run: Invocation, *,
   ``plan["theorem1"]`` / ``plan["overhead"]`` / ``plan["perplexity"]`` /
   ``plan["validity"]`` may be None (or absent) to skip those experiments.
 
-  Returns ``{"report": text, "complete": bool, "rows": n}``; ``complete`` is
-  False when ``run.max_units`` stopped the collection early (no report then).
+  Progress goes to ``log`` as one line for the whole job (:func:`stages`).
+
+  Returns ``{"report": text, "terminal": text, "complete": bool, "rows": n}``
+  (``terminal``: what ran, the claims table and the report's path,
+  ``suite_report.render_terminal``); ``complete`` is False when ``run.max_units``
+  stopped the collection early (no report then).
   """
   model, text, examples_by_task = run.model, run.text, run.examples_by_task
   t0 = time.time()
   settings = suite_settings.Settings(model=model, **plan["settings"]).check()
+  job = suite_progress.JobProgress(stages(plan), log)
   rows = suite_rows.collect(params, config, tok, settings, out, max_units=run.max_units,
-                            log=log, examples_by_task=examples_by_task)
+                            log=job.stage("suite rows"), examples_by_task=examples_by_task)
   if len(rows) < suite_rows.expected_row_count(settings):
     log(f"{len(rows)} of {suite_rows.expected_row_count(settings)} rows; rerun to finish")
     return {"report": None, "complete": False, "rows": len(rows)}
@@ -164,7 +183,7 @@ def run_suite(params, config, tok, out: str, plan: dict, run: Invocation, *,
         context_len=settings.context_len, seed=settings.seed, n_draws=th["n_draws"],
         n_steps=settings.n_steps, n_sink=settings.n_sink, window=settings.window)
     th_rows = theorem1.run_theorem1(params, config, list(th_examples)[:th["num_examples"]],
-                                    out, th_plan, log=log)
+                                    out, th_plan, log=job.stage("Theorem 1"))
     th_summary = theorem1.summarize(th_rows)
   ov, ov_summary, ov_rows = plan.get("overhead"), None, []
   if ov:
@@ -173,7 +192,7 @@ def run_suite(params, config, tok, out: str, plan: dict, run: Invocation, *,
     ov_plan = overhead.Plan(model=model, budget=ov["budget"], n_steps=ov["n_steps"],
                             repeats=ov["repeats"], seed=settings.seed)
     ov_rows = overhead.run_overhead(params, config, list(ov_examples)[:ov["num_examples"]],
-                                    out, ov_plan, log=log)
+                                    out, ov_plan, log=job.stage("overhead"))
     ov_summary = overhead.summarize(ov_rows, out, settings.seed)
   pp, ppl_rows = plan.get("perplexity"), []
   sections = _analyses(rows, out)
@@ -182,7 +201,7 @@ def run_suite(params, config, tok, out: str, plan: dict, run: Invocation, *,
                                              n_sink=settings.n_sink, window=settings.window,
                                              **pp)
     ppl_rows = streaming_loss_experiment.run_perplexity(params, config, tok, text, out, pp_plan,
-                                                        log=log)
+                                                        log=job.stage("streaming loss"))
     sections.append(dict(streaming_loss_report.summarize(ppl_rows, out, settings.seed),
                          claims=[]))
   va, va_summary = plan.get("validity"), None
@@ -192,7 +211,7 @@ def run_suite(params, config, tok, out: str, plan: dict, run: Invocation, *,
     va_plan = validity_collect.Plan(model=model, seed=settings.seed, **{
         k: tuple(v) if isinstance(v, list) else v for k, v in va.items()})
     va_summary = validity_run.run(params, config, tok, va_plan, os.path.join(out, "validity"),
-                                  text=va_text, text_source=text, log=log)
+                                  text=va_text, text_source=text, log=job.stage("validity"))
     sections.append(_study_section("validity", va_summary))
   dm = plan.get("damage")
   if dm is not None:
@@ -201,13 +220,28 @@ def run_suite(params, config, tok, out: str, plan: dict, run: Invocation, *,
     dm_plan = damage_collect.Plan(model=model, seed=settings.seed, **{
         k: tuple(v) if isinstance(v, list) else v for k, v in dm.items()}).check()
     dm_out = os.path.join(out, "damage")
-    damage_collect.collect(params, config, tok, dm_plan, dm_out, text=dm_text, log=log)
-    dm_summary = damage_report.analyse(dm_out, dm_plan, train=True, log=log)
+    dm_log = job.stage("damage")
+    damage_collect.collect(params, config, tok, dm_plan, dm_out, text=dm_text, log=dm_log)
+    dm_summary = damage_report.analyse(dm_out, dm_plan, train=True, log=dm_log)
     sections.append(_study_section("damage", dm_summary))
+  header = suite_report.Header(command=run.command, wall_s=time.time() - t0, out_dir=out,
+                               full_accuracy=suite_report.full_cache_accuracy(rows))
   report = _write_report(out, settings, sections=sections, theorem1=th_summary,
                          overhead=ov_summary, counts=(rows, th_rows, ov_rows, ppl_rows),
-                         command=run.command, wall_s=time.time() - t0)
-  return {"report": report, "complete": True, "rows": len(rows)}
+                         header=header)
+  terminal = suite_report.render_terminal(sections=sections, overhead=ov_summary,
+                                          settings=settings, header=header,
+                                          path=os.path.join(out, "report.md"))
+  return {"report": report, "terminal": terminal, "complete": True, "rows": len(rows)}
+
+
+def stages(plan: dict) -> tuple:
+  """``(name, weight)`` of the stages of :data:`STAGES` that ``plan`` runs (as
+  :func:`run_suite`: validity when its plan is truthy, damage when not None)."""
+  runs = {"suite rows": True, "Theorem 1": bool(plan.get("theorem1")),
+          "overhead": bool(plan.get("overhead")), "streaming loss": bool(plan.get("perplexity")),
+          "validity": bool(plan.get("validity")), "damage": plan.get("damage") is not None}
+  return tuple((name, w) for name, w in STAGES if runs[name])
 
 
 def _study_section(name: str, summary: dict) -> dict:
@@ -228,13 +262,13 @@ def _analyses(rows, plot_dir: str) -> list[dict]:
           regimes.regimes_analysis(rows, plot_dir)]
 
 
-def _write_report(out: str, settings, *, sections, theorem1, overhead, counts, command: str,
-                  wall_s: float, machine=None, extra=()) -> str:
+def _write_report(out: str, settings, *, sections, theorem1, overhead, counts,
+                  header: suite_report.Header, extra=()) -> str:
   """Writes ``out/report.md`` and ``out/report.json``; returns the report."""
   rows, th_rows, ov_rows, ppl_rows = (len(x) for x in counts)
   report = suite_report.render_report(
-      sections=sections, theorem1=theorem1, overhead=overhead, command=command, wall_s=wall_s,
-      settings=settings, machine=machine,
+      sections=sections, theorem1=theorem1, overhead=overhead, settings=settings,
+      header=header,
       extra=[f"Rows: {rows} suite rows (`rows.jsonl`), {th_rows} Theorem-1 rows, "
              f"{ov_rows} overhead rows, {ppl_rows} streaming-loss rows "
              "(`perplexity_rows.jsonl`). Wall time counts this invocation only (a "
@@ -243,7 +277,7 @@ def _write_report(out: str, settings, *, sections, theorem1, overhead, counts, c
   blob = {"sections": [{k: v for k, v in s.items() if k != "md"} for s in sections],
           "theorem1": {k: v for k, v in (theorem1 or {}).items() if k != "md"},
           "overhead": {k: v for k, v in (overhead or {}).items() if k != "md"},
-          "wall_s": wall_s}
+          "wall_s": header.wall_s}
   results_io.atomic_write_text(os.path.join(out, "report.json"),
                                json.dumps(results_io.json_safe(blob), indent=1, default=float))
   return report
@@ -361,10 +395,12 @@ def rerender_report(out: str, plan: dict, *, model: str, text: str = DEFAULT_TEX
     sections.append(dict(streaming_loss_report.summarize(ppl_rows, plot_dir, settings.seed),
                          claims=[]))
   sections += [_study_section(name, summary) for name, summary in studies.items()]
+  header = suite_report.Header(command=head["command"], wall_s=head.get("wall_s", float("nan")),
+                               machine=head.get("machine"), out_dir=out,
+                               full_accuracy=suite_report.full_cache_accuracy(rows))
   report = _write_report(
       out, settings, sections=sections, theorem1=th_summary, overhead=ov_summary,
-      counts=(rows, th_rows, ov_rows, ppl_rows), command=head["command"],
-      wall_s=head.get("wall_s", float("nan")), machine=head.get("machine"),
+      counts=(rows, th_rows, ov_rows, ppl_rows), header=header,
       extra=["", "Re-rendered from these rows by `experiments.lib.suite.runner."
              "rerender_report` (no model run); Command, Wall time and Machine are those of "
              "the run that made them."])
@@ -388,23 +424,29 @@ def with_overrides(plan: dict, *, num_examples=None, context_len=None) -> dict:
 
 
 def run_command(fv, command: str) -> dict:
-  """``python -m experiments.run_all`` on its parsed flags ``fv``: loads ``--model``, runs
-  the quick (or ``--full``) plan with its overrides (``--novalidity`` / ``--nodamage``:
-  without those studies) into ``--out`` and prints the report; returns
-  :func:`run_suite`'s dict."""
+  """``python -m experiments.run_all`` on its parsed flags ``fv``: says what will run
+  (the plan's regime and stages), loads ``--model``, runs the quick (or ``--full``) plan
+  with its overrides (``--novalidity`` / ``--nodamage``: without those studies) into
+  ``--out`` with one progress line for the job, then prints what ran, the claims table
+  and the report's path (not the whole report); returns :func:`run_suite`'s dict."""
   t0 = time.time()
-  params, config, tok = model_loading.load_model(fv.model)
-  print(f"model loaded in {time.time() - t0:.0f}s", flush=True)
   plan = with_overrides(FULL if fv.full else QUICK, num_examples=fv.num_examples,
                         context_len=fv.context_len)
   if not fv.validity:
     plan = dict(plan, validity=None)
   if not fv.damage:
     plan = dict(plan, damage=None)
-  run = Invocation(model=model_loading.model_name(fv.model), command=command, text=fv.text,
+  model = model_loading.model_name(fv.model)
+  settings = suite_settings.Settings(model=model, **plan["settings"]).check()
+  names = [name for name, _ in stages(plan)]
+  print("\n".join(regime.describe(settings, before=True)) + f"\n\n{len(names)} stages: "
+        f"{', '.join(names)}; progress is one line for the whole job.\n", flush=True)
+  params, config, tok = model_loading.load_model(fv.model)
+  print(f"model loaded in {time.time() - t0:.0f}s", flush=True)
+  run = Invocation(model=model, command=command, text=fv.text,
                    max_units=None if fv.max_units < 0 else fv.max_units)
   res = run_suite(params, config, tok, fv.out, plan, run, log=lambda s: print(s, flush=True))
   if res["complete"]:
-    print(res["report"])
+    print("\n" + res["terminal"], end="")
   print(f"total {time.time() - t0:.0f}s")
   return res
