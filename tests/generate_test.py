@@ -7,13 +7,16 @@ import subprocess
 import sys
 
 from absl.testing import absltest
+import jax
 import numpy as np
 import pytest
 
+from certkv_jax import registry
 from experiments.lib import model_loading
 from models.text import answer_text
 from models.text import certificate as generate_certificate
 from models.text import generate
+from models.text import hint
 from models.text import prompt_encoding
 from models.text import report as generate_report
 from tests import test_util
@@ -153,6 +156,27 @@ class GenerateTextTest(absltest.TestCase):
     self.assertEqual(res.certificate.sampled_tokens, 0)
     self.assertIn("sampled no tail token", res.certificate.note)
     self.assertIn("certainty set of 20", res.certificate.note)
+    # The budget it suggests is computed from the prompt (models.text.hint).
+    self.assertRegex(res.certificate.note, r"For one: --budget=0\.\d+ or more \(computed from "
+                                           r"this prompt")
+    self.assertEqual(res.certificate.hint, res.certificate.note.split("For one: ")[1][:len(
+        res.certificate.hint)])
+
+  def test_hint_is_the_smallest_grid_budget_reaching_the_target(self):
+    design = registry.make("poisson_tail", 0.25, n_sink=4, window=16)
+    ids = self.tok.encode(PROMPT)
+    key = jax.random.PRNGKey(0)
+    found = hint.certifying_budget(self.params, self.config, ids, design, key)
+    self.assertIsNotNone(found.budget)
+    self.assertGreaterEqual(found.share, hint.TARGET)
+    below = hint.certifying_budget(self.params, self.config, ids, design, key,
+                                   start=found.budget - 0.015, target=hint.TARGET)
+    self.assertEqual(below.budget, found.budget)  # the grid point below it falls short
+    self.assertIn(f"--budget={found.budget:g} or more", hint.describe(found))
+    # A prompt no longer than the certainty set keeps every token at any budget.
+    short = hint.certifying_budget(self.params, self.config, ids[:20], design, key)
+    self.assertEqual((short.budget, short.share), (None, 0.0))
+    self.assertIn("no budget up to 1", hint.describe(short))
 
   def test_stops_at_the_end_of_turn_token(self):
     free = self._run(stops=())

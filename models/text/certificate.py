@@ -71,8 +71,11 @@ def certificate_status(design_name: str, design) -> tuple[bool, str]:
                  "section 2); use poisson_tail for a certificate")
 
 
-def no_sample_note(design, budget: float, n_context: int, regime: str) -> str:
-  """Why a randomized design sampled no tail token (its radius is then 0)."""
+def no_sample_note(design, budget: float, n_context: int, regime: str,
+                   suggestion: Optional[str] = None) -> str:
+  """Why a randomized design sampled no tail token (its radius is then 0);
+  ``suggestion``: what would give one (``models.text.hint.describe``), else
+  the smallest budget that leaves a tail slot at all."""
   target = int(math.floor(budget * n_context))
   size = design.certain.size
   where = "context" if regime == "streaming" else "prompt"
@@ -86,8 +89,8 @@ def no_sample_note(design, budget: float, n_context: int, regime: str) -> str:
   else:
     why = "no sampled tail token remained in any cache"
   need = size + 1
-  hint = (f"--budget={math.ceil(1000.0 * need / n_context) / 1000.0:g} or more"
-          if need < n_context else f"a {where} longer than {need} tokens")
+  hint = suggestion or (f"--budget={math.ceil(1000.0 * need / n_context) / 1000.0:g} or more"
+                        if need < n_context else f"a {where} longer than {need} tokens")
   return (f"design {design.name!r} sampled no tail token: {why}. The radius is 0 and is NOT "
           f"a certificate here. For one: {hint} (or a longer {where}, or a smaller "
           "n_sink / window)")

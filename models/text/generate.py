@@ -67,6 +67,7 @@ from certkv_jax import registry
 from models import decode
 from models.text import answer_text
 from models.text import certificate as generate_certificate
+from models.text import hint as hint_lib
 from models.text import prompt_encoding
 
 FULL = "full"
@@ -175,6 +176,9 @@ class Certificate(NamedTuple):
     smoothed_radius: [steps, n_layers, n_heads] the raw radius with each head's
       ``V_hat`` replaced by the larger of itself and its mean over the head's
       last 6 decode steps (method, section 5, "Smoothed variance"; uncalibrated).
+    hint: for a sampling design whose radius is 0 in more than 10% of the
+      calls, the budget at which this prompt's caches keep a sampled token in
+      90% of the heads (:mod:`models.text.hint`), in words; else None.
   """
 
   radius: np.ndarray
@@ -187,6 +191,7 @@ class Certificate(NamedTuple):
   calibration_note: str
   calibration_in_range: Optional[bool]
   smoothed_radius: Optional[np.ndarray] = None
+  hint: Optional[str] = None
 
 
 class Evaluation(NamedTuple):
@@ -403,9 +408,16 @@ def generate_text(prompt: str, *, params, config, tokenizer,
   certified, cert_note = generate_certificate.certificate_status(design, design_obj)
   sampled = float(np.mean(np.sum(np.asarray(gen.caches.valid)
                                  & (np.asarray(gen.caches.log_pi) < 0), axis=-1)))
+  suggestion = None
+  zero_share = float(np.mean(radius == 0)) if radius.size else 1.0
+  if certified and (sampled == 0 or zero_share > 1.0 - hint_lib.TARGET + 1e-9):
+    where = "prompt" if regime == "question_aware" else "prompt's context"
+    suggestion = hint_lib.describe(hint_lib.certifying_budget(
+        params, config, encoded.context, design_obj, key, start=budget), where)
   if certified and sampled == 0:
     certified = False
-    cert_note = generate_certificate.no_sample_note(design_obj, budget, n_context, regime)
+    cert_note = generate_certificate.no_sample_note(design_obj, budget, n_context, regime,
+                                                    suggestion)
   elif certified and steps and not np.nanmax(radius) > 0:
     certified = False
     cert_note = (f"design {design!r} kept sampled tokens, but every radius is 0 (no sampled "
@@ -430,7 +442,7 @@ def generate_text(prompt: str, *, params, config, tokenizer,
           calibrated_summary=(None if cal_radius is None
                               else generate_certificate.summarize(cal_radius)),
           calibration_note=cal_note, calibration_in_range=cal_in_range,
-          smoothed_radius=smoothed),
+          smoothed_radius=smoothed, hint=suggestion),
       evaluation=(Evaluation(true_error=take(gen.true_error), rel_error=take(gen.rel_error))
                   if s.evaluate else None),
       prompt=PromptInfo(prompt_tokens=n_context + n_question, context_tokens=n_context,

@@ -114,6 +114,8 @@ def format_result(result: generate.TextResult, tokenizer, *, model_label: str = 
     if zero > 0:
       lines.append(f"radius 0 in {zero:.0%} of the calls: those heads' caches hold no sampled "
                    "token, so those calls have NO certificate (a 0 there is not 'no error').")
+    if c.hint:
+      lines.append(f"for a certificate in most calls: {c.hint}.")
   n_layers, n_heads = c.radius.shape[1:] if c.radius.ndim == 3 else (0, 0)
   if a.steps == 0:
     lines.append("no decode steps to report (the first answer token ended the turn).")
