@@ -261,7 +261,7 @@ class SmolLM2Bfloat16Test(absltest.TestCase):
     tok = self.models["float32"][2]
     ids = prompt_encoding.encode_prompt(tok, self.prompt, regime="question_aware", chat=True,
                                         question_tokens=0).context
-    tokens = jnp.asarray([ids], jnp.int32)  # 415 tokens, as the generate command feeds it
+    tokens = jnp.asarray([ids], jnp.int32)  # 1,133 tokens, as the generate command feeds it
     logits = {}
     for d, (params, config, _) in self.models.items():
       logits[d] = np.asarray(jax.jit(llama.LlamaModel(config).apply)(params, tokens)[0],
@@ -269,11 +269,11 @@ class SmolLM2Bfloat16Test(absltest.TestCase):
     a, b = logits["float32"], logits["bfloat16"]
     # bfloat16 keeps 8 mantissa bits: each rounding of a weight or a product's input is
     # off by up to 2^-9 relative, and 30 layers of them accumulate as a random walk
-    # (~sqrt(60) x 2^-9 = 1.5%). Measured on these 415 positions: relative L2 error of a
-    # position's logits mean 0.82%, max 5.6%; max |delta logit| 0.56 (logits up to 38);
-    # top-1 agreement 411 of 415 (the 4 flips at near-ties); KL(f32 || bf16) mean
-    # 2.0e-4, max 3.6e-3 nats. Bounds: about 2.5x (3x for the max) the measured values,
-    # for other XLA versions and backends.
+    # (~sqrt(60) x 2^-9 = 1.5%). Measured on these 1,133 positions: relative L2 error of
+    # a position's logits mean 0.64%, max 5.3%; max |delta logit| 0.53 (logits up to 43);
+    # top-1 agreement 1,126 of 1,133 (the flips at near-ties); KL(f32 || bf16) mean
+    # 1.3e-4, max 9.5e-3 nats. Bounds: about 3x the measured values, for other XLA
+    # versions and backends.
     rel = np.linalg.norm(a - b, axis=-1) / np.linalg.norm(a, axis=-1)
     self.assertLess(rel.mean(), 0.02)
     self.assertLess(rel.max(), 0.15)
@@ -282,7 +282,7 @@ class SmolLM2Bfloat16Test(absltest.TestCase):
     log_a, log_b = (x - jax.scipy.special.logsumexp(x, axis=-1, keepdims=True) for x in (a, b))
     kl = np.sum(np.exp(log_a) * (log_a - log_b), axis=-1)
     self.assertLess(kl.mean(), 5e-4)
-    self.assertLess(kl.max(), 1e-2)
+    self.assertLess(kl.max(), 3e-2)
 
   def test_readme_example_answer_is_unchanged(self):
     from models.text import generate as text_generate  # pylint: disable=g-import-not-at-top
@@ -290,8 +290,8 @@ class SmolLM2Bfloat16Test(absltest.TestCase):
     # chat template). The design's draws use the same key in both dtypes; only a token
     # whose inclusion probability bfloat16 moves across its uniform draw could be kept
     # differently, so the default run is a meaningful comparison. Measured: the same
-    # 45-token answer. (With the full cache the answers part at token 50 of 64, a
-    # near-tie: greedy decoding amplifies any rounding after enough steps.)
+    # 64-token answer. (Greedy decoding amplifies any rounding at a near-tie after
+    # enough steps, so identical answers are not guaranteed on every prompt.)
     settings = text_generate.TextSettings(chat=True)
     answers = {}
     for d, (params, config, tok) in self.models.items():
