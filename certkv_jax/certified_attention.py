@@ -58,6 +58,9 @@ class ChunkStats(NamedTuple):
   entropy: Optional[Array] = None  # -sum_S p_i log p_i
   r_hat: Optional[Array] = None  # (kept tail slots) * max over kept tail of p_i
   tail_mass: Optional[Array] = None  # sum over kept tail of p_i
+  # ||o_hat|| of each call, the scale a radius is read against (NaN where the call
+  # was not certified); None where not computed.
+  out_norm: Optional[Array] = None
 
 
 SIGNAL_FIELDS = ("ess", "max_tail_weight", "range_ratio", "entropy", "r_hat", "tail_mass")
@@ -154,7 +157,7 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
     stats = None
     if certificate:
       stats = _truth_stats(qg, res.out, shadow, positions,
-                           ChunkStats(res.var_hat, res.range_hat))
+                           ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
     return res.out, stats, res.probs
   probs = None
   if with_probs or not certificate:
@@ -180,7 +183,8 @@ def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, h
   res = certkv_jax.offset_attention(
       qg, _slots(cache.k), _slots(cache.v), _slots(cache.log_pi), mask,
       value_sqnorm=_slots(cache.v_sq))  # out [b, h, g, t, d]
-  stats = _truth_stats(qg, res.out, shadow, positions, ChunkStats(res.var_hat, res.range_hat))
+  stats = _truth_stats(qg, res.out, shadow, positions,
+                       ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
   if shadow is not None:  # evaluation mode: the warning signals beside the truth
     probs = certkv_jax.attention_probs(qg, _slots(cache.k), _slots(cache.log_pi), mask)
     sig = certkv_jax.signals.signals_batched(
@@ -227,8 +231,13 @@ def _nan_stats(shape, evaluation: bool) -> ChunkStats:
   """Statistics that were not computed: NaN of ``shape`` in every field in use."""
   nan = jnp.full(shape, jnp.nan, jnp.float32)
   if not evaluation:
-    return ChunkStats(nan, nan)
+    return ChunkStats(nan, nan, out_norm=nan)
   return ChunkStats(*([nan] * len(ChunkStats._fields)))
+
+
+def _norm(out):
+  """``||o_hat||`` of each call: ``out [..., d]`` -> ``[...]`` float32."""
+  return jnp.linalg.norm(out.astype(jnp.float32), axis=-1)
 
 
 def _subsampled(qg, cache, shadow, positions, probs, layer_flag, heads: Optional[tuple]):

@@ -191,7 +191,8 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
   return Generation(
       tokens=toks.T, logprobs=logps.T,
       logits=None if step_logits is None else step_logits.transpose(1, 0, 2),
-      var_hat=stats.var_hat, range_hat=stats.range_hat, caches=caches,
+      var_hat=stats.var_hat, range_hat=stats.range_hat, out_norm=stats.out_norm,
+      caches=caches,
       true_error=stats.true_error, rel_error=stats.rel_error, ratio=stats.ratio,
       tail_m=stats.tail_m, tail_n=stats.tail_n,
       n_dropped=jnp.max(caches.n_dropped, axis=(0, 2)).astype(jnp.int32),

@@ -99,6 +99,9 @@ class Generation(NamedTuple):
   # design or with a deterministic one: their V_hat is 0 by construction, and
   # a radius of 0 then means "no certificate", not "no error" (Theorem 1).
   certified: Optional[Array] = None
+  # ||o_hat|| of every certified call, the scale a radius is read against
+  # (NaN where not certified); [n_steps, n_layers, batch, n_heads] float32.
+  out_norm: Optional[Array] = None
   # Evaluation mode only (None otherwise), same steps as var_hat:
   true_error: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] ||o_hat - o||
   rel_error: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] ||o_hat - o||/||o||

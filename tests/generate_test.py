@@ -98,8 +98,14 @@ class GenerateTextTest(absltest.TestCase):
       self.assertIn("model: this calibration was made for 'smollm2'",
                     res.certificate.calibration_note)
     self.assertIsNone(res.evaluation)
+    norm = res.certificate.out_norm  # ||o_hat|| of every call: the radius's scale
+    self.assertEqual(norm.shape, radius.shape)
+    self.assertTrue(np.all(norm > 0))
     out = generate_report.format_result(res, self.tok)
     self.assertIn("median r", out)
+    self.assertIn("median r/||o_hat||", out)
+    rel = np.median(radius / norm)
+    self.assertIn(f"relative to the call's ||o_hat||: median {generate_report._g(rel)}", out)
     self.assertIn("calibrated radius: not available", out)
     self.assertIn("no end-of-turn token", out)
 

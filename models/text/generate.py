@@ -176,6 +176,8 @@ class Certificate(NamedTuple):
     smoothed_radius: [steps, n_layers, n_heads] the raw radius with each head's
       ``V_hat`` replaced by the larger of itself and its mean over the head's
       last 6 decode steps (method, section 5, "Smoothed variance"; uncalibrated).
+    out_norm: [steps, n_layers, n_heads] ``||o_hat||`` of every call (what a
+      radius is read against: ``radius / out_norm`` is its relative size).
     hint: for a sampling design whose radius is 0 in more than 10% of the
       calls, the budget at which this prompt's caches keep a sampled token in
       90% of the heads (:mod:`models.text.hint`), in words; else None.
@@ -192,6 +194,7 @@ class Certificate(NamedTuple):
   calibration_in_range: Optional[bool]
   smoothed_radius: Optional[np.ndarray] = None
   hint: Optional[str] = None
+  out_norm: Optional[np.ndarray] = None
 
 
 class Evaluation(NamedTuple):
@@ -442,7 +445,8 @@ def generate_text(prompt: str, *, params, config, tokenizer,
           calibrated_summary=(None if cal_radius is None
                               else generate_certificate.summarize(cal_radius)),
           calibration_note=cal_note, calibration_in_range=cal_in_range,
-          smoothed_radius=smoothed, hint=suggestion),
+          smoothed_radius=smoothed, hint=suggestion,
+          out_norm=None if gen.out_norm is None else take(gen.out_norm)),
       evaluation=(Evaluation(true_error=take(gen.true_error), rel_error=take(gen.rel_error))
                   if s.evaluate else None),
       prompt=PromptInfo(prompt_tokens=n_context + n_question, context_tokens=n_context,

@@ -123,8 +123,12 @@ def format_result(result: generate.TextResult, tokenizer, *, model_label: str = 
   if not c.certified and ev is None:
     return "\n".join(lines) + "\n"  # no numbers per step to show
   cols = ["step", "token"]
+  rel = None
+  if c.certified and c.out_norm is not None:  # each radius against its call's ||o_hat||
+    norm = np.where(np.isfinite(c.out_norm) & (c.out_norm > 0), c.out_norm, np.nan)
+    rel = c.radius / norm
   if c.certified:
-    cols += ["median r", "max r"]
+    cols += ["median r", "max r"] + (["median r/||o_hat||"] if rel is not None else [])
     if c.calibrated_radius is not None:
       cols += ["median r_cal", "max r_cal"]
   if ev is not None:
@@ -138,6 +142,8 @@ def format_result(result: generate.TextResult, tokenizer, *, model_label: str = 
     row = [str(i), _cell(a.pieces[i]) if a.pieces[i] else "(part of the next)"]
     if c.certified:
       row += [_g(c.radius_summary.median[i]), _g(c.radius_summary.max[i])]
+      if rel is not None:
+        row.append(_g(np.nanmedian(rel[i])) if np.isfinite(rel[i]).any() else "n/a")
       if c.calibrated_radius is not None:
         row += [_g(c.calibrated_summary.median[i]), _g(c.calibrated_summary.max[i])]
     if ev is not None:
@@ -153,6 +159,9 @@ def format_result(result: generate.TextResult, tokenizer, *, model_label: str = 
   if c.certified:
     overall = (f"over all {a.steps} steps: median r {_g(np.median(c.radius))}, max r "
                f"{_g(np.max(c.radius))}")
+    if rel is not None and np.isfinite(rel).any():
+      overall += (f" (relative to the call's ||o_hat||: median {_g(np.nanmedian(rel))}, "
+                  f"90th percentile {_g(np.nanpercentile(rel, 90))})")
     if c.calibrated_radius is not None:
       overall += (f"; median r_cal {_g(np.median(c.calibrated_radius))}, max r_cal "
                   f"{_g(np.max(c.calibrated_radius))}")
@@ -172,8 +181,7 @@ def format_result(result: generate.TextResult, tokenizer, *, model_label: str = 
     lines += ["", "r: the Bernstein radius sqrt(2 V_hat L) + (2/3) b_hat L, L = log(2/delta) "
               "(method, section 5), of one head's attention output: with probability about "
               "1 - delta, ||o_hat - o|| <= r for that call. It is absolute (units of the value "
-              "vectors); the decode loop does not return ||o_hat||, so compare r with the size "
-              "of the head's output (--evaluate prints r/||o||, from the shadow full cache)."]
+              "vectors); r/||o_hat|| reads it against the size of that call's output."]
   if ev is not None:
     lines.append("||e||: the true error ||o_hat - o|| of each call (evaluation mode, from a "
                  "shadow full cache)" + ("; covered: the fraction of the step's calls with "
