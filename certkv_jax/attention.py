@@ -151,13 +151,16 @@ def offset_attention(
     config: :class:`AttentionConfig`: implementation ("xla", "pallas" or
       "auto"), its tiling (``block_size`` for "xla", ``block_sizes`` for
       "pallas") and ``range_mode`` ("exact" or "bound").
-    value_sqnorm: optional [..., n] ``||v_i||^2`` of each slot (read where
-      ``mask`` is True), as a :class:`certkv_jax.KVCache` keeps them
-      (``v_sq``). Given, the "xla" path takes the certificate's second-order
-      sum and the exact range term from the stored norms instead of a pass
-      over the values (method, section 4, "Stored value norms"); the result
-      is the same up to float32 rounding. The Pallas kernel computes the norms
-      on its tiles and does not take them.
+    value_sqnorm: optional stored norms of each slot (read where ``mask`` is
+      True), as a :class:`certkv_jax.KVCache` keeps them: a
+      ``pallas_kernels.reference.StoredNorms(sq, ref)`` with ``sq`` [..., n]
+      ``= ||v_i - ref||^2`` about a reference value ``ref`` [..., dv] (the
+      cache's ``v_sq`` and ``v_ref``), or an array [..., n] of ``||v_i||^2``.
+      Given, the "xla" path takes the certificate's second-order sum and the
+      exact range term from them instead of a pass over the values (method,
+      section 4, "Stored value norms"); the result is the same up to float32
+      rounding, which scales with ``||v - ref||^2``. The Pallas kernel
+      computes the norms on its tiles and does not take them.
 
   Returns:
     OffsetAttentionResult(out, lse, var_hat, range_hat). A row with no valid
@@ -242,20 +245,25 @@ def _auto(k, v, log_pi, mask, block_size, block_sizes) -> str:
 
 
 def _check_sqnorm(value_sqnorm, v, mask):
-  """Shape, dtype and (when concrete) value checks of the stored value norms."""
-  value_sqnorm = jnp.asarray(value_sqnorm)
+  """Shape, dtype and (when concrete) value checks of the stored value norms;
+  returns them as ``StoredNorms``."""
+  if isinstance(value_sqnorm, reference.StoredNorms):
+    value_sqnorm, ref = jnp.asarray(value_sqnorm.sq), jnp.asarray(value_sqnorm.ref)
+  else:
+    value_sqnorm, ref = jnp.asarray(value_sqnorm), jnp.zeros((v.shape[-1],), jnp.float32)
+  kv_lead = jnp.broadcast_shapes(v.shape[:-2], mask.shape[:-1])
+  if ref.ndim < 1 or ref.shape[-1] != v.shape[-1] or not _broadcasts_to(ref.shape[:-1],
+                                                                        kv_lead):
+    raise ValueError(f"value_sqnorm.ref must be [..., dv={v.shape[-1]}] with leading dims "
+                     f"that broadcast to those of v and mask {tuple(kv_lead)}, got {ref.shape}")
+  _checks.check_finite_where("value_sqnorm.ref", ref)
   n = v.shape[-2]
   if value_sqnorm.ndim < 1 or value_sqnorm.shape[-1] != n:
     raise ValueError(f"value_sqnorm must have n={n} slots on its last axis, got "
                      f"{value_sqnorm.shape}")
   if not jnp.issubdtype(value_sqnorm.dtype, jnp.floating):
     raise TypeError(f"value_sqnorm must be a floating dtype, got {value_sqnorm.dtype}")
-  kv_lead = jnp.broadcast_shapes(v.shape[:-2], mask.shape[:-1])
-  try:
-    ok = jnp.broadcast_shapes(value_sqnorm.shape[:-1], kv_lead) == tuple(kv_lead)
-  except ValueError:
-    ok = False
-  if not ok:
+  if not _broadcasts_to(value_sqnorm.shape[:-1], kv_lead):
     raise ValueError(f"value_sqnorm's leading dims {value_sqnorm.shape[:-1]} must broadcast "
                      f"to those of v and mask {tuple(kv_lead)}")
   _checks.check_finite_where("value_sqnorm", value_sqnorm, mask)
@@ -266,7 +274,14 @@ def _check_sqnorm(value_sqnorm, v, mask):
     if sqb[mkb].size and not (sqb[mkb] >= 0).all():
       raise ValueError("value_sqnorm must be >= 0 (a squared norm) on every valid slot; "
                        f"found min {sqb[mkb].min()}")
-  return value_sqnorm
+  return reference.StoredNorms(value_sqnorm, ref)
+
+
+def _broadcasts_to(shape, target) -> bool:
+  try:
+    return jnp.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
+  except ValueError:
+    return False
 
 
 def _grouped_layout(q, k, v, log_pi, mask, value_sqnorm=None):
@@ -311,7 +326,9 @@ def _grouped_layout(q, k, v, log_pi, mask, value_sqnorm=None):
     return reference.Reference(unflatten(res.out, (dv,)), unflatten(res.lse, ()),
                                unflatten(res.var_hat, ()), unflatten(res.range_hat, ()))
 
-  gsq = None if value_sqnorm is None else kv(value_sqnorm, (n,))  # travels like log_pi
+  gsq = None  # the stored norms travel like log_pi, their reference like a value
+  if value_sqnorm is not None:
+    gsq = reference.StoredNorms(kv(value_sqnorm.sq, (n,)), kv(value_sqnorm.ref, (dv,)))
   grouped = (gq, kv(k, (n, d)), kv(v, (n, dv)), kv(log_pi, (n,)), kv(mask, (n,)), gsq)
   return grouped, back
 

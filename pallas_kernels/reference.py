@@ -91,6 +91,18 @@ def one_minus_pi(offset):
   return 2.0 * t / (1.0 + t)
 
 
+class StoredNorms(NamedTuple):
+  """Squared distances of the values to a reference value, stored beside them
+  (``certkv_jax.KVCache.v_sq`` about ``v_ref``): the certificate's second-order
+  sums then read them instead of a pass over the values. The reference is a
+  value of the same head, so it carries the channels' common component, and
+  float32 rounding scales with ``||v - ref||^2`` rather than ``||v||^2``.
+  """
+
+  sq: Array  # [..., n] (``[..., 1, n]`` inside online_update) ||v_i - ref||^2
+  ref: Array  # [..., dv] (``[..., 1, dv]`` inside) the reference; 0 gives ||v_i||^2
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateOptions:
   """Numerics of :func:`online_update`, bundled so that its callers (the
@@ -141,14 +153,15 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, *, sqnorm=Non
       (default: the first row of ``valid``, right when rows share validity).
       Values outside it are never read (they may hold garbage). Rows sharing
       a KV head share the centre, which comes from this column.
-    sqnorm: optional [..., 1, n] ``||v_i||^2`` of each slot, stored beside
-      the values (``certkv_jax.KVCache.v_sq``); read only on valid slots.
-      The second-order sum then comes from ``sum w e^2 ||v - c||^2 =
-      sum w e^2 ||v||^2 - 2 c . sum w e^2 v + ||c||^2 sum w e^2``, whose
-      middle sum the stacked matmul already gives: no pass over the values
-      for it. (The one-pass range bound still needs each ``||v_i - c||``:
-      one matrix-vector product.) Float32 rounding then scales with
-      ``||v||^2`` rather than ``||v - c||^2`` in this one sum.
+    sqnorm: optional :class:`StoredNorms` (``sq`` [..., 1, n], ``ref``
+      [..., 1, dv]) stored beside the values; ``sq`` is read only on valid
+      slots. The second-order sum then comes from ``sum w e^2 ||v - c||^2 =
+      sum w e^2 ||v - r||^2 - 2 (c - r) . sum w e^2 (v - r) + ||c - r||^2
+      sum w e^2``, whose middle sum the stacked matmul already gives: no pass
+      over the values for it. (The one-pass range bound still needs each
+      ``||v_i - c||``: one matrix-vector product.) Float32 rounding then
+      scales with ``||v - r||^2``: a common component of the values cancels
+      only when ``r`` lacks it (``r = 0``).
     options: :class:`UpdateOptions` (precision, statistics on/off, matmul
       layout, centre).
 
@@ -194,14 +207,18 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, *, sqnorm=Non
     dvc = jnp.where(valid_col, vf - c1, 0.0)
     vn2 = jnp.sum(dvc * dvc, axis=-1)[..., None, :]  # [..., 1, n]: ||v - c||^2 per slot
     s2_blk = jnp.sum(we2 * vn2, axis=-1)
-  else:  # ||v||^2 stored at append time: the sum about c from S1's raw sum
-    sq = jnp.where(jnp.swapaxes(valid_col, -1, -2), sqnorm.astype(jnp.float32), 0.0)
-    c1_sq = jnp.sum(c1 * c1, axis=-1)  # [..., 1]
-    s2_blk = (jnp.sum(we2 * sq, axis=-1) - 2.0 * jnp.sum(c1 * s1_raw, axis=-1)
-              + c1_sq * s0)
-    # [..., 1, n]: the range bound's v . c only (values on the left: read in place).
-    v_c = jnp.swapaxes(dot(vf, jnp.swapaxes(c1, -1, -2)), -1, -2)
-    vn2 = jnp.maximum(sq - 2.0 * v_c + c1_sq[..., None], 0.0)
+  else:  # ||v - r||^2 stored at append time: the sum about c from S1's raw sum
+    sq = jnp.where(jnp.swapaxes(valid_col, -1, -2), sqnorm.sq.astype(jnp.float32), 0.0)
+    ref = sqnorm.ref.astype(jnp.float32)  # [..., 1, dv]
+    cr = c1 - ref
+    cr_sq = jnp.sum(cr * cr, axis=-1)  # [..., 1]
+    s1_ref = s1_raw - s0[..., None] * ref  # sum w e^2 (v - r)
+    s2_blk = (jnp.sum(we2 * sq, axis=-1) - 2.0 * jnp.sum(cr * s1_ref, axis=-1)
+              + cr_sq * s0)
+    # [..., 1, n]: the range bound's (v - r) . (c - r) (values on the left: read in place).
+    v_c = (jnp.swapaxes(dot(vf, jnp.swapaxes(cr, -1, -2)), -1, -2)
+           - jnp.sum(ref * cr, axis=-1)[..., None])
+    vn2 = jnp.maximum(sq - 2.0 * v_c + cr_sq[..., None], 0.0)
   return Partials(
       m=m_new,
       z=r * carry.z + jnp.sum(e, axis=-1),
@@ -320,13 +337,13 @@ def exact_range(l, v, w, valid, out, lse, sqnorm=None):
   Args:
     l: [..., g, n] offset logits; v: [..., n, dv]; w, valid: [..., 1|g, n];
     out: [..., g, dv] final output; lse: [..., g] final log-normaliser.
-    sqnorm: optional [..., 1, n] stored ``||v_i||^2`` (as :func:`online_update`
-      takes them). Given, the distances come from ``||v_i||^2 - 2 v_i . out +
-      ||out||^2``, one matmul over the values, instead of a ``[g, n, dv]``
-      elementwise pass. Its float32 rounding is about
-      ``eps (||v_i||^2 + ||out||^2)`` in the squared distance: it matters
-      for slots whose value is nearly ``out``, which do not attain the maximum
-      unless every slot's does.
+    sqnorm: optional :class:`StoredNorms` (as :func:`online_update` takes
+      them). Given, the distances come from ``||v_i - r||^2 - 2 (v_i - r) .
+      (out - r) + ||out - r||^2``, one matmul over the values, instead of a
+      ``[g, n, dv]`` elementwise pass. Its float32 rounding is about
+      ``eps (||v_i - r||^2 + ||out - r||^2)`` in the squared distance: it
+      matters for slots whose value is nearly ``out``, which do not attain
+      the maximum unless every slot's does.
   """
   lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
   p = jnp.where(valid, jnp.exp(l - lse_safe[..., None]), 0.0)
@@ -337,10 +354,13 @@ def exact_range(l, v, w, valid, out, lse, sqnorm=None):
   else:
     valid_any = jnp.any(valid, axis=-2, keepdims=True)  # [..., 1, n]
     vf = jnp.where(jnp.swapaxes(valid_any, -1, -2), v.astype(jnp.float32), 0.0)
-    v_o = jnp.swapaxes(jnp.matmul(vf, jnp.swapaxes(out, -1, -2),
+    ref = sqnorm.ref.astype(jnp.float32)  # [..., 1, dv]
+    o_r = out - ref  # [..., g, dv]
+    v_o = jnp.swapaxes(jnp.matmul(vf, jnp.swapaxes(o_r, -1, -2),
                                   precision=jax.lax.Precision.HIGHEST), -1, -2)  # [..., g, n]
-    d2 = (jnp.where(valid_any, sqnorm, 0.0) - 2.0 * v_o
-          + jnp.sum(out * out, axis=-1, keepdims=True))
+    v_o = v_o - jnp.sum(ref * o_r, axis=-1, keepdims=True)  # (v - r) . (out - r)
+    d2 = (jnp.where(valid_any, sqnorm.sq, 0.0) - 2.0 * v_o
+          + jnp.sum(o_r * o_r, axis=-1, keepdims=True))
     dev = jnp.sqrt(jnp.maximum(d2, 0.0))
   dev = jnp.where(valid, dev, 0.0)  # values of invalid slots are never read
   return jnp.max(w * p * dev, axis=-1, initial=0.0)
@@ -414,11 +434,14 @@ def grouped_reference(
     mask: [..., n] bool. Leading dims broadcast (numpy rules).
     scale: logit scale, default 1/sqrt(d).
     config: :class:`ReferenceConfig` (block size, range mode, statistics on/off).
-    value_sqnorm: optional [..., n] ``||v_i||^2`` of each slot, as a
-      ``certkv_jax.KVCache`` stores them (``v_sq``). The second-order sum
-      and the exact range then read them instead of a pass over the values
-      (see :func:`online_update` and :func:`exact_range`); the result is the
-      same up to float32 rounding, which then scales with ``||v||^2``.
+    value_sqnorm: optional stored norms of each slot, as a
+      ``certkv_jax.KVCache`` keeps them: a :class:`StoredNorms` (``sq``
+      [..., n] = ``||v_i - ref||^2`` about ``ref`` [..., dv]; the cache's
+      ``v_sq`` and ``v_ref``), or an array [..., n] of ``||v_i||^2`` (ref 0).
+      The second-order sum and the exact range then read them instead of a
+      pass over the values (see :func:`online_update` and
+      :func:`exact_range`); the result is the same up to float32 rounding,
+      which then scales with ``||v - ref||^2``.
 
   Returns:
     Reference(out [..., g, dv], lse, var_hat, range_hat [..., g]).
@@ -436,9 +459,13 @@ def grouped_reference(
   rows = lead + (g,)
   given_sq = None
   if value_sqnorm is not None:
-    if value_sqnorm.shape[-1:] != (n,):
-      raise ValueError(f"value_sqnorm must be [..., {n}]; got {value_sqnorm.shape}")
-    given_sq = value_sqnorm.astype(jnp.float32)[..., None, :]  # [..., 1, n]
+    sq, ref = (value_sqnorm if isinstance(value_sqnorm, StoredNorms)
+               else (value_sqnorm, jnp.zeros((dv,), jnp.float32)))
+    if sq.shape[-1:] != (n,) or ref.shape[-1:] != (dv,):
+      raise ValueError(f"value_sqnorm must be [..., {n}] with a reference [..., {dv}]; got "
+                       f"{sq.shape} and {ref.shape}")
+    given_sq = StoredNorms(sq.astype(jnp.float32)[..., None, :],  # [..., 1, n]
+                           ref.astype(jnp.float32)[..., None, :])  # [..., 1, dv]
   offset = -log_pi.astype(jnp.float32)[..., None, :]  # [..., 1, n]
   valid = mask[..., None, :]
   w = one_minus_pi(offset)
@@ -465,7 +492,8 @@ def grouped_reference(
   for sl in blocks:  # static Python loop: the blocked path is for testing the algorithm
     l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale)
     carry = online_update(carry, l_b, v[..., sl, :], w[..., sl], valid[..., sl],
-                          sqnorm=None if given_sq is None else given_sq[..., sl],
+                          sqnorm=None if given_sq is None else given_sq._replace(
+                              sq=given_sq.sq[..., sl]),
                           options=UpdateOptions(precision=hp, second_order=with_stats))
   fin = finalize(carry)
   if range_mode == "bound" or not with_stats:
@@ -476,5 +504,5 @@ def grouped_reference(
       l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale)
       rng = jnp.maximum(rng, exact_range(
           l_b, v[..., sl, :], w[..., sl], valid[..., sl], fin.out, fin.lse,
-          None if given_sq is None else given_sq[..., sl]))
+          None if given_sq is None else given_sq._replace(sq=given_sq.sq[..., sl])))
   return Reference(fin.out, fin.lse, fin.var_hat, rng)
