@@ -15,15 +15,20 @@ too, so that a slot's statistics move with its token:
   :func:`observe_peak` folds the same field as a running max instead (the
   attention envelope of ``designs.poisson_envelope``).
 
-Each slot also keeps ``v_sq = ||v_i||^2``, its stored value's squared norm.
-The certificate's second-order sum and range term read it instead of a pass
-over the values at every step (method, section 4, "Stored value norms"), for
-4 bytes per slot. It depends on that slot's value alone, so eviction leaves no
-trace of an evicted token in it (Theorem 1's blind retained state).
+Each slot also keeps ``v_sq = ||v_i - v_ref||^2``, its stored value's squared
+distance to the head's reference value ``v_ref`` (the first value appended
+to the empty cache: it shares the channels' common component, so float32
+rounding scales with the values' spread, not their size). The certificate's
+second-order sum and range term read it instead of a pass over the values
+at every step (method, section 4, "Stored value norms"), for 4 bytes per
+slot. It depends on that slot's value and the reference alone, so eviction
+leaves no trace of an evicted token in it (Theorem 1's blind retained state).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import NamedTuple
 
 import jax
@@ -45,9 +50,10 @@ class KVCache(NamedTuple):
   acc: Array  # [cap] float32 accumulated attention mass (H2O)
   last: Array  # [cap] float32 attention of the latest query (TOVA)
   obs: Array  # [cap] float32 attention mass of observation-window queries (SnapKV)
-  v_sq: Array  # [cap] float32 ||v_i||^2 of the stored value (0 in free slots)
+  v_sq: Array  # [cap] float32 ||v_i - v_ref||^2 of the stored value (0 in free slots)
   n_seen: Array  # [] int32 tokens appended so far (kept or not); next position
   n_dropped: Array  # [] int32 tokens that found no free slot on append (should stay 0)
+  v_ref: Array  # [dv] float32 the reference of v_sq: the first value appended
 
   @property
   def capacity(self) -> int:
@@ -78,6 +84,7 @@ def init_cache(capacity: int, head_dim: int, value_dim: int | None = None,
       v_sq=zeros,
       n_seen=jnp.zeros((), jnp.int32),
       n_dropped=jnp.zeros((), jnp.int32),
+      v_ref=jnp.zeros((value_dim,), jnp.float32),
   )
 
 
@@ -150,6 +157,13 @@ def slot_assignment(valid, new_valid) -> SlotAssignment:
     valid: [cap] bool, the slots that hold a token.
     new_valid: [t] bool, the real (non-padding) new tokens.
   """
+  if new_valid.shape[-1] > 1:
+    # Caches made inside a jitted function (a prefill into empty caches) have a
+    # constant mask; XLA would evaluate its free-slot ranks (a cumulative sum over
+    # every slot, of every layer) at compile time, for seconds to minutes. The
+    # barrier ties the mask to the chunk's, an argument, so they are computed at
+    # run time; the values are the same.
+    valid, new_valid = jax.lax.optimization_barrier((valid, new_valid))
   cap = valid.shape[-1]
   rank_new = (jnp.cumsum(new_valid) - 1).astype(jnp.int32)  # j-th real token -> j
   n_new = jnp.sum(new_valid).astype(jnp.int32)
@@ -192,10 +206,11 @@ def write_slots(cache: KVCache, slots: SlotAssignment, idx, k_new, v_new) -> KVC
   the counters come from ``slots`` either way.
   """
   meta, counters = slot_metadata(cache, slots)
-  new = dict(meta, **slot_kv(cache, k_new, v_new))
+  kv, v_ref = slot_kv(cache, k_new, v_new, ~jnp.any(cache.valid) & (slots.rank[0] == 0))
+  new = dict(meta, **kv)
   return cache._replace(
       **{f: getattr(cache, f).at[idx].set(u, mode="drop") for f, u in new.items()},
-      **counters)
+      **counters, v_ref=v_ref)
 
 
 # The per-slot statistics a design folds (``EvictionDesign.update`` changes only these).
@@ -215,11 +230,17 @@ def slot_metadata(cache: KVCache, slots: SlotAssignment) -> tuple[dict, dict]:
   return meta, counters
 
 
-def slot_kv(cache: KVCache, k_new, v_new) -> dict:
-  """The new tokens' ``k``, ``v`` (in the cache's dtypes) and ``v_sq`` [t, ...]."""
+def slot_kv(cache: KVCache, k_new, v_new, fresh) -> tuple[dict, Array]:
+  """The new tokens' ``k``, ``v`` (in the cache's dtypes) and ``v_sq`` [t, ...],
+  and the cache's ``v_ref`` after them: the chunk's first value when ``fresh``
+  (a traced bool: the cache held no token and the chunk's first token is
+  real), else the cache's own (:func:`rebase` keeps it the value of the kept
+  token with the smallest position)."""
   v_stored = v_new.astype(cache.v.dtype)
   v32 = v_stored.astype(jnp.float32)
-  return dict(k=k_new.astype(cache.k.dtype), v=v_stored, v_sq=jnp.sum(v32 * v32, axis=-1))
+  v_ref = jnp.where(fresh, v32[0], cache.v_ref)
+  dv = v32 - v_ref
+  return dict(k=k_new.astype(cache.k.dtype), v=v_stored, v_sq=jnp.sum(dv * dv, axis=-1)), v_ref
 
 
 def observe(cache: KVCache, probs, *, observation: bool | Array = False) -> KVCache:
@@ -312,6 +333,85 @@ def keep_only(cache: KVCache, keep, log_pi_round) -> KVCache:
   )
 
 
+def apply_keep(cache: KVCache, keep, log_pi) -> KVCache:
+  """:func:`keep_only` of an eviction decided elsewhere: the same cache, given the
+  kept slots ``keep`` [cap] (a subset of ``valid``) and the new offsets ``log_pi``
+  [cap] (``keep_only``'s, 0 off ``keep``).
+
+  For per-layer caches evicted on their stacked metadata
+  (``certkv_jax.eviction``): ``valid`` is cleared by the scatter that zeroes
+  the evicted keys and values, and every other field is updated from that
+  scatter's output, so that only those scatters read the stacked decision.
+  The updates then read this layer's buffers alone and are the same program
+  for every layer, which XLA compiles once; a slice of the decision in each
+  would give every layer and field its own copy of the decision's
+  computation to compile.
+  """
+  gone = cache.valid & ~keep
+  rows = jnp.where(gone, jnp.arange(cache.capacity), cache.capacity)  # capacity: not written
+  clear = lambda x, fill: x.at[rows].set(jnp.asarray(fill, x.dtype), mode="drop")
+  valid = clear(cache.valid, False)  # = keep & valid
+  f0 = jnp.zeros_like(cache.log_pi)
+  return cache._replace(
+      k=clear(cache.k, 0), v=clear(cache.v, 0), log_pi=jnp.asarray(log_pi, jnp.float32),
+      pos=jnp.where(valid, cache.pos, -1), valid=valid,
+      **{f: jnp.where(valid, getattr(cache, f), f0) for f in ("acc", "last", "obs", "v_sq")})
+
+
+_DEFERRED = threading.local()
+
+
+@contextlib.contextmanager
+def rebase_deferred():
+  """Within it, a design's evict leaves :func:`rebase` to its caller
+  (``certkv_jax.eviction.evict`` checks every cache once per round); outside
+  it, a design that evicts the reference token rebases that cache itself."""
+  before = getattr(_DEFERRED, "on", False)
+  _DEFERRED.on = True
+  try:
+    yield
+  finally:
+    _DEFERRED.on = before
+
+
+def rebase_if_needed(cache: KVCache) -> KVCache:
+  """:func:`rebase` where :func:`needs_rebase`, unless :func:`rebase_deferred`."""
+  if getattr(_DEFERRED, "on", False):
+    return cache
+  return jax.lax.cond(needs_rebase(cache), rebase, lambda c: c, cache)
+
+
+def reference_slot(cache: KVCache) -> tuple[Array, Array]:
+  """``(slot, any)``: the kept token with the smallest position, whose value is
+  the reference of ``v_sq`` (``any`` False: nothing kept). Leading axes allowed."""
+  big = jnp.iinfo(jnp.int32).max
+  slot = jnp.argmin(jnp.where(cache.valid, cache.pos, big), axis=-1)
+  return slot, jnp.any(cache.valid, axis=-1)
+
+
+def needs_rebase(cache: KVCache) -> Array:
+  """Whether any cache's ``v_ref`` is no longer its reference slot's value (that
+  token was evicted; or nothing is kept and ``v_ref`` is not 0)."""
+  slot, kept = reference_slot(cache)
+  v = jnp.take_along_axis(cache.v, slot[..., None, None], axis=-2)[..., 0, :]
+  want = jnp.where(kept[..., None], v.astype(jnp.float32), 0.0)
+  return jnp.any(want != cache.v_ref)
+
+
+def rebase(cache: KVCache) -> KVCache:
+  """``v_ref`` set to the value of the kept token with the smallest position (0
+  if none) and ``v_sq`` recomputed about it: after an eviction, so that no
+  evicted token's value stays in the cache (Theorem 1's blind retained state).
+  One pass over the values; leading axes allowed."""
+  slot, kept = reference_slot(cache)
+  v = cache.v.astype(jnp.float32)
+  ref = jnp.take_along_axis(v, slot[..., None, None], axis=-2)[..., 0, :]
+  ref = jnp.where(kept[..., None], ref, 0.0)
+  d = v - ref[..., None, :]
+  return cache._replace(v_ref=ref,
+                        v_sq=jnp.where(cache.valid, jnp.sum(d * d, axis=-1), 0.0))
+
+
 def zero_slots(x, gone):
   """``x`` [cap, d] with the rows ``gone`` [cap] zeroed: a scatter that writes only those
   rows (in place in a donated buffer), where a ``where`` over ``x`` rewrites all of it.
@@ -356,8 +456,8 @@ def compact(cache: KVCache, capacity: int) -> KVCache:
   order = jnp.argsort(~cache.valid, axis=-1, stable=True)[..., :capacity]  # kept first
   grow = capacity - cap
 
-  def take(x, empty):
-    if x.ndim <= lead:  # per-cache scalars (n_seen, n_dropped)
+  def take(x, empty, per_cache=False):
+    if per_cache or x.ndim <= lead:  # per-cache values (n_seen, n_dropped, v_ref)
       return x
     idx = order.reshape(order.shape + (1,) * (x.ndim - lead - 1))
     x = jnp.take_along_axis(x, idx, axis=lead)
@@ -367,7 +467,8 @@ def compact(cache: KVCache, capacity: int) -> KVCache:
       x = jnp.pad(x, pad, constant_values=empty)
     return x
   empty = cache._replace(**{f: (-1 if f == "pos" else 0) for f in cache._fields})
-  return jax.tree_util.tree_map(take, cache, empty)
+  per_cache = cache._replace(**{f: f == "v_ref" for f in cache._fields})
+  return jax.tree_util.tree_map(take, cache, empty, per_cache)
 
 
 def cache_bytes(cache: KVCache) -> dict:
@@ -375,5 +476,5 @@ def cache_bytes(cache: KVCache) -> dict:
   kv = cache.k.nbytes + cache.v.nbytes
   meta = sum(x.nbytes for x in (cache.log_pi, cache.pos, cache.valid, cache.acc,
                                 cache.last, cache.obs, cache.v_sq, cache.n_seen,
-                                cache.n_dropped))
+                                cache.n_dropped, cache.v_ref))
   return {"kv": int(kv), "metadata": int(meta)}

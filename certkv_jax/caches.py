@@ -131,11 +131,29 @@ def write_kv(caches: KVCache, i, slots: ChunkSlots, k_new, v_new) -> KVCache:
   if slots.idx is None:  # sequence-sharded: the whole append on the layer
     return with_layer(caches, i, append(layer(caches, i), k_new, v_new, slots.new_valid))
   idx = jax.lax.dynamic_index_in_dim(slots.idx, i, axis=0, keepdims=False)  # [b, h, t]
-  new = over_heads(cache_lib.slot_kv)(layer(caches, i), k_new, v_new)
   b, h = idx.shape[:2]
+  one = layer(caches, i)
+  # The cache held no token before this chunk (every valid slot is one of its
+  # own) and the chunk's first token is real: its value becomes the reference.
+  stored = jnp.sum(idx < one.capacity, axis=-1)
+  fresh = (jnp.sum(one.valid, axis=-1) == stored) & slots.new_valid[:, :, 0]
+  new, v_ref = over_heads(cache_lib.slot_kv)(one, k_new, v_new, fresh)
   at = (i, jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], idx)
   return caches._replace(
-      **{f: getattr(caches, f).at[at].set(u, mode="drop") for f, u in new.items()})
+      **{f: getattr(caches, f).at[at].set(u, mode="drop") for f, u in new.items()},
+      v_ref=jax.lax.dynamic_update_index_in_dim(caches.v_ref, v_ref, i, axis=0))
+
+
+def rebase(caches):
+  """``cache.rebase`` where an eviction left a ``v_ref`` that is not its
+  reference slot's value (stacked or per-layer caches; per layer, each layer
+  on its own). The check is cheap; the pass over the values runs only when
+  some cache needs it (a design without sinks whose oldest kept token left)."""
+  if is_unstacked(caches):
+    needed = jnp.any(jnp.stack([cache_lib.needs_rebase(c) for c in caches]))
+    return jax.lax.cond(needed, lambda cs: tuple(cache_lib.rebase(c) for c in cs),
+                        lambda cs: tuple(cs), tuple(caches))
+  return jax.lax.cond(cache_lib.needs_rebase(caches), cache_lib.rebase, lambda c: c, caches)
 
 
 def unstack(caches: KVCache) -> tuple:

@@ -27,6 +27,7 @@ import certkv_jax
 from certkv_jax import diagnostics
 from certkv_jax import distributed
 from certkv_jax.cache import KVCache
+from pallas_kernels.reference import StoredNorms
 
 Array = jax.Array
 
@@ -182,7 +183,7 @@ def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, h
   mask = _mask(cache, positions)
   res = certkv_jax.offset_attention(
       qg, _slots(cache.k), _slots(cache.v), _slots(cache.log_pi), mask,
-      value_sqnorm=_slots(cache.v_sq))  # out [b, h, g, t, d]
+      value_sqnorm=StoredNorms(_slots(cache.v_sq), _slots(cache.v_ref)))  # out [b, h, g, t, d]
   stats = _truth_stats(qg, res.out, shadow, positions,
                        ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
   if shadow is not None:  # evaluation mode: the warning signals beside the truth

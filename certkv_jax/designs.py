@@ -193,7 +193,7 @@ class EvictionDesign:
     choice = self.tail.select(cache, tail, slots, key)
     keep = jnp.where(triggered, certain | choice.keep, valid)
     round_log_pi = jnp.where(triggered, choice.log_pi, 0.0)
-    new_cache = cache_lib.keep_only(cache, keep, round_log_pi)
+    new_cache = cache_lib.rebase_if_needed(cache_lib.keep_only(cache, keep, round_log_pi))
     pi = jnp.where(certain, 1.0, choice.pi)
     pi = jnp.where(triggered, pi, 1.0)
     info = EvictionInfo(

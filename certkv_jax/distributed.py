@@ -156,12 +156,12 @@ def cache_specs(lead: int = 1) -> KVCache:
 
   Returns:
     batch -> data, KV heads -> model, slots -> seq; the per-head counters
-    (``n_seen``, ``n_dropped``) are replicated over seq.
+    (``n_seen``, ``n_dropped``) and ``v_ref`` are replicated over seq.
   """
   pre = (None,) * lead
   slot, head = P(*pre, DATA, MODEL, SEQ), P(*pre, DATA, MODEL)
   return KVCache(k=slot, v=slot, log_pi=slot, pos=slot, valid=slot, acc=slot, last=slot,
-                 obs=slot, v_sq=slot, n_seen=head, n_dropped=head)
+                 obs=slot, v_sq=slot, n_seen=head, n_dropped=head, v_ref=head)
 
 
 def check_cache(mesh, caches: KVCache, lead: int = 1) -> None:

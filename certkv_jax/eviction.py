@@ -111,7 +111,7 @@ def _evict(design, caches: KVCache, state, key, layer_budgets, budget, allocatio
     return new, (s, info)
 
   evict_all = jax.vmap(over_heads(one))  # over [n_layers, batch, n_kv_heads]
-  with jax.named_scope("eviction"):
+  with jax.named_scope("eviction"), cache_lib.rebase_deferred():
     if caches_lib.is_unstacked(caches):
       new, (state, info) = _evict_per_layer(design, evict_all, caches, per_cache)
     elif distributed.cache_mesh() is None:
@@ -119,6 +119,7 @@ def _evict(design, caches: KVCache, state, key, layer_budgets, budget, allocatio
     else:  # each device gathers its heads' slot metadata and keeps its own slots
       new, (state, info) = distributed_eviction.map_evict(design, evict_all, caches,
                                                           *per_cache)
+    new = caches_lib.rebase(new)  # no evicted token's value stays as a reference
   return new, state, info
 
 
@@ -129,29 +130,28 @@ def _evict_per_layer(design, evict_all, caches: tuple, per_cache):
   """``evict_all`` on per-layer caches: the design runs once over every layer's
   stacked per-slot metadata, keys and values standing in as their norms (or
   zeros) when its scores read no more
-  (``distributed_eviction.design_reads``), and each layer then zeroes its
-  evicted keys and values in its own buffers. A design whose scores read
-  whole keys or values gets them stacked (a copy)."""
+  (``distributed_eviction.design_reads``), and each layer then applies the
+  kept slots and offsets to its own buffers (``cache.apply_keep``: evicted
+  keys and values zeroed in place). A design whose scores read whole keys or
+  values gets them stacked (a copy)."""
   reads = distributed_eviction.design_reads(design)
-  if reads is None:
-    new, out = evict_all(caches_lib.stack(caches), *per_cache)
-    return caches_lib.unstack(new), out
 
-  def stand_in(name, x):  # [b, h, cap, d] -> [b, h, cap, 1]: the norm, or 0 unread
+  def stand_in(name):  # [n_layers, b, h, cap, 1]: the stacked norms, or zeros unread
+    xs = [getattr(c, name) for c in caches]
     if f"{name}_norm" in reads:
-      return distributed_eviction.norm_column(x)
-    return jnp.zeros(x.shape[:-1] + (1,), jnp.float32)
+      return jnp.stack([distributed_eviction.norm_column(x) for x in xs])
+    # One broadcast, not a stack of per-layer zeros: a stack is computed from no input.
+    return jnp.zeros((len(xs),) + xs[0].shape[:-1] + (1,), jnp.float32)
 
-  meta = caches_lib.stack([c._replace(k=stand_in("k", c.k), v=stand_in("v", c.v))
-                           for c in caches])
+  if reads is None:
+    meta = caches_lib.stack(caches)
+  else:
+    meta = caches_lib.stack([c._replace(k=None, v=None) for c in caches])
+    meta = meta._replace(k=stand_in("k"), v=stand_in("v"))
   new, out = evict_all(meta, *per_cache)
-  layers = []
-  for i, c in enumerate(caches):
-    kept = jax.tree_util.tree_map(lambda a: a[i], new)
-    gone = c.valid & ~kept.valid  # evicted this round
-    layers.append(kept._replace(k=over_heads(cache_lib.zero_slots)(c.k, gone),
-                                v=over_heads(cache_lib.zero_slots)(c.v, gone)))
-  return tuple(layers), out
+  # Each layer applies its decision (kept slots, offsets) to its own buffers.
+  apply = over_heads(cache_lib.apply_keep)
+  return tuple(apply(c, new.valid[i], new.log_pi[i]) for i, c in enumerate(caches)), out
 
 
 def _n_seen(caches):

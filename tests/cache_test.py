@@ -1,12 +1,16 @@
 """The fixed-capacity cache pytree: append, observe, keep_only."""
 
 from absl.testing import absltest
+from absl.testing import parameterized
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from certkv_jax import cache as cache_lib
+from certkv_jax import caches as caches_lib
+from certkv_jax import eviction
+from certkv_jax import registry
 
 
 def _filled(n=10, cap=16, d=4, key=0):
@@ -95,19 +99,21 @@ class CacheTest(absltest.TestCase):
     c = cache_lib.init_cache(100, 64, dtype=jnp.bfloat16)
     b = cache_lib.cache_bytes(c)
     self.assertEqual(b["kv"], 2 * 100 * 64 * 2)
-    # per slot: log_pi, pos, valid, acc/last/obs, v_sq; per cache: 2 counters
-    self.assertEqual(b["metadata"], 100 * (4 + 4 + 1 + 4 * 3 + 4) + 8)
+    # per slot: log_pi, pos, valid, acc/last/obs, v_sq; per cache: 2 counters and
+    # v_ref (64 float32)
+    self.assertEqual(b["metadata"], 100 * (4 + 4 + 1 + 4 * 3 + 4) + 8 + 64 * 4)
 
 
 def _stored_norms_hold(test, c):
-  """v_sq is ||v||^2 (of the stored, cast values) on kept slots, 0 elsewhere."""
+  """v_sq is ||v - v_ref||^2 (of the stored, cast values) on kept slots, 0 elsewhere."""
   del test
-  expect = np.sum(np.asarray(c.v, np.float64) ** 2, axis=-1)
+  ref = np.asarray(c.v_ref, np.float64)
+  expect = np.sum((np.asarray(c.v, np.float64) - ref) ** 2, axis=-1)
   expect = np.where(np.asarray(c.valid), expect, 0.0)
   np.testing.assert_allclose(c.v_sq, expect, rtol=1e-6, atol=1e-6)
 
 
-class StoredValueNormsTest(absltest.TestCase):
+class StoredValueNormsTest(parameterized.TestCase):
   """``v_sq``: written on append (padding skipped), zeroed on eviction, moved by compact."""
 
   def test_append_writes_the_norms_of_real_tokens(self):
@@ -116,9 +122,52 @@ class StoredValueNormsTest(absltest.TestCase):
     real = jnp.array([True, False, True, True, False])
     c = cache_lib.append(c, jnp.zeros((5, 4)), v1, real)
     self.assertEqual(int(c.n_valid), 3)
+    np.testing.assert_array_equal(c.v_ref, v1[0])  # the first value appended
     _stored_norms_hold(self, c)
     c = cache_lib.append(c, jnp.zeros((4, 4)), 10.0 + jnp.ones((4, 4)))
+    np.testing.assert_array_equal(c.v_ref, v1[0])  # kept for the cache's life
     _stored_norms_hold(self, c)
+
+  def test_stacked_append_sets_the_same_reference(self):
+    spec = caches_lib.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=4)
+    v = jax.random.normal(jax.random.PRNGKey(2), (1, 2, 3, 4)) + 5.0
+    mask = jnp.array([[True, True, False]])
+    stacked, slots = caches_lib.reserve(caches_lib.init_caches(spec, 1, 8), mask)
+    for i in range(2):
+      stacked = caches_lib.write_kv(stacked, i, slots, jnp.zeros_like(v), v)
+    one = cache_lib.append(cache_lib.init_cache(8, 4), jnp.zeros((3, 4)), v[0, 1], mask[0])
+    np.testing.assert_array_equal(stacked.v_ref[1, 0, 1], one.v_ref)
+    np.testing.assert_allclose(stacked.v_sq[1, 0, 1], one.v_sq, rtol=1e-6)
+
+  @parameterized.parameters("stacked", "unrolled")
+  def test_eviction_rebases_so_no_evicted_value_remains(self, layout):
+    # A design without sinks evicts the oldest tokens, the first of which gave
+    # v_ref: eviction.evict moves the reference to the oldest kept token and
+    # recomputes v_sq about it, so two caches that differ only in an evicted
+    # value end up equal bit for bit (Theorem 1's blind retained state).
+    spec = caches_lib.CacheSpec(n_layers=2, n_kv_heads=1, head_dim=4)
+    design = registry.make("sink_window", 0.5, n_sink=0, window=4)
+    v = jax.random.normal(jax.random.PRNGKey(5), (1, 1, 8, 4)) + 20.0
+    out = []
+    for first in (0.0, 7.0):
+      vv = v.at[:, :, 0].add(first)
+      kv, slots = caches_lib.reserve(caches_lib.init_caches(spec, 1, 8), jnp.ones((1, 8), bool))
+      for i in range(2):
+        kv = caches_lib.write_kv(kv, i, slots, vv, vv)
+      np.testing.assert_array_equal(kv.v_ref[:, 0, 0], jnp.stack([vv[0, 0, 0]] * 2))
+      if layout == "unrolled":
+        kv = caches_lib.unstack(kv)
+      kv, _, _ = eviction.evict(design, kv, jax.random.PRNGKey(0))
+      out.append(caches_lib.stack(kv))
+    kept = np.asarray(out[0].valid[0, 0, 0])
+    self.assertEqual(kept.sum(), 4)
+    self.assertFalse(kept[0])  # token 0 (the old reference) was evicted
+    oldest = int(np.argmin(np.where(kept, np.asarray(out[0].pos[0, 0, 0]), 99)))
+    np.testing.assert_array_equal(out[0].v_ref[:, 0, 0], out[0].v[:, 0, 0, oldest])
+    for c in out:
+      for i in range(2):
+        _stored_norms_hold(self, jax.tree_util.tree_map(lambda a: a[i, 0, 0], c))
+    chex.assert_trees_all_equal(out[0], out[1])
 
   def test_eviction_zeroes_and_compact_moves_them(self):
     c, _ = _filled(n=12)

@@ -159,9 +159,10 @@ class MemorySummaryTest(absltest.TestCase):
       self.assertAlmostEqual(s["kv_fraction"], b)
       n_caches = config.n_layers * batch * config.n_kv_heads
       # Per slot: log_pi, acc, last, obs, v_sq (float32), pos (int32), valid (bool);
-      # per cache: n_seen and n_dropped (int32).
-      self.assertEqual(s["metadata_bytes"], n_caches * (25 * cap + 8))
-      self.assertEqual(s["full_metadata_bytes"], n_caches * (25 * full_tokens + 8))
+      # per cache: n_seen and n_dropped (int32) and v_ref (head_dim float32).
+      per_cache = 8 + 4 * config.head_dim
+      self.assertEqual(s["metadata_bytes"], n_caches * (25 * cap + per_cache))
+      self.assertEqual(s["full_metadata_bytes"], n_caches * (25 * full_tokens + per_cache))
       self.assertEqual(s["total_bytes"], s["kv_bytes"] + s["metadata_bytes"])
       # The same as certkv_jax.cache.cache_bytes per cache, summed.
       one = cache_lib.cache_bytes(jax.tree_util.tree_map(lambda x: x[0, 0, 0], caches))
