@@ -149,6 +149,8 @@ def rebase(caches):
   reference slot's value (stacked or per-layer caches; per layer, each layer
   on its own). The check is cheap; the pass over the values runs only when
   some cache needs it (a design without sinks whose oldest kept token left)."""
+  if distributed.cache_mesh() is not None:  # sharded: no collectives inside a cond
+    return cache_lib.rebase(caches)
   if is_unstacked(caches):
     needed = jnp.any(jnp.stack([cache_lib.needs_rebase(c) for c in caches]))
     return jax.lax.cond(needed, lambda cs: tuple(cache_lib.rebase(c) for c in cs),

@@ -120,7 +120,7 @@ def test_first_screen_has_the_two_commands_and_the_quickstart():
     assert command.startswith("python3 -m venv .venv && . .venv/bin/activate"), command
     assert runs in command, command
   assert "Python >= 3.10" in screen
-  assert re.search(r"main job\s+\d+ min", screen), "the main job's measured time"
+  assert re.search(r"main job\W+\d+ min", screen), "the main job's measured time"
   assert "experiments.generate" in screen and "```python" in screen
   for target in re.findall(r"\]\(([^)#]+)\)", _readme()):
     assert os.path.exists(os.path.join(test_util.ROOT, target)), f"broken link {target}"

@@ -117,7 +117,8 @@ def _random_caches(seed, lead=(2, 2, 4), cap=16, d=8):
       log_pi=f(log_pi), pos=jnp.asarray(pos, jnp.int32), valid=jnp.asarray(valid),
       acc=f(rng.gamma(1.0, size=shape)), last=f(rng.random(shape)), obs=f(rng.random(shape)),
       v_sq=f(jnp.sum(v * v, axis=-1)),
-      n_seen=jnp.full(lead, cap, jnp.int32), n_dropped=jnp.zeros(lead, jnp.int32))
+      n_seen=jnp.full(lead, cap, jnp.int32), n_dropped=jnp.zeros(lead, jnp.int32),
+      v_ref=jnp.zeros(lead + (d,), jnp.float32))  # v_sq about 0 (an eviction rebases it)
 
 
 class _SquaredKeySum:
