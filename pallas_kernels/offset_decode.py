@@ -23,7 +23,7 @@ either on any backend (CPU tests). These knobs (backend, tiling, interpret,
 debug, range mode, Triton warps and stages) travel together as one static
 :class:`KernelConfig`.
 
-Precision: every product states it (``reference.product_operands``). Float32
+Precision: every product states it (``precision.product_operands``). Float32
 keys and queries multiply at ``HIGHEST`` (IEEE float32 on Triton, not TF32);
 bfloat16 keys and queries multiply as they are with float32 accumulation;
 the value products (float32 weights times values upcast in the tile) run at
@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import precision as precision_lib
 from pallas_kernels import reference
 from pallas_kernels.config import KernelConfig
 
@@ -124,7 +125,7 @@ def _tile_update(carry, q, k_tile, v_tile, off_row, off_col, first_index, length
   two layouts the arithmetic needs (beside the logits, and beside the values).
   """
   block_k = k_tile.shape[0]
-  kt, qt, precision = reference.product_operands(k_tile, q)
+  kt, qt, precision = precision_lib.product_operands(k_tile, q)
   s = jax.lax.dot_general(qt, kt, (((1,), (1,)), ((), ())), precision=precision,
                           preferred_element_type=jnp.float32)  # [G, bk]
   idx_row = first_index + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)

@@ -42,6 +42,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import precision as precision_lib
+
 Array = jax.Array
 
 _NEG_INF = -jnp.inf
@@ -295,27 +297,14 @@ def finalize(p: Partials) -> Finalized:
   )
 
 
-LOW_PRECISION = (jnp.bfloat16, jnp.float16)
-
-
-def product_operands(a, b):
-  """The operands and precision of a product that loses nothing: two bfloat16
-  (or float16) operands as they are (their products are exact in float32, the
-  accumulation type); anything else in float32 at ``HIGHEST`` (on a GPU the
-  default rounds float32 operands to TF32, about 1e-3 relative)."""
-  if a.dtype == b.dtype and a.dtype in LOW_PRECISION:
-    return a, b, jax.lax.Precision.DEFAULT
-  return a.astype(jnp.float32), b.astype(jnp.float32), jax.lax.Precision.HIGHEST
-
-
 def slot_logits(q, k, offset, valid, scale):
   """``q . k * scale + offset`` for rows q [..., g, d] and keys k [..., n, d].
 
   Computed as ``k @ q^T`` (keys on the left): with the keys' contracted axis
   minor, XLA's CPU matmul reads them where they lie instead of a transposed
-  copy. Precision: :func:`product_operands`.
+  copy. Precision: ``precision.product_operands``.
   """
-  k, q, precision = product_operands(k, q)
+  k, q, precision = precision_lib.product_operands(k, q)
   s = jnp.swapaxes(jnp.matmul(k, jnp.swapaxes(q, -1, -2), precision=precision,
                               preferred_element_type=jnp.float32), -1, -2)
   return jnp.where(valid, s * scale + offset, _NEG_INF)

@@ -1,100 +1,15 @@
 r"""Decode benchmark: ms per decode step of the full cache and of each design.
 
-For every (batch, context) cell, side by side in one run:
+For every (batch, context) cell, side by side in one run, configurations
+interleaved round-robin: the full cache, and each design at each budget with
+and without the certificate, evicting every step or every ``k`` steps, in
+each layer loop; the cached prefill against the plain one-shot forward; and
+this machine's streaming-read bandwidth, which gives each step's floor (its
+weight and cache bytes over that bandwidth), beside the weights'
+matrix-vector products and the full cache's attention timed alone.
 
-* ``full``: no eviction, the whole prompt in the cache, no certificate (nothing to certify);
-* each design at each budget, with and without the certificate statistics
-  (``forward_chunk(certificate=...)``; for a deterministic design the
-  statistics certify nothing, only their cost is measured);
-* the prefill: the model's cached prefill (``forward_chunk`` into empty caches,
-  ``certificate=False``, as ``models.decode.generate`` prefills) against the
-  plain one-shot forward ``models.llama.LlamaModel(config).apply(params, tokens)``.
-  Both return the last position's logits (the cached one also its caches).
-  The plain forward attends with ``models.llama.grouped_attention``: a dense
-  float32 einsum softmax that materializes the ``[batch, heads, seq, seq]``
-  logits under a causal mask (no flash attention, no Pallas kernel); the cached
-  prefill attends over its cache slots with ``certkv_jax.attention_probs``,
-  likewise materialized (``[batch, heads, seq, capacity]``).
-
-The step's attention is ``certkv_jax.offset_attention`` with its default
-``implementation='auto'`` (with the certificate: the compiled Pallas kernel on
-a GPU or TPU, the jnp path on CPU) or ``certkv_jax.attention_probs``
-(without: the jnp path everywhere).
-
-How a decode step is timed (as ``models.decode.generate`` decodes, and as
-``experiments.lib.overhead`` times them): a random prompt of ``context`` tokens
-is prefilled with the design (its statistics folded, SnapKV's observation
-window observed), the design evicts once to the budget (``certkv_jax.eviction.evict``
-with the budget as a traced argument), and one jitted call -- ``S`` decode
-steps, each the argmax token through ``forward_chunk``, the design evicting
-(``evict`` with the traced budget) after every ``k``-th step -- is called again
-and again on its own output (the caches donated, so that they are updated in
-place as in the ``lax.scan`` loop), ``block_until_ready`` after each call.
-A call starts with the eviction due after the previous call's last step, as
-``models.decode.generate`` runs it at the start of the next step: in one XLA
-program an eviction after the attention would zero slots that its statistics
-still read, and XLA would copy the caches to keep them apart. The
-certificate statistics of every step are outputs, so none is skipped.
-``k`` is the configuration's ``--evict_every`` (1: after every step; more:
-amortized eviction into ``k`` slack slots) and ``S`` the largest
-``--evict_every`` for every configuration, the full cache's included, so that
-all decode the same tokens and the kept sets grow alike; a call's time divided
-by ``S`` is the time per step. The first call (compile + run) minus a steady
-call is the compile time. ``--repeats`` timed calls follow two warm-up calls;
-the configurations of a cell are interleaved round-robin (one call of each per
-round, the starting configuration rotating), so machine noise hits all alike,
-and each ratio to ``full`` is the median of the per-round ratios. The timed
-calls decode at positions ``context``, ``context + 1``, ... (at most
-``S (2 + repeats)`` past the prompt, beyond the model's context at the largest
-one: it changes no cost).
-
-Layer loop (``--layer_loop``): ``scan`` runs the layers as a ``lax.scan`` over
-the stacked weights and caches, ``unrolled`` as a Python loop over per-layer
-weights and caches (``models.forward.unstack_layers``, ``certkv_jax.caches.unstack``,
-both once per cell, outside the timed calls), read in place
-(``models.forward.forward_chunk(layer_loop=...)``). Given both, each
-configuration is timed with each, in the same round-robin, and the report gives
-the scan / unrolled ratio (median of the per-round ratios).
-
-The floor: in every cell the round-robin also times a jitted ``jnp.sum`` of a
-float32 buffer of the full cache's step bytes, this machine's streaming-read
-bandwidth in that run. A step's floor is its bytes over that bandwidth: the
-weights it reads (every parameter; of an untied embedding only the token's
-row) plus, for each of its ``n_layers x batch x n_kv_heads`` caches, the slots it
-attends over (its capacity: the compact layout's, or the whole prompt's and
-the timed calls' for the full cache) at ``certkv_jax.memory.slot_bytes`` each
-(key, value and the design's per-slot metadata; none for the full cache). The
-floor multiple is the median of the per-round ratios of the step's time to
-its floor in the same round. Beside them the round-robin times the weights'
-matrix-vector products alone (every weight matrix times a ``[batch, in]``
-vector, chained one after another as in a step, :func:`_matvec_fn`): their
-floor multiple bounds what a step whose weights dominate its bytes can reach
-on this backend. It also times the full cache's attention alone (one query
-per head over every layer's caches, layer after layer, :func:`_attention_fn`)
-over its floor, the caches' key and value bytes; the full cache's step less
-these two parts is the rest (embedding, norms, rotary, appends, argmax), which
-the report gives per cell.
-
-Cache layout (``--capacity``): ``compact`` (default) allocates what a deployment
-would: the most tokens the design keeps during the timed calls plus ``k``
-slack slots (:func:`compact_capacity`; kept slots gathered to the front,
-``certkv_jax.cache.compact``); budgets then have different shapes, so each
-budget is its own executable even though the budget is traced. ``full`` keeps the
-``generate`` layout (capacity of the whole prompt, evicted slots masked): one
-executable per design then serves every budget (the budget is traced), and a
-step costs about the same at every budget.
-
-Intervals: the median's distribution-free order-statistic interval (its level
-is >= 95% from 6 repeats on; below that the [min, max] interval and its level
-``1 - 2^(1 - n)`` are reported).
-
-Precision (``--dtype``): float32, or bfloat16 weights (the matrices) and cached
-keys and values (``models.precision``); the floor and step bytes count the
-bytes as stored.
-
-``--noplain_prefill`` skips the plain one-shot forward (its dense softmax grows
-with the square of the context: most of a 4k cell's time); the cached prefill is
-then timed alone.
+How a step is timed, the floor, the cache layouts and the intervals:
+docs/guide.md, "The decode benchmark, in detail".
 
 The command: ``python -m experiments.bench_decode --out=/tmp/bench_decode``.
 """
