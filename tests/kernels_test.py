@@ -21,6 +21,7 @@ import pytest
 import certkv_jax
 from certkv_jax import certified_attention
 from pallas_kernels import offset_decode as od
+from tests import test_util
 
 
 def _inputs(batch, groups, n, d, dtype=jnp.float32, seed=0, p_valid=0.8, max_offset=None):
@@ -251,15 +252,7 @@ class LoweringTest(parameterized.TestCase):
 
 def _primitives(jaxpr):
   """Names of every primitive in ``jaxpr`` and the jaxprs it calls."""
-  names = set()
-  for eqn in jaxpr.eqns:
-    names.add(eqn.primitive.name)
-    for v in eqn.params.values():
-      for x in (v if isinstance(v, (tuple, list)) else (v,)):
-        sub = getattr(x, "jaxpr", x)
-        if hasattr(sub, "eqns"):
-          names |= _primitives(sub)
-  return names
+  return {eqn.primitive.name for _, eqn in test_util.equations(jaxpr)}
 
 
 class DefaultsTest(parameterized.TestCase):

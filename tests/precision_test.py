@@ -13,7 +13,6 @@ import functools
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
-import jax.extend  # noqa: F401 (jax.extend.core: Jaxpr, ClosedJaxpr)
 import jax.numpy as jnp
 from jax._src import source_info_util  # the user frame of an equation
 
@@ -21,29 +20,16 @@ import certkv_jax
 from certkv_jax import certified_attention
 from certkv_jax.cache import KVCache
 from pallas_kernels import offset_decode as od
+from tests import test_util
 
 _HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
 _LOW = (jnp.bfloat16, jnp.float16)
 
 
-def _sub_jaxprs(params):
-  for v in params.values():
-    for x in (v if isinstance(v, (tuple, list)) else (v,)):
-      if isinstance(x, jax.extend.core.ClosedJaxpr):
-        yield x.jaxpr
-      elif isinstance(x, jax.extend.core.Jaxpr):
-        yield x
-
-
-def products(jaxpr, inside=()):
+def products(jaxpr):
   """``(where, dot_general equation)`` for every product in ``jaxpr`` and the
-  jaxprs it calls (pallas kernels, scans, conds, pjit), ``where`` the chain of
-  enclosing primitives."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      yield inside, eqn
-    for sub in _sub_jaxprs(eqn.params):
-      yield from products(sub, inside + (eqn.primitive.name,))
+  jaxprs it calls (pallas kernels, scans, conds, pjit)."""
+  return [(w, e) for w, e in test_util.equations(jaxpr) if e.primitive.name == "dot_general"]
 
 
 def imprecise(fn, *args):

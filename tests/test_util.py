@@ -108,3 +108,16 @@ def tiny_llama_prompts():
   params, config = hf_loader.load_hf_checkpoint(TINY_LLAMA)
   ref = np.load(os.path.join(TINY_LLAMA, "reference.npz"))
   return params, config, ref["tokens"][:, :10], ref["mask"][:, :10]
+
+
+def equations(jaxpr, inside=()):
+  """``(where, equation)`` for every equation of ``jaxpr`` and of the jaxprs it
+  calls (pallas kernels, scans, conds, pjit), ``where`` the chain of enclosing
+  primitives' names."""
+  for eqn in jaxpr.eqns:
+    yield inside, eqn
+    for v in eqn.params.values():
+      for x in (v if isinstance(v, (tuple, list)) else (v,)):
+        sub = getattr(x, "jaxpr", x)  # a ClosedJaxpr's Jaxpr, or a Jaxpr
+        if hasattr(sub, "eqns"):
+          yield from equations(sub, inside + (eqn.primitive.name,))
