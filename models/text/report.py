@@ -123,12 +123,12 @@ def format_result(result: generate.TextResult, tokenizer, *, model_label: str = 
   if not c.certified and ev is None:
     return "\n".join(lines) + "\n"  # no numbers per step to show
   cols = ["step", "token"]
-  rel = None
+  r_rel = None
   if c.certified and c.out_norm is not None:  # each radius against its call's ||o_hat||
     norm = np.where(np.isfinite(c.out_norm) & (c.out_norm > 0), c.out_norm, np.nan)
-    rel = c.radius / norm
+    r_rel = c.radius / norm
   if c.certified:
-    cols += ["median r", "max r"] + (["median r/||o_hat||"] if rel is not None else [])
+    cols += ["median r", "max r"] + (["median r/||o_hat||"] if r_rel is not None else [])
     if c.calibrated_radius is not None:
       cols += ["median r_cal", "max r_cal"]
   if ev is not None:
@@ -142,8 +142,8 @@ def format_result(result: generate.TextResult, tokenizer, *, model_label: str = 
     row = [str(i), _cell(a.pieces[i]) if a.pieces[i] else "(part of the next)"]
     if c.certified:
       row += [_g(c.radius_summary.median[i]), _g(c.radius_summary.max[i])]
-      if rel is not None:
-        row.append(_g(np.nanmedian(rel[i])) if np.isfinite(rel[i]).any() else "n/a")
+      if r_rel is not None:
+        row.append(_g(np.nanmedian(r_rel[i])) if np.isfinite(r_rel[i]).any() else "n/a")
       if c.calibrated_radius is not None:
         row += [_g(c.calibrated_summary.median[i]), _g(c.calibrated_summary.max[i])]
     if ev is not None:
@@ -159,9 +159,9 @@ def format_result(result: generate.TextResult, tokenizer, *, model_label: str = 
   if c.certified:
     overall = (f"over all {a.steps} steps: median r {_g(np.median(c.radius))}, max r "
                f"{_g(np.max(c.radius))}")
-    if rel is not None and np.isfinite(rel).any():
-      overall += (f" (relative to the call's ||o_hat||: median {_g(np.nanmedian(rel))}, "
-                  f"90th percentile {_g(np.nanpercentile(rel, 90))})")
+    if r_rel is not None and np.isfinite(r_rel).any():
+      overall += (f" (relative to the call's ||o_hat||: median {_g(np.nanmedian(r_rel))}, "
+                  f"90th percentile {_g(np.nanpercentile(r_rel, 90))})")
     if c.calibrated_radius is not None:
       overall += (f"; median r_cal {_g(np.median(c.calibrated_radius))}, max r_cal "
                   f"{_g(np.max(c.calibrated_radius))}")
