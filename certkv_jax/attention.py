@@ -198,7 +198,8 @@ def offset_attention(
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "auto":
     implementation = _auto(k, v, log_pi, mask, block_size, block_sizes)
-    if implementation == "pallas":
+    if implementation == "pallas" and value_sqnorm is not None:
+      _check_sqnorm(value_sqnorm, v, mask)  # bad input fails on every backend alike
       value_sqnorm = None  # the kernel takes the norms from its tiles
   if implementation == "pallas" and block_size is not None:
     raise ValueError("block_size is for implementation='xla'; use block_sizes for 'pallas'")

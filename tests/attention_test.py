@@ -195,7 +195,11 @@ class StoredValueNormsTest(parameterized.TestCase):
     ref = v[int(np.argmax(np.asarray(mask)))]
     stored = lambda r: reference.StoredNorms(
         jnp.where(mask, jnp.sum((v - r) ** 2, axis=-1), -1.0), r)
-    got = certkv_jax.offset_attention(q, k, v, log_pi, mask, value_sqnorm=stored(ref))
+    # The XLA path, the one that reads the stored norms ("auto" runs the Pallas kernel on
+    # a GPU, which computes them on its tiles).
+    xla = certkv_jax.attention.AttentionConfig(implementation="xla")
+    got = certkv_jax.offset_attention(q, k, v, log_pi, mask, value_sqnorm=stored(ref),
+                                      config=xla)
     out, var, rng = _np_reference(q, k, v, log_pi, mask)
     # Tolerance from float32's eps and the sizes the formula adds up: each term of
     # sum w p^2 ||v - c||^2 expanded about ref is formed with rounding of about eps
@@ -221,7 +225,7 @@ class StoredValueNormsTest(parameterized.TestCase):
     # ... and fails about 0 (raw ||v||^2: measured 5e-5 at 20, 2e-3 to 6e-3 at 100).
     if offset == 100.0:
       raw = certkv_jax.offset_attention(q, k, v, log_pi, mask,
-                                        value_sqnorm=stored(jnp.zeros_like(ref)))
+                                        value_sqnorm=stored(jnp.zeros_like(ref)), config=xla)
       self.assertGreater(abs(float(raw.var_hat) - var) / var, 1e-4)
 
   def test_gqa_layout(self):

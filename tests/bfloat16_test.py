@@ -289,18 +289,25 @@ class SmolLM2Bfloat16Test(absltest.TestCase):
     # The generate command's defaults (poisson_tail at budget 0.25, 64 steps, seed 0,
     # chat template). The design's draws use the same key in both dtypes; only a token
     # whose inclusion probability bfloat16 moves across its uniform draw could be kept
-    # differently, so the default run is a meaningful comparison. Measured: the same
-    # 64-token answer. (Greedy decoding amplifies any rounding at a near-tie after
-    # enough steps, so identical answers are not guaranteed on every prompt.)
+    # differently. Greedy decoding turns any rounding at a near-tie into another token, so
+    # the claim is the answer's, not every token's: the first sentence identical and at
+    # most 2 of the 64 tokens different. Measured: with XLA's default flags the two
+    # answers are identical; under these tests' flags (backend optimization level 0,
+    # conftest.py) they differ at token 53 alone (" line" in float32, " word" in
+    # bfloat16), and the rest of the answer is the same.
     settings = text_generate.TextSettings(chat=True)
     answers = {}
     for d, (params, config, tok) in self.models.items():
       answers[d] = text_generate.generate_text(self.prompt, params=params, config=config,
                                                tokenizer=tok, settings=settings,
                                                model_name="smollm2").answer
-    self.assertGreater(answers["float32"].steps, 16)
-    np.testing.assert_array_equal(answers["bfloat16"].token_ids, answers["float32"].token_ids)
-    self.assertEqual(answers["bfloat16"].text, answers["float32"].text)
+    a32, a16 = (np.asarray(answers[d].token_ids) for d in ("float32", "bfloat16"))
+    self.assertEqual(a32.shape, (64,))
+    self.assertEqual(a16.shape, a32.shape)
+    first_sentence = answers["float32"].text.split("\n")[0]
+    self.assertGreater(len(first_sentence), 40)
+    self.assertTrue(answers["bfloat16"].text.startswith(first_sentence + "\n"))
+    self.assertLessEqual(int((a32 != a16).sum()), 2)
 
   def test_certificate_coverage_matches_float32(self):
     from experiments.lib.validity import collect  # pylint: disable=g-import-not-at-top
