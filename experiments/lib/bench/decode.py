@@ -225,12 +225,14 @@ def _plain_fn(config):
 
 
 def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
-              executables: set, per_layer_params=None) -> tuple[list, list, dict]:
+              executables: set, per_layer_params=None, log=None) -> tuple[list, list, dict]:
   """Decode rows, prefill rows and the bandwidth probe of one (context, batch) cell.
 
   ``per_layer_params``: ``forward.unstack_layers(params, config)`` for the unrolled loop
-  (made here when None and the plan times it).
+  (made here when None and the plan times it). ``log``: given, says each prefill's and
+  each configuration's first call (compile and run) as it ends.
   """
+  say = log or (lambda _: None)
   key = jax.random.PRNGKey(plan.seed)
   tokens = jax.random.randint(jax.random.fold_in(key, context * 131 + batch), (batch, context),
                               0, config.vocab_size, jnp.int32)
@@ -246,6 +248,7 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
   full_prefill = _memo(steps, ("prefill", None, cap_full),
                        lambda: _prefill_fn(config, None, cap_full))
   (logits, full_caches), prefill_first = _timed_call(full_prefill, params, tokens, mask)
+  say(f"  first call {prefill_first:.1f} s: prefill full, context {context} batch {batch}")
   timed, states = [], []
 
   def add(design_name, design, cert, budget, caches, first_logits, kept, every=1):
@@ -278,7 +281,8 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
     design = design_defaults.make_design(name, _STATIC_BUDGET, plan.n_sink, plan.window)
     prefill = _memo(steps, ("prefill", name, cap_full),
                     lambda: _prefill_fn(config, design, cap_full))
-    d_logits, d_caches = prefill(params, tokens, mask)
+    (d_logits, d_caches), first = _timed_call(prefill, params, tokens, mask)
+    say(f"  first call {first:.1f} s: prefill {name}")
     for b in plan.budgets:
       evicted, _, _ = eviction.evict(design, d_caches, jax.random.fold_in(key, 7), budget=b)
       kept = int(jnp.max(evicted.valid.sum(-1)))
@@ -291,14 +295,14 @@ def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
           add(name, design, cert, b, caches, d_logits, kept, every)
     del d_caches
   read, buf = _read_fn(), jnp.ones((max(probe_bytes // 4, 1),), jnp.float32)
-  probe = _Timed(dict(base, bytes=int(buf.nbytes)), lambda: _timed_call(read, buf)[1])
+  probe = _Timed(dict(base, part="read probe", bytes=int(buf.nbytes)), lambda: _timed_call(read, buf)[1])
   per_layer = loop_params.get("unrolled") or forward.unstack_layers(params, config)
   matvec = _memo(steps, ("matvec", batch), lambda: _matvec_fn(config, batch))
-  mv = _Timed(dict(base, bytes=matvec_bytes(per_layer, config)),
+  mv = _Timed(dict(base, part="matvec probe", bytes=matvec_bytes(per_layer, config)),
               lambda: _timed_call(matvec, per_layer)[1])
   attention = _memo(steps, ("attention",), _attention_fn)
-  att = _Timed(dict(base, bytes=att_bytes), lambda: _timed_call(attention, *att_args)[1])
-  _round_robin(timed + [probe, mv, att], plan.repeats)
+  att = _Timed(dict(base, part="attention probe", bytes=att_bytes), lambda: _timed_call(attention, *att_args)[1])
+  _round_robin(timed + [probe, mv, att], plan.repeats, log=log)
   dropped = [int(jnp.sum(caches_lib.stack(s["carry"][0]).n_dropped)) for s in states]
   if any(dropped):
     raise RuntimeError(f"decode benchmark bug: tokens found no cache slot ({dropped}); the "
@@ -385,7 +389,7 @@ def run(params, config, plan: Plan, out: Optional[str], *, model: str, log=print
       break
     t0 = time.perf_counter()
     rows, pre, bandwidth = time_cell(params, config, plan, context, batch, steps, executables,
-                                     per_layer)
+                                     per_layer, log=log)
     results["decode"] += rows
     results["prefill"] += pre
     results["bandwidth"].append(bandwidth)

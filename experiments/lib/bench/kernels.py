@@ -83,9 +83,12 @@ def on_accelerator() -> bool:
 
 def _time_rounds(calls, repeats):
   """{name: [seconds per attention call, one per round]}: every loop once per round, in
-  turn (the first of a round rotating). ``calls``: {name: (fn, args, iters)}."""
-  for fn, args, _ in calls.values():
+  turn (the first of a round rotating). ``calls``: {name: (fn, args, iters)}. Says each
+  first call's seconds (compile and warm-up) as it ends."""
+  for name, (fn, args, _) in calls.items():
+    t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))  # compile + warm up
+    print(f"  first call {time.perf_counter() - t0:.1f} s: {name}", flush=True)
   names = list(calls)
   times = {name: [] for name in names}
   for r in range(repeats):

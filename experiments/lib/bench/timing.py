@@ -55,18 +55,26 @@ def _stepper(fn, params, carry, budget):
   return call, state
 
 
-def _round_robin(timed: list, repeats: int, warm: int = WARMUP - 1):
+def _round_robin(timed: list, repeats: int, warm: int = WARMUP - 1, log=None):
   """The first call (unless made already), ``warm`` more, then ``repeats`` rounds of one
-  call of each configuration, the first of a round rotating."""
+  call of each configuration, the first of a round rotating. ``log``: given, says each
+  first call's seconds (compile and run) as it ends."""
   for t in timed:
     if t.first_s is None:
       t.first_s = t.call()
+      if log:
+        log(f"  first call {t.first_s:.1f} s: {_label(t.row)}")
     for _ in range(warm):
       t.call()
   for r in range(repeats):
     for i in range(len(timed)):
       t = timed[(i + r) % len(timed)]
       t.samples.append(t.call())
+
+
+def _label(row: dict) -> str:
+  keys = ("part", "design", "certificate", "budget", "evict_every", "layer_loop", "method", "bytes")
+  return " ".join(f"{k}={row[k]}" for k in keys if row.get(k) is not None)
 
 
 def _finish(t: _Timed, scale: float) -> dict:
