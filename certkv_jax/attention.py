@@ -29,10 +29,12 @@ class AttentionConfig:
   """How :func:`offset_attention` computes (static, hashable), in one value.
 
   Attributes:
-    implementation: "auto" (default: the compiled Pallas kernel on GPU/TPU
+    implementation: "auto" (default: the compiled Pallas kernel on a TPU
       when the query rows share their keys, as in a decode step; XLA
-      otherwise), "xla" (the jnp reference) or "pallas" (the fused kernel of
-      ``pallas_kernels.offset_decode``; in interpret mode on CPU).
+      otherwise, on a GPU too, where the Triton kernel measured 50x slower
+      than XLA: docs/results.md, "On an H200"), "xla" (the jnp reference) or
+      "pallas" (the fused kernel of ``pallas_kernels.offset_decode``; in
+      interpret mode on CPU).
     block_size: for "xla": None computes all logits at once; an int sweeps the
       keys in blocks with online-softmax rescaling (the kernel's algorithm).
     block_sizes: for "pallas": ``pallas_kernels.offset_decode.BlockSizes``
@@ -230,13 +232,16 @@ def offset_attention(
 
 
 def _auto(k, v, log_pi, mask, block_size, block_sizes) -> str:
-  """"pallas" on a GPU/TPU when every KV row is read once (no row of keys is
+  """"pallas" on a TPU when every KV row is read once (no row of keys is
   broadcast over non-group query axes, e.g. a decode step's one query per
-  head); "xla" elsewhere, or when a tiling of the other is given."""
+  head), or on a GPU/TPU when its tiling is given; "xla" elsewhere. (On an H200
+  the Triton kernel ran at 1-2% of the read bandwidth, XLA's path at 33%.)"""
   if jax.default_backend() not in ("gpu", "tpu") or block_size is not None:
     return "xla"
   if block_sizes is not None:
     return "pallas"
+  if jax.default_backend() == "gpu":
+    return "xla"
   r = max(k.ndim - 2, v.ndim - 2, log_pi.ndim - 1, mask.ndim - 1)
   pad = lambda shape: (1,) * (r - len(shape)) + tuple(shape)
   kv_rows = math.prod(jnp.broadcast_shapes(pad(k.shape[:-2]), pad(v.shape[:-2])))

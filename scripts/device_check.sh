@@ -20,17 +20,21 @@ FAST_A="tests/designs_test.py"
 FAST_B="tests/attention_test.py tests/certificate_test.py tests/montecarlo_test.py"
 FAST_C="tests/examples_gpt2_test.py tests/sampling_test.py tests/priority_sampling_test.py"
 CKPT_ARGS=()
-BK_ARGS=(--lengths=32768,4096 --head_dims=128 --batch=64 --groups=4 --dtype=bfloat16
-         --repeats=7 --splits=1,2,4,8 --max_seconds=40)
-DECODE_ARGS=(--contexts=8192 --designs=poisson_tail,snapkv --budgets=0.125 --evict_every=16
+BK_ARGS=(--lengths=32768 --head_dims=128 --batch=64 --groups=4 --dtype=bfloat16
+         --repeats=7 --splits=1,4)
+DECODE_ARGS=(--contexts=8192 --designs=poisson_tail --budgets=0.125 --evict_every=16
              --certificate=with --layer_loop=unrolled --noplain_prefill --repeats=5)
-BATCH_135M=1,8
-BATCH_1B=4
-# Time limits (seconds). Phase 1 runs concurrently (checkpoints on the CPU, tests on the GPU):
-# at most max(L_CKPT_135M + L_CKPT_1B, L_KERNEL_TESTS, L_FAST) = 125 s. Phase 2 runs alone (it
-# times): 85 + 2 x 65 + 2 x 60 = 335 s. With the backend check (<= 15 s): at most 475 s, and
-# the check takes some 5 s. A timed-out benchmark that wrote its finished cells is "partial".
-# Each limit can be set from the environment (L_FAST=200 ...).
+BATCH_135M="${BATCH_135M:-1}"
+BATCH_1B="${BATCH_1B:-4}"
+DECODE_DTYPES="${DECODE_DTYPES:-bfloat16}"  # float32,bfloat16 adds the float32 parts
+# Time limits (seconds), sized from the first H200 runs (experiments/results/gpu_h200): there
+# a compiled kernel test took up to 13 s, designs_test.py needed over 125 s, the kernel bench's
+# first calls 33 s without a split sweep, and the 1B decode's first calls 47 s. Phase 1 runs
+# concurrently (checkpoints on the CPU, tests on the GPU): at most max(L_CKPT_135M + L_CKPT_1B,
+# L_KERNEL_TESTS, L_FAST) = 170 s. Phase 2 runs alone (it times): 100 + 95 + 95 = 290 s. With
+# the backend check (<= 15 s): at most 475 s. Each float32 decode part (DECODE_DTYPES) or
+# batch (BATCH_135M=1,8) adds about one decode limit. A timed-out benchmark that wrote its
+# finished cells is "partial". Each limit can be set from the environment (L_FAST=200 ...).
 if [[ "$TINY" == 1 ]]; then
   FAST_A="tests/priority_sampling_test.py" FAST_B="tests/sampling_test.py" FAST_C=""
   CKPT_ARGS=(--layers=2 --vocab=512)
@@ -39,17 +43,18 @@ if [[ "$TINY" == 1 ]]; then
   DECODE_ARGS=(--contexts=128 --designs=poisson_tail --budgets=0.25 --evict_every=4
                --n_sink=2 --window=4 --certificate=with --layer_loop=unrolled --noplain_prefill
                --repeats=3)
-  BATCH_135M=1 BATCH_1B=1
+  BATCH_135M=1 BATCH_1B=1 DECODE_DTYPES=float32,bfloat16
   : "${L_CKPT_135M:=60}" "${L_CKPT_1B:=60}" "${L_KERNEL_TESTS:=60}" "${L_FAST:=120}"
   : "${L_BENCH_KERNELS:=90}" "${L_DECODE_135M:=150}" "${L_DECODE_1B:=150}"
 fi
-: "${L_CKPT_135M:=30}" "${L_CKPT_1B:=60}" "${L_KERNEL_TESTS:=120}" "${L_FAST:=125}"
-: "${L_BENCH_KERNELS:=85}" "${L_DECODE_135M:=65}" "${L_DECODE_1B:=60}"
+: "${L_CKPT_135M:=30}" "${L_CKPT_1B:=60}" "${L_KERNEL_TESTS:=150}" "${L_FAST:=170}"
+: "${L_BENCH_KERNELS:=100}" "${L_DECODE_135M:=95}" "${L_DECODE_1B:=95}"
 LAST_STATUS="" LAST_SECS=0 LAST_RC=0 LAST_LIMIT=0  # of the latest part run in the foreground
 
 usage() {
   cat <<EOF
-Usage: OUT=DIR [PYTHON=python3] [ONLY=part,...] [SCRATCH=DIR] bash scripts/device_check.sh
+Usage: OUT=DIR [PYTHON=python3] [ONLY=part,...] [SCRATCH=DIR] [DECODE_DTYPES=...]
+       [BATCH_135M=...] [BATCH_1B=...] bash scripts/device_check.sh
 
 Runs on a GPU (or TPU) only, in under 8 minutes, needing nothing but the repository; refuses
 with one line and exit status 2 elsewhere. Parts, each under its time limit, its result files
@@ -67,8 +72,10 @@ written as it finishes; a failing part does not stop the later ones but makes th
                  $FAST_C
  phase 2, one at a time:
   bench_kernels  ${L_BENCH_KERNELS}s   python -m experiments.bench_kernels ${BK_ARGS[*]}
-  decode_135m_float32, decode_135m_bfloat16   ${L_DECODE_135M}s each  (batches $BATCH_135M)
-  decode_1b_float32, decode_1b_bfloat16       ${L_DECODE_1B}s each  (batch $BATCH_1B)
+  decode_135m_bfloat16, decode_135m_float32   ${L_DECODE_135M}s each  (batches $BATCH_135M)
+  decode_1b_bfloat16, decode_1b_float32       ${L_DECODE_1B}s each  (batch $BATCH_1B)
+                 for each dtype of DECODE_DTYPES ($DECODE_DTYPES; float32,bfloat16 adds the
+                 float32 parts, about ${L_DECODE_135M}s + ${L_DECODE_1B}s more)
                  python -m experiments.bench_decode ${DECODE_ARGS[*]}
                  (and --model, --batches, --dtype, --max_seconds=half its limit)
 
@@ -291,10 +298,12 @@ if want bench_kernels; then
   partial_if bench_kernels "$WORK/bench_kernels.json"
   publish
 fi
-decode decode_135m_float32 smollm2-135m float32 "$BATCH_135M" "$L_DECODE_135M"
-decode decode_135m_bfloat16 smollm2-135m bfloat16 "$BATCH_135M" "$L_DECODE_135M"
-decode decode_1b_float32 llama-1b float32 "$BATCH_1B" "$L_DECODE_1B"
-decode decode_1b_bfloat16 llama-1b bfloat16 "$BATCH_1B" "$L_DECODE_1B"
+for dtype in ${DECODE_DTYPES//,/ }; do
+  decode "decode_135m_$dtype" smollm2-135m "$dtype" "$BATCH_135M" "$L_DECODE_135M"
+done
+for dtype in ${DECODE_DTYPES//,/ }; do
+  decode "decode_1b_$dtype" llama-1b "$dtype" "$BATCH_1B" "$L_DECODE_1B"
+done
 publish
 
 FAILED=0

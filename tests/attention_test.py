@@ -196,7 +196,7 @@ class StoredValueNormsTest(parameterized.TestCase):
     stored = lambda r: reference.StoredNorms(
         jnp.where(mask, jnp.sum((v - r) ** 2, axis=-1), -1.0), r)
     # The XLA path, the one that reads the stored norms ("auto" runs the Pallas kernel on
-    # a GPU, which computes them on its tiles).
+    # a TPU, which computes them on its tiles).
     xla = certkv_jax.attention.AttentionConfig(implementation="xla")
     got = certkv_jax.offset_attention(q, k, v, log_pi, mask, value_sqnorm=stored(ref),
                                       config=xla)

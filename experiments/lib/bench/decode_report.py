@@ -238,9 +238,8 @@ def render(results: dict, summary: dict) -> str:
         "step (`models.decode.generate(evict_every=k)`), otherwise after each.",
         "- Attention in a step: `forward_chunk` calls `certkv_jax.offset_attention` with its "
         "default `implementation='auto'` with the certificate (the compiled Pallas kernel on "
-        "a GPU or TPU, the jnp reference elsewhere; this run: "
-        + ("the Pallas kernel" if any(f"({b})" in results.get("device", "")
-                                      for b in ("gpu", "tpu")) else "the jnp reference")
+        "a TPU, the jnp reference elsewhere; this run: "
+        + ("the Pallas kernel" if "(tpu)" in results.get("device", "") else "the jnp reference")
         + "), `certkv_jax.attention_probs` (jnp) without it.",
         f"- Cells: [median, interval] over the timed calls; interval levels {levels} "
         "(order statistics; >= 0.95 from 6 repeats on). Ratios: median of the per-round "
