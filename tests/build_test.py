@@ -10,9 +10,13 @@ make is covered by its direct deps.
 
 import ast
 import configparser
+import glob as globlib
+import importlib.util
 import os
 import re
+import shutil
 import sys
+import tempfile
 
 from absl.testing import absltest
 
@@ -40,7 +44,12 @@ def _load_build():
       targets[name] = {"kind": kind, "srcs": list(srcs), "deps": list(deps), **kw}
     return record
 
+  def glob(patterns):  # Bazel's glob, on the files of the tree
+    return sorted({os.path.relpath(p, ROOT) for pat in patterns
+                   for p in globlib.glob(os.path.join(ROOT, pat)) if os.path.isfile(p)})
+
   env = {
+      "glob": glob,
       "load": lambda *a, **k: None,
       "package": lambda **k: None,
       "requirement": _Req,
@@ -103,12 +112,61 @@ def _test_helper_imports(path):
   return {f"tests/{n}.py" for n in names}
 
 
+def _generator():
+  spec = importlib.util.spec_from_file_location(
+      "gen_build", os.path.join(ROOT, "scripts", "gen_build.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 class BuildTest(absltest.TestCase):
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
     cls.targets = _load_build()
+
+  def test_committed_build_is_generated(self):
+    with open(os.path.join(ROOT, "BUILD"), encoding="utf-8") as f:
+      self.assertMultiLineEqual(f.read(), _generator().render(),
+                                "BUILD is stale: run `python scripts/gen_build.py`")
+
+  def test_generator_follows_an_added_import(self):
+    # A copy of the tree where certkv_jax starts importing scipy and a new module
+    # appears: the rendering must change with it (so the check above can fail).
+    gen = _generator()
+    tmp = tempfile.mkdtemp(prefix="build_test_")
+    self.addCleanup(shutil.rmtree, tmp)
+    for top in gen.PACKAGES:
+      shutil.copytree(os.path.join(ROOT, top), os.path.join(tmp, top),
+                      ignore=shutil.ignore_patterns("__pycache__", "fixtures", "data"))
+    with open(os.path.join(tmp, "certkv_jax", "zz_new.py"), "w", encoding="utf-8") as f:
+      f.write("import scipy\nfrom models import llama\n")
+    deps = gen.targets(tmp)["certkv_jax"]["deps"]
+    self.assertIn('requirement("scipy")', deps)
+    self.assertIn('":models"', deps)
+    self.assertIn("certkv_jax/zz_new.py", gen.targets(tmp)["certkv_jax"]["srcs"])
+    with open(os.path.join(tmp, "certkv_jax", "zz_new.py"), "w", encoding="utf-8") as f:
+      f.write("import not_a_known_package\n")
+    with self.assertRaisesRegex(ValueError, "not_a_known_package"):
+      gen.targets(tmp)
+
+  def test_no_dependency_cycle(self):
+    graph = {n: [d[1:] for d in t["deps"] if not isinstance(d, _Req)]
+             for n, t in self.targets.items()}
+    state = {}
+
+    def visit(n, path):
+      state[n] = "open"
+      for d in graph[n]:
+        self.assertNotEqual(state.get(d), "open", f"cycle: {' -> '.join(path + [n, d])}")
+        if d not in state:
+          visit(d, path + [n])
+      state[n] = "done"
+    for n in graph:
+      if n not in state:
+        visit(n, [])
 
   def test_every_file_in_exactly_one_target(self):
     owners = {}
