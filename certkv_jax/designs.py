@@ -54,7 +54,7 @@ from certkv_jax.design_parts import PoissonTail  # pylint: disable=unused-import
 from certkv_jax.design_parts import PriorityTail
 from certkv_jax.design_parts import TailChoice  # pylint: disable=unused-import
 from certkv_jax.design_parts import TailRule
-from certkv_jax.design_parts import TopK  # pylint: disable=unused-import
+from certkv_jax.design_parts import TopK
 from certkv_jax.design_parts import UniformTail  # pylint: disable=unused-import
 
 Array = jax.Array
@@ -238,6 +238,38 @@ def compose(certain: CertaintySet, tail, budget, name: str = "custom",
   _check_budget_vs_certain(budget, certain, name)
   return EvictionDesign(name=name, certain=certain, tail=tail, budget=budget, fold=fold,
                         observation_window=observation_window, min_tail=min_tail)
+
+
+# The share of a certified twin's tail slots kept by its score's rank (method, section 3,
+# "Certified twins"); the rest are sampled.
+TWIN_SHARE = 0.75
+# Their sampling weights' floor, relative to the tail's mean weight: no tail token is
+# nearly never drawn, so no Horvitz-Thompson term 1 / pi is nearly unbounded.
+TWIN_EPS = 0.05
+
+
+def certified(design: EvictionDesign, *, top_share: float = TWIN_SHARE,
+              eps: float = TWIN_EPS) -> EvictionDesign:
+  """The certified twin of a deterministic (top-k) design (method, section 3,
+  "Certified twins"): the same certainty set, budget, fold and observation
+  window; ``floor(top_share * slots)`` of the tail slots kept by the design's
+  own score with certainty, the others filled by a priority sample weighted by
+  that score (shifted to be non-negative on the tail) plus ``eps`` times its
+  tail mean, with Hajek offsets and the certificate. Named ``<name>_cert``.
+
+  Raises:
+    TypeError unless ``design`` has a :class:`TopK` tail; ValueError unless
+    ``top_share`` is in [0, 1).
+  """
+  if not isinstance(design, EvictionDesign) or not isinstance(design.tail, TopK):
+    raise TypeError("certified needs a deterministic top-k design (a TopK tail), got "
+                    f"{getattr(design, 'name', design)!r}")
+  if isinstance(top_share, bool) or not isinstance(top_share, (int, float)) or not (
+      0.0 <= top_share < 1.0):
+    raise ValueError(f"top_share must be a float in [0, 1), got {top_share!r}")
+  tail = PriorityTail(score=scores.TailShifted(design.tail.score), eps=eps,
+                      heavy_share=top_share)
+  return dataclasses.replace(design, tail=tail, name=f"{design.name}_cert")
 
 
 # --------------------------------------------------------------------------- factories

@@ -76,13 +76,46 @@ ALIASES = {"pyramidkv": "snapkv+pyramid", "pyramidkv+adakv": "snapkv+pyramid_ada
 OBSERVATION_WINDOW = 16
 
 
+TWIN_SUFFIX = "_cert"
+
+
+def _twin(factory):
+  """The factory of the certified twin of ``factory``'s design (:func:`designs.certified`):
+  the same settings and ``top_share``."""
+
+  def twin(budget, *, top_share: float = designs.TWIN_SHARE, **settings):
+    return designs.certified(factory(budget, **settings), top_share=top_share)
+  params = list(inspect.signature(factory).parameters.values())
+  at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
+  params.insert(at, inspect.Parameter("top_share", inspect.Parameter.KEYWORD_ONLY,
+                                      default=designs.TWIN_SHARE))
+  twin.__signature__ = inspect.Signature(params)
+  return twin
+
+
+def _factory(name: str):
+  """The factory of ``name``: a registered design, or ``<deterministic>_cert``, its
+  certified twin (every deterministic design has one, built on demand); None if neither."""
+  if name in _FACTORIES:
+    return _FACTORIES[name]
+  base = name[:-len(TWIN_SUFFIX)] if name.endswith(TWIN_SUFFIX) else None
+  if base in _FACTORIES and not make(base, _PROBE_BUDGET).randomized:
+    return _twin(_FACTORIES[base])
+  return None
+
+
+def twins() -> tuple[str, ...]:
+  """The certified twins' names, one per deterministic registered design."""
+  return tuple(n + TWIN_SUFFIX for n in names(randomized=False))
+
+
 def register(name: str, factory: Callable[..., EvictionDesign]) -> None:
   """Adds a user's design (``factory(budget, **settings) -> EvictionDesign``).
 
   Raises:
     ValueError if ``name`` is taken.
   """
-  if name in _FACTORIES:
+  if _factory(name) is not None:
     raise ValueError(f"design {name!r} is already registered")
   _FACTORIES[name] = factory
 
@@ -110,7 +143,7 @@ def make(name: str, budget, **settings) -> EvictionDesign:
     ValueError naming the design and listing the known names, or naming a
     setting the design does not take.
   """
-  if name in _FACTORIES:
+  if isinstance(name, str) and _factory(name) is not None:
     return _make_registered(name, budget, settings)
   if not isinstance(name, str) or not (":" in name or "+" in name or name in ALIASES):
     raise ValueError(f"unknown design {name!r}; choose from {sorted(_FACTORIES)}")
@@ -124,7 +157,7 @@ def make(name: str, budget, **settings) -> EvictionDesign:
 def _make_registered(name: str, budget, settings: dict, own=()) -> EvictionDesign:
   """The registered design ``name`` at ``budget`` with ``settings`` (see :func:`make`)
   and the string's ``own`` settings, which override them and must be the design's."""
-  factory = _FACTORIES[name]
+  factory = _factory(name)
   params = inspect.signature(factory).parameters
   takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
   kwargs = {}
@@ -191,7 +224,7 @@ def parse(text: str, *, flag: str = "design") -> Spec:
       raise ValueError(f"{flag}: {FULL!r} (no eviction) takes no settings or allocation, "
                        f"got {text!r}")
     return Spec(FULL)
-  if name not in _FACTORIES:
+  if _factory(name) is None:
     where = "" if name == text else f" in {text!r}"
     raise ValueError(f"{flag}: unknown design {name!r}{where}; choose from "
                      f"{[FULL] + list(_FACTORIES)}, as design[:setting=value...]"

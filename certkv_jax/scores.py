@@ -249,6 +249,30 @@ class Blend:
 
 
 @dataclasses.dataclass(frozen=True)
+class TailShifted:
+  """``score`` minus its minimum over the candidates where that minimum is
+  negative (0 off them): non-negative weights that rank as ``score`` does, for
+  sampling by a score that may be negative (Knorm's ``-||k||``); a
+  non-negative score is left as it is. What a certified twin samples by
+  (:func:`certkv_jax.designs.certified`)."""
+
+  score: object
+
+  @property
+  def reads(self) -> frozenset:
+    return reads_of(self.score)
+
+  def on(self, cache: KVCache, mask):
+    on = getattr(self.score, "on", None)
+    x = jnp.asarray(on(cache, mask) if on is not None else self.score(cache), jnp.float32)
+    low = jnp.min(jnp.where(mask, x, jnp.inf))
+    return jnp.where(mask, x - jnp.where(jnp.isfinite(low), jnp.minimum(low, 0.0), 0.0), 0.0)
+
+  def __call__(self, cache: KVCache):
+    return self.on(cache, cache.valid)
+
+
+@dataclasses.dataclass(frozen=True)
 class FocusBlend:
   """:class:`Blend` of history and window attention whose window weight rises
   as the window's attention over the candidates concentrates.

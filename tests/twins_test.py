@@ -1,0 +1,134 @@
+"""Certified twins (``designs.certified``, ``registry`` ``<name>_cert``; method, section 3,
+"Certified twins"): what they keep, their inclusion probabilities, unbiasedness."""
+
+import dataclasses
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import certkv_jax
+from certkv_jax import cache as cache_lib
+from certkv_jax import designs
+from certkv_jax import registry
+
+N, CAP, D = 40, 48, 8
+BUDGET, N_SINK, WINDOW = 16, 2, 4
+SLOTS = BUDGET - N_SINK - WINDOW  # tail slots: 10
+TOP = int(designs.TWIN_SHARE * SLOTS)  # kept by rank: 7; sampled: 3
+
+
+def _cache(seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  k = jax.random.normal(ks[0], (N, D)) * jnp.linspace(0.5, 2.0, N)[:, None]
+  v = jax.random.normal(ks[1], (N, D))
+  c = cache_lib.append(cache_lib.init_cache(CAP, D), k, v)
+  q = jax.random.normal(ks[2], (3, 2, D))  # 3 query heads, 2 queries
+  probs = certkv_jax.attention_probs(q, c.k, c.log_pi, c.valid)
+  return cache_lib.observe(c, probs, observation=True)
+
+
+def _evict(design, c, key):
+  return design.evict(c, design.init(c), key)
+
+
+def _tail(c):
+  pos = np.asarray(c.pos)
+  return np.asarray(c.valid) & (pos >= N_SINK) & (pos < N - WINDOW)
+
+
+class TwinTest(absltest.TestCase):
+
+  def _check_kept(self, name, score):
+    """Over 20 keys: the sinks and window, the TOP best tail tokens by ``score`` with
+    pi = 1, and SLOTS - TOP sampled ones with pi < 1 and offset log pi."""
+    c = _cache()
+    twin = registry.make(name + "_cert", BUDGET, n_sink=N_SINK, window=WINDOW)
+    self.assertEqual((twin.name, twin.randomized), (name + "_cert", True))
+    tail = _tail(c)
+    s = np.where(tail, score, -np.inf)
+    best = np.zeros(CAP, bool)
+    best[np.argsort(-s)[:TOP]] = True
+    certain = np.asarray(c.valid) & ~tail
+    for seed in range(20):
+      new, _, info = _evict(twin, c, jax.random.PRNGKey(seed))
+      kept, pi = np.asarray(info.kept), np.asarray(info.pi)
+      self.assertEqual(int(kept.sum()), BUDGET)
+      np.testing.assert_array_equal(kept[certain | best], True)
+      np.testing.assert_array_equal(pi[certain | best], 1.0)
+      sampled = kept & tail & ~best
+      self.assertEqual(int(sampled.sum()), SLOTS - TOP)
+      self.assertTrue((pi[sampled] < 1.0).all(), (seed, pi[sampled]))
+      np.testing.assert_allclose(np.asarray(new.log_pi)[sampled], np.log(pi[sampled]),
+                                 rtol=1e-6)
+      np.testing.assert_array_equal(np.asarray(new.log_pi)[certain | best], 0.0)
+    # The twin keeps the first TOP of what the deterministic design keeps, and more.
+    det_kept = np.asarray(_evict(registry.make(name, BUDGET, n_sink=N_SINK, window=WINDOW),
+                                 c, jax.random.PRNGKey(0))[2].kept)
+    self.assertTrue((det_kept[best]).all())
+
+  def test_h2o_twin(self):
+    c = _cache()
+    self._check_kept("h2o", np.asarray(c.acc))
+
+  def test_key_norm_twin_samples_a_negative_score(self):
+    # Knorm's score is -||k||: the twin samples by its shift above the tail's minimum.
+    c = _cache()
+    self._check_kept("key_norm", -np.linalg.norm(np.asarray(c.k), axis=-1))
+
+  def test_horvitz_thompson_over_draws_is_unbiased(self):
+    # sum over the tail of x, estimated by the twin's draws: the kept tail's x / pi.
+    # 4,000 draws; the bound is 4 Monte Carlo standard errors (a false failure about
+    # once in 16,000 seeds), and the estimator must be random (its SE well above 0).
+    c = _cache(seed=1)
+    twin = registry.make("h2o_cert", BUDGET, n_sink=N_SINK, window=WINDOW)
+    tail = jnp.asarray(_tail(c))
+    x = jnp.abs(c.v[:, 0]) + 0.1
+
+    def estimate(key):
+      _, _, info = _evict(twin, c, key)
+      on = info.kept & tail
+      return jnp.sum(jnp.where(on, x / jnp.where(on, info.pi, 1.0), 0.0))
+    est = np.asarray(jax.jit(jax.vmap(estimate))(jax.random.split(jax.random.PRNGKey(7), 4000)))
+    truth = float(jnp.sum(jnp.where(tail, x, 0.0)))
+    se = est.std() / np.sqrt(est.size)
+    self.assertGreater(se, 1e-4 * truth)
+    self.assertLess(abs(est.mean() - truth), 4 * se, (est.mean(), truth, se))
+
+  def test_a_registered_deterministic_design_gets_a_twin(self):
+
+    @dataclasses.dataclass(frozen=True)
+    class FirstValue:  # a score this test adds: the first value component
+      reads = frozenset({"v"})
+
+      def __call__(self, cache):
+        return cache.v[..., 0]
+
+    def factory(budget, *, n_sink=0, window=0):
+      return designs.top_k(budget, FirstValue(), n_sink=n_sink, window=window,
+                           name="first_value")
+    registry.register("first_value", factory)
+    self.addCleanup(registry._FACTORIES.pop, "first_value")  # pylint: disable=protected-access
+    self.assertIn("first_value_cert", registry.twins())
+    twin = registry.make("first_value_cert:top_share=0.5", BUDGET, n_sink=N_SINK,
+                         window=WINDOW)
+    self.assertEqual((twin.name, twin.randomized, twin.tail.heavy_share),
+                     ("first_value_cert", True, 0.5))
+    c = _cache()
+    info = _evict(twin, c, jax.random.PRNGKey(0))[2]
+    self.assertEqual(int(np.asarray(info.kept).sum()), BUDGET)
+    with self.assertRaisesRegex(ValueError, "already registered"):
+      registry.register("first_value_cert", factory)
+
+  def test_errors(self):
+    with self.assertRaisesRegex(TypeError, "deterministic top-k design"):
+      designs.certified(registry.make("poisson_tail", BUDGET))
+    with self.assertRaisesRegex(ValueError, "top_share must be a float in \\[0, 1\\)"):
+      designs.certified(registry.make("h2o", BUDGET), top_share=1.0)
+    with self.assertRaisesRegex(ValueError, "unknown design 'poisson_tail_cert'"):
+      registry.make("poisson_tail_cert", BUDGET)
+
+
+if __name__ == "__main__":
+  absltest.main()
