@@ -224,14 +224,15 @@ def _plain_fn(config):
   return jax.jit(lambda params, tokens: model.apply(params, tokens)[:, -1])
 
 
-def time_cell(params, config, plan: Plan, context: int, batch: int, steps: dict,
-              executables: set, per_layer_params=None, log=None) -> tuple[list, list, dict]:
-  """Decode rows, prefill rows and the bandwidth probe of one (context, batch) cell.
+def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables: set,
+              per_layer_params=None, log=None) -> tuple[list, list, dict]:
+  """Decode rows, prefill rows and the bandwidth probe of one ``cell``, a (context, batch).
 
   ``per_layer_params``: ``forward.unstack_layers(params, config)`` for the unrolled loop
   (made here when None and the plan times it). ``log``: given, says each prefill's and
   each configuration's first call (compile and run) as it ends.
   """
+  context, batch = cell
   say = log or (lambda _: None)
   key = jax.random.PRNGKey(plan.seed)
   tokens = jax.random.randint(jax.random.fold_in(key, context * 131 + batch), (batch, context),
@@ -388,8 +389,8 @@ def run(params, config, plan: Plan, out: Optional[str], *, model: str, log=print
       log(f"--max_seconds={plan.max_seconds} reached: skipping {len(cells) - i} cells")
       break
     t0 = time.perf_counter()
-    rows, pre, bandwidth = time_cell(params, config, plan, context, batch, steps, executables,
-                                     per_layer, log=log)
+    rows, pre, bandwidth = time_cell(params, config, plan, (context, batch), steps,
+                                     executables, per_layer, log=log)
     results["decode"] += rows
     results["prefill"] += pre
     results["bandwidth"].append(bandwidth)
