@@ -20,6 +20,14 @@ rules (:class:`TopK`) keep the highest scores; :class:`UniformTail` keeps a
 uniformly random subset with no offset (an ablation); :class:`PoissonTail` is
 method, section 3's randomized design with Hajek offsets.
 
+The certified factories (``poisson_*``, ``priority_*``,
+:func:`attention_proportional`) take their certainty set as one
+:class:`CertaintySet`, ``poisson_tail(0.25, certain=CertaintySet(n_sink=4,
+window=16))``; the registry also reads its fields by name
+(``registry.make("poisson_tail", 0.25, n_sink=4, window=16)``). The
+deterministic baselines, which keep no heavy hitters, take ``n_sink`` and
+``window``.
+
 Two variants aim at a more valid raw certificate (method, sections 3 and 6):
 :func:`poisson_defensive` mixes the tail score with the uniform score
 (:class:`scores.Defensive`), which floors ``pi`` and bounds the Assumption-2
@@ -326,48 +334,50 @@ def uniform_random(budget, *, n_sink: int = 0, window: int = 0) -> EvictionDesig
                  "uniform_random")
 
 
-def poisson_tail(budget, *, score=scores.AccumulatedAttention(), n_sink: int = 0,
-                 window: int = 0, heavy: int = 0, eps: float = 1e-6,
+def poisson_tail(budget, *, certain: CertaintySet = CertaintySet(),
+                 score=scores.AccumulatedAttention(), eps: float = 1e-6,
                  overflow_prob: float = 1e-3, max_redraws: int = 3,
                  min_tail: int = 0) -> EvictionDesign:
-  """The certified design (method, section 3): certainty set (sinks, window,
-  ``heavy`` hitters by accumulated attention) + Poisson-sampled tail with Hajek
-  offsets. ``min_tail``: see :class:`EvictionDesign`."""
-  return _poisson("poisson_tail", budget, score=score, n_sink=n_sink, window=window,
-                  heavy=heavy, eps=eps, overflow_prob=overflow_prob, max_redraws=max_redraws,
-                  min_tail=min_tail)
+  """The certified design (method, section 3): the certainty set ``certain``
+  (sinks, window, heavy hitters by accumulated attention) + a Poisson-sampled
+  tail with Hajek offsets. ``min_tail``: see :class:`EvictionDesign`."""
+  return _poisson("poisson_tail", budget, score=score, certain=certain, eps=eps,
+                  overflow_prob=overflow_prob, max_redraws=max_redraws, min_tail=min_tail)
 
 
-def _poisson(name, budget, *, score, n_sink=0, window=0, heavy=0, eps=1e-6,
-             overflow_prob=1e-3, max_redraws=3, min_tail=0) -> EvictionDesign:
+def _poisson(name, budget, *, score, certain=CertaintySet(), eps=1e-6, overflow_prob=1e-3,
+             max_redraws=3, min_tail=0) -> EvictionDesign:
   return compose(
-      CertaintySet(n_sink=n_sink, window=window, heavy=heavy),
+      certain,
       PoissonTail(score=score, eps=eps, overflow_prob=overflow_prob, max_redraws=max_redraws),
       budget, name, min_tail=min_tail)
 
 
-def priority_tail(budget, *, score=scores.AccumulatedAttention(), n_sink: int = 0,
-                  window: int = 0, heavy: int = 0, eps: float = 1e-6,
+def priority_tail(budget, *, certain: CertaintySet = CertaintySet(),
+                  score=scores.AccumulatedAttention(), eps: float = 1e-6,
                   min_tail: int = 0, heavy_share: float = 0.0) -> EvictionDesign:
   """The certified design with a fixed-size tail: the certainty set of
   :func:`poisson_tail` and a priority-sampled tail (:class:`PriorityTail`) that
   fills every slot the certainty set leaves (method, section 3, "Fixed-size
   tail"); ``heavy_share`` of those slots go to the top-scored tail tokens."""
-  return compose(CertaintySet(n_sink=n_sink, window=window, heavy=heavy),
-                 PriorityTail(score=score, eps=eps, heavy_share=heavy_share), budget,
+  return compose(certain, PriorityTail(score=score, eps=eps, heavy_share=heavy_share), budget,
                  "priority_tail", min_tail=min_tail)
 
 
-def priority_floor(budget, *, min_tail: int = 16, **kwargs) -> EvictionDesign:
+def priority_floor(budget, *, certain: CertaintySet = CertaintySet(),
+                   score=scores.AccumulatedAttention(), eps: float = 1e-6,
+                   min_tail: int = 16, heavy_share: float = 0.0) -> EvictionDesign:
   """:func:`priority_tail` with at least ``min_tail`` sampled tail tokens beside the
   certainty set (:class:`EvictionDesign`'s ``min_tail``), as :func:`poisson_floor`."""
-  return dataclasses.replace(priority_tail(budget, min_tail=min_tail, **kwargs),
-                             name="priority_floor")
+  return dataclasses.replace(
+      priority_tail(budget, certain=certain, score=score, eps=eps, min_tail=min_tail,
+                    heavy_share=heavy_share),
+      name="priority_floor")
 
 
-def priority_blend(budget, *, n_sink: int = 0, window: int = 0, window_weight: float = 0.5,
-                   window_share: float = 0.0, pool_size: int = 5, min_tail: int = 16,
-                   heavy: int = 0, eps: float = 1e-6,
+def priority_blend(budget, *, certain: CertaintySet = CertaintySet(),
+                   window_weight: float = 0.5, window_share: float = 0.0, pool_size: int = 5,
+                   min_tail: int = 16, eps: float = 1e-6,
                    observation_window: Optional[int] = None) -> EvictionDesign:
   """:func:`priority_floor` with SnapKV's statistic beside H2O's: the tail's
   weights are ``scores.Blend`` of accumulated attention (weight
@@ -376,7 +386,7 @@ def priority_blend(budget, *, n_sink: int = 0, window: int = 0, window_weight: f
   with the tokens the window attends to most (SnapKV's choice, kept with
   certainty), so a token only the question points at is kept even when the
   history never looked at it (method, section 3, "Blended weights").
-  ``observation_window`` defaults to ``max(window, 1)`` queries.
+  ``observation_window`` defaults to ``max(certain.window, 1)`` queries.
 
   Raises:
     ValueError naming ``window_weight`` unless it is in [0, 1], or
@@ -388,79 +398,121 @@ def priority_blend(budget, *, n_sink: int = 0, window: int = 0, window_weight: f
   f = window_share
   if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0:
     raise ValueError(f"window_share must be a float in [0, 1), got {f!r}")
-  obs = max(window, 1) if observation_window is None else observation_window
+  obs = _observation_window(certain, observation_window)
   snap = scores.WindowAttention(pool_size)
   score = scores.Blend((scores.AccumulatedAttention(), snap), (1.0 - ww, ww))
-  return compose(CertaintySet(n_sink=n_sink, window=window, heavy=heavy),
+  return compose(certain,
                  PriorityTail(score=score, eps=eps, heavy_share=window_share,
                               heavy_score=snap), budget,
                  "priority_blend", observation_window=obs, min_tail=min_tail)
 
 
-def priority_focus(budget, *, n_sink: int = 0, window: int = 0, focused: float = 0.05,
-                   diffuse: float = 0.2, focused_weight: float = 1.0,
-                   diffuse_weight: float = 0.5, pool_size: int = 5, min_tail: int = 16,
-                   heavy: int = 0, eps: float = 1e-6, focus_share: float = 0.0,
+def _observation_window(certain, observation_window: Optional[int]) -> int:
+  """``observation_window``, or ``max(certain.window, 1)`` when None."""
+  if observation_window is not None:
+    return observation_window
+  return max(getattr(certain, "window", 0), 1)  # compose checks the type of certain
+
+
+@dataclasses.dataclass(frozen=True)
+class Focus:
+  """How :func:`priority_focus`'s blend follows the window (``scores.FocusBlend``).
+
+  The window weight is ``focused_weight`` where the window's effective share
+  over the tail is ``focused`` or less, ``diffuse_weight`` at ``diffuse`` or
+  more, linear between; the window's attention is pooled over ``pool_size``
+  neighbouring positions. The defaults are ``scores.FocusBlend()``'s.
+
+  Raises:
+    ValueError naming the setting unless ``0 <= focused < diffuse <= 1``, the
+    weights are in [0, 1] and ``pool_size`` is an odd int >= 1.
+  """
+
+  focused: float = 0.05
+  diffuse: float = 0.2
+  focused_weight: float = 1.0
+  diffuse_weight: float = 0.5
+  pool_size: int = 5
+
+  def __post_init__(self):
+    self.score()  # the score's own checks, each naming its setting
+
+  def score(self) -> scores.FocusBlend:
+    """The blended score: H2O's accumulated attention against SnapKV's pooled window."""
+    return scores.FocusBlend(scores.AccumulatedAttention(),
+                             scores.WindowAttention(self.pool_size), self.focused,
+                             self.diffuse, self.focused_weight, self.diffuse_weight)
+
+
+def priority_focus(budget, *, certain: CertaintySet = CertaintySet(), focus: Focus = Focus(),
+                   min_tail: int = 16, eps: float = 1e-6, focus_share: float = 0.0,
                    window_share: float = 0.0,
                    observation_window: Optional[int] = None) -> EvictionDesign:
   """:func:`priority_blend` whose window weight follows the window: per head
-  and eviction, ``scores.FocusBlend`` weighs SnapKV's statistic by how
-  concentrated the observation window's attention over the tail is (a
-  question pointing at a fact) against H2O's (running text), both normalised
-  over the tail (method, section 3, "Focus-weighted blend"). ``focus_share``
-  of the slots, scaled by how focused the window is (0 at ``diffuse``, 1 at
-  ``focused``), go by rank of the window's score with certainty
-  (:class:`PriorityTail`; method, section 3, "Focused share").
+  and eviction, ``scores.FocusBlend`` (built from ``focus``) weighs SnapKV's
+  statistic by how concentrated the observation window's attention over the
+  tail is (a question pointing at a fact) against H2O's (running text), both
+  normalised over the tail (method, section 3, "Focus-weighted blend").
+  ``focus_share`` of the slots, scaled by how focused the window is (0 at
+  ``focus.diffuse``, 1 at ``focus.focused``), go by rank of the window's score
+  with certainty (:class:`PriorityTail`; method, section 3, "Focused share").
   ``window_share`` of the slots go by that rank at every eviction, focused or
   not (method, section 3, "Window share"): a question whose attention is
   broad still keeps the span it ranks first, as SnapKV does.
+  ``observation_window`` defaults to ``max(certain.window, 1)`` queries.
 
   Raises:
-    ValueError naming the argument unless the shares and weights are in
-    [0, 1] with ``focused < diffuse``, ``focus_share`` and ``window_share``
-    are in [0, 1) and their sum is below 1.
+    TypeError unless ``focus`` is a :class:`Focus`; ValueError naming the
+    argument unless ``focus_share`` and ``window_share`` are in [0, 1) and
+    their sum is below 1 (``focus``'s own ranges: :class:`Focus`).
   """
+  if not isinstance(focus, Focus):
+    raise TypeError(f"focus must be a designs.Focus, got {focus!r}")
   f = window_share
   if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0:
     raise ValueError(f"window_share must be a float in [0, 1), got {f!r}")
   if f and isinstance(focus_share, (int, float)) and f + focus_share >= 1.0:
     raise ValueError("window_share + focus_share must be below 1 (a slot left to sample), "
                      f"got {f!r} + {focus_share!r}")
-  obs = max(window, 1) if observation_window is None else observation_window
-  score = scores.FocusBlend(scores.AccumulatedAttention(), scores.WindowAttention(pool_size),
-                            focused, diffuse, focused_weight, diffuse_weight)
+  obs = _observation_window(certain, observation_window)
+  score = focus.score()
   tail = PriorityTail(score=score, eps=eps, focus_share=focus_share, heavy_share=window_share,
                       heavy_score=score.window if window_share else None)
-  return compose(CertaintySet(n_sink=n_sink, window=window, heavy=heavy), tail, budget,
-                 "priority_focus",
+  return compose(certain, tail, budget, "priority_focus",
                  observation_window=obs, min_tail=min_tail)
 
 
-def poisson_floor(budget, *, min_tail: int = 16, **kwargs) -> EvictionDesign:
+def poisson_floor(budget, *, certain: CertaintySet = CertaintySet(),
+                  score=scores.AccumulatedAttention(), eps: float = 1e-6,
+                  overflow_prob: float = 1e-3, max_redraws: int = 3,
+                  min_tail: int = 16) -> EvictionDesign:
   """:func:`poisson_tail` that always samples at least ``min_tail`` tail slots,
   so early streaming chunks are sampled rather than evicted whole."""
-  kwargs.setdefault("score", scores.AccumulatedAttention())
-  return _poisson("poisson_floor", budget, min_tail=min_tail, **kwargs)
+  return _poisson("poisson_floor", budget, score=score, certain=certain, eps=eps,
+                  overflow_prob=overflow_prob, max_redraws=max_redraws, min_tail=min_tail)
 
 
-def poisson_flat(budget, **kwargs) -> EvictionDesign:
+def poisson_flat(budget, *, certain: CertaintySet = CertaintySet(), eps: float = 1e-6,
+                 overflow_prob: float = 1e-3, max_redraws: int = 3,
+                 min_tail: int = 0) -> EvictionDesign:
   """:func:`poisson_tail` with uniform scores (flat inclusion probabilities)."""
-  return _poisson("poisson_flat", budget, score=scores.Uniform(), **kwargs)
+  return _poisson("poisson_flat", budget, score=scores.Uniform(), certain=certain, eps=eps,
+                  overflow_prob=overflow_prob, max_redraws=max_redraws, min_tail=min_tail)
 
 
-def attention_proportional(budget, *, n_sink: int = 0, window: int = 0, heavy: int = 0,
+def attention_proportional(budget, *, certain: CertaintySet = CertaintySet(),
                            eps: float = 1e-6, overflow_prob: float = 1e-3,
                            max_redraws: int = 3) -> EvictionDesign:
   """The ``pi ∝ a`` variant (method, section 6): tail probabilities proportional
   to the current query's attention, for which Assumption 2 holds by construction."""
   return _poisson("attention_proportional", budget, score=scores.CurrentAttention(),
-                  n_sink=n_sink, window=window, heavy=heavy, eps=eps,
-                  overflow_prob=overflow_prob, max_redraws=max_redraws)
+                  certain=certain, eps=eps, overflow_prob=overflow_prob,
+                  max_redraws=max_redraws)
 
 
-def poisson_defensive(budget, *, n_sink: int = 0, window: int = 0, uniform_share: float = 0.2,
-                      heavy: int = 0, eps: float = 1e-6, overflow_prob: float = 1e-3,
-                      max_redraws: int = 3) -> EvictionDesign:
+def poisson_defensive(budget, *, certain: CertaintySet = CertaintySet(),
+                      uniform_share: float = 0.2, eps: float = 1e-6,
+                      overflow_prob: float = 1e-3, max_redraws: int = 3) -> EvictionDesign:
   """:func:`poisson_tail` with the defensive tail score
   ``Defensive(AccumulatedAttention(), uniform_share)``, which floors ``pi`` on
   the tail and bounds the Assumption-2 ratio (method, sections 3 and 6;
@@ -471,27 +523,27 @@ def poisson_defensive(budget, *, n_sink: int = 0, window: int = 0, uniform_share
   """
   return _poisson("poisson_defensive", budget,
                   score=scores.Defensive(scores.AccumulatedAttention(), uniform_share),
-                  n_sink=n_sink, window=window, heavy=heavy, eps=eps,
-                  overflow_prob=overflow_prob, max_redraws=max_redraws)
+                  certain=certain, eps=eps, overflow_prob=overflow_prob,
+                  max_redraws=max_redraws)
 
 
-def poisson_envelope(budget, *, n_sink: int = 0, window: int = 0, uniform_share: float = 0.2,
-                     heavy: int = 0, eps: float = 1e-6, overflow_prob: float = 1e-3,
-                     max_redraws: int = 3,
+def poisson_envelope(budget, *, certain: CertaintySet = CertaintySet(),
+                     uniform_share: float = 0.2, eps: float = 1e-6,
+                     overflow_prob: float = 1e-3, max_redraws: int = 3,
                      observation_window: Optional[int] = None) -> EvictionDesign:
   """Poisson tail sampled from the question's attention envelope (method,
   sections 3 and 6): the observation window is folded as a running max
   (``fold="peak"``) and the tail score is its defensive mixture
   ``Defensive(WindowAttention(1), uniform_share)``. ``observation_window``
-  defaults to ``max(window, 1)`` queries.
+  defaults to ``max(certain.window, 1)`` queries.
 
   Raises:
     ValueError naming ``uniform_share`` unless it is in [0, 1], or
     ``observation_window`` unless it is >= 1.
   """
-  obs = max(window, 1) if observation_window is None else observation_window
+  obs = _observation_window(certain, observation_window)
   return compose(
-      CertaintySet(n_sink=n_sink, window=window, heavy=heavy),
+      certain,
       PoissonTail(score=scores.Defensive(scores.WindowAttention(1), uniform_share), eps=eps,
                   overflow_prob=overflow_prob, max_redraws=max_redraws),
       budget, "poisson_envelope", fold="peak", observation_window=obs)

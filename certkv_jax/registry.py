@@ -6,7 +6,11 @@ the budget and keyword settings and returns an :class:`EvictionDesign`; the
 defaults are the factory's own (the core defaults). Settings shared by an
 experiment (``n_sink``, ``window``) are passed by name, and only to the
 factories that take them (:func:`make`); experiment defaults live in
-``experiments``. Adding a design is one line here (see ``keydiff.py``)::
+``experiments``. Settings a factory takes together as one frozen dataclass
+(the certainty set, ``certain=CertaintySet(...)``; ``priority_focus``'s
+``focus=Focus(...)``) are given here by their field names, so a design string
+stays flat (``priority_focus:diffuse_weight=0.3``). Adding a design is one
+line here (see ``keydiff.py``)::
 
     designs = registry.names()                       # every registered name
     design = registry.make("snapkv", 0.25, n_sink=4, window=16)
@@ -136,8 +140,9 @@ def make(name: str, budget, **settings) -> EvictionDesign:
   The shared settings (``n_sink``, ``window``) go to the factories that take
   them: :func:`designs.sink_window` has no recent-window setting (its window is
   whatever the budget leaves after the sinks). Any other setting must be one
-  of the factory's keywords. A string with a per-head allocation (``+cert``)
-  needs :func:`make_with_allocation`, which returns the allocation too.
+  of the factory's keywords, or a field of one whose default is a frozen
+  dataclass (``n_sink`` of ``certain``). A string with a per-head allocation
+  (``+cert``) needs :func:`make_with_allocation`, which returns the allocation too.
 
   Raises:
     ValueError naming the design and listing the known names, or naming a
@@ -154,19 +159,49 @@ def make(name: str, budget, **settings) -> EvictionDesign:
   return _make_registered(spec.name, budget, settings, spec.settings)
 
 
+def _grouped(name: str, params) -> dict:
+  """``{setting: parameter}`` for the settings a factory takes inside a frozen dataclass
+  (a keyword whose default is one, e.g. ``certain=CertaintySet()``): each of its fields
+  is a setting by its own name (``n_sink``, ``window``, ``heavy``).
+
+  Raises:
+    TypeError naming the design where two parameters would give a setting one name.
+  """
+  out = {}
+  for p in params.values():
+    if p.kind is not p.KEYWORD_ONLY or not dataclasses.is_dataclass(p.default) or isinstance(
+        p.default, type):
+      continue
+    for f in dataclasses.fields(p.default):
+      if not f.init:
+        continue
+      if f.name in params or f.name in out:
+        raise TypeError(f"design {name!r}: setting {f.name!r} of {p.name!r} is also "
+                        f"{'a parameter' if f.name in params else 'in ' + repr(out[f.name])}")
+      out[f.name] = p.name
+  return out
+
+
 def _make_registered(name: str, budget, settings: dict, own=()) -> EvictionDesign:
   """The registered design ``name`` at ``budget`` with ``settings`` (see :func:`make`)
-  and the string's ``own`` settings, which override them and must be the design's."""
+  and the string's ``own`` settings, which override them and must be the design's.
+  A setting that is a field of a grouped parameter (:func:`_grouped`) replaces that
+  field of the group given, or of the factory's default."""
   factory = _factory(name)
   params = inspect.signature(factory).parameters
   takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-  kwargs = {}
+  grouped = _grouped(name, params)
+  kwargs, fields = {}, {}
   for key, value in list(settings.items()) + list(own):
-    if key in params or takes_any:
+    if key in grouped:
+      fields.setdefault(grouped[key], {})[key] = value
+    elif key in params or takes_any:
       kwargs[key] = value
     elif key not in SHARED or key in dict(own):
-      raise ValueError(f"design {name!r} takes no setting {key!r}; it takes "
-                       f"{sorted(k for k in params if k != 'budget')}")
+      known = (set(params) | set(grouped)) - {"budget"}
+      raise ValueError(f"design {name!r} takes no setting {key!r}; it takes {sorted(known)}")
+  for group, values in fields.items():
+    kwargs[group] = dataclasses.replace(kwargs.get(group, params[group].default), **values)
   return factory(budget, **kwargs)
 
 

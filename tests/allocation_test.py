@@ -512,8 +512,9 @@ class GenerationTest(absltest.TestCase):
     params, config, tokens, mask = test_util.tiny_llama_prompts()
     question = np.array([[5, 6], [7, 8]], np.int32)
     for design, alloc in (
-        (dataclasses.replace(designs.priority_tail(0.5, n_sink=1, window=1),
-                             observation_window=2), allocation.CertificateTargeted()),):
+        (dataclasses.replace(designs.priority_tail(
+            0.5, certain=designs.CertaintySet(n_sink=1, window=1)), observation_window=2),
+         allocation.CertificateTargeted()),):
       gen = decode.generate_streaming(
           params, tokens, mask, question, np.ones(question.shape, bool), jax.random.PRNGKey(0),
           config=config, gen=decode.GenerationConfig(n_steps=2, design=design, chunk=4,

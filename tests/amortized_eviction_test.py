@@ -59,7 +59,8 @@ class AmortizedEvictionTest(absltest.TestCase):
     super().setUpClass()
     cls.params, cls.config, cls.tokens, cls.mask = test_util.tiny_llama_prompts()
     # Budget 5 of the tokens seen; 1 sink + 1 window certain, the rest a Poisson tail.
-    cls.design = certkv_jax.designs.poisson_tail(5, n_sink=1, window=1, overflow_prob=0.05)
+    cls.design = certkv_jax.designs.poisson_tail(
+        5, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=1), overflow_prob=0.05)
     cls.key = jax.random.PRNGKey(3)
     cls.runs = {}
 

@@ -391,7 +391,8 @@ class ModelInputsTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "max_positions must be a positive int"):
       self.config.replace(max_positions=0)
     gen = decode.generate(params, self.tokens, self.mask, key, **dict(
-        kw, gen=kw["gen"].replace(design=designs.poisson_tail(0.5, n_sink=1, window=1))))
+        kw, gen=kw["gen"].replace(design=designs.poisson_tail(
+            0.5, certain=designs.CertaintySet(n_sink=1, window=1)))))
     self.assertTrue(bool(gen.certified))
     np.testing.assert_array_equal(gen.n_dropped, [0, 0])
 

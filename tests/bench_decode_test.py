@@ -256,7 +256,8 @@ class FloorTest(absltest.TestCase):
     kv = 2 * config.head_dim * 4
     self.assertEqual(bench_decode.floor_bytes(params, config, None, 7, 3),
                      weights + caches * 7 * kv)
-    design = certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=2)
+    design = certkv_jax.designs.poisson_tail(
+        0.5, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=2))
     self.assertEqual(bench_decode.floor_bytes(params, config, design, 7, 3),
                      weights + caches * 7 * memory_lib.slot_bytes(design, config.head_dim))
 

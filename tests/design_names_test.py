@@ -9,6 +9,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from certkv_jax import allocation as allocation_lib
+from certkv_jax import designs
 from certkv_jax import registry
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
@@ -52,6 +53,22 @@ class ParseTest(parameterized.TestCase):
       registry.make(PUT_FORWARD, 0.25)
     with self.assertRaisesRegex(ValueError, "unknown design 'nope'; choose from"):
       registry.make("nope", 0.5)
+
+  def test_grouped_settings_are_read_by_field_name(self):
+    """A factory's frozen-dataclass settings (``certain``, ``focus``) are flat in a
+    design string and in ``make``'s keywords; flat fields override a group given."""
+    want = designs.priority_focus(
+        0.5, certain=designs.CertaintySet(n_sink=4, window=16, heavy=2),
+        focus=designs.Focus(pool_size=3, diffuse_weight=0.3), focus_share=0.5)
+    self.assertEqual(registry.make("priority_focus:heavy=2:pool_size=3:diffuse_weight=0.3"
+                                   ":focus_share=0.5", 0.5, n_sink=4, window=16), want)
+    given = designs.CertaintySet(n_sink=4, window=8, heavy=2)
+    self.assertEqual(registry.make("poisson_tail:window=16", 0.5, certain=given).certain,
+                     designs.CertaintySet(n_sink=4, window=16, heavy=2))
+    with self.assertRaisesRegex(ValueError, r"takes no setting 'nope'; it takes \[.*'heavy'"):
+      registry.make("poisson_tail", 0.5, nope=1)
+    with self.assertRaisesRegex(ValueError, "heavy must be"):
+      registry.make("poisson_tail", 0.5, heavy=-1)
 
   @parameterized.parameters(
       ("nope", r"--x: unknown design 'nope'; choose from \['full', .*\+allocation"),

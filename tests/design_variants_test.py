@@ -58,8 +58,9 @@ def _evict(design, c, key):
 
 def _make(name, budget=32, uniform_share=0.2):
   if name == "priority_blend":
-    return designs.priority_blend(budget, n_sink=2, window=4)
-  return getattr(designs, name)(budget, n_sink=2, window=4, uniform_share=uniform_share)
+    return designs.priority_blend(budget, certain=designs.CertaintySet(n_sink=2, window=4))
+  return getattr(designs, name)(budget, certain=designs.CertaintySet(n_sink=2, window=4),
+                                uniform_share=uniform_share)
 
 
 class BlendScoreTest(parameterized.TestCase):
@@ -115,8 +116,9 @@ class PriorityBlendTest(parameterized.TestCase):
   def test_window_weight_zero_is_priority_floor(self):
     """Priority sampling is scale-free, so the normalised accumulated attention
     keeps the same tokens with the same probabilities as priority_floor's raw one."""
-    blend = designs.priority_blend(24, n_sink=2, window=4, window_weight=0.0)
-    floor = designs.priority_floor(24, n_sink=2, window=4)
+    blend = designs.priority_blend(24, certain=designs.CertaintySet(n_sink=2, window=4),
+                                   window_weight=0.0)
+    floor = designs.priority_floor(24, certain=designs.CertaintySet(n_sink=2, window=4))
     c = _cache()
     for seed in range(3):
       key = jax.random.PRNGKey(seed)
@@ -127,7 +129,8 @@ class PriorityBlendTest(parameterized.TestCase):
   def test_window_share_is_filled_by_the_window_score(self):
     """window_share 0.5: the floor(0.5 * slots) tail tokens with the most pooled
     window attention are kept with pi = 1 under every key."""
-    design = designs.priority_blend(24, n_sink=2, window=4, window_share=0.5)
+    design = designs.priority_blend(24, certain=designs.CertaintySet(n_sink=2, window=4),
+                                    window_share=0.5)
     c = _cache(design)
     _, _, info = _evict(design, c, jax.random.PRNGKey(0))
     tail = np.asarray(c.valid & ~info.certain)
@@ -151,7 +154,8 @@ class PriorityBlendTest(parameterized.TestCase):
     keys = jax.random.split(jax.random.PRNGKey(3), 50)
     kept = {}
     for ww in (0.0, 0.5):
-      design = designs.priority_blend(20, n_sink=2, window=4, window_weight=ww, pool_size=1)
+      design = designs.priority_blend(20, certain=designs.CertaintySet(n_sink=2, window=4),
+                                      window_weight=ww, pool_size=1)
       infos = jax.vmap(lambda k, d=design: d.evict(c, d.init(c), k)[2])(keys)
       kept[ww] = np.asarray(infos.kept[:, target])
       if ww:
@@ -200,7 +204,8 @@ class FocusBlendTest(parameterized.TestCase):
   def test_the_tail_rule_normalises_over_the_tail(self):
     """A sampled tail scores a FocusBlend over its own candidates, not over
     the sinks and window it never samples."""
-    design = designs.priority_focus(20, n_sink=2, window=4, pool_size=1)
+    design = designs.priority_focus(20, certain=designs.CertaintySet(n_sink=2, window=4),
+                                    focus=designs.Focus(pool_size=1))
     c = _cache(design)
     _, _, info = _evict(design, c, jax.random.PRNGKey(0))
     tail = c.valid & ~info.certain
@@ -217,7 +222,9 @@ class FocusBlendTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, msg):
       scores.FocusBlend(**kwargs)
     with self.assertRaisesRegex(ValueError, msg):
-      designs.priority_focus(24, **kwargs)
+      designs.Focus(**kwargs)
+    with self.assertRaisesRegex(ValueError, msg):  # a design string's flat settings
+      registry.make("priority_focus", 24, **kwargs)
 
   def test_registered(self):
     design = registry.make("priority_focus", 24, n_sink=2, window=4)
@@ -233,7 +240,8 @@ class FocusBlendTest(parameterized.TestCase):
     target = 10
     c = c._replace(acc=c.acc.at[target].set(0.0),
                    obs=jnp.zeros_like(c.obs).at[target].set(1.0).at[12].set(0.2))
-    design = designs.priority_focus(20, n_sink=2, window=4, pool_size=1)
+    design = designs.priority_focus(20, certain=designs.CertaintySet(n_sink=2, window=4),
+                                    focus=designs.Focus(pool_size=1))
     keys = jax.random.split(jax.random.PRNGKey(3), 50)
     infos = jax.vmap(lambda k: design.evict(c, design.init(c), k)[2])(keys)
     np.testing.assert_array_equal(np.asarray(infos.kept[:, target]), True)
@@ -245,9 +253,10 @@ class FocusedShareTest(parameterized.TestCase):
   the ``k`` tail slots by rank of its score with ``pi = 1``; a flat one adds
   nothing."""
 
-  def _design(self, focus_share, **kwargs):
-    return designs.priority_focus(20, n_sink=2, window=4, pool_size=1, min_tail=0,
-                                  focus_share=focus_share, **kwargs)
+  def _design(self, focus_share, window_share=0.0, **focus):
+    return designs.priority_focus(20, certain=designs.CertaintySet(n_sink=2, window=4),
+                                  focus=designs.Focus(pool_size=1, **focus), min_tail=0,
+                                  focus_share=focus_share, window_share=window_share)
 
   def test_a_focused_window_keeps_its_top_with_certainty(self):
     c = _cache()
@@ -311,7 +320,9 @@ class FocusedShareTest(parameterized.TestCase):
       (dict(focus_share=0.5, focused=0.1, diffuse=0.1), "focused must be below diffuse"))
   def test_bad_arguments(self, kwargs, msg):
     with self.assertRaisesRegex(ValueError, msg):
-      designs.priority_focus(24, **kwargs)
+      registry.make("priority_focus", 24, **kwargs)
+    with self.assertRaisesRegex(TypeError, "focus must be a designs.Focus"):
+      designs.priority_focus(24, focus=scores.FocusBlend())
 
   def test_needs_a_window_score_and_a_slot_to_sample(self):
     with self.assertRaisesRegex(ValueError, "focus_share needs a score with a window"):
@@ -449,7 +460,7 @@ class ObservePeakTest(parameterized.TestCase):
   def test_design_update_uses_the_fold(self):
     c, p = self._probs_and_cache()
     env, dfn, tail = _make("poisson_envelope"), _make("poisson_defensive"), designs.poisson_tail(
-        32, n_sink=2, window=4)
+        32, certain=designs.CertaintySet(n_sink=2, window=4))
     self.assertEqual((env.fold, dfn.fold, tail.fold), ("peak", "sum", "sum"))
     for design, fold in ((env, cache_lib.observe_peak), (dfn, cache_lib.observe),
                          (tail, cache_lib.observe)):
@@ -547,8 +558,9 @@ class VariantDesignTest(parameterized.TestCase):
     smaller and under the derived bound n max_T p / u."""
     u = 0.2
     c = _cache(peaky=12.0)
-    base = designs.poisson_tail(32, n_sink=2, window=4)
-    dfn = designs.poisson_defensive(32, n_sink=2, window=4, uniform_share=u)
+    base = designs.poisson_tail(32, certain=designs.CertaintySet(n_sink=2, window=4))
+    dfn = designs.poisson_defensive(32, certain=designs.CertaintySet(n_sink=2, window=4),
+                                    uniform_share=u)
     pi_base, tail_base = self._pi_and_tail(base, c)
     pi_def, tail_def = self._pi_and_tail(dfn, c)
     k = np.asarray(c.k, np.float64)[:N]

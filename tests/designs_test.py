@@ -131,8 +131,8 @@ class DesignTest(parameterized.TestCase):
     # min_tail 0 the whole tail goes with pi = eps (m = 0); with min_tail 6 the
     # target is the certainty set + 6 and the tail is sampled (m > 0).
     c = _cache()
-    plain = designs.poisson_tail(0.05, n_sink=4, window=8)
-    floor = designs.poisson_tail(0.05, n_sink=4, window=8, min_tail=6)
+    plain = designs.poisson_tail(0.05, certain=designs.CertaintySet(n_sink=4, window=8))
+    floor = designs.poisson_tail(0.05, certain=designs.CertaintySet(n_sink=4, window=8), min_tail=6)
     _, _, info0 = _evict(plain, c)
     c1, _, info1 = _evict(floor, c)
     self.assertEqual(float(info0.m), 0.0)
@@ -218,7 +218,7 @@ class DesignTest(parameterized.TestCase):
     np.testing.assert_allclose(np.asarray(info.pi)[tail], 16 / 60, rtol=1e-6)
 
   def test_poisson_offsets_and_info(self):
-    design = designs.poisson_tail(32, n_sink=2, window=4)
+    design = designs.poisson_tail(32, certain=designs.CertaintySet(n_sink=2, window=4))
     c = _cache()
     c2, _, info = _evict(design, c)
     kept_tail = np.asarray(c2.valid & ~info.certain)
@@ -262,7 +262,8 @@ class DesignTest(parameterized.TestCase):
     m = _chernoff_m(3, 1e-3)
     self.assertAlmostEqual(m, 0.2806998, places=6)
     c = _hand_cache()
-    c2, _, info = _evict(designs.poisson_tail(6, n_sink=1, window=2), c)
+    c2, _, info = _evict(
+        designs.poisson_tail(6, certain=designs.CertaintySet(n_sink=1, window=2)), c)
     acc = Q1 + Q2
     expected = np.ones(12)
     expected[1:10] = m * acc[1:10] / 1.72
@@ -273,7 +274,7 @@ class DesignTest(parameterized.TestCase):
                                atol=1e-7)
 
   def test_cumulative_offsets_across_rounds(self):
-    design = designs.poisson_tail(40, window=4)
+    design = designs.poisson_tail(40, certain=designs.CertaintySet(window=4))
     c = _cache()
     state = design.init(c)
     c1, state, info1 = design.evict(c, state, jax.random.PRNGKey(1))
@@ -300,7 +301,7 @@ class DesignTest(parameterized.TestCase):
 
   def test_vmap_over_heads(self):
     caches = jax.vmap(lambda s: _cache(seed=s))(jnp.arange(3))
-    design = designs.poisson_tail(24, window=4)
+    design = designs.poisson_tail(24, certain=designs.CertaintySet(window=4))
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     out, state, info = jax.jit(jax.vmap(lambda c, k: design.evict(c, design.init(c), k)))(
         caches, keys)
@@ -382,7 +383,7 @@ class BadDesignInputTest(parameterized.TestCase):
       designs.h2o(16, n_sink=-1)
 
   def test_capacity_smaller_than_certainty_set(self):
-    design = designs.poisson_tail(0.5, n_sink=8, window=16)
+    design = designs.poisson_tail(0.5, certain=designs.CertaintySet(n_sink=8, window=16))
     with self.assertRaisesRegex(ValueError, "capacity 20 is smaller than the certainty set"):
       design.init(cache_lib.init_cache(20, D))
 

@@ -50,7 +50,8 @@ class LayerLoopTest(absltest.TestCase):
   @pytest.mark.slow  # 20-30 s: two designs' decode steps and evictions, each loop compiled
   def test_scan_and_unrolled_agree_with_designs(self):
     self._agree(((None, False),
-                 (certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=2), True),
+                 (certkv_jax.designs.poisson_tail(
+                     0.5, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=2)), True),
                  (certkv_jax.designs.h2o(0.5, n_sink=1, window=2), False)))
 
   def _agree(self, cases):
@@ -80,7 +81,8 @@ class LayerLoopTest(absltest.TestCase):
   def test_generate_with_both_loops_agrees(self):
     # Evicting every 2nd step (deferred to the next step's start) and stopping
     # early: the same tokens, statistics and final caches either way.
-    design = certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=2)
+    design = certkv_jax.designs.poisson_tail(
+        0.5, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=2))
     run = lambda loop: decode.generate(
         self.params, self.tokens, self.mask, jax.random.PRNGKey(4), config=self.config,
         gen=decode.GenerationConfig(n_steps=6, design=design, capacity=16,

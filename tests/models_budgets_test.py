@@ -90,7 +90,8 @@ class LayerBudgetsDecodeTest(absltest.TestCase):
     np.testing.assert_array_equal(same.pos, plain.pos)
     # Fractions per layer with a randomized design: Poisson keeps at most the
     # target floor(f n) and at least its certainty set.
-    design = certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=1, overflow_prob=0.05)
+    design = certkv_jax.designs.poisson_tail(
+        0.5, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=1), overflow_prob=0.05)
     out, _, info = _evict(design, self._prefilled(design), key, layer_budgets=(0.8, 0.3))
     np.testing.assert_array_equal(info.target[:, :, 0], [[8, 5], [3, 2]])
     n_valid = np.asarray(out.n_valid)
@@ -193,7 +194,7 @@ class CapacityRuleTest(absltest.TestCase):
     self.assertEqual(cap(h2o, n_context=256, n_question=10, n_steps=8, chunk=64, budget=0.05),
                      20 + 64 + 18)
     # min_tail adds to the certainty set: 4 + 16 + 16 = 36.
-    floor = d.poisson_floor(0.05, n_sink=4, window=16)
+    floor = d.poisson_floor(0.05, certain=certkv_jax.designs.CertaintySet(n_sink=4, window=16))
     self.assertEqual(cap(floor, n_context=256, n_question=10, n_steps=8, chunk=64), 36 + 82)
     # Per-row fractions: the largest; per-layer schedules: the largest.
     self.assertEqual(cap(h2o, n_context=256, n_steps=8, budget=np.array([0.25, 0.5])), 256)

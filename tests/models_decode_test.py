@@ -169,7 +169,8 @@ class DecodeTest(absltest.TestCase):
   @pytest.mark.slow  # 43 s cold on the 2-core CI machine (2026-12-01)
   def test_eager_evict_is_one_jitted_program(self):
     from certkv_jax import eviction  # pylint: disable=g-import-not-at-top
-    design = certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=2)
+    design = certkv_jax.designs.poisson_tail(
+        0.5, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=2))
     _, caches, _, _ = decode.forward_chunk(self.params, self.config, self.tokens, self.mask,
                                            decode.init_caches(self.config, 2, 12),
                                            design=design, certificate=False)
@@ -196,7 +197,8 @@ class DecodeTest(absltest.TestCase):
 
   @pytest.mark.slow  # 56 s cold on the 2-core CI machine (2026-12-01)
   def test_streaming_poisson_design_evicts_with_offsets_and_certificate(self):
-    design = certkv_jax.designs.poisson_tail(6, n_sink=1, window=1, overflow_prob=0.05)
+    design = certkv_jax.designs.poisson_tail(
+        6, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=1), overflow_prob=0.05)
     question = np.array([[5, 6, 7], [8, 9, 10]], np.int32)
     gen = decode.generate_streaming(
         self.params, self.tokens, self.mask, question, np.ones((2, 3), bool),
@@ -227,11 +229,13 @@ class DecodeTest(absltest.TestCase):
     for frac in (0.5, 0.3):
       static = decode.generate(
           self.params, self.tokens, self.mask, key, config=self.config,
-          gen=gen.replace(design=certkv_jax.designs.poisson_tail(frac, n_sink=1, window=2)))
+          gen=gen.replace(design=certkv_jax.designs.poisson_tail(
+              frac, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=2))))
       n_compiled = jitted._cache_size()
       traced = decode.generate(
           self.params, self.tokens, self.mask, key, config=self.config,
-          gen=gen.replace(design=certkv_jax.designs.poisson_tail(0.9, n_sink=1, window=2)),
+          gen=gen.replace(design=certkv_jax.designs.poisson_tail(
+              0.9, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=2))),
           budget=frac)
       if frac == 0.3:  # the second budget reuses the first budget's compile
         self.assertEqual(jitted._cache_size(), n_compiled)
@@ -258,7 +262,8 @@ class DecodeTest(absltest.TestCase):
     # shadow cache equals its Hajek offset (the product of its rounds' pi); an
     # evicted token's record is the product up to its eviction round (< 0).
     c = self.config
-    design = certkv_jax.designs.poisson_tail(4, n_sink=1, window=1, overflow_prob=0.05)
+    design = certkv_jax.designs.poisson_tail(
+        4, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=1), overflow_prob=0.05)
     caches, shadow = decode.init_caches(c, 2, 8), decode.init_caches(c, 2, 10)
     key = jax.random.PRNGKey(1)
     for start in (0, 4, 8):  # chunks of the (10, 7)-token rows
@@ -289,7 +294,8 @@ class DecodeTest(absltest.TestCase):
     gen = decode.GenerationConfig(n_steps=N_STEPS, capacity=16, evaluate=True)
     poisson = decode.generate(
         self.params, self.tokens, self.mask, jax.random.PRNGKey(0), config=self.config,
-        gen=gen.replace(design=certkv_jax.designs.poisson_tail(0.5, n_sink=1, window=2)))
+        gen=gen.replace(design=certkv_jax.designs.poisson_tail(
+            0.5, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=2))))
     ratio, m, n = (np.asarray(x) for x in (poisson.ratio, poisson.tail_m, poisson.tail_n))
     self.assertEqual(ratio.shape, (N_STEPS, 2, 2, 4))
     self.assertTrue(np.isfinite(ratio).all())
@@ -325,7 +331,8 @@ class DecodeTest(absltest.TestCase):
     self.assertEqual((c.n_layers, c.n_kv_heads, c.group_size), (2, 2, 2))
     gen = decode.GenerationConfig(
         n_steps=N_STEPS, capacity=16, evaluate=True, return_logits=True, evict_each_step=True,
-        design=certkv_jax.designs.poisson_tail(0.7, n_sink=1, window=1, overflow_prob=0.05))
+        design=certkv_jax.designs.poisson_tail(
+            0.7, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=1), overflow_prob=0.05))
     key = jax.random.PRNGKey(3)  # a draw that keeps tail tokens in every (layer, KV head)
     ref = decode.generate(self.params, self.tokens, self.mask, key, config=c, gen=gen)
     self.assertTrue((np.asarray(ref.var_hat) > 0).any(axis=(0, 2)).all())  # to compare

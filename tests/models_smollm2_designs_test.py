@@ -46,7 +46,8 @@ DESIGNS = {
     "snapkv": lambda b: designs.snapkv(b, window=2, pool_size=5, n_sink=2,
                                        observation_window=8),  # about the question
     "uniform_random": lambda b: designs.uniform_random(b, n_sink=2, window=2),
-    "poisson_tail": lambda b: designs.poisson_tail(b, n_sink=2, window=2),
+    "poisson_tail": lambda b: designs.poisson_tail(
+        b, certain=designs.CertaintySet(n_sink=2, window=2)),
 }
 CONTEXT = (
     "The library opens at nine in the morning and closes at six in the evening. "

@@ -21,7 +21,8 @@ from certkv_jax import montecarlo
 from certkv_jax import scores
 
 N_TRIALS = 4000
-BUDGET = dict(budget=96, n_sink=4, window=16)  # of 256 tokens
+BUDGET = 96  # of 256 tokens
+CERTAIN = designs.CertaintySet(n_sink=4, window=16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,11 +30,11 @@ def _run(case):
   spikes = 1 if "spike" in case else 0
   problem = montecarlo.synthetic_problem(jax.random.PRNGKey(0), q_scale=1.0, spikes=spikes)
   if case.startswith("prop"):
-    design = designs.attention_proportional(**BUDGET)
+    design = designs.attention_proportional(BUDGET, certain=CERTAIN)
   elif case.startswith("flat"):
-    design = designs.poisson_tail(score=scores.Uniform(), **BUDGET)
+    design = designs.poisson_tail(BUDGET, certain=CERTAIN, score=scores.Uniform())
   elif case.startswith("uniform"):
-    design = designs.uniform_random(**BUDGET)
+    design = designs.uniform_random(BUDGET, n_sink=CERTAIN.n_sink, window=CERTAIN.window)
   else:
     raise ValueError(case)
   keys = jax.random.split(jax.random.PRNGKey(1), N_TRIALS)
@@ -119,7 +120,7 @@ class HajekTest(absltest.TestCase):
 # design keeps the 2 sinks and the last 2 tokens and samples the 14 others
 # with pi ∝ a (all pi < 0.45, far from 1/2) into 8 tail slots.
 TINY_N, TINY_D, SINK_LOGIT = 18, 8, 4.0
-TINY_BUDGET = dict(budget=12, n_sink=2, window=2)
+TINY_BUDGET = dict(budget=12, certain=designs.CertaintySet(n_sink=2, window=2))
 TINY_SLOTS = 12 - 2 - 2
 
 
@@ -181,7 +182,7 @@ def _enumerate_kept_sets(problem, pi, slots):
   kept = np.ones((bits.shape[0], pi.size), bool)
   kept[:, rand] = bits
   prob = np.prod(np.where(bits, pi[rand], 1.0 - pi[rand]), axis=1)
-  n_certain = TINY_BUDGET["n_sink"] + TINY_BUDGET["window"]
+  n_certain = TINY_BUDGET["certain"].size
   prob = np.where(kept.sum(1) - n_certain <= slots, prob, 0.0)
   prob /= prob.sum()
   w = np.where(kept, a / pi, 0.0)  # exp(s_i + b_i), b_i = -log pi_i

@@ -45,7 +45,8 @@ def _problem():
   tokens = rng.integers(0, config.vocab_size, (2, 20)).astype(np.int32)
   mask = np.arange(20)[None] < np.array([[20], [15]])
   kwargs = dict(config=config, gen=decode.GenerationConfig(
-      n_steps=3, design=designs.poisson_tail(0.5, n_sink=2, window=3), capacity=24,
+      n_steps=3, design=designs.poisson_tail(
+          0.5, certain=designs.CertaintySet(n_sink=2, window=3)), capacity=24,
       evict_each_step=True, return_logits=True))
   return params, tokens, mask, kwargs
 

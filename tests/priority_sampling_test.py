@@ -186,18 +186,19 @@ def _two_rounds(heavy_share=0.0, blend=False):
   k_all = jnp.asarray(rng.normal(size=(n_total, s["d"])), jnp.float32)
   v_all = jnp.asarray(rng.normal(size=(n_total, s["d"])), jnp.float32)
   queries = jnp.asarray(rng.normal(size=(2, s["d"])), jnp.float32)
+  certain = designs.CertaintySet(n_sink=s["n_sink"], window=s["window"])
   if blend == "focus":  # a wide focused range: the weight moves with the window
-    design = designs.priority_focus(s["budget"], n_sink=s["n_sink"], window=s["window"],
-                                    focused=0.1, diffuse=0.9, min_tail=0)
+    design = designs.priority_focus(s["budget"], certain=certain,
+                                    focus=designs.Focus(focused=0.1, diffuse=0.9), min_tail=0)
   elif blend == "focus_share":  # and a share by the window's rank that moves with it
-    design = designs.priority_focus(s["budget"], n_sink=s["n_sink"], window=s["window"],
-                                    focused=0.5, diffuse=1.0, min_tail=0, focus_share=0.9)
+    design = designs.priority_focus(s["budget"], certain=certain,
+                                    focus=designs.Focus(focused=0.5, diffuse=1.0), min_tail=0,
+                                    focus_share=0.9)
   elif blend:
-    design = designs.priority_blend(s["budget"], n_sink=s["n_sink"], window=s["window"],
-                                    window_share=heavy_share, min_tail=0)
+    design = designs.priority_blend(s["budget"], certain=certain, window_share=heavy_share,
+                                    min_tail=0)
   else:
-    design = designs.priority_tail(s["budget"], n_sink=s["n_sink"], window=s["window"],
-                                   heavy_share=heavy_share)
+    design = designs.priority_tail(s["budget"], certain=certain, heavy_share=heavy_share)
 
   def fold(c, st, q):  # the query's attention over the kept slots, with offsets
     probs = attention.attention_probs(q, c.k, c.log_pi, c.valid)
@@ -310,7 +311,7 @@ class CompositionTest(absltest.TestCase):
 
 
 N_MC = 2000
-MC_BUDGET = dict(budget=48, n_sink=4, window=8)  # of 128 tokens
+MC_BUDGET = dict(budget=48, certain=designs.CertaintySet(n_sink=4, window=8))  # of 128
 # Two problems: Gaussian keys/values, and a sharper query with one spike
 # token (aligned key, outlying value) in the middle of the tail.
 MC_PROBLEMS = (dict(q_scale=1.0, spikes=0), dict(q_scale=2.0, spikes=1))

@@ -144,7 +144,8 @@ EVICTION_DESIGNS = {
     "h2o": designs.h2o(0.5, n_sink=1, window=2),
     "snapkv": designs.snapkv(0.5, window=2, pool_size=3),
     "key_norm_value_aware": designs.key_norm(0.5, window=1, value_aware=True),
-    "poisson_tail": designs.poisson_tail(0.5, n_sink=1, window=2, heavy=1),
+    "poisson_tail": designs.poisson_tail(
+        0.5, certain=designs.CertaintySet(n_sink=1, window=2, heavy=1)),
     "unknown_score": designs.compose(designs.CertaintySet(window=2),
                                      designs.TopK(score=_SquaredKeySum()), 0.5),
 }
@@ -230,7 +231,8 @@ class ShardedChildTest(parameterized.TestCase):
     cls.params = llama.init_params(CONFIG, jax.random.PRNGKey(1))
     cls.tokens, cls.mask = _prompts(8, 20, CONFIG.vocab_size)
     cls.kwargs = dict(config=CONFIG, gen=decode.GenerationConfig(
-        n_steps=3, design=designs.poisson_tail(0.5, n_sink=2, window=3), capacity=24,
+        n_steps=3, design=designs.poisson_tail(
+            0.5, certain=designs.CertaintySet(n_sink=2, window=3)), capacity=24,
         evict_each_step=True, return_logits=True))
     cls.key = jax.random.PRNGKey(7)
     cls.ref = decode.generate(cls.params, cls.tokens, cls.mask, cls.key, **cls.kwargs)
@@ -340,7 +342,8 @@ class ShardedSmolLM2ChildTest(absltest.TestCase):
     for i, x in enumerate(ids):
       tokens[i, :len(x)], mask[i, :len(x)] = x, True
     kwargs = dict(config=config, gen=decode.GenerationConfig(
-        n_steps=2, design=designs.poisson_tail(0.75, n_sink=1, window=2),
+        n_steps=2, design=designs.poisson_tail(
+            0.75, certain=designs.CertaintySet(n_sink=1, window=2)),
         capacity=2 * length, evict_each_step=True, return_logits=True))
     gen = sharding.generate(mesh, params, tokens, mask, jax.random.PRNGKey(0), **kwargs)
     ref = decode.generate(full, tokens, mask, jax.random.PRNGKey(0), **kwargs)

@@ -171,7 +171,7 @@ class DesignParityTest(parameterized.TestCase):
                             "snapkv", "poisson_tail", "heavy")
   def test_evict_equals_sorted_evict(self, name):
     if name == "heavy":
-      design = designs.poisson_tail(0.5, n_sink=2, window=3, heavy=5)
+      design = designs.poisson_tail(0.5, certain=designs.CertaintySet(n_sink=2, window=3, heavy=5))
     else:
       design = registry.make(name, 0.5, n_sink=2, window=3)
     for seed in range(3):

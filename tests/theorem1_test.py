@@ -77,7 +77,8 @@ class TheoremOneTest(parameterized.TestCase):
     # state). What differs: its certificate is a statement over the draws,
     # valid whatever the evicted values are. Check coverage over 2,000 draws
     # for the original and the adversarially perturbed values.
-    design = designs.attention_proportional(BUDGET, n_sink=4, window=8)
+    design = designs.attention_proportional(
+        BUDGET, certain=designs.CertaintySet(n_sink=4, window=8))
     problem = montecarlo.synthetic_problem(jax.random.PRNGKey(0), n=200, q_scale=1.0)
     # Perturb the tokens a deterministic H2O design would have evicted.
     _, _, info = _pipeline(problem, DETERMINISTIC["h2o"], jax.random.PRNGKey(1))

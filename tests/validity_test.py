@@ -108,7 +108,8 @@ class SignalsInGenerationTest(absltest.TestCase):
     mask = np.ones((2, 40), bool)
     gen = decode.generate(params, tokens, mask, jax.random.PRNGKey(1), config=config,
                           gen=decode.GenerationConfig(
-                              n_steps=3, design=designs.poisson_tail(0.5, n_sink=2, window=4),
+                              n_steps=3, design=designs.poisson_tail(
+                                  0.5, certain=designs.CertaintySet(n_sink=2, window=4)),
                               capacity=48, evaluate=True))
     shape = gen.var_hat.shape  # [steps, layers, batch, heads]
     for k in signals_lib.Signals._fields:
@@ -122,7 +123,8 @@ class SignalsInGenerationTest(absltest.TestCase):
     self.assertTrue(np.all(np.asarray(gen.range_ratio) <= 1.0 + 1e-4))
     plain = decode.generate(params, tokens, mask, jax.random.PRNGKey(1), config=config,
                             gen=decode.GenerationConfig(
-                                n_steps=3, design=designs.poisson_tail(0.5, n_sink=2, window=4),
+                                n_steps=3, design=designs.poisson_tail(
+                                    0.5, certain=designs.CertaintySet(n_sink=2, window=4)),
                                 capacity=48))
     self.assertIsNone(plain.ess)  # normal mode computes no signals
     np.testing.assert_array_equal(plain.tokens, gen.tokens)
