@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from certkv_jax import _checks
 from certkv_jax import designs
 
 Array = jax.Array
@@ -259,9 +260,52 @@ def pyramid_budgets(n_layers: int, mean: Union[int, float], beta: float = 20.0) 
   return tuple(float(x) for x in sched)
 
 
-def capacity(design, *, n_context: int, n_question: int = 0, n_steps: int = 0,
-             chunk: Optional[int] = None, budget=None, layer_budgets=None,
-             compacted: bool = False, allocation=None, config=None) -> int:
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+  """The tokens a generation run puts through each cache, for :func:`capacity`.
+
+  Attributes:
+    n_context: context (question-aware: prompt) tokens per row, padded length.
+    n_question: question tokens (streaming).
+    n_steps: decoded tokens.
+    chunk: the streaming chunk, or None for question-aware generation.
+
+  Raises:
+    TypeError or ValueError naming the field unless the counts are ints >= 0
+    and ``chunk`` is None or an int >= 1.
+  """
+
+  n_context: int
+  n_question: int = 0
+  n_steps: int = 0
+  chunk: Optional[int] = None
+
+  def __post_init__(self):
+    for name in ("n_context", "n_question", "n_steps"):
+      _checks.check_nonneg_int(name, getattr(self, name))
+    if self.chunk is not None:
+      _checks.check_positive_int("chunk", self.chunk)
+
+
+def _lengths(lengths: Optional[Lengths], sizes: dict) -> Lengths:
+  """``lengths``, or the :class:`Lengths` of the keyword form ``n_context=...``."""
+  if lengths is None:
+    unknown = sorted(set(sizes) - {f.name for f in dataclasses.fields(Lengths)})
+    if unknown:
+      raise TypeError(f"capacity got an unexpected keyword argument {unknown[0]!r}")
+    if "n_context" not in sizes:
+      raise TypeError("capacity needs lengths (budgets.Lengths(n_context=...))")
+    return Lengths(**sizes)
+  if sizes:
+    raise TypeError(f"capacity takes lengths or its fields, not both; got lengths and "
+                    f"{sorted(sizes)}")
+  if not isinstance(lengths, Lengths):
+    raise TypeError(f"lengths must be a budgets.Lengths, got {lengths!r}")
+  return lengths
+
+
+def capacity(design, lengths: Optional[Lengths] = None, *, budget=None, layer_budgets=None,
+             compacted: bool = False, allocation=None, config=None, **sizes) -> int:
   """Cache slots per (layer, row, KV head) so that no token is dropped: the one
   capacity rule every caller uses.
 
@@ -274,9 +318,7 @@ def capacity(design, *, n_context: int, n_question: int = 0, n_steps: int = 0,
 
   Args:
     design: the eviction design, or None.
-    n_context: context (question-aware: prompt) tokens per row, padded length.
-    n_question, n_steps: question tokens (streaming) and decoded tokens.
-    chunk: the streaming chunk, or None for question-aware generation.
+    lengths: the run's :class:`Lengths` (context, question, decoded, chunk).
     budget: a fraction (float or per-row values) replacing the design's budget.
     layer_budgets: a per-layer schedule replacing it.
     compacted: size a cache that holds only what an eviction kept
@@ -285,7 +327,12 @@ def capacity(design, *, n_context: int, n_question: int = 0, n_steps: int = 0,
       tokens of one head may reach its ``max_target`` (never more than the
       prompt) for ``config``'s ``n_kv_heads`` and ``n_layers`` (a model
       config or ``caches.CacheSpec``; needed with an allocation).
+    **sizes: ``Lengths``' fields by name instead of ``lengths`` (the older
+      keyword form, kept while ``models/decode.py`` still calls it).
   """
+  lengths = _lengths(lengths, sizes)
+  n_context, n_question, n_steps, chunk = (lengths.n_context, lengths.n_question,
+                                           lengths.n_steps, lengths.chunk)
   n_padded = n_context if chunk is None else -(-n_context // chunk) * chunk
   total = n_padded + n_question + n_steps
   if design is None:

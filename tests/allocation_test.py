@@ -395,18 +395,18 @@ class BadInputTest(absltest.TestCase):
 # --------------------------------------------------------------------------- capacity
 
 
-STREAM = dict(n_context=96, chunk=16)
+STREAM = budgets.Lengths(n_context=96, chunk=16)
 STREAM_L, STREAM_H, STREAM_D = 2, 2, 8
 
 
 def _stream(design, alloc, gains):
-  """Streams STREAM['n_context'] random tokens chunk by chunk through caches
+  """Streams STREAM.n_context random tokens chunk by chunk through caches
   sized by ``budgets.capacity(allocation=...)``: append, fold the chunk's
   window attention, evict with the allocation. Returns (caches, capacity,
   largest kept count of a head after any eviction)."""
   spec = caches_lib.CacheSpec(n_layers=STREAM_L, n_kv_heads=STREAM_H, head_dim=STREAM_D)
-  cap = budgets.capacity(design, **STREAM, allocation=alloc, config=spec)
-  chunk = STREAM["chunk"]
+  cap = budgets.capacity(design, STREAM, allocation=alloc, config=spec)
+  chunk = STREAM.chunk
   rng = np.random.default_rng(5)
 
   @jax.jit
@@ -420,7 +420,7 @@ def _stream(design, alloc, gains):
 
   cs = caches_lib.init_caches(spec, 1, cap)
   most = 0
-  for i in range(STREAM["n_context"] // chunk):
+  for i in range(STREAM.n_context // chunk):
     shape = (STREAM_L, 1, STREAM_H, chunk, STREAM_D)
     k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
     logits = jnp.asarray(3.0 * rng.normal(size=(STREAM_L, 1, STREAM_H, 4, cap)), jnp.float32)
@@ -434,18 +434,18 @@ class CapacityTest(absltest.TestCase):
   def _check(self, design, alloc, gains=None):
     cs, cap, most = _stream(design, alloc, gains)
     np.testing.assert_array_equal(np.asarray(cs.n_dropped), 0)  # never a dropped token
-    self.assertEqual(int(np.asarray(cs.n_seen).min()), STREAM["n_context"])
+    self.assertEqual(int(np.asarray(cs.n_seen).min()), STREAM.n_context)
     # The allocation did need the room: without it, the largest kept head
     # plus the next chunk would not have fit.
-    plain = budgets.capacity(design, **STREAM)
+    plain = budgets.capacity(design, STREAM)
     self.assertLess(plain, cap)
-    self.assertGreater(most + STREAM["chunk"], plain, (most, plain, cap))
+    self.assertGreater(most + STREAM.chunk, plain, (most, plain, cap))
     return cap
 
   def test_adakv(self):
     cap = self._check(_design("snapkv"), allocation.AdaKV())
     # floor(0.25 * 96) = 24 per head; one of 2 heads can take 2 * 24 - 4 = 44.
-    self.assertEqual(cap, 44 + STREAM["chunk"])
+    self.assertEqual(cap, 44 + STREAM.chunk)
 
   @pytest.mark.slow  # a streamed compile of the variance grid
   def test_certificate_targeted_model(self):
@@ -458,7 +458,7 @@ class CapacityTest(absltest.TestCase):
                                      STREAM_D)
     alloc = allocation.CertificateTargeted(scope="model", steps=4, max_share=1.5)
     cap = self._check(_design("priority_tail"), alloc, gains)
-    self.assertEqual(cap, math.ceil(1.5 * 24) + 4 + STREAM["chunk"])
+    self.assertEqual(cap, math.ceil(1.5 * 24) + 4 + STREAM.chunk)
 
 
 # --------------------------------------------------------------------------- memory

@@ -185,28 +185,47 @@ class CapacityRuleTest(absltest.TestCase):
   def test_values(self):
     d = certkv_jax.designs
     cap = budgets.capacity
+    lengths = budgets.Lengths
     h2o = d.h2o(0.25, n_sink=4, window=16)  # certainty set 20
+    stream = lengths(n_context=256, n_question=10, n_steps=8, chunk=64)
     # Question-aware: the 256-token prompt, then 64 kept + 8 decoded.
-    self.assertEqual(cap(h2o, n_context=256, n_steps=8), 256)
+    self.assertEqual(cap(h2o, lengths(n_context=256, n_steps=8)), 256)
     # Streaming: 64 kept + a 64-token chunk + 10 question + 8 decoded = 146 < 274 in all.
-    self.assertEqual(cap(h2o, n_context=256, n_question=10, n_steps=8, chunk=64), 146)
+    self.assertEqual(cap(h2o, stream), 146)
     # A budget below the certainty set: the set (20) is kept whole.
-    self.assertEqual(cap(h2o, n_context=256, n_question=10, n_steps=8, chunk=64, budget=0.05),
-                     20 + 64 + 18)
+    self.assertEqual(cap(h2o, stream, budget=0.05), 20 + 64 + 18)
     # min_tail adds to the certainty set: 4 + 16 + 16 = 36.
-    floor = d.poisson_floor(0.05, certain=certkv_jax.designs.CertaintySet(n_sink=4, window=16))
-    self.assertEqual(cap(floor, n_context=256, n_question=10, n_steps=8, chunk=64), 36 + 82)
+    floor = d.poisson_floor(0.05, certain=d.CertaintySet(n_sink=4, window=16))
+    self.assertEqual(cap(floor, stream), 36 + 82)
     # Per-row fractions: the largest; per-layer schedules: the largest.
-    self.assertEqual(cap(h2o, n_context=256, n_steps=8, budget=np.array([0.25, 0.5])), 256)
-    self.assertEqual(cap(h2o, n_context=200, n_steps=8, layer_budgets=(0.5, 0.25)),
+    self.assertEqual(cap(h2o, lengths(n_context=256, n_steps=8), budget=np.array([0.25, 0.5])),
+                     256)
+    self.assertEqual(cap(h2o, lengths(n_context=200, n_steps=8), layer_budgets=(0.5, 0.25)),
                      max(200, 100 + 8))
     # Tokens budget: 100 kept + 8 decoded exceed a 90-token prompt.
-    self.assertEqual(cap(d.h2o(100), n_context=90, n_steps=8), 108)
+    self.assertEqual(cap(d.h2o(100), lengths(n_context=90, n_steps=8)), 108)
     # No design: every token, the context padded to whole chunks.
-    self.assertEqual(cap(None, n_context=250, n_question=10, n_steps=8, chunk=64), 274)
+    self.assertEqual(cap(None, lengths(n_context=250, n_question=10, n_steps=8, chunk=64)), 274)
     # 0.3 * 10 is 3.0000000000000004 in floating point: still 3 kept.
-    self.assertEqual(cap(d.h2o(0.3), n_context=10, n_steps=1), 10)
-    self.assertEqual(cap(d.h2o(0.3), n_context=10, n_question=2, n_steps=1, chunk=4), 3 + 4 + 3)
+    self.assertEqual(cap(d.h2o(0.3), lengths(n_context=10, n_steps=1)), 10)
+    self.assertEqual(cap(d.h2o(0.3), lengths(n_context=10, n_question=2, n_steps=1, chunk=4)),
+                     3 + 4 + 3)
+    # The keyword form (models/decode.py's) gives the same.
+    self.assertEqual(cap(h2o, n_context=256, n_question=10, n_steps=8, chunk=64), 146)
+
+  def test_bad_lengths(self):
+    h2o = certkv_jax.designs.h2o(0.25)
+    for kw, err, msg in ((dict(n_context=-1), ValueError, "n_context must be an int >= 0"),
+                         (dict(n_context=8, chunk=0), ValueError, "chunk must be an int >= 1"),
+                         (dict(n_context=8.0), TypeError, "n_context must be an int")):
+      with self.assertRaisesRegex(err, msg):
+        budgets.Lengths(**kw)
+    with self.assertRaisesRegex(TypeError, "not both"):
+      budgets.capacity(h2o, budgets.Lengths(n_context=8), n_steps=2)
+    with self.assertRaisesRegex(TypeError, "unexpected keyword argument 'n_prompt'"):
+      budgets.capacity(h2o, n_context=8, n_prompt=2)
+    with self.assertRaisesRegex(TypeError, "lengths must be a budgets.Lengths"):
+      budgets.capacity(h2o, (8, 0, 2, None))
 
 
 if __name__ == "__main__":

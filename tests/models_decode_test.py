@@ -128,7 +128,8 @@ class DecodeTest(absltest.TestCase):
     # Question-aware: the 10-token prompt must fit, then the 6 kept tokens plus
     # the N_STEPS decoded ones: max(10, 6 + 5) = 11 slots, all of them used.
     design = certkv_jax.designs.sink_window(6, n_sink=1)
-    want = budgets.capacity(design, n_context=self.tokens.shape[1], n_steps=N_STEPS)
+    want = budgets.capacity(design, budgets.Lengths(n_context=self.tokens.shape[1],
+                                                    n_steps=N_STEPS))
     self.assertEqual(want, 11)
     gen = self._generate(design=design, capacity=None)
     self.assertEqual(gen.caches.capacity, want)

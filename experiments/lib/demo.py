@@ -203,8 +203,8 @@ def run_one(params, config, tok, examples, plan: Plan, design_name: str, budget:
   batch = len(examples)
   if regime == "question_aware":
     prompt, p_mask = _pad([c + q for c, q, _ in examples])
-    capacity = budgets_lib.capacity(design, n_context=prompt.shape[1], n_steps=N_STEPS,
-                                    budget=sizing)
+    capacity = budgets_lib.capacity(
+        design, budgets_lib.Lengths(n_context=prompt.shape[1], n_steps=N_STEPS), budget=sizing)
     gen_cfg = decode.GenerationConfig(n_steps=N_STEPS, design=design, evaluate=True,
                                       capacity=capacity)
     gen_fn = jax.jit(lambda p, k, b: decode.generate(p, prompt, p_mask, k, config=config,
@@ -227,8 +227,9 @@ def run_one(params, config, tok, examples, plan: Plan, design_name: str, budget:
     n_chunks = -(-n_ctx // chunk)
     # the kept tokens plus the next chunk (appended before it is evicted), then the
     # question and the answer; without a design, everything
-    capacity = budgets_lib.capacity(design, n_context=n_ctx, n_question=qst.shape[1],
-                                    n_steps=N_STEPS, chunk=chunk, budget=sizing)
+    capacity = budgets_lib.capacity(
+        design, budgets_lib.Lengths(n_context=n_ctx, n_question=qst.shape[1], n_steps=N_STEPS,
+                                    chunk=chunk), budget=sizing)
     gen_cfg = decode.GenerationConfig(n_steps=N_STEPS, design=design, evaluate=True,
                                       capacity=capacity, chunk=chunk)
     gen_fn = jax.jit(lambda p, k, b: decode.generate_streaming(

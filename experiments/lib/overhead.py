@@ -176,7 +176,8 @@ def run_overhead(params, config, examples, out_dir: str, plan: Plan, *,
   todo = [c for c in configs if not results.has(config=c, **common)]
   if not todo:
     return [r for r in results.rows if all(r.get(k) == v for k, v in common.items())]
-  full_cap = budgets.capacity(None, n_context=plen, n_steps=n_steps)
+  lengths = budgets.Lengths(n_context=plen, n_steps=n_steps)
+  full_cap = budgets.capacity(None, lengths)
 
   @jax.jit
   def prefill(p):
@@ -199,7 +200,7 @@ def run_overhead(params, config, examples, out_dir: str, plan: Plan, *,
       caches, _, _ = eviction.evict(design, full_caches, jax.random.PRNGKey(seed))
       # What a deployment allocates after eviction: the kept tokens, compacted
       # to the front, plus the decoded ones (no prefill in this cache).
-      small_cap = budgets.capacity(design, n_context=plen, n_steps=n_steps, compacted=True)
+      small_cap = budgets.capacity(design, lengths, compacted=True)
       caches = cache_lib.compact(caches, small_cap)
     certify = (certified_attention.Subsample(cert_layers, cert_heads) if with_cert
                else False)

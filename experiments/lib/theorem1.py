@@ -112,7 +112,8 @@ def run_theorem1(params, config, examples, out_dir: str, plan: Plan, *,
       log(f"{progress.step()} theorem1/{name}: already done")
       continue
     t0 = time.time()
-    capacity = budgets.capacity(design, n_context=plen, n_steps=n_steps, budget=budget)
+    capacity = budgets.capacity(design, budgets.Lengths(n_context=plen, n_steps=n_steps),
+                                budget=budget)
 
     @jax.jit
     def prefill(p):

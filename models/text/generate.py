@@ -385,15 +385,16 @@ def generate_text(prompt: str, *, params, config, tokenizer,
   per_head = dict(allocation=allocation, config=config)  # capacity of the largest head
   if regime == "question_aware":
     run_chunk = None
-    capacity = budgets.capacity(design_obj, n_context=n_context, n_steps=max_new_tokens,
-                                **per_head)
+    capacity = budgets.capacity(
+        design_obj, budgets.Lengths(n_context=n_context, n_steps=max_new_tokens), **per_head)
     tokens, mask = _row(encoded.context)
     gen_cfg = gen_cfg.replace(capacity=capacity)
     run = lambda: decode.generate(params, tokens, mask, key, config=config, gen=gen_cfg)
   else:
     run_chunk = min(s.chunk, n_context)
-    capacity = budgets.capacity(design_obj, n_context=n_context, n_question=n_question,
-                                n_steps=max_new_tokens, chunk=run_chunk, **per_head)
+    capacity = budgets.capacity(
+        design_obj, budgets.Lengths(n_context=n_context, n_question=n_question,
+                                    n_steps=max_new_tokens, chunk=run_chunk), **per_head)
     ctx, ctx_mask = _row(encoded.context)
     qst, q_mask = _row(encoded.question)
     gen_cfg = gen_cfg.replace(capacity=capacity, chunk=run_chunk)

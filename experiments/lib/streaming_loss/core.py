@@ -103,7 +103,7 @@ class StreamConfig:
     per-head target under ``config``'s heads and layers) where it is None."""
     if self.capacity is not None:
       return self
-    cap = budgets.capacity(self.design, n_context=n, chunk=self.chunk,
+    cap = budgets.capacity(self.design, budgets.Lengths(n_context=n, chunk=self.chunk),
                            budget=None if self.design is None else budget,
                            allocation=self.allocation, config=config)
     return dataclasses.replace(self, capacity=cap)

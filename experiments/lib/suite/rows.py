@@ -135,16 +135,16 @@ def run_batch(params, config, examples, row_budgets, key, unit: UnitCall) -> dec
   if unit.regime == "question_aware":
     prompt, p_mask = pad_batch([e.context_ids + e.question_ids for e in examples],
                                shape["prompt"])
-    capacity = unit.capacity or budgets.capacity(design, n_context=shape["prompt"],
-                                                 n_steps=unit.n_steps, budget=sizing)
+    capacity = unit.capacity or budgets.capacity(
+        design, budgets.Lengths(n_context=shape["prompt"], n_steps=unit.n_steps), budget=sizing)
     return decode.generate(params, prompt, p_mask, key, config=config,
                            gen=gen.replace(capacity=capacity), budget=budget)
   ctx, c_mask = pad_batch([e.context_ids for e in examples], shape["context"])
   qst, q_mask = pad_batch([e.question_ids for e in examples], shape["question"])
   # the kept tokens plus one chunk, then the question and the answer
   capacity = unit.capacity or budgets.capacity(
-      design, n_context=shape["context"], n_question=shape["question"], n_steps=unit.n_steps,
-      chunk=unit.chunk, budget=sizing)
+      design, budgets.Lengths(n_context=shape["context"], n_question=shape["question"],
+                              n_steps=unit.n_steps, chunk=unit.chunk), budget=sizing)
   return decode.generate_streaming(params, ctx, c_mask, qst, q_mask, key, config=config,
                                    gen=gen.replace(capacity=capacity, chunk=unit.chunk),
                                    budget=budget)
