@@ -44,6 +44,7 @@ rest of the model is partitioned by XLA (GSPMD) from the parameter shardings.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple, Optional
 
@@ -253,21 +254,42 @@ class ShardedAttention(NamedTuple):
   probs: Optional[Array]  # [b, h, R, n] offset-attention probabilities p_i, or None
 
 
-def _attention_body(q, k, v, log_pi, mask, *, scale, with_stats, with_probs):
-  p, l, w = _local_partials(q, k, v, log_pi, mask, scale, with_stats)
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+  """What :func:`sharded_offset_attention` computes besides ``out`` and ``lse`` (static).
+
+  Attributes:
+    stats: the certificate statistics (``var_hat``, exact ``range_hat``);
+      False leaves them 0.
+    probs: the probabilities ``p_i`` [b, h, R, n] (sharded over seq like the slots).
+
+  Raises:
+    TypeError naming the field unless it is a bool.
+  """
+
+  stats: bool = True
+  probs: bool = False
+
+  def __post_init__(self):
+    for name in ("stats", "probs"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+def _attention_body(q, k, v, log_pi, mask, *, scale, outputs: Outputs):
+  p, l, w = _local_partials(q, k, v, log_pi, mask, scale, outputs.stats)
   fin = reference.finalize(combine_over(p, SEQ))
   lse_safe = jnp.where(jnp.isfinite(fin.lse), fin.lse, 0.0)[..., None]
-  if with_stats:
+  if outputs.stats:
     rng = jax.lax.pmax(reference.exact_range(l, v, w, mask, fin.out, fin.lse), SEQ)
   else:
     rng = jnp.zeros_like(fin.var_hat)
-  probs = jnp.where(mask, jnp.exp(l - lse_safe), 0.0) if with_probs else None
+  probs = jnp.where(mask, jnp.exp(l - lse_safe), 0.0) if outputs.probs else None
   return ShardedAttention(fin.out, fin.lse, fin.var_hat, rng, probs)
 
 
 def sharded_offset_attention(q, k, v, log_pi, mask, *, mesh=None, scale: Optional[float] = None,
-                             with_stats: bool = True,
-                             with_probs: bool = False) -> ShardedAttention:
+                             outputs: Outputs = Outputs()) -> ShardedAttention:
   """``certkv_jax.offset_attention`` over a cache sharded on its slot axis.
 
   Rows ``b`` are split over data, KV heads ``h`` over model and slots ``n``
@@ -282,16 +304,16 @@ def sharded_offset_attention(q, k, v, log_pi, mask, *, mesh=None, scale: Optiona
     mask: [b, h, R, n] or [b, h, n] bool, the slots each row attends to.
     mesh: a mesh from :func:`make_mesh` (default: the context mesh).
     scale: logit scale, default ``1/sqrt(d)``.
-    with_stats: compute the certificate statistics (``var_hat``, exact
-      ``range_hat``); False gives the output alone.
-    with_probs: also return the probabilities ``p_i`` [b, h, R, n] (sharded
-      over seq like the slots).
+    outputs: :class:`Outputs`, whether to compute the certificate statistics
+      (default) and the probabilities ``p_i`` (not by default).
 
   Raises:
     ValueError naming the argument for mismatched shapes and the mesh axis
     that does not divide ``b``, ``h`` or ``n``.
   """
   mesh = _require_mesh(mesh)
+  if not isinstance(outputs, Outputs):
+    raise TypeError(f"outputs must be a distributed.Outputs, got {outputs!r}")
   q, k, v, log_pi, mask = (jnp.asarray(x) for x in (q, k, v, log_pi, mask))
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"q, k, v must be [b, h, R, d], [b, h, n, d], [b, h, n, dv]; got "
@@ -319,9 +341,8 @@ def sharded_offset_attention(q, k, v, log_pi, mask, *, mesh=None, scale: Optiona
   check_divisible("slots (n)", n, mesh, SEQ)
   rows, slots = P(DATA, MODEL), P(DATA, MODEL, SEQ)
   out_specs = ShardedAttention(rows, rows, rows, rows,
-                               P(DATA, MODEL, None, SEQ) if with_probs else None)
-  body = lambda *a: _attention_body(*a, scale=float(scale), with_stats=with_stats,
-                                    with_probs=with_probs)
+                               P(DATA, MODEL, None, SEQ) if outputs.probs else None)
+  body = lambda *a: _attention_body(*a, scale=float(scale), outputs=outputs)
   return jax.shard_map(body, mesh=mesh, in_specs=(rows, slots, slots, slots,
                                                   P(DATA, MODEL, None, SEQ)),
                        out_specs=out_specs, check_vma=False)(q, k, v, log_pi, mask)
@@ -335,7 +356,7 @@ def cache_attention(qg, cache: KVCache, positions, *, with_stats: bool,
     qg: [b, h_kv, g, t, d] queries of a chunk (GQA groups).
     cache: one layer's caches, leaves [b, h_kv, cap, ...], after the append.
     positions: [b, t] positions of the chunk's queries (causal mask).
-    with_stats, with_probs: as in :func:`sharded_offset_attention`.
+    with_stats, with_probs: :class:`Outputs`' ``stats`` and ``probs``.
 
   Returns:
     ShardedAttention with ``out`` [b, h_kv, g, t, dv], statistics
@@ -346,7 +367,7 @@ def cache_attention(qg, cache: KVCache, positions, *, with_stats: bool,
   mask = jnp.broadcast_to(mask[:, :, None], (b, h, g, t, cache.capacity))
   res = sharded_offset_attention(qg.reshape(b, h, g * t, d), cache.k, cache.v, cache.log_pi,
                                  mask.reshape(b, h, g * t, cache.capacity),
-                                 with_stats=with_stats, with_probs=with_probs)
+                                 outputs=Outputs(stats=bool(with_stats), probs=bool(with_probs)))
   rows = lambda x: x.reshape((b, h, g, t) + x.shape[3:])
   return ShardedAttention(rows(res.out), rows(res.lse), rows(res.var_hat), rows(res.range_hat),
                           None if res.probs is None else rows(res.probs))

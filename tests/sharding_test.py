@@ -258,8 +258,8 @@ class ShardedChildTest(parameterized.TestCase):
     log_pi = jnp.where(jax.random.bernoulli(ks[3], 0.5, (b, h, n)), 0.0,
                        jnp.log(jax.random.uniform(ks[4], (b, h, n), minval=0.05)))
     mask = jax.random.bernoulli(ks[5], 0.8, (b, h, r, n)).at[0, 0, 0].set(False)  # empty row
-    res = jax.jit(lambda *a: distributed.sharded_offset_attention(*a, mesh=mesh,
-                                                                  with_probs=True))(
+    res = jax.jit(lambda *a: distributed.sharded_offset_attention(
+        *a, mesh=mesh, outputs=distributed.Outputs(probs=True)))(
                                                                       q, k, v, log_pi, mask)
     ref = jax.jit(lambda q, k, v, lp, m: certkv_jax.offset_attention(
         q, k[:, :, None], v[:, :, None], lp[:, :, None], m))(q, k, v, log_pi, mask)
