@@ -186,7 +186,7 @@ class SharedPrefillTest(absltest.TestCase):
     ratios = (0.25, 0.75)
     key = jax.random.PRNGKey(3)
     got, _, _ = experiment.run_design(self.params, self.config, batch, name, ratios, key,
-                                      self.plan, {})
+                                      self.plan)
     design = design_defaults.make_design(name, 0.5, self.plan.n_sink, self.plan.window)
     budget = np.tile([0.75, 0.25], 2).astype(np.float32)
     rep = lambda x: np.repeat(np.asarray(x), 2, axis=0)

@@ -204,16 +204,18 @@ def prefill(params, tokens, mask, *, config, design, capacity: int):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "gen"))
-def answer(params, caches, shadow, key, first_logits, question, question_mask, *, config,
+def answer(params, carry: decode.DecodeCarry, first_logits, question, question_mask, *, config,
            gen: decode.GenerationConfig) -> decode.Generation:
-  """Prefills ``question`` (None: the prompt held it) on the evicted caches and decodes
-  greedily (``models.decode.decode_from``; ``gen.design`` None: decoding evicts nothing)."""
+  """Prefills ``question`` (None: the prompt held it) on the evicted caches of ``carry``
+  (caches, shadow, no design state, key) and decodes greedily
+  (``models.decode.decode_from``; ``gen.design`` None: decoding evicts nothing)."""
   if question is not None:
-    logits, caches, _, shadow = forward_chunk(params, config, question, question_mask, caches,
-                                              certificate=False, shadow=shadow)
+    logits, caches, _, shadow = forward_chunk(params, config, question, question_mask,
+                                              carry.caches, certificate=False,
+                                              shadow=carry.shadow)
+    carry = carry._replace(caches=caches, shadow=shadow)
     first_logits = suite_rows.last_logits(logits, question_mask)
-  return decode.decode_from(params, decode.DecodeCarry(caches, shadow, None, key), first_logits,
-                            config=config, gen=gen)
+  return decode.decode_from(params, carry, first_logits, config=config, gen=gen)
 
 
 def _repeat(tree, n: int):
@@ -222,10 +224,13 @@ def _repeat(tree, n: int):
 
 
 class _Batch:
-  """One group of examples padded for a regime: prompt (or context and question)."""
+  """One group of examples padded for a regime: prompt (or context and question), and
+  ``prefills``, which maps :func:`stats_key` to a prefill of this batch, filled on demand
+  (shared by the designs of the batch)."""
 
   def __init__(self, examples, regime: str, context_len: int, n_steps: int):
     self.regime, self.n_steps = regime, n_steps
+    self.prefills = {}
     bound = context_len - n_steps  # RULER's sizing: prompt + n_steps <= context_len
     if regime == "query_aware":
       self.prompt = suite_rows.pad_batch([e.context_ids + e.question_ids for e in examples],
@@ -240,15 +245,14 @@ class _Batch:
       self.capacity = bound + self.question[0].shape[1] + n_steps
 
 
-def run_design(params, config, batch: _Batch, name: str, ratios, key, plan: Plan, prefills,
+def run_design(params, config, batch: _Batch, name: str, ratios, key, plan: Plan,
                stop_tokens: tuple = ()):
   """One unit: ``name`` at every ratio on the batch's examples (rows example-major).
 
-  ``prefills`` maps :func:`stats_key` to a prefill of this batch, filled on demand
-  (shared by the designs of the batch). Decoding stops once every row has emitted
-  one of ``stop_tokens`` (``GenerationConfig.stop_tokens``; the answers are cut
-  there anyway). Returns ``(Generation, kept fraction [rows], prefill seconds
-  paid)``.
+  The prompt's prefill is the batch's (``batch.prefills``), made here if no design
+  of the batch made it. Decoding stops once every row has emitted one of
+  ``stop_tokens`` (``GenerationConfig.stop_tokens``; the answers are cut there
+  anyway). Returns ``(Generation, kept fraction [rows], prefill seconds paid)``.
   """
   design, allocation = design_of(name, plan)
   n_rows = batch.prompt[0].shape[0] * len(ratios)
@@ -265,6 +269,7 @@ def run_design(params, config, batch: _Batch, name: str, ratios, key, plan: Plan
                                        evaluate=randomized),
         budget=budget)
     return out, np.full(n_rows, np.nan), 0.0
+  prefills = batch.prefills
   want = stats_key(design)
   if want not in prefills and design is None and prefills:
     want = next(iter(prefills))  # the full cache evicts nothing: any prefill serves
@@ -284,7 +289,8 @@ def run_design(params, config, batch: _Batch, name: str, ratios, key, plan: Plan
   q, q_mask = batch.question
   if q is not None:
     q, q_mask = _repeat_rows(q, len(ratios)), _repeat_rows(q_mask, len(ratios))
-  out = answer(params, caches, shadow, key, logits, q, q_mask, config=config, gen=gen)
+  out = answer(params, decode.DecodeCarry(caches, shadow, None, key), logits, q, q_mask,
+               config=config, gen=gen)
   return out, kept, paid
 
 
@@ -371,24 +377,24 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
   todo = [u for u in todo_all if not done(u)]
   progress = results_io.Progress(len(todo_all), len(todo_all) - len(todo))
   log(f"{len(todo)} of {len(todo_all)} units to run; rows in {results.path}")
-  group_id, prefills = None, {}
+  group_id = None
   for n_done, unit in enumerate(todo):
     if plan.max_units is not None and n_done >= plan.max_units:
       log(f"stopping after {plan.max_units} units (--max_units); rerun to resume")
       break
     c, task, regime, start, name = unit
-    if unit[:4] != group_id:  # a new batch of examples: its prefills are not shared
-      group_id, prefills = unit[:4], {}
-    exs = examples_of(c, task)[start:start + plan.group]
-    n_steps = exs[0].meta["max_new_tokens"]
-    batch = _Batch(exs, regime, c, n_steps)
+    if unit[:4] != group_id:  # a new batch of examples, with its own prefills
+      group_id = unit[:4]
+      exs = examples_of(c, task)[start:start + plan.group]
+      n_steps = exs[0].meta["max_new_tokens"]
+      batch = _Batch(exs, regime, c, n_steps)
     ratios = plan.ratios_for(name)
     budget_of = dict(zip(ratios, token_budgets(plan, *design_of(name, plan), ratios,
                                                config.head_dim)))
     unit_id = zlib.crc32("/".join(map(str, unit)).encode()) % 2**31
     key = jax.random.fold_in(jax.random.PRNGKey(plan.seed), unit_id)
     t0 = time.time()
-    out, kept, paid = run_design(params, config, batch, name, ratios, key, plan, prefills,
+    out, kept, paid = run_design(params, config, batch, name, ratios, key, plan,
                                  stop_tokens=stops)
     out = jax.device_get(out._replace(caches=None, design_state=None))  # rows need no caches
     seconds = time.time() - t0 - paid
