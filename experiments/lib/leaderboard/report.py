@@ -23,6 +23,7 @@ the first context length's first regime (``headline``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -58,11 +59,23 @@ def _complete(rows, plan, c, regime, design) -> bool:
              for e in range(plan.n_examples))
 
 
-def _load_calls(out_dir, plan, c, task, regime, design, ratio) -> Optional[tuple]:
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  """One design at one ratio, context length and regime: what a coverage entry covers."""
+
+  context_len: int
+  regime: str
+  design: str
+  ratio: float
+
+
+def _load_calls(out_dir, plan, cell: Cell, task) -> Optional[tuple]:
   """``(errors, radii)`` ``[calls, layers, heads]`` kept for one task's rows, or None."""
   errs, rads = [], []
+  ratio = cell.ratio
   for start in range(0, plan.n_examples, plan.group):
-    path = experiment.calls_path(out_dir, (c, task, regime, start, design), plan.seed)
+    unit = (cell.context_len, task, cell.regime, start, cell.design)
+    path = experiment.calls_path(out_dir, unit, plan.seed)
     if not os.path.exists(path):
       continue
     with np.load(path) as z:
@@ -81,9 +94,10 @@ def _scores(calls) -> np.ndarray:
   return calibration.conformity_scores(e.ravel(), r.ravel()).reshape(e.shape)
 
 
-def coverage_cell(out_dir, plan, c, regime, design, ratio, rows, n_kv_heads: int,
+def coverage_cell(out_dir, plan, cell: Cell, rows, *, n_kv_heads: int,
                   model: Optional[str]) -> dict:
-  """Raw, leave-one-task-out calibrated and shipped-calibration coverage of one cell."""
+  """Raw, leave-one-task-out calibrated and shipped-calibration coverage of ``cell``
+  from its ``rows`` and the calls kept in ``out_dir``."""
   sel = [r for r in rows if r.get("n_calls")]
   n = sum(r["n_calls"] for r in sel)
   out = {"n_calls": n, "n_rows": len(rows)}
@@ -93,8 +107,7 @@ def coverage_cell(out_dir, plan, c, regime, design, ratio, rows, n_kv_heads: int
   out["unseen_deletions"] = float(sum(r["unseen_deletions"] * r["n_calls"] for r in sel) / n)
   if all("smoothed_coverage" in r for r in sel):  # rows made before it have none
     out["smoothed"] = float(sum(r["smoothed_coverage"] * r["n_calls"] for r in sel) / n)
-  calls = {t: _load_calls(out_dir, plan, c, t, regime, design, ratio)
-           for t in plan.tasks_for(c)}
+  calls = {t: _load_calls(out_dir, plan, cell, t) for t in plan.tasks_for(cell.context_len)}
   calls = {t: v for t, v in calls.items() if v is not None}
   if calls:
     e = np.concatenate([v[0].ravel() for v in calls.values()])
@@ -113,12 +126,13 @@ def coverage_cell(out_dir, plan, c, regime, design, ratio, rows, n_kv_heads: int
     out.update({k: h / total for k, h in hits.items()})
   else:
     out["calibrated_note"] = "needs the calls of >= 2 tasks (leave-one-task-out)"
-  out.update(_shipped(calls, plan, c, regime, design, ratio, rows, model))
+  out.update(_shipped(calls, plan, cell, rows, model))
   return out
 
 
-def _shipped(calls, plan, c, regime, design, ratio, rows, model) -> dict:
+def _shipped(calls, plan, cell: Cell, rows, model) -> dict:
   """Coverage under the shipped calibration, or why it does not apply."""
+  c, regime, design, ratio = cell.context_len, cell.regime, cell.design, cell.ratio
   path = certificate_lib.DEFAULT_CALIBRATION
   if not calls:
     return {"shipped_note": "no calls kept"}
@@ -231,7 +245,8 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, *, n_kv_heads: int = 3,
               by_task.values()))), 2)
           if experiment.is_randomized(d) and plan.coverage:
             cell["coverage"].setdefault(d, {})[_key(ratio)] = coverage_cell(
-                out_dir, plan, c, regime, d, ratio, at, n_kv_heads, model)
+                out_dir, plan, Cell(c, regime, d, ratio), at, n_kv_heads=n_kv_heads,
+                model=model)
         cell["seconds_per_row"][d] = float(np.median([r["unit_seconds"] / r["unit_rows"]
                                                       for r in mine]))  # past compiles
         cell["prefill_seconds"] += float(sum(r["prefill_seconds"] / r["unit_rows"]
