@@ -53,6 +53,31 @@ class CoverageIntervalTest(absltest.TestCase):
       self.assertTrue(0.2 < lo < 0.35 and 0.55 < hi < 0.7, cell[k])
     self.assertEqual(cell["n_segments"], 10)
 
+  def test_a_twin_is_paired_with_its_own_design(self):
+    """Hand-made rows: the twin's paired difference is its mean difference from
+    its own design on the same segments, keyed by that design."""
+    root = test_util.temp_dir(self)
+    src = os.path.join(root, "a.txt")
+    with open(src, "w", encoding="utf-8") as f:
+      f.write(TEXT)
+    plan = experiment.Plan(sources=(src,), context_lens=(32,), memories=(0.5,), n_eval=3,
+                           n_calib=0, chunk=8, variants=("h2o", "snapkv",
+                                                         "snapkv_cert:top_share=0.5"))
+    nll = {"h2o": (0.5, 0.5, 0.5), "snapkv": (0.1, 0.2, 0.3),
+           "snapkv_cert:top_share=0.5": (0.05, 0.3, 0.1)}
+    rows = [dict(seed=0, context_len=32, split="eval", segment=s, unit_seconds=1.0,
+                 variant=v, memory=0.5, delta_nll=d[s], held_memory=0.5)
+            for v, d in nll.items() for s in range(3)]
+    rows += [dict(seed=0, context_len=32, split="eval", segment=s, unit_seconds=1.0,
+                  variant="full", memory=1.0, delta_nll=0.0, held_memory=1.0) for s in range(3)]
+    s = report.summarize(rows, root, plan)
+    twin = s["paired_twin"]["snapkv"]["0.5"]
+    self.assertAlmostEqual(twin["value"], (-0.05 + 0.1 - 0.2) / 3, places=12)
+    self.assertEqual((twin["twin"], twin["wins"], twin["n"]),
+                     ("snapkv_cert:top_share=0.5", 2, 3))
+    self.assertEqual(list(s["paired_twin"]), ["snapkv"])  # h2o has no twin here
+    self.assertIn("| snapkv | snapkv_cert:top_share=0.5 |", s["md"])
+
   def test_robust_scale_is_the_largest_segment_quantile(self):
     """Calibration segment A scores 0.5 everywhere; B has 7% of its calls at
     1.5. B's own conformal quantile (rank ceil(301 x 0.95) = 286 of 300, past

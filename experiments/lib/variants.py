@@ -19,6 +19,8 @@ A design with an allocation that reads the observation window's queries
 
 from __future__ import annotations
 
+from typing import Optional
+
 from certkv_jax import memory
 from certkv_jax import registry
 from experiments.lib import design_defaults
@@ -72,3 +74,15 @@ def make_variant(variant: str, head_dim: int, memory_fraction: float, n_sink: in
 def is_randomized(variant: str) -> bool:
   """Whether ``variant``'s design samples its tail (False for the full cache)."""
   return design_defaults.is_randomized(variant)
+
+
+def twin_base(variant: str) -> Optional[str]:
+  """The deterministic variant a certified twin (``<design>_cert``, with any
+  ``top_share``) is paired with: the same design string without the suffix and
+  ``top_share``, the same allocation; None for a variant that is no twin."""
+  design, plus, allocation = variant.partition("+")
+  name, *settings = design.split(":")
+  if not name.endswith(registry.TWIN_SUFFIX):
+    return None
+  kept = [s for s in settings if not s.startswith("top_share=")]
+  return ":".join([name[:-len(registry.TWIN_SUFFIX)]] + kept) + plus + allocation

@@ -10,6 +10,9 @@ Per context length and memory, over the evaluation segments:
   the variant's minus the best deterministic variant's NLL increase on the
   same segment, with a 95% cluster bootstrap over segments (a segment is one
   cluster: one row per segment and variant);
+* ``paired_twin[design][memory]``: a certified twin (``<design>_cert``) minus
+  its own deterministic design on the same segments, bootstrapped likewise
+  (keyed by the deterministic variant; ``"twin"`` names the twin);
 * for randomized variants, raw coverage of the per-call radius at delta 0.05
   and calibrated coverage with per-(layer, KV head) split-conformal scales
   fitted on the calibration segments (other source files), each with its
@@ -35,6 +38,7 @@ from certkv_jax import calibration
 from experiments.lib import plots
 from experiments.lib import results_io
 from experiments.lib import stats
+from experiments.lib import variants
 from experiments.lib.equal_memory import experiment
 
 DELTA = 0.05
@@ -214,7 +218,8 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
     ev = [r for r in rows if r["context_len"] == c and r["split"] == "eval"]
     by = lambda v, m: {r["segment"]: r for r in ev if r["variant"] == v and r["memory"] == m}
     ctx = {"delta_nll": {}, "held_memory": {}, "best_deterministic": {},
-           "paired_vs_best_deterministic": {}, "coverage": {}, "not_run": missing,
+           "paired_vs_best_deterministic": {}, "paired_twin": {}, "coverage": {},
+           "not_run": missing,
            "seconds": float(sum(r["unit_seconds"] / max(1, _unit_rows(r, plan))
                                 for r in rows if r["context_len"] == c))}
     for v in ran:
@@ -239,6 +244,17 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
         entry["wins"] = int(np.sum(np.asarray(diffs) < 0))
         ctx["paired_vs_best_deterministic"].setdefault(v, {})[str(m)] = entry
     for v in ran:
+      base = variants.twin_base(v)
+      if base not in ran:
+        continue
+      key = base if base not in ctx["paired_twin"] else v
+      for m in plan.memories:
+        seg, ref = by(v, m), by(base, m)
+        diffs = [seg[s]["delta_nll"] - ref[s]["delta_nll"] for s in range(plan.n_eval)]
+        entry = dict(_ci(diffs, seed=plan.seed + 2), twin=v)
+        entry["wins"] = int(np.sum(np.asarray(diffs) < 0))
+        ctx["paired_twin"].setdefault(key, {})[str(m)] = entry
+    for v in ran:
       if not experiment.is_randomized(v):
         continue
       for m in plan.memories:
@@ -255,7 +271,7 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
     out["contexts"][str(c)] = ctx
     md += _markdown(ctx, c, plan)
   first = out["contexts"][str(plan.context_lens[0])]
-  for k in ("delta_nll", "best_deterministic", "paired_vs_best_deterministic"):
+  for k in ("delta_nll", "best_deterministic", "paired_vs_best_deterministic", "paired_twin"):
     out[k] = first[k]  # the first context length at the top level
   out["md"] = "\n".join(md)
   out["coverage_cells"] = stored
@@ -306,6 +322,16 @@ def _markdown(ctx, c, plan) -> list[str]:
                    f"{'-' if p is None else _fmt_ci(p)} | "
                    f"{'-' if p is None else str(p['wins']) + '/' + str(p['n'])} | {raw} | {cal} "
                    f"| {rob} | {smooth} | {unseen} |")
+  if ctx["paired_twin"]:
+    lines += ["", "Certified twins against their own deterministic design, paired on the same "
+              "segments (twin minus design, nats/token; negative: the twin loses less):", "",
+              "| design | twin | " + " | ".join(f"memory {m}" for m in plan.memories) + " |",
+              "|---" * (2 + len(plan.memories)) + "|"]
+    for base, per in ctx["paired_twin"].items():
+      twin = next(iter(per.values()))["twin"]
+      lines.append(f"| {base} | {twin} | " + " | ".join(
+          f"{_fmt_ci(per[str(m)])} ({per[str(m)]['wins']}/{per[str(m)]['n']})"
+          for m in plan.memories) + " |")
   worst = [(v, m, cell) for v, per in ctx["coverage"].items() for m, cell in per.items()
            if "raw_worst_heads" in cell]
   if worst:
