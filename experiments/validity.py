@@ -98,7 +98,8 @@ def plan_from_flags(fv) -> collect_lib.Plan:
             n_steps=fv.n_steps,
             seed=fv.seed, max_batch=fv.max_batch, model=model_loading.model_name(fv.model),
             max_units=None if fv.max_units < 0 else fv.max_units,
-            default_design=fv.default_design, calib_context=fv.calib_context or None)
+            default_design=fv.default_design, calib_context=fv.calib_context or None,
+            transfer=fv.transfer_calibration)
   if fv.quick:
     kw.update({k: v for k, v in QUICK.items() if not fv[k].present})
   return collect_lib.Plan(**kw).check()
@@ -111,8 +112,7 @@ def main(argv):
   params, config, tok = model_loading.load_model(FLAGS.model)
   with open(FLAGS.text, encoding="utf-8") as f:
     text = f.read()
-  validity_run.run(params, config, tok, plan, FLAGS.out, text=text, text_source=FLAGS.text,
-                   transfer=FLAGS.transfer_calibration)
+  validity_run.run(params, config, tok, plan, FLAGS.out, text=text, text_source=FLAGS.text)
 
 
 if __name__ == "__main__":

@@ -206,8 +206,8 @@ class ValidityEndToEndTest(absltest.TestCase):
     artifact = os.path.join(out, "calibration")
     out2 = self.create_tempdir().full_path
     other = validity_run.run(*self.model, _plan(data=("text", "variable_tracking"),
-                                                context_lens=(80,)),
-                             out2, text=TEXT, transfer=artifact, log=logs.append)
+                                                context_lens=(80,), transfer=artifact),
+                             out2, text=TEXT, log=logs.append)
     t = other["transfer"]
     self.assertEqual(t["data"], ["kv_retrieval", "passkey", "text"])
     self.assertLen(t["cells"], 8)  # 2 budgets x 2 regimes x 2 data

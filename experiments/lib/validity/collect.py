@@ -84,13 +84,18 @@ class Plan:
   groups_at: tuple = ()
   # How experiments.lib.validity.run runs and analyses the units (not part of any unit's
   # fingerprint): stop after this many units (None: all; a rerun resumes), the design of
-  # the default calibrated radius, and the context it is calibrated at (None: the longest
-  # context <= 1024, else the shortest).
+  # the default calibrated radius, the context it is calibrated at (None: the longest
+  # context <= 1024, else the shortest), and a calibration artifact from another study
+  # to score on these calls too (None: none).
   max_units: Optional[int] = None
   default_design: str = "poisson_tail"
   calib_context: Optional[int] = None
+  transfer: Optional[str] = None
 
   def check(self) -> "Plan":
+    if self.transfer is not None and (not isinstance(self.transfer, str) or not self.transfer):
+      raise ValueError(f"--transfer_calibration must be an artifact's path, got "
+                       f"{self.transfer!r}")
     for d in self.designs:  # only randomized designs have a certificate
       if d not in design_defaults.names(randomized=True):
         raise ValueError(f"--designs: {d!r} is not a randomized design; choose from "

@@ -104,9 +104,10 @@ def _breakdowns(calls, design, budgets, calib_context, min_context, lines):
 
 def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
             calib_context: int, log: Callable[[str], None] = print,
-            seconds: Optional[float] = None, transfer: Optional[str] = None) -> dict:
+            seconds: Optional[float] = None) -> dict:
   """Cells, signals, the default artifact and the report from the unit files ``paths``;
-  ``transfer``: a calibration artifact from another study, also scored on these calls."""
+  ``plan.transfer``: a calibration artifact from another study, also scored on these
+  calls."""
   calls = calls_lib.load_calls(paths)
   log(f"validity: {len(calls)} calls from {len(paths)} units")
   cells, alt_cells, calibrations = report_lib.all_cells(calls, calib_context=calib_context,
@@ -162,6 +163,7 @@ def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
   lines += ["## Coverage by context length", "",
             "Held-out cells (raw cells all count), delta 0.05, sharpness = median r / ||e|| "
             "over covered calls.", ""] + by_context_lines(summary["by_context"]) + [""]
+  transfer = plan.transfer
   if transfer:
     cal = robust_calibration.load(transfer)
     t_cells = transfer_cells(calls, cal, plan.budgets)
@@ -444,11 +446,12 @@ def _report_lines(summary, calls, cells, alt_cells, default_design, default_cali
 
 
 def run(params, config, tok, plan: collect_lib.Plan, out_dir: str, *, text: str,
-        text_source: str = collect_lib.DEFAULT_TEXT, transfer: Optional[str] = None,
+        text_source: str = collect_lib.DEFAULT_TEXT,
         log: Callable[[str], None] = print) -> Optional[dict]:
   """Collects what is missing, then analyses (None when stopped early by
   ``plan.max_units``); the default radius is ``plan.default_design``'s, calibrated at
-  ``plan.calib_context``; ``transfer``: an artifact from another study to score too."""
+  ``plan.calib_context``; ``plan.transfer``: an artifact from another study to score
+  too."""
   plan.check()
   default_design = plan.default_design
   if default_design not in plan.designs:
@@ -465,5 +468,4 @@ def run(params, config, tok, plan: collect_lib.Plan, out_dir: str, *, text: str,
     log(f"validity: {len(paths)} of {len(plan.units())} units present; rerun to finish")
     return None
   return analyse(paths, out_dir, plan, default_design=default_design,
-                 calib_context=calib_context, log=log, seconds=time.time() - t0,
-                 transfer=transfer)
+                 calib_context=calib_context, log=log, seconds=time.time() - t0)
