@@ -287,25 +287,8 @@ class Lengths:
       _checks.check_positive_int("chunk", self.chunk)
 
 
-def _lengths(lengths: Optional[Lengths], sizes: dict) -> Lengths:
-  """``lengths``, or the :class:`Lengths` of the keyword form ``n_context=...``."""
-  if lengths is None:
-    unknown = sorted(set(sizes) - {f.name for f in dataclasses.fields(Lengths)})
-    if unknown:
-      raise TypeError(f"capacity got an unexpected keyword argument {unknown[0]!r}")
-    if "n_context" not in sizes:
-      raise TypeError("capacity needs lengths (budgets.Lengths(n_context=...))")
-    return Lengths(**sizes)
-  if sizes:
-    raise TypeError(f"capacity takes lengths or its fields, not both; got lengths and "
-                    f"{sorted(sizes)}")
-  if not isinstance(lengths, Lengths):
-    raise TypeError(f"lengths must be a budgets.Lengths, got {lengths!r}")
-  return lengths
-
-
-def capacity(design, lengths: Optional[Lengths] = None, *, budget=None, layer_budgets=None,
-             compacted: bool = False, allocation=None, config=None, **sizes) -> int:
+def capacity(design, lengths: Lengths, *, budget=None, layer_budgets=None,
+             compacted: bool = False, allocation=None, config=None) -> int:
   """Cache slots per (layer, row, KV head) so that no token is dropped: the one
   capacity rule every caller uses.
 
@@ -327,10 +310,12 @@ def capacity(design, lengths: Optional[Lengths] = None, *, budget=None, layer_bu
       tokens of one head may reach its ``max_target`` (never more than the
       prompt) for ``config``'s ``n_kv_heads`` and ``n_layers`` (a model
       config or ``caches.CacheSpec``; needed with an allocation).
-    **sizes: ``Lengths``' fields by name instead of ``lengths`` (the older
-      keyword form, kept while ``models/decode.py`` still calls it).
+
+  Raises:
+    TypeError unless ``lengths`` is a :class:`Lengths`.
   """
-  lengths = _lengths(lengths, sizes)
+  if not isinstance(lengths, Lengths):
+    raise TypeError(f"lengths must be a budgets.Lengths, got {lengths!r}")
   n_context, n_question, n_steps, chunk = (lengths.n_context, lengths.n_question,
                                            lengths.n_steps, lengths.chunk)
   n_padded = n_context if chunk is None else -(-n_context // chunk) * chunk

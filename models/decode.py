@@ -266,15 +266,14 @@ def _sized(gen: GenerationConfig, given: dict) -> GenerationConfig:
   if isinstance(budget, jax.core.Tracer):
     raise ValueError("a traced budget needs an explicit GenerationConfig.capacity")
   if "tokens" in given:
-    sizes = dict(n_context=jnp.shape(given["tokens"])[1], n_steps=gen.n_steps)
+    lengths = budgets_lib.Lengths(n_context=jnp.shape(given["tokens"])[1], n_steps=gen.n_steps)
   else:
-    sizes = dict(n_context=jnp.shape(given["context"])[1],
-                 n_question=jnp.shape(given["question"])[1], n_steps=gen.n_steps,
-                 chunk=gen.chunk)
-  config = given["config"]
+    lengths = budgets_lib.Lengths(n_context=jnp.shape(given["context"])[1],
+                                  n_question=jnp.shape(given["question"])[1],
+                                  n_steps=gen.n_steps, chunk=gen.chunk)
   return gen.replace(capacity=budgets_lib.capacity(
-      gen.design, budget=budget, layer_budgets=gen.layer_budgets, allocation=gen.allocation,
-      config=config, **sizes))
+      gen.design, lengths, budget=budget, layer_budgets=gen.layer_budgets,
+      allocation=gen.allocation, config=given["config"]))
 
 
 def _raise_on_overflow(gen: "Generation", given: dict) -> None:

@@ -210,8 +210,6 @@ class CapacityRuleTest(absltest.TestCase):
     self.assertEqual(cap(d.h2o(0.3), lengths(n_context=10, n_steps=1)), 10)
     self.assertEqual(cap(d.h2o(0.3), lengths(n_context=10, n_question=2, n_steps=1, chunk=4)),
                      3 + 4 + 3)
-    # The keyword form (models/decode.py's) gives the same.
-    self.assertEqual(cap(h2o, n_context=256, n_question=10, n_steps=8, chunk=64), 146)
 
   def test_bad_lengths(self):
     h2o = certkv_jax.designs.h2o(0.25)
@@ -220,10 +218,6 @@ class CapacityRuleTest(absltest.TestCase):
                          (dict(n_context=8.0), TypeError, "n_context must be an int")):
       with self.assertRaisesRegex(err, msg):
         budgets.Lengths(**kw)
-    with self.assertRaisesRegex(TypeError, "not both"):
-      budgets.capacity(h2o, budgets.Lengths(n_context=8), n_steps=2)
-    with self.assertRaisesRegex(TypeError, "unexpected keyword argument 'n_prompt'"):
-      budgets.capacity(h2o, n_context=8, n_prompt=2)
     with self.assertRaisesRegex(TypeError, "lengths must be a budgets.Lengths"):
       budgets.capacity(h2o, (8, 0, 2, None))
 
