@@ -262,6 +262,24 @@ class PlanTest(absltest.TestCase):
     self.assertEqual(got["paired_vs_best_deterministic"]["h2o"]["0.5"],
                      {"value": 0.0, "ci": [0.0, 0.0]})
     self.assertAlmostEqual(got["score_ci"]["snapkv"]["0.5"]["value"], 100 / 6)
+    self.assertEqual(got["score_ci"]["snapkv"]["0.5"]["n"], 6)
+    self.assertEqual(got["paired_twin"], {})  # no twin ran
+
+  def test_a_twin_is_paired_with_its_own_design(self):
+    plan = experiment.Plan(tasks=("vt", "cwe"), n_examples=3, ratios=(0.5,),
+                           designs=("h2o", "snapkv", "snapkv_cert"))
+    hits = {"h2o": [1, 1, 1, 1, 1, 1], "snapkv": [1, 0, 0, 1, 0, 0],
+            "snapkv_cert": [1, 1, 0, 0, 0, 0], "full": [1] * 6}
+    rows = [dict(design=d, ratio=0.0 if d == "full" else 0.5, task=t, example=e,
+                 score=float(v[2 * e + i]))
+            for d, v in hits.items() for e in range(3) for i, t in enumerate(("vt", "cwe"))]
+    got = report.paired_scores(rows, plan, list(hits), plan.tasks, seed=0)
+    self.assertEqual(list(got["paired_twin"]), ["snapkv"])  # keyed by the design, not h2o
+    p = got["paired_twin"]["snapkv"]["0.5"]
+    self.assertAlmostEqual(p["value"], 0.0)  # one example gained, one lost
+    self.assertEqual((p["n"], p["twin"]), (6, "snapkv_cert"))
+    self.assertLess(p["ci"][0], 0.0)
+    self.assertGreater(p["ci"][1], 0.0)
 
   def test_checks(self):
     for kw, msg in ((dict(tasks=("qa_1",)), "SQuAD"), (dict(designs=("nope",)), "--designs"),

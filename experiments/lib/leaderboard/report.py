@@ -181,9 +181,13 @@ def paired_scores(rows, plan, ran, tasks, *, seed: int = 0) -> dict:
   """Per ratio: each design's score with a 95% interval (``score_ci``), the best
   deterministic design with uniform budgets (``best_deterministic``) and every
   design's score minus that design's on the same examples
-  (``paired_vs_best_deterministic``), in points. Intervals: percentile bootstrap
-  over examples, resampled within each task (the average weighs tasks alike)."""
-  out = {"score_ci": {}, "best_deterministic": {}, "paired_vs_best_deterministic": {}}
+  (``paired_vs_best_deterministic``), and each certified twin
+  (``<design>_cert``) minus its own deterministic design (``paired_twin``, keyed
+  by that design; ``"twin"`` names the twin), in points. Intervals: percentile
+  bootstrap over examples, resampled within each task (the average weighs tasks
+  alike); ``n`` counts the examples."""
+  out = {"score_ci": {}, "best_deterministic": {}, "paired_vs_best_deterministic": {},
+         "paired_twin": {}}
   uniform_det = [d for d in ran if d != design_defaults.FULL and not experiment.is_randomized(d)
                  and variants.parse_variant(d)[1] == "uniform"]
   for ratio in plan.ratios:
@@ -194,7 +198,18 @@ def paired_scores(rows, plan, ran, tasks, *, seed: int = 0) -> dict:
     for d in ran:
       iv = stats.bootstrap_ci(np.mean, vec[d], n_boot=N_BOOT, seed=seed, strata=strata)
       out["score_ci"].setdefault(d, {})[_key(ratio)] = {"value": float(iv.estimate),
-                                                        "ci": [float(iv.lo), float(iv.hi)]}
+                                                        "ci": [float(iv.lo), float(iv.hi)],
+                                                        "n": len(keys)}
+    for d in ran:
+      base = variants.twin_base(d)
+      if base not in ran:
+        continue
+      key = base if base not in out["paired_twin"] else d
+      iv = stats.bootstrap_ci(np.mean, vec[d] - vec[base], n_boot=N_BOOT, seed=seed,
+                              strata=strata)
+      out["paired_twin"].setdefault(key, {})[_key(ratio)] = {
+          "value": float(iv.estimate), "ci": [float(iv.lo), float(iv.hi)], "n": len(keys),
+          "twin": d}
     if not uniform_det:
       continue
     best = max(uniform_det, key=lambda d: float(np.mean(vec[d])))
@@ -257,7 +272,7 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, *, n_kv_heads: int = 3,
   first = out["cells"][f"{plan.context_lens[0]}/{plan.regimes[0]}"]
   out["headline"] = {"context_len": plan.context_lens[0], "regime": plan.regimes[0]}
   for k in ("score", "score_by_task", "n_examples", "not_run", "score_ci",
-            "best_deterministic", "paired_vs_best_deterministic"):
+            "best_deterministic", "paired_vs_best_deterministic", "paired_twin"):
     out[k] = first[k]
   out["md"] = "\n".join(md)
   return out
@@ -315,6 +330,16 @@ def _markdown(cell, c, regime, tasks, plan) -> list[str]:
         vals.append("-" if v is None else
                     f"{bold}{v['value']:+.1f} [{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}]{bold}")
       lines.append(f"| {d} | " + " | ".join(vals) + " |")
+  if cell.get("paired_twin"):
+    lines += ["", "Certified twins against their own deterministic design: twin minus design "
+              "in points on the same examples, 95% bootstrap over examples within tasks:", "",
+              "| design | twin | " + " | ".join(str(r) for r in plan.ratios) + " |",
+              "|---" * (len(plan.ratios) + 2) + "|"]
+    for d, per in cell["paired_twin"].items():
+      twin = next(iter(per.values()))["twin"]
+      vals = ["-" if (v := per.get(_key(r))) is None else
+              f"{v['value']:+.1f} [{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}]" for r in plan.ratios]
+      lines.append(f"| {d} | {twin} | " + " | ".join(vals) + " |")
   for ratio in plan.ratios:
     lines += ["", f"Per task at ratio {ratio} (full cache: no compression):", "",
               "| design | " + " | ".join(tasks) + " | average |", "|---" * (len(tasks) + 2) + "|"]
