@@ -1,28 +1,9 @@
 """The KV cache of one attention head: a fixed-capacity pytree.
 
-Written for one KV head; batch, heads and layers come from ``jax.vmap``.
-Slots are unordered (attention is permutation invariant): a token lives in a
-slot until it is evicted, and new tokens fill free slots. ``pos`` keeps each
-token's original position. Appending and evicting never change array shapes.
-
-Per-slot running importance statistics (what the designs score with) live here
-too, so that a slot's statistics move with its token:
-
-* ``acc``:  attention mass received from every query observed so far (H2O).
-* ``last``: attention of the most recent query (TOVA; ``pi ∝ a`` when the
-  query is known at eviction time).
-* ``obs``:  attention mass from observation-window queries only (SnapKV);
-  :func:`observe_peak` folds the same field as a running max instead (the
-  attention envelope of ``designs.poisson_envelope``).
-
-Each slot also keeps ``v_sq = ||v_i - v_ref||^2``, its stored value's squared
-distance to the head's reference value ``v_ref`` (the first value appended
-to the empty cache: it shares the channels' common component, so float32
-rounding scales with the values' spread, not their size). The certificate's
-second-order sum and range term read it instead of a pass over the values
-at every step (method, section 4, "Stored value norms"), for 4 bytes per
-slot. It depends on that slot's value and the reference alone, so eviction
-leaves no trace of an evicted token in it (Theorem 1's blind retained state).
+Slots are unordered and shapes never change; batch, heads and layers come
+from ``jax.vmap``. Per-slot statistics (``acc`` for H2O, ``last`` for TOVA,
+``obs`` for SnapKV or the envelope) and ``v_sq = ||v_i - v_ref||^2`` live
+with their token (method, sections 4 and 9).
 """
 
 from __future__ import annotations
@@ -89,29 +70,15 @@ def init_cache(capacity: int, head_dim: int, value_dim: int | None = None,
 
 
 def append(cache: KVCache, k_new, v_new, new_valid=None) -> KVCache:
-  """Writes ``t`` new tokens into free slots.
+  """Writes ``t`` new tokens into free slots; they arrive certain (``log_pi = 0``).
 
-  Args:
-    cache: one head's cache.
-    k_new: [t, d] keys; v_new: [t, dv] values.
-    new_valid: optional [t] bool; False marks padding (ragged batches), which
-      takes neither a slot nor a position.
-
-  Returns:
-    The updated cache. Tokens are certain on arrival (``log_pi = 0``), with
-    zeroed statistics and positions ``n_seen, n_seen + 1, ...``.
+  ``k_new`` is [t, d], ``v_new`` [t, dv]; ``new_valid`` [t] bool marks real
+  tokens (padding takes neither a slot nor a position).
 
   Raises:
-    ValueError naming the capacity and the number of tokens that do not fit,
-    when the cache has fewer free slots than real new tokens and ``valid`` and
-    ``new_valid`` are concrete (size the capacity as budget + chunk, and evict
-    before appending).
-
-  Overflow under ``jit`` or ``vmap`` (method, section 9, "Bad input"): the
-  tokens beyond the free slots are not stored, still take positions, and are
-  counted in ``n_dropped``; attention then silently misses them. Nothing else
-  reports it: read ``n_dropped``, or use ``certkv_jax.checked.checked_append``
-  / ``check_no_overflow`` to make it a checkify error.
+    ValueError when the new tokens do not fit and the masks are concrete.
+    Under ``jit`` the overflow is counted in ``n_dropped`` instead (method,
+    section 9, "Bad input"; ``certkv_jax.checked`` makes it an error).
   """
   cap = cache.capacity
   k_new = jnp.asarray(k_new)
@@ -147,15 +114,10 @@ class SlotAssignment(NamedTuple):
 
 
 def slot_assignment(valid, new_valid) -> SlotAssignment:
-  """The slots that :func:`append` fills: free slots in slot order, real tokens in order.
+  """The slots :func:`append` fills: free slots in slot order, real tokens in order.
 
-  Split from the write so that a cache whose slots are spread over devices
-  (``certkv_jax.distributed``) places tokens exactly as one device would: it
-  computes this from the gathered ``valid`` mask and writes only its own slots.
-
-  Args:
-    valid: [cap] bool, the slots that hold a token.
-    new_valid: [t] bool, the real (non-padding) new tokens.
+  Split from the write so a sequence-sharded cache (``certkv_jax.distributed``)
+  places tokens exactly as one device would. ``valid`` [cap], ``new_valid`` [t].
   """
   if new_valid.shape[-1] > 1:
     # Caches made inside a jitted function (a prefill into empty caches) have a
@@ -177,15 +139,10 @@ def slot_assignment(valid, new_valid) -> SlotAssignment:
 
 
 def _free_slots(valid, t: int) -> Array:
-  """[cap] int32 (``[1]`` for ``t = 1``): the free slots in slot order, then
-  ``cap`` (no sort), for a chunk of ``t`` new tokens.
+  """[cap] int32 (``[1]`` for ``t = 1``): the free slots in slot order, then ``cap``.
 
-  Entry ``j < n_free`` is the ``j``-th free slot, the same as
-  ``jnp.argsort(valid, stable=True)[j]``; the entries from ``n_free`` on
-  (where that argsort lists the occupied slots) are ``cap``, which
-  :func:`slot_assignment` never reads: a token whose rank reaches ``n_free``
-  does not fit. A cumulative count and one scatter replace the sort; a decode
-  step (``t = 1``) needs only the first free slot, one argmax.
+  The stable argsort of ``valid`` up to ``n_free``, by a cumulative count and
+  one scatter (one argmax for a decode step).
   """
   cap = valid.shape[-1]
   if t == 1:
@@ -201,9 +158,7 @@ def _free_slots(valid, t: int) -> Array:
 def write_slots(cache: KVCache, slots: SlotAssignment, idx, k_new, v_new) -> KVCache:
   """Writes new tokens at slot indices ``idx`` [t] (``>= capacity`` = not written).
 
-  ``idx`` is ``slots.idx`` on one device, or its part that falls in this
-  device's slot range (shifted to local indices) on a sequence-sharded cache;
-  the counters come from ``slots`` either way.
+  ``idx`` is ``slots.idx``, or this device's local part of it on a sharded cache.
   """
   meta, counters = slot_metadata(cache, slots)
   kv, v_ref = slot_kv(cache, k_new, v_new, ~jnp.any(cache.valid) & (slots.rank[0] == 0))
@@ -218,10 +173,7 @@ STATISTICS = ("acc", "last", "obs")
 
 
 def slot_metadata(cache: KVCache, slots: SlotAssignment) -> tuple[dict, dict]:
-  """What :func:`write_slots` writes besides the keys and values, none of which
-  depends on them: ``(field -> [t] values of the new tokens' slots, the counters
-  {"n_seen", "n_dropped"} after the append)``. Tokens arrive certain
-  (``log_pi = 0``) with zeroed statistics."""
+  """The fields besides ``k``/``v`` that :func:`write_slots` writes, and the counters."""
   z = jnp.zeros(slots.idx.shape, jnp.float32)
   meta = dict(pos=cache.n_seen + slots.rank, valid=jnp.ones(slots.idx.shape, bool), log_pi=z,
               **{f: z for f in STATISTICS})
@@ -231,11 +183,10 @@ def slot_metadata(cache: KVCache, slots: SlotAssignment) -> tuple[dict, dict]:
 
 
 def slot_kv(cache: KVCache, k_new, v_new, fresh) -> tuple[dict, Array]:
-  """The new tokens' ``k``, ``v`` (in the cache's dtypes) and ``v_sq`` [t, ...],
-  and the cache's ``v_ref`` after them: the chunk's first value when ``fresh``
-  (a traced bool: the cache held no token and the chunk's first token is
-  real), else the cache's own (:func:`rebase` keeps it the value of the kept
-  token with the smallest position)."""
+  """The new tokens' ``k``, ``v``, ``v_sq`` and the cache's ``v_ref`` after them.
+
+  ``v_ref`` becomes the chunk's first value when ``fresh`` (a traced bool).
+  """
   v_stored = v_new.astype(cache.v.dtype)
   v32 = v_stored.astype(jnp.float32)
   v_ref = jnp.where(fresh, v32[0], cache.v_ref)
@@ -246,16 +197,9 @@ def slot_kv(cache: KVCache, k_new, v_new, fresh) -> tuple[dict, Array]:
 def observe(cache: KVCache, probs, *, observation: bool | Array = False) -> KVCache:
   """Folds attention probabilities of new queries into the slot statistics.
 
-  Args:
-    cache: one KV head's cache.
-    probs: [cap], [q, cap] or [g, q, cap] attention probabilities over the
-      slots (``g`` query heads of a GQA group, averaged; ``q`` queries in order,
-      summed into ``acc``, the last one becomes ``last``).
-    observation: whether these queries belong to the observation window
-      (SnapKV); bool or traced bool scalar.
-
-  Returns:
-    The cache with ``acc``, ``last`` (and ``obs`` if observation) updated.
+  ``probs`` is [cap], [q, cap] or [g, q, cap]: averaged over the ``g`` heads of
+  a GQA group, summed over queries into ``acc`` (and ``obs`` when
+  ``observation``); the last query becomes ``last``.
   """
   probs = jnp.asarray(probs, jnp.float32)
   cap = cache.capacity
@@ -273,25 +217,9 @@ def observe(cache: KVCache, probs, *, observation: bool | Array = False) -> KVCa
 def observe_peak(cache: KVCache, probs, *, observation: bool | Array = False) -> KVCache:
   """:func:`observe` with the attention envelope in ``obs`` (method, section 6).
 
-  ``acc`` and ``last`` are updated exactly as :func:`observe` does (mean over
-  the GQA group; sum over queries; the last query). When ``observation`` is
-  true, ``obs`` becomes the running max, over the observation-window queries
-  and over the query heads of the group, of each slot's attention
-  probability: ``obs_i = max(obs_i, max_{g, q} probs[g, q, i])`` (0 on free
-  slots). So every observed window query and head has ``p_i <= obs_i``, which
-  the mean over the group (a head may put ``g`` times the mean on a slot) and
-  the sum over queries do not give slot by slot. The statistic lives in the
-  same field, so the cache pytree is unchanged; do not mix :func:`observe` and
-  this function on one cache between :func:`reset_observation` calls.
-
-  Args:
-    cache: one KV head's cache.
-    probs: [cap], [q, cap] or [g, q, cap] attention probabilities over the slots.
-    observation: whether these queries belong to the observation window; bool
-      or traced bool scalar.
-
-  Returns:
-    The cache with ``acc``, ``last`` (and ``obs`` if observation) updated.
+  ``obs`` becomes the running max over window queries and group heads of each
+  slot's probability, so every observed query and head has ``p_i <= obs_i``.
+  Do not mix with :func:`observe` on one cache between resets.
   """
   new = observe(cache, probs)  # validates probs; acc and last as observe
   probs = jnp.asarray(probs, jnp.float32)
@@ -307,15 +235,9 @@ def reset_observation(cache: KVCache) -> KVCache:
 
 
 def keep_only(cache: KVCache, keep, log_pi_round) -> KVCache:
-  """Keeps the slots in ``keep`` and adds ``log_pi_round`` to their offsets.
+  """Keeps the slots in ``keep`` [cap] and adds ``log_pi_round`` [cap] to their offsets.
 
-  Evicted slots are zeroed (keys, values, statistics), so that the retained
-  state holds no trace of the evicted tokens.
-
-  Args:
-    keep: [cap] bool (must be a subset of ``valid``).
-    log_pi_round: [cap] float32 log inclusion probability of this round (0 for
-      certain tokens).
+  Evicted slots are zeroed, so the retained state holds no trace of them.
   """
   keep = keep & cache.valid
   f0 = jnp.zeros_like(cache.log_pi)
@@ -334,18 +256,10 @@ def keep_only(cache: KVCache, keep, log_pi_round) -> KVCache:
 
 
 def apply_keep(cache: KVCache, keep, log_pi) -> KVCache:
-  """:func:`keep_only` of an eviction decided elsewhere: the same cache, given the
-  kept slots ``keep`` [cap] (a subset of ``valid``) and the new offsets ``log_pi``
-  [cap] (``keep_only``'s, 0 off ``keep``).
+  """:func:`keep_only` of an eviction decided elsewhere, given the new ``log_pi``.
 
-  For per-layer caches evicted on their stacked metadata
-  (``certkv_jax.eviction``): ``valid`` is cleared by the scatter that zeroes
-  the evicted keys and values, and every other field is updated from that
-  scatter's output, so that only those scatters read the stacked decision.
-  The updates then read this layer's buffers alone and are the same program
-  for every layer, which XLA compiles once; a slice of the decision in each
-  would give every layer and field its own copy of the decision's
-  computation to compile.
+  For stacked per-layer caches (``certkv_jax.eviction``): only the scatters
+  read the decision, so every layer compiles to the same program.
   """
   gone = cache.valid & ~keep
   rows = jnp.where(gone, jnp.arange(cache.capacity), cache.capacity)  # capacity: not written
@@ -363,9 +277,7 @@ _DEFERRED = threading.local()
 
 @contextlib.contextmanager
 def rebase_deferred():
-  """Within it, a design's evict leaves :func:`rebase` to its caller
-  (``certkv_jax.eviction.evict`` checks every cache once per round); outside
-  it, a design that evicts the reference token rebases that cache itself."""
+  """Within it, :func:`rebase` is left to ``certkv_jax.eviction.evict``."""
   before = getattr(_DEFERRED, "on", False)
   _DEFERRED.on = True
   try:
@@ -382,16 +294,14 @@ def rebase_if_needed(cache: KVCache) -> KVCache:
 
 
 def reference_slot(cache: KVCache) -> tuple[Array, Array]:
-  """``(slot, any)``: the kept token with the smallest position, whose value is
-  the reference of ``v_sq`` (``any`` False: nothing kept). Leading axes allowed."""
+  """``(slot, any)``: the kept token with the smallest position, the reference of ``v_sq``."""
   big = jnp.iinfo(jnp.int32).max
   slot = jnp.argmin(jnp.where(cache.valid, cache.pos, big), axis=-1)
   return slot, jnp.any(cache.valid, axis=-1)
 
 
 def needs_rebase(cache: KVCache) -> Array:
-  """Whether any cache's ``v_ref`` is no longer its reference slot's value (that
-  token was evicted; or nothing is kept and ``v_ref`` is not 0)."""
+  """Whether any cache's ``v_ref`` is no longer its reference slot's value."""
   slot, kept = reference_slot(cache)
   v = jnp.take_along_axis(cache.v, slot[..., None, None], axis=-2)[..., 0, :]
   want = jnp.where(kept[..., None], v.astype(jnp.float32), 0.0)
@@ -399,10 +309,10 @@ def needs_rebase(cache: KVCache) -> Array:
 
 
 def rebase(cache: KVCache) -> KVCache:
-  """``v_ref`` set to the value of the kept token with the smallest position (0
-  if none) and ``v_sq`` recomputed about it: after an eviction, so that no
-  evicted token's value stays in the cache (Theorem 1's blind retained state).
-  One pass over the values; leading axes allowed."""
+  """``v_ref`` reset to the reference slot's value and ``v_sq`` recomputed.
+
+  After an eviction, so no evicted value stays in the cache (Theorem 1).
+  """
   slot, kept = reference_slot(cache)
   v = cache.v.astype(jnp.float32)
   ref = jnp.take_along_axis(v, slot[..., None, None], axis=-2)[..., 0, :]
@@ -413,36 +323,21 @@ def rebase(cache: KVCache) -> KVCache:
 
 
 def zero_slots(x, gone):
-  """``x`` [cap, d] with the rows ``gone`` [cap] zeroed: a scatter that writes only those
-  rows (in place in a donated buffer), where a ``where`` over ``x`` rewrites all of it.
-  Free slots already hold zeros, so zeroing the evicted ones zeroes every row not kept."""
+  """``x`` [cap, d] with the rows ``gone`` [cap] zeroed, by a scatter (in place)."""
   cap = x.shape[0]
   rows = jnp.where(gone, jnp.arange(cap), cap)  # cap: not written
   return x.at[rows].set(jnp.zeros((), x.dtype), mode="drop")
 
 
 def compact(cache: KVCache, capacity: int) -> KVCache:
-  """The cache re-allocated at ``capacity`` slots, its kept tokens gathered to the front.
+  """The cache re-allocated at ``capacity`` slots, its kept tokens first.
 
-  Eviction (:func:`keep_only`) zeroes evicted slots in place and never
-  changes a shape, so a cache evicted to a budget still has its old capacity.
-  This is the allocation a deployment makes after an eviction: the kept
-  tokens, in slot order, then empty slots (for the tokens appended before the
-  next eviction; ``capacity`` may exceed the current one). Attention is
-  invariant to slot order, so every output is unchanged. It sorts and copies
-  the whole cache: a host-side re-allocation, not a per-step operation.
-
-  Works on one head's cache or on stacked caches (any leading axes, e.g.
-  ``certkv_jax.caches``' ``[n_layers, batch, n_kv_heads, cap, ...]``): the slot
-  axis is the last axis of ``valid``.
-
-  Args:
-    cache: the cache(s).
-    capacity: int >= 1; must hold every cache's kept tokens.
+  A host-side re-allocation after an eviction; outputs are unchanged. Works on
+  stacked caches (the slot axis is the last axis of ``valid``).
 
   Raises:
-    ValueError naming ``capacity`` when it is not an int >= 1, or (``valid``
-    concrete) smaller than a cache's kept tokens.
+    ValueError when ``capacity`` is not an int >= 1 or (``valid`` concrete)
+    smaller than a cache's kept tokens.
   """
   cap = cache.valid.shape[-1]
   if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:

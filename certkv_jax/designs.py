@@ -1,45 +1,11 @@
 """Eviction designs: a certainty set composed with a tail rule, under a budget.
 
-A design is a frozen dataclass of hyperparameters with three pure functions,
-in the optax style (``init``/``update`` there, ``init``/``update``/``evict``
-here)::
-
-    state = design.init(cache)
-    cache, state = design.update(cache, state, probs)        # fold in a query
-    cache, state, info = design.evict(cache, state, key)     # down to budget
-
-It is a static pytree (no array leaves), so it can be passed as an argument to
-``jax.jit``; everything that varies at run time lives in the cache and state.
-Designs work on one KV head's cache; ``jax.vmap`` lifts them over heads,
-batch and layers (split the PRNG key per head).
-
-Composition (like ``optax.chain``): ``compose(certain, tail, budget)`` keeps
-the certainty set ``H`` (sinks, recent window, heavy hitters) and lets a tail
-rule choose among the rest ``T`` for the remaining slots. Deterministic tail
-rules (:class:`TopK`) keep the highest scores; :class:`UniformTail` keeps a
-uniformly random subset with no offset (an ablation); :class:`PoissonTail` is
-method, section 3's randomized design with Hajek offsets.
-
-The certified factories (``poisson_*``, ``priority_*``,
-:func:`attention_proportional`) take their certainty set as one
-:class:`CertaintySet`, ``poisson_tail(0.25, certain=CertaintySet(n_sink=4,
-window=16))``; the registry also reads its fields by name
-(``registry.make("poisson_tail", 0.25, n_sink=4, window=16)``). The
-deterministic baselines, which keep no heavy hitters, take ``n_sink`` and
-``window``.
-
-Two variants aim at a more valid raw certificate (method, sections 3 and 6):
-:func:`poisson_defensive` mixes the tail score with the uniform score
-(:class:`scores.Defensive`), which floors ``pi`` and bounds the Assumption-2
-ratio ``R`` for any query; :func:`poisson_envelope` also folds the
-observation window as an attention envelope (``fold="peak"``,
-:func:`cache.observe_peak`) and samples the tail from its defensive mixture.
-
-Budget: ``int`` = tokens kept after eviction; ``float`` in (0, 1] = fraction of
-the tokens seen so far, ``floor(fraction * n_seen)`` (kvpress's convention).
-Eviction triggers only when more tokens are valid than the budget allows.
-Every design fills at most ``budget`` slots; :class:`PoissonTail` reserves its
-tail slots for a random count (see ``sampling.expected_tail_count``).
+A design is a static pytree with ``init``/``update``/``evict`` in the optax
+style, written for one KV head (``jax.vmap`` lifts it). ``compose`` keeps the
+certainty set and lets a tail rule (:class:`TopK`, :class:`UniformTail`,
+:class:`PoissonTail`, :class:`PriorityTail`) fill the remaining slots. A
+budget is an int (tokens kept) or a fraction of the tokens seen (method,
+sections 3 and 9).
 """
 
 from __future__ import annotations
@@ -99,26 +65,11 @@ FOLDS = {"sum": cache_lib.observe, "peak": cache_lib.observe_peak}
 class EvictionDesign:
   """A certainty set composed with a tail rule under a budget (static pytree).
 
-  ``fold`` chooses how :meth:`update` folds attention into the slot
-  statistics: "sum" (:func:`cache.observe`: ``obs`` sums the window queries'
-  group-mean attention) or "peak" (:func:`cache.observe_peak`: ``obs`` is the
-  max over window queries and group heads). ``acc`` and ``last`` are the same
-  under both.
-
-  ``observation_window`` belongs to the design, because the design knows
-  which statistics it scores with: when a prompt chunk is folded
-  (``models.forward.forward_chunk``), its last ``observation_window`` real
-  queries are the observation window and ``obs`` is replaced by their
-  attention (SnapKV: the window before each eviction; in streaming, each
-  chunk's). ``min_tail`` (default 0) raises the target to at least the
-  certainty set plus ``min_tail`` tokens, so that a budget smaller than the
-  certainty set (early streaming chunks) still leaves a sampled tail: with
-  none, every tail token is evicted with ``pi = eps``, a deterministic deletion
-  the certificate cannot see. The price: up to ``min_tail`` tokens above the
-  budget while it is that small. A design whose scores read ``obs``
-  (:func:`scores.reads_observation`) needs a window of at least 1 and refuses 0: with no window its score
-  would be zero everywhere and its choice would silently fall back to slot
-  order.
+  ``fold`` is "sum" (:func:`cache.observe`) or "peak" (:func:`cache.observe_peak`).
+  The last ``observation_window`` queries of each prompt chunk replace ``obs``;
+  a design whose scores read ``obs`` refuses a window of 0. ``min_tail`` keeps a
+  sampled tail when the budget is below the certainty set, at the price of up
+  to ``min_tail`` tokens over budget (method, section 3).
   """
 
   name: str
@@ -236,8 +187,7 @@ def _check_budget_vs_certain(budget: Budget, certain: CertaintySet, name: str):
 def compose(certain: CertaintySet, tail, budget, name: str = "custom",
             fold: str = "sum", observation_window: int = 0,
             min_tail: int = 0) -> EvictionDesign:
-  """A design from a certainty set, a tail rule and a budget (``fold``,
-  ``observation_window`` and ``min_tail``: see :class:`EvictionDesign`)."""
+  """A design from a certainty set, a tail rule and a budget (see :class:`EvictionDesign`)."""
   budget = as_budget(budget)
   if not isinstance(certain, CertaintySet):
     raise TypeError(f"certain must be a CertaintySet, got {type(certain).__name__}")
@@ -258,12 +208,10 @@ TWIN_EPS = 0.05
 
 def certified(design: EvictionDesign, *, top_share: float = TWIN_SHARE,
               eps: float = TWIN_EPS) -> EvictionDesign:
-  """The certified twin of a deterministic (top-k) design (method, section 3,
-  "Certified twins"): the same certainty set, budget, fold and observation
-  window; ``floor(top_share * slots)`` of the tail slots kept by the design's
-  own score with certainty, the others filled by a priority sample weighted by
-  that score (shifted to be non-negative on the tail) plus ``eps`` times its
-  tail mean, with Hajek offsets and the certificate. Named ``<name>_cert``.
+  """The certified twin ``<name>_cert`` of a deterministic (top-k) design (method, section 3).
+
+  ``top_share`` of the tail slots go by the design's own score with certainty;
+  the rest are priority-sampled by that score, with Hajek offsets.
 
   Raises:
     TypeError unless ``design`` has a :class:`TopK` tail; ValueError unless
@@ -314,9 +262,7 @@ def tova(budget, *, n_sink: int = 0, window: int = 0, value_aware: bool = False)
 
 def snapkv(budget, *, window: int = 64, pool_size: int = 5, n_sink: int = 0,
            value_aware: bool = False, observation_window: Optional[int] = None):
-  """SnapKV (question-aware): observation-window attention, pooled; the window
-  itself is kept. ``observation_window`` (default: ``window``, >= 1) is the
-  number of last prompt queries whose attention scores the tokens."""
+  """SnapKV (question-aware): pooled observation-window attention; the window is kept."""
   obs = window if observation_window is None else observation_window
   return top_k(budget, scores.WindowAttention(pool_size), n_sink=n_sink, window=window,
                value_aware=value_aware, name="snapkv", observation_window=obs)
@@ -338,9 +284,7 @@ def poisson_tail(budget, *, certain: CertaintySet = CertaintySet(),
                  score=scores.AccumulatedAttention(), eps: float = 1e-6,
                  overflow_prob: float = 1e-3, max_redraws: int = 3,
                  min_tail: int = 0) -> EvictionDesign:
-  """The certified design (method, section 3): the certainty set ``certain``
-  (sinks, window, heavy hitters by accumulated attention) + a Poisson-sampled
-  tail with Hajek offsets. ``min_tail``: see :class:`EvictionDesign`."""
+  """The certified design (method, section 3): certainty set + Poisson tail with Hajek offsets."""
   return _poisson("poisson_tail", budget, score=score, certain=certain, eps=eps,
                   overflow_prob=overflow_prob, max_redraws=max_redraws, min_tail=min_tail)
 
@@ -356,10 +300,10 @@ def _poisson(name, budget, *, score, certain=CertaintySet(), eps=1e-6, overflow_
 def priority_tail(budget, *, certain: CertaintySet = CertaintySet(),
                   score=scores.AccumulatedAttention(), eps: float = 1e-6,
                   min_tail: int = 0, heavy_share: float = 0.0) -> EvictionDesign:
-  """The certified design with a fixed-size tail: the certainty set of
-  :func:`poisson_tail` and a priority-sampled tail (:class:`PriorityTail`) that
-  fills every slot the certainty set leaves (method, section 3, "Fixed-size
-  tail"); ``heavy_share`` of those slots go to the top-scored tail tokens."""
+  """The certified design with a fixed-size, priority-sampled tail (method, section 3).
+
+  ``heavy_share`` of the tail slots go to the top-scored tail tokens.
+  """
   return compose(certain, PriorityTail(score=score, eps=eps, heavy_share=heavy_share), budget,
                  "priority_tail", min_tail=min_tail)
 
@@ -367,8 +311,7 @@ def priority_tail(budget, *, certain: CertaintySet = CertaintySet(),
 def priority_floor(budget, *, certain: CertaintySet = CertaintySet(),
                    score=scores.AccumulatedAttention(), eps: float = 1e-6,
                    min_tail: int = 16, heavy_share: float = 0.0) -> EvictionDesign:
-  """:func:`priority_tail` with at least ``min_tail`` sampled tail tokens beside the
-  certainty set (:class:`EvictionDesign`'s ``min_tail``), as :func:`poisson_floor`."""
+  """:func:`priority_tail` with at least ``min_tail`` sampled tail tokens."""
   return dataclasses.replace(
       priority_tail(budget, certain=certain, score=score, eps=eps, min_tail=min_tail,
                     heavy_share=heavy_share),
@@ -379,18 +322,13 @@ def priority_blend(budget, *, certain: CertaintySet = CertaintySet(),
                    window_weight: float = 0.5, window_share: float = 0.0, pool_size: int = 5,
                    min_tail: int = 16, eps: float = 1e-6,
                    observation_window: Optional[int] = None) -> EvictionDesign:
-  """:func:`priority_floor` with SnapKV's statistic beside H2O's: the tail's
-  weights are ``scores.Blend`` of accumulated attention (weight
-  ``1 - window_weight``) and the observation window's pooled attention
-  (``window_weight``), and ``window_share`` of the tail slots are first filled
-  with the tokens the window attends to most (SnapKV's choice, kept with
-  certainty), so a token only the question points at is kept even when the
-  history never looked at it (method, section 3, "Blended weights").
-  ``observation_window`` defaults to ``max(certain.window, 1)`` queries.
+  """:func:`priority_floor` weighting H2O's and SnapKV's statistics (method, section 3, "Blended weights").
+
+  ``window_share`` of the tail slots go first to the tokens the window attends
+  to most, with certainty.
 
   Raises:
-    ValueError naming ``window_weight`` unless it is in [0, 1], or
-    ``window_share`` unless it is in [0, 1).
+    ValueError unless ``window_weight`` is in [0, 1] and ``window_share`` in [0, 1).
   """
   ww = window_weight
   if isinstance(ww, bool) or not isinstance(ww, (int, float)) or not 0.0 <= ww <= 1.0:
@@ -418,14 +356,9 @@ def _observation_window(certain, observation_window: Optional[int]) -> int:
 class Focus:
   """How :func:`priority_focus`'s blend follows the window (``scores.FocusBlend``).
 
-  The window weight is ``focused_weight`` where the window's effective share
-  over the tail is ``focused`` or less, ``diffuse_weight`` at ``diffuse`` or
-  more, linear between; the window's attention is pooled over ``pool_size``
-  neighbouring positions. The defaults are ``scores.FocusBlend()``'s.
-
   Raises:
-    ValueError naming the setting unless ``0 <= focused < diffuse <= 1``, the
-    weights are in [0, 1] and ``pool_size`` is an odd int >= 1.
+    ValueError unless ``0 <= focused < diffuse <= 1``, the weights are in
+    [0, 1] and ``pool_size`` is an odd int >= 1.
   """
 
   focused: float = 0.05
@@ -448,23 +381,15 @@ def priority_focus(budget, *, certain: CertaintySet = CertaintySet(), focus: Foc
                    min_tail: int = 16, eps: float = 1e-6, focus_share: float = 0.0,
                    window_share: float = 0.0,
                    observation_window: Optional[int] = None) -> EvictionDesign:
-  """:func:`priority_blend` whose window weight follows the window: per head
-  and eviction, ``scores.FocusBlend`` (built from ``focus``) weighs SnapKV's
-  statistic by how concentrated the observation window's attention over the
-  tail is (a question pointing at a fact) against H2O's (running text), both
-  normalised over the tail (method, section 3, "Focus-weighted blend").
-  ``focus_share`` of the slots, scaled by how focused the window is (0 at
-  ``focus.diffuse``, 1 at ``focus.focused``), go by rank of the window's score
-  with certainty (:class:`PriorityTail`; method, section 3, "Focused share").
-  ``window_share`` of the slots go by that rank at every eviction, focused or
-  not (method, section 3, "Window share"): a question whose attention is
-  broad still keeps the span it ranks first, as SnapKV does.
-  ``observation_window`` defaults to ``max(certain.window, 1)`` queries.
+  """:func:`priority_blend` whose window weight follows how focused the window is.
+
+  Method, section 3 ("Focus-weighted blend", "Focused share", "Window share"):
+  ``focus_share`` (scaled by focus) and ``window_share`` of the slots go by the
+  window's rank with certainty.
 
   Raises:
-    TypeError unless ``focus`` is a :class:`Focus`; ValueError naming the
-    argument unless ``focus_share`` and ``window_share`` are in [0, 1) and
-    their sum is below 1 (``focus``'s own ranges: :class:`Focus`).
+    TypeError unless ``focus`` is a :class:`Focus`; ValueError unless
+    ``focus_share`` and ``window_share`` are in [0, 1) and sum below 1.
   """
   if not isinstance(focus, Focus):
     raise TypeError(f"focus must be a designs.Focus, got {focus!r}")
@@ -486,8 +411,7 @@ def poisson_floor(budget, *, certain: CertaintySet = CertaintySet(),
                   score=scores.AccumulatedAttention(), eps: float = 1e-6,
                   overflow_prob: float = 1e-3, max_redraws: int = 3,
                   min_tail: int = 16) -> EvictionDesign:
-  """:func:`poisson_tail` that always samples at least ``min_tail`` tail slots,
-  so early streaming chunks are sampled rather than evicted whole."""
+  """:func:`poisson_tail` that always samples at least ``min_tail`` tail slots."""
   return _poisson("poisson_floor", budget, score=score, certain=certain, eps=eps,
                   overflow_prob=overflow_prob, max_redraws=max_redraws, min_tail=min_tail)
 
@@ -503,8 +427,7 @@ def poisson_flat(budget, *, certain: CertaintySet = CertaintySet(), eps: float =
 def attention_proportional(budget, *, certain: CertaintySet = CertaintySet(),
                            eps: float = 1e-6, overflow_prob: float = 1e-3,
                            max_redraws: int = 3) -> EvictionDesign:
-  """The ``pi ∝ a`` variant (method, section 6): tail probabilities proportional
-  to the current query's attention, for which Assumption 2 holds by construction."""
+  """The ``pi ∝ a`` variant, for which Assumption 2 holds by construction (method, section 6)."""
   return _poisson("attention_proportional", budget, score=scores.CurrentAttention(),
                   certain=certain, eps=eps, overflow_prob=overflow_prob,
                   max_redraws=max_redraws)
@@ -513,13 +436,10 @@ def attention_proportional(budget, *, certain: CertaintySet = CertaintySet(),
 def poisson_defensive(budget, *, certain: CertaintySet = CertaintySet(),
                       uniform_share: float = 0.2, eps: float = 1e-6,
                       overflow_prob: float = 1e-3, max_redraws: int = 3) -> EvictionDesign:
-  """:func:`poisson_tail` with the defensive tail score
-  ``Defensive(AccumulatedAttention(), uniform_share)``, which floors ``pi`` on
-  the tail and bounds the Assumption-2 ratio (method, sections 3 and 6;
-  :class:`scores.Defensive`).
+  """:func:`poisson_tail` with a defensive tail score that floors ``pi`` (method, sections 3 and 6).
 
   Raises:
-    ValueError naming ``uniform_share`` unless it is in [0, 1].
+    ValueError unless ``uniform_share`` is in [0, 1].
   """
   return _poisson("poisson_defensive", budget,
                   score=scores.Defensive(scores.AccumulatedAttention(), uniform_share),
@@ -531,15 +451,10 @@ def poisson_envelope(budget, *, certain: CertaintySet = CertaintySet(),
                      uniform_share: float = 0.2, eps: float = 1e-6,
                      overflow_prob: float = 1e-3, max_redraws: int = 3,
                      observation_window: Optional[int] = None) -> EvictionDesign:
-  """Poisson tail sampled from the question's attention envelope (method,
-  sections 3 and 6): the observation window is folded as a running max
-  (``fold="peak"``) and the tail score is its defensive mixture
-  ``Defensive(WindowAttention(1), uniform_share)``. ``observation_window``
-  defaults to ``max(certain.window, 1)`` queries.
+  """Poisson tail sampled from the window's attention envelope (method, sections 3 and 6).
 
   Raises:
-    ValueError naming ``uniform_share`` unless it is in [0, 1], or
-    ``observation_window`` unless it is >= 1.
+    ValueError unless ``uniform_share`` is in [0, 1] and ``observation_window`` >= 1.
   """
   obs = _observation_window(certain, observation_window)
   return compose(
