@@ -1,9 +1,7 @@
-"""Offset attention: attention over kept slots with per-slot Hajek logit offsets.
+"""Offset attention: attention over kept slots with Hajek logit offsets (method, section 3).
 
-``offset_attention`` is the public entry point. Its arithmetic lives in
-``pallas_kernels.reference`` (one formula, one place; the Pallas kernels are
-tested against the same code). This module adds argument checking, numpy-style
-broadcasting of leading dimensions, and the result type.
+The arithmetic lives in ``pallas_kernels.reference``, which the Pallas kernels
+are tested against; this module adds argument checks, broadcasting and the result type.
 """
 
 from __future__ import annotations
@@ -26,21 +24,16 @@ IMPLEMENTATIONS = ("xla", "pallas", "auto")
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-  """How :func:`offset_attention` computes (static, hashable), in one value.
+  """How :func:`offset_attention` computes (static, hashable).
 
   Attributes:
-    implementation: "auto" (default: the compiled Pallas kernel on a TPU
-      when the query rows share their keys, as in a decode step; XLA
-      otherwise, on a GPU too, where the Triton kernel measured 50x slower
-      than XLA: docs/results.md, "On an H200"), "xla" (the jnp reference) or
-      "pallas" (the fused kernel of ``pallas_kernels.offset_decode``; in
-      interpret mode on CPU).
-    block_size: for "xla": None computes all logits at once; an int sweeps the
-      keys in blocks with online-softmax rescaling (the kernel's algorithm).
-    block_sizes: for "pallas": ``pallas_kernels.offset_decode.BlockSizes``
-      (default: ``BlockSizes.get_default``).
-    range_mode: "exact" gives the method's ``b_hat``; "bound" a one-pass upper
-      bound.
+    implementation: "xla" (the jnp reference), "pallas" (``pallas_kernels.
+      offset_decode``; interpret mode on CPU) or "auto" (Pallas on a TPU when
+      query rows share their keys, XLA otherwise).
+    block_size: for "xla": None, all logits at once; an int, key blocks with
+      online-softmax rescaling.
+    block_sizes: for "pallas": an ``offset_decode.BlockSizes`` (None: default).
+    range_mode: "exact" gives ``b_hat``; "bound" a one-pass upper bound.
   """
 
   implementation: str = "auto"
@@ -50,14 +43,13 @@ class AttentionConfig:
 
 
 class OffsetAttentionResult(NamedTuple):
-  """Output of :func:`offset_attention` (leading dims ``...`` broadcast).
+  """Output of :func:`offset_attention` (leading dims ``...`` broadcast; method, section 4).
 
   Attributes:
     out: [..., dv] the Hajek estimate ``o_hat`` (dtype of ``q``/``v`` promoted).
-    lse: [...] float32 log-normaliser ``log sum_S exp(s_i - log pi_i)``;
-      -inf for a row with no valid slot.
-    var_hat: [...] float32 ``V_hat = sum_S (1 - pi_i) p_i^2 ||v_i - o_hat||^2``.
-    range_hat: [...] float32 ``b_hat = max_{S, pi<1} (1 - pi_i) p_i ||v_i - o_hat||``.
+    lse: [...] float32 log-normaliser; -inf for a row with no valid slot.
+    var_hat: [...] float32 ``V_hat``.
+    range_hat: [...] float32 ``b_hat``.
   """
 
   out: Array
@@ -101,12 +93,7 @@ def _check_shapes(q, k, v, log_pi, mask):
 
 
 def _check_values(q, k, v, log_pi, mask) -> None:
-  """Eager value checks of method, section 9 ("Bad input"); skipped for tracers.
-
-  ``q`` must be finite everywhere; ``k``, ``v`` and ``log_pi`` must be finite on
-  the slots that some row reads (``mask`` True), and ``log_pi <= 0`` there.
-  The cost is one ``jnp.isfinite(x).all()`` per argument when all is well.
-  """
+  """Eager value checks (method, section 9, "Bad input"); skipped for tracers."""
   _checks.check_finite_where("q", q)
   _checks.check_finite_where("k", k, mask, value_axes=1)
   if v is not None:
@@ -135,58 +122,36 @@ def offset_attention(
 ) -> OffsetAttentionResult:
   """Attention over kept slots with Hajek offsets and certificate statistics.
 
-  Logits are ``q . k_i * scale - log_pi_i``; softmax over valid slots gives the
-  Hajek estimator ``o_hat = sum (a_i/pi_i) v_i / sum (a_i/pi_i)`` (method, section 3).
-  In the same sweep it accumulates the variance statistics of method, section 4.
-
-  Leading dimensions broadcast by numpy rules, so a GQA group
-  ``q [b, h_kv, g, d]`` attends over ``k [b, h_kv, 1, n, d]``.
+  Logits ``q . k_i * scale - log_pi_i`` give the Hajek estimate (method,
+  section 3) and, in the same sweep, the variance statistics (section 4).
+  Leading dimensions broadcast by numpy rules: a GQA group ``q [b, h_kv, g, d]``
+  attends over ``k [b, h_kv, 1, n, d]``.
 
   Args:
     q: [..., d] queries.
     k: [..., n, d] keys.
     v: [..., n, dv] values.
     log_pi: [..., n] cumulative log inclusion probability of each slot (<= 0;
-      0 for certain tokens). Read only where ``mask`` is True.
+      0 for certain tokens), read only where ``mask`` is True.
     mask: [..., n] bool, True for slots that hold a kept token.
-    scale: logit scale; default ``1/sqrt(d)``.
-    config: :class:`AttentionConfig`: implementation ("xla", "pallas" or
-      "auto"), its tiling (``block_size`` for "xla", ``block_sizes`` for
-      "pallas") and ``range_mode`` ("exact" or "bound").
-    value_sqnorm: optional stored norms of each slot (read where ``mask`` is
-      True), as a :class:`certkv_jax.KVCache` keeps them: a
-      ``pallas_kernels.reference.StoredNorms(sq, ref)`` with ``sq`` [..., n]
-      ``= ||v_i - ref||^2`` about a reference value ``ref`` [..., dv] (the
-      cache's ``v_sq`` and ``v_ref``), or an array [..., n] of ``||v_i||^2``.
-      Given, the "xla" path takes the certificate's second-order sum and the
-      exact range term from them instead of a pass over the values (method,
-      section 4, "Stored value norms"); the result is the same up to float32
-      rounding, which scales with ``||v - ref||^2``. The Pallas kernel
-      computes the norms on its tiles and does not take them.
+    scale: logit scale, finite and > 0; default ``1/sqrt(d)``.
+    config: an :class:`AttentionConfig`.
+    value_sqnorm: optional stored norms (read where ``mask`` is True): a
+      ``reference.StoredNorms(sq [..., n], ref [..., dv])`` with
+      ``sq = ||v_i - ref||^2`` (a cache's ``v_sq``, ``v_ref``), or [..., n]
+      ``||v_i||^2``. The "xla" path then skips a pass over the values (method,
+      section 4, "Stored value norms"); "pallas" does not take them.
 
   Returns:
-    OffsetAttentionResult(out, lse, var_hat, range_hat). A row with no valid
-    slot (``mask`` all False) is defined: out 0, lse -inf, var_hat and
-    range_hat 0.
+    OffsetAttentionResult. A row with no valid slot gives out 0, lse -inf,
+    var_hat and range_hat 0.
 
   Raises:
-    ValueError/TypeError naming the argument for mismatched shapes or dtypes.
-    When the arrays are concrete (not traced), also ValueError naming the
-    argument for NaN/inf in ``q``, NaN/inf in ``k``, ``v`` or ``log_pi`` on a
-    valid slot, and ``log_pi > 0`` on a valid slot.
-
-  Bad input under ``jit`` (method, section 9, "Bad input"): traced values are
-  not checked. On the default XLA path a NaN or +inf logit (NaN/inf in ``q``,
-  NaN or a same-sign inf in ``k``, NaN or -inf in ``log_pi``, on a valid slot)
-  empties its row: out 0, lse -inf, var_hat 0 and a NaN or inf range_hat (so
-  a NaN/inf radius), except that an inf in ``q`` can give range_hat 0 (a zero
-  radius). A -inf logit (``k`` inf of the opposite sign, ``log_pi`` +inf)
-  drops its slot silently. NaN/inf in ``v`` gives NaN/inf in that component
-  of out and a NaN var_hat and range_hat; ``0 < log_pi < inf`` gives finite,
-  wrong numbers. A NaN/inf ``value_sqnorm`` on a valid slot gives a NaN/inf
-  var_hat and range_hat; a negative or wrong one gives wrong numbers.
-  ``certkv_jax.checked.checked_offset_attention`` turns every one of these
-  into a checkify error.
+    ValueError/TypeError naming the argument for bad shapes, dtypes, scale or
+    config; for concrete arrays also for NaN/inf in ``q``, NaN/inf in ``k``,
+    ``v`` or ``log_pi`` on a valid slot, or ``log_pi > 0`` there. Traced values
+    are not checked: method, section 9, "Bad input", lists what they give;
+    ``certkv_jax.checked.checked_offset_attention`` checks them.
   """
   q, k, v, log_pi, mask = (jnp.asarray(x) for x in (q, k, v, log_pi, mask))
   _check_shapes(q, k, v, log_pi, mask)
@@ -232,10 +197,8 @@ def offset_attention(
 
 
 def _auto(k, v, log_pi, mask, block_size, block_sizes) -> str:
-  """"pallas" on a TPU when every KV row is read once (no row of keys is
-  broadcast over non-group query axes, e.g. a decode step's one query per
-  head), or on a GPU/TPU when its tiling is given; "xla" elsewhere. (On an H200
-  the Triton kernel ran at 1-2% of the read bandwidth, XLA's path at 33%.)"""
+  """"pallas" on a TPU when every KV row is read once (as in a decode step), or
+  on a GPU/TPU when its tiling is given; "xla" elsewhere."""
   if jax.default_backend() not in ("gpu", "tpu") or block_size is not None:
     return "xla"
   if block_sizes is not None:
@@ -291,17 +254,12 @@ def _broadcasts_to(shape, target) -> bool:
 
 
 def _grouped_layout(q, k, v, log_pi, mask, value_sqnorm=None):
-  """Maps numpy-broadcast inputs onto the grouped [B, G, d] / [B, n, d] layout.
+  """Maps broadcast inputs onto the grouped [B, G, d] / [B, n, d] layout.
 
-  Leading axes where the keys, values, offsets and mask all have size 1 but
-  the query does not are query groups (GQA heads): they become the G rows that
-  share one KV head, so keys and values are never copied per query. The other
-  axes flatten into B.
-
-  Returns:
-    ((q [B, G, d], k [B, n, d], v [B, n, dv], log_pi [B, n], mask [B, n],
-     value_sqnorm [B, n] or None), back): ``back`` maps a grouped ``reference.Reference`` to the broadcast
-    leading shape.
+  Axes where only the query has size > 1 are GQA groups (G), so keys and
+  values are never copied per query; the rest flatten into B. Returns the
+  grouped arrays and ``back``, which maps a grouped ``reference.Reference``
+  to the broadcast shape.
   """
   d, n, dv = q.shape[-1], k.shape[-2], v.shape[-1]
   batch = jnp.broadcast_shapes(q.shape[:-1], k.shape[:-2], v.shape[:-2], log_pi.shape[:-1],
@@ -340,16 +298,10 @@ def _grouped_layout(q, k, v, log_pi, mask, value_sqnorm=None):
 
 
 def attention_probs(q, k, log_pi, mask, *, scale: Optional[float] = None):
-  """Offset-attention probabilities ``p_i`` [..., n] (0 on invalid slots).
+  """Offset-attention probabilities ``p_i`` [..., n] (0 on invalid slots), which designs fold.
 
-  These are what the designs fold into their running importance statistics.
-  Concrete arguments are checked as in :func:`offset_attention` (ValueError
-  naming ``q``, ``k`` or ``log_pi`` for NaN/inf, ``log_pi > 0`` on a valid
-  slot). Under ``jit`` (method, section 9, "Bad input"), on a valid slot: a
-  NaN logit gives NaN there and unnormalised weights ``exp(l_i)`` on the other
-  slots; a +inf logit NaN there and 0 elsewhere; an inf in ``q`` can make the
-  whole row NaN; a -inf logit drops the slot. A row with no valid slot is all 0.
-  ``certkv_jax.checked.checked_attention_probs`` makes these errors.
+  Checked as :func:`offset_attention`; under ``jit`` bad input gives what
+  method, section 9, "Bad input" lists. A row with no valid slot is all 0.
   """
   q, k, log_pi, mask = (jnp.asarray(x) for x in (q, k, log_pi, mask))
   _check_values(q, k, None, log_pi, mask)

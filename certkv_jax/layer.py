@@ -1,27 +1,14 @@
-"""The drop-in attention: what a model's attention layer calls to use a design.
+"""The drop-in attention a model's layer calls to use a design (method, section 1).
 
-A decoder layer computes its q, k, v (with its own positional encoding) and
-calls :func:`attend` with its layer's caches (``certkv_jax.caches``, leaves
-``[batch, n_kv_heads, cap, ...]``). In one pass it appends the new keys and
-values, attends over the kept slots with Hajek offsets (returning the
-certificate statistics), and folds the attention into the statistics the
-design scores. Between chunks or decode steps the caller evicts with
-``certkv_jax.eviction.evict`` and turns the statistics into a radius with
-``certkv_jax.certificate_radius``. The GPT-2 example (``examples/gpt2``) uses
-exactly this path, and ``models/forward.py`` (Llama) in its unrolled layer
-loop, on per-layer caches (``caches.unstack``)::
+:func:`attend` appends a chunk to one layer's caches, attends over the kept
+slots with Hajek offsets (method, section 3), returning the certificate
+statistics, and folds the attention into the design's slot statistics; the
+caller evicts between chunks (``eviction.evict``). Use it inside ``jax.jit``::
 
-    cache = caches.layer(all_caches, i)              # this layer's caches
-    pos = layer.positions(cache, valid)              # [b, t], for RoPE / learned
+    pos = layer.positions(cache, valid)  # [b, t], for RoPE
     out, cache, _, stats = layer.attend(q, k, v, cache, valid=valid, design=design)
-    all_caches = caches.with_layer(all_caches, i, cache)
 
-A loop over stacked caches (``forward.py``'s ``lax.scan``) calls
-:func:`attend_layer` instead, after ``caches.reserve`` once per chunk: it
-writes each layer's keys and values into the stacked caches in place rather
-than copying the layer out and back.
-
-Call it inside ``jax.jit`` (unjitted, every small operation compiles apart).
+:func:`attend_layer` does the same in place on stacked caches (``lax.scan``).
 """
 
 from __future__ import annotations
@@ -51,25 +38,20 @@ def attend(q, k, v, cache: KVCache, *, valid=None, design=None, observe: bool = 
   """Appends a chunk to one layer's caches and attends over them.
 
   Args:
-    q: [batch, t, n_heads, head_dim] queries (positional encoding applied).
-    k, v: [batch, t, n_kv_heads, head_dim] the chunk's keys and values;
-      ``n_heads`` is a multiple of ``n_kv_heads`` (grouped-query attention).
+    q: [batch, t, n_heads, head_dim] queries, positions encoded.
+    k, v: [batch, t, n_kv_heads, head_dim]; ValueError unless ``n_kv_heads``
+      divides ``n_heads``.
     cache: this layer's caches, leaves ``[batch, n_kv_heads, cap, ...]``.
-    valid: [batch, t] bool, False on right padding (no slot, no position);
-      None = all real.
-    design: an ``EvictionDesign`` whose statistics are folded, or None.
-    observe: the chunk's last ``design.observation_window`` real queries are
-      the observation window (a prompt chunk); decode steps pass False.
-    certificate: True returns the certificate statistics; False the same
-      Hajek softmax without the per-slot second-order sums (``stats`` None);
-      ``(layer_flag, heads)`` a subsample: a traced bool that switches this
-      layer's certificate off and a static tuple of KV heads to certify
-      (None = all), statistics not computed being NaN.
-    shadow: evaluation mode: a never-evicted cache of the same layer; the
-      truth and the Assumption-2 audit join the statistics.
+    valid: [batch, t] bool, False on right padding; None = all real.
+    design: the ``EvictionDesign`` whose statistics are folded, or None.
+    observe: the last ``design.observation_window`` real queries are the
+      observation window (prompt chunks); decode steps pass False.
+    certificate: True; False (``stats`` None); or ``(layer_flag, heads)``: a traced
+      bool switching the layer off and a static tuple of KV heads (the rest NaN).
+    shadow: evaluation only: a never-evicted cache of the layer (truth, audit).
 
   Returns:
-    ``(out [batch, t, n_heads, head_dim] float32, cache, shadow, stats)`` with
+    ``(out [batch, t, n_heads, head_dim] float32, cache, shadow, stats)``,
     ``stats`` a ``ChunkStats`` of ``[batch, n_heads, t]`` arrays or None.
   """
   valid, new_kv = _new_tokens(q, k, v, valid)
@@ -89,23 +71,11 @@ def attend_layer(q, k, v, caches: KVCache, i, slots: caches_lib.ChunkSlots, *, v
                  shadow_slots: Optional[caches_lib.ChunkSlots] = None):
   """:func:`attend` on layer ``i`` (int or traced) of stacked caches, in place.
 
-  ``caches.reserve`` gave the chunk its slots in every layer (``slots``); the
-  layer's keys and values are scattered into them (``caches.write_kv``) and
-  only the statistics a design folds are written back, so the layer's keys and
-  values are read where they lie. ``attend`` on ``caches.layer(caches, i)``
-  and ``caches.with_layer`` would copy them out and back every call::
-
-    all_caches, slots = caches.reserve(all_caches, valid)  # once per chunk
-    # layer i, its q, k, v at slots.positions:
-    out, all_caches, _, stats = layer.attend_layer(q, k, v, all_caches, i, slots,
-                                                   valid=valid, design=design)
-
-  Args:
-    caches: stacked caches, leaves ``[n_layers, batch, n_kv_heads, cap, ...]``;
-      ``shadow`` likewise, with its own ``shadow_slots``. The rest as :func:`attend`.
-
-  Returns:
-    ``(out, caches, shadow, stats)`` as :func:`attend`, with the stacked caches.
+  ``caches`` leaves are ``[n_layers, batch, n_kv_heads, cap, ...]``; ``slots``
+  the chunk's slots from ``caches.reserve`` (once per chunk); ``shadow`` likewise
+  with ``shadow_slots``. The keys and values go into their slots and only the
+  design's statistics are written back, so nothing is copied out and back.
+  Returns ``(out, caches, shadow, stats)`` as :func:`attend`.
   """
   valid, (k_new, v_new, _) = _new_tokens(q, k, v, valid)
   with jax.named_scope("append"):
@@ -156,21 +126,16 @@ def _attend_appended(q, cache, shadow, pos, valid, design, observe, certificate)
 
 
 def fold_statistics(design, cache: KVCache, probs, valid, observation_window: int) -> KVCache:
-  """Folds a chunk's attention probabilities [b, h_kv, g, t, cap] into the slot
-  statistics with ``design.update`` (per KV head).
+  """Folds probabilities [b, h_kv, g, t, cap] into slot statistics (``design.update``).
 
-  In order: the non-window real queries, then the last ``observation_window``
-  real queries as the observation window, so that the last real query is the
-  latest (``last``, TOVA) and ``obs`` holds this window only (SnapKV). With a
-  window, ``obs`` is reset before the window is folded, so in streaming each
-  chunk's window replaces the previous one; a row whose chunk is all padding
-  keeps its statistics.
+  Non-window real queries first, then the last ``observation_window`` ones with
+  ``obs`` reset, so the last real query is the latest (TOVA) and ``obs`` holds
+  this chunk's window only (SnapKV); all-padding rows keep their statistics.
   """
   probs = jnp.where(valid[:, None, None, :, None], probs, 0.0)  # padded queries count 0
   t = valid.shape[1]
   n_real = jnp.sum(valid, axis=1).astype(jnp.int32)
-  # Right-aligns each row's real queries, so that the last one is at t - 1.
-  probs = jax.vmap(lambda p, n: jnp.roll(p, t - n, axis=-2))(probs, n_real)
+  probs = jax.vmap(lambda p, n: jnp.roll(p, t - n, axis=-2))(probs, n_real)  # right-align
   in_window = jnp.arange(t) >= t - observation_window  # [t]
 
   def fold(cache_h, p, has_real):  # p [g, t, cap]
