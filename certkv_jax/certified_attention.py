@@ -1,17 +1,9 @@
-"""One layer's attention over its caches, with certificate statistics.
+"""One layer's attention over its caches, with certificate statistics (method, section 4).
 
-Attention is :func:`certkv_jax.offset_attention` over the kept slots (Hajek
-offsets; exactly softmax attention when nothing is evicted), so its
-certificate statistics (method, section 4's ``V_hat`` and ``b_hat``) come with
-every call. In evaluation mode the same queries also attend over a shadow
-full cache, which gives the truth (the realised error) and the Assumption-2
-audit (method, section 6).
-
-The certificate can be subsampled: by layer (a ``lax.cond`` switches a layer
-to the plain Hajek softmax, skipping the per-slot second-order sums) and by KV
-head. The attention outputs do not depend on the subsample; statistics that
-were not computed are NaN. :func:`attend` is the one entry point, for one
-layer's grouped queries ``[batch, n_kv_heads, group, t, head_dim]``.
+Offset attention over the kept slots gives ``V_hat`` and ``b_hat`` with every
+call; in evaluation mode a shadow full cache adds the truth and the
+Assumption-2 audit (section 6). The certificate can be subsampled by layer and
+KV head: outputs do not change, statistics not computed are NaN.
 """
 
 from __future__ import annotations
@@ -33,35 +25,28 @@ Array = jax.Array
 
 
 class ChunkStats(NamedTuple):
-  """Certificate statistics of one chunk's attention calls (and, in evaluation
-  mode, the truth from the shadow full cache).
+  """Certificate statistics of a chunk's calls, plus the truth in evaluation mode.
 
-  ``certkv_jax.layer.attend`` returns them per layer as ``[batch, n_heads, t]``;
-  ``models.forward.forward_chunk`` returns every field as
-  ``[t, n_layers, batch, n_heads]`` (the axis order of ``Generation``'s
-  ``[n_steps, n_layers, batch, n_heads]``). The shapes below are forward_chunk's.
+  ``layer.attend`` returns them as ``[batch, n_heads, t]``; the shapes below are
+  ``models.forward.forward_chunk``'s ``[t, n_layers, batch, n_heads]``.
   """
 
   var_hat: Array  # [t, n_layers, batch, n_heads] float32 (method, section 4's V_hat)
   range_hat: Array  # [t, n_layers, batch, n_heads] float32 (b_hat)
   true_error: Optional[Array] = None  # [t, n_layers, batch, n_heads] ||o_hat - o||
   rel_error: Optional[Array] = None  # [t, n_layers, batch, n_heads] ||o_hat - o|| / ||o||
-  # Assumption-2 audit (method, section 6), from the shadow cache's inclusion record:
+  # Assumption-2 audit (method, section 6):
   ratio: Optional[Array] = None  # [t, n_layers, batch, n_heads] R = m max_T a_i/(pi_i sum a)
   tail_m: Optional[Array] = None  # [t, n_layers, batch, n_heads] m = sum_T pi_i
   tail_n: Optional[Array] = None  # [t, n_layers, batch, n_heads] |T| (tokens with 0<pi<1)
-  # Online warning signals (method, section 10; certkv_jax.signals): functions of the
-  # kept set alone, reported with the truth in evaluation mode so that their value as
-  # predictors of a miss can be measured. Each [t, n_layers, batch, n_heads].
+  # Warning signals of the kept set (method, section 10; certkv_jax.signals):
   ess: Optional[Array] = None  # 1 / sum_S p_i^2
   max_tail_weight: Optional[Array] = None  # max over kept tail of (1 - pi_i) p_i
   range_ratio: Optional[Array] = None  # b_hat / sqrt(V_hat)
   entropy: Optional[Array] = None  # -sum_S p_i log p_i
   r_hat: Optional[Array] = None  # (kept tail slots) * max over kept tail of p_i
   tail_mass: Optional[Array] = None  # sum over kept tail of p_i
-  # ||o_hat|| of each call, the scale a radius is read against (NaN where the call
-  # was not certified); None where not computed.
-  out_norm: Optional[Array] = None
+  out_norm: Optional[Array] = None  # ||o_hat||, NaN where not certified
 
 
 SIGNAL_FIELDS = ("ess", "max_tail_weight", "range_ratio", "entropy", "r_hat", "tail_mass")
@@ -81,20 +66,10 @@ class Subsample:
 def check_certificate_subsample(config, certificate: bool,
                                 certificate_layers: Optional[tuple],
                                 certificate_heads: Optional[tuple]):
-  """Checks the static certificate subsample.
+  """Checks the static certificate subsample (indices into ``config``'s layers, KV heads).
 
-  Args:
-    config: the model config (its ``n_layers`` and ``n_kv_heads``).
-    certificate: whether the certificate is computed at all.
-    certificate_layers: None, or a non-empty tuple of distinct layer indices.
-    certificate_heads: None, or a non-empty tuple of distinct KV-head indices.
-
-  Returns:
-    The per-layer flags (``[n_layers]`` bool), or None when every layer is
-    certified.
-
-  Raises:
-    ValueError: a subsample without ``certificate``, or bad indices.
+  Returns the ``[n_layers]`` bool layer flags, or None when every layer is
+  certified; ValueError for a subsample without ``certificate`` or bad indices.
   """
   for name, value, n, what in (("certificate_layers", certificate_layers, config.n_layers,
                                 "layer"),
@@ -128,26 +103,22 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
            with_probs: bool, layer_flag=None, heads: Optional[tuple] = None):
   """Attention of one layer's grouped queries over its caches.
 
-  On sequence-sharded caches (traced under a mesh, ``certkv_jax.distributed``)
-  every device attends over its slots and the partials are merged with the
-  split-K combine; the certificate cannot be subsampled there.
+  On sequence-sharded caches (``certkv_jax.distributed``) the per-device
+  partials merge by the split-K combine, and the certificate cannot be
+  subsampled (ValueError).
 
   Args:
     qg: [b, h_kv, g, t, d] queries grouped by KV head.
     cache: one layer's caches, leaves [b, h_kv, cap, ...], holding the chunk.
-    shadow: evaluation mode: the never-evicted caches (same layout), else None.
+    shadow: the never-evicted caches in evaluation mode, else None.
     positions: [b, t] int32 positions of the queries.
-    certificate: compute the certificate statistics (``offset_attention``);
-      False computes the same Hajek softmax without them.
-    with_probs: also return the attention probabilities (a design folds them
-      into the slot statistics).
-    layer_flag: traced bool, or None (= True): certify this layer.
-    heads: static KV-head indices to certify, None = all.
+    certificate: False: the same Hajek softmax without the statistics.
+    with_probs: also return the probabilities (for a design's fold).
+    layer_flag, heads: the subsample: traced bool (None = True), static KV heads.
 
   Returns:
     ``(out [b, h_kv, g, t, d], stats, probs)``: ``stats`` a :class:`ChunkStats`
-    of ``[b, h_kv, g, t]`` arrays (None without ``certificate``), ``probs``
-    ``[b, h_kv, g, t, cap]`` (None unless needed).
+    of ``[b, h_kv, g, t]`` or None, ``probs`` ``[b, h_kv, g, t, cap]`` or None.
   """
   if distributed.cache_mesh() is not None:  # per-device partials, split-K combine
     if certificate and (layer_flag is not None or heads is not None):
@@ -171,12 +142,8 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
 
 
 def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, heads):
-  """Offset attention with certificate statistics on the KV heads ``heads`` (static).
-
-  Returns ``(out [b, h, g, t, d], stats)`` for those heads only; ``stats`` holds
-  ``[b, h, g, t]`` arrays (the truth and Assumption-2 audit too in evaluation
-  mode, from the shadow full cache).
-  """
+  """Offset attention with statistics on the static KV heads ``heads`` only:
+  ``(out [b, h, g, t, d], stats)``."""
   take = lambda a: a[:, heads] if heads is not None else a
   qg, cache = take(qg), jax.tree_util.tree_map(take, cache)
   shadow = None if shadow is None else jax.tree_util.tree_map(take, shadow)
@@ -203,9 +170,8 @@ def _truth_stats(qg, out, shadow: Optional[KVCache], positions, stats: ChunkStat
   full_mask = _mask(shadow, positions)
   full = diagnostics.full_attention(qg, _slots(shadow.k), _slots(shadow.v), full_mask)
   err = diagnostics.attention_error(out, full)
-  # T: context tokens sampled with 0 < pi < 1 in some round (kept or not).
   pi = _slots(jnp.exp(shadow.log_pi))
-  tail = full_mask & (pi > 0.0) & (pi < 1.0)  # [b, h, 1, t, cap]
+  tail = full_mask & (pi > 0.0) & (pi < 1.0)  # T: 0 < pi < 1 in some round; [b, h, 1, t, cap]
   tail_m = jnp.sum(jnp.where(tail, pi, 0.0), axis=-1)
   tail_n = jnp.sum(tail, axis=-1).astype(jnp.float32)
   ratio = diagnostics.assumption2_ratio(qg, _slots(shadow.k), full_mask, tail, pi, tail_m)
@@ -242,14 +208,10 @@ def _norm(out):
 
 
 def _subsampled(qg, cache, shadow, positions, probs, layer_flag, heads: Optional[tuple]):
-  """Attention output of every head, certificate statistics on a subset.
+  """Every head's output; statistics on static ``heads``, in a ``lax.cond`` on ``layer_flag``.
 
-  ``heads`` (static KV-head indices, None = all) get ``offset_attention`` with
-  its statistics, the others the plain Hajek softmax; ``layer_flag`` (traced
-  bool, or None = True) switches the whole layer between the two with
-  ``lax.cond``, so a skipped layer does no second-order work. Statistics that
-  were not computed are NaN. Returns ``(out [b, h_kv, g, t, d], stats
-  [b, h_kv, g, t])``.
+  Other heads and a switched-off layer get the plain Hajek softmax (no
+  second-order work) and NaN statistics.
   """
   n_kv = qg.shape[1]
   shape = qg.shape[:-1]  # [b, h_kv, g, t]
