@@ -1,27 +1,11 @@
 """Eviction budgets: validated and resolved into each cache's target here.
 
-A design (``certkv_jax.EvictionDesign``) carries one static budget that
-``certkv_jax.eviction.evict`` applies to every (layer, row, KV head) cache. Two
-arguments replace it, and this module is the one place that checks them and
-turns them into targets (tokens kept after eviction):
-
-* ``layer_budgets`` -- a static per-layer schedule (PyramidKV, Cai et al.,
-  2024, gives lower layers more tokens than upper ones): a tuple with one
-  entry per layer, all ``int`` (tokens) or all ``float`` in (0, 1] (fraction
-  of the tokens seen, with the same ``floor(f * n_seen)`` rule as
-  ``certkv_jax.designs.Budget``); :func:`pyramid_budgets` makes one.
-* ``budget`` -- a fraction in (0, 1] of the tokens seen, possibly traced, a
-  scalar or one per batch row, so that one compile serves every budget.
-
-:func:`check_generation_budgets` validates the arguments of a generation
-call once (where a budget is still concrete); :func:`eviction_targets`
-resolves them, inside the jitted eviction, into an int32 target over
-``[n_layers, batch, n_kv_heads]``, vmapped together with the stacked caches;
-each cache then runs the design with its target through :func:`with_target`,
-which swaps the design's static budget for a traced one
-(:class:`TracedBudget`). Everything else about the design (certainty set,
-tail rule, scores) is unchanged, so the same design object serves every
-layer and row.
+Two arguments replace a design's static budget: ``layer_budgets``, a static
+per-layer schedule (all ints or all fractions; :func:`pyramid_budgets`), and
+``budget``, a possibly traced fraction per row, so one compile serves every
+budget. :func:`eviction_targets` turns them into int32 targets
+``[n_layers, batch, n_kv_heads]`` that :func:`with_target` puts in the design
+(method, sections 9 and 12).
 """
 
 from __future__ import annotations
@@ -45,9 +29,8 @@ LayerBudgets = tuple  # tuple[int, ...] or tuple[float, ...], one entry per laye
 class TracedBudget(designs.Budget):
   """A budget whose target is an int32 array (possibly traced), not static.
 
-  Only for use inside a trace (it is not hashable by value): ``tokens`` and
-  ``fraction`` are both None, so ``EvictionDesign.init`` skips its static
-  budget-vs-capacity check (:func:`check_layer_budgets` does it instead).
+  For use inside a trace only; :func:`check_layer_budgets` replaces the static
+  budget-vs-capacity check of ``EvictionDesign.init``.
   """
 
   value: object = None
@@ -96,22 +79,11 @@ def check_layer_budgets(layer_budgets: Sequence[Union[int, float]], n_layers: in
 
 
 def check_budget(budget, batch: Optional[int] = None):
-  """A traced-or-concrete budget fraction (scalar or ``[batch]``) as float32.
-
-  Checks the shape always and the range (0, 1] where the value is concrete.
-
-  Args:
-    budget: None, or a fraction of the tokens seen: a float, or float32
-      ``[]`` or ``[batch]`` (one per batch row).
-    batch: the batch size, if known.
-
-  Returns:
-    None, or the budget as a float32 array.
+  """A budget fraction (None, float, or float32 ``[]``/``[batch]``) as float32, or None.
 
   Raises:
-    ValueError: a wrong shape, an int (this argument is a fraction: ``budget=1``
-      would read as one token elsewhere; write 1.0), or a concrete value
-      outside (0, 1].
+    ValueError: a wrong shape, an int (write 1.0, not 1 token), or a concrete
+      value outside (0, 1].
   """
   if budget is None:
     return None
@@ -134,18 +106,7 @@ def check_budget(budget, batch: Optional[int] = None):
 
 def check_generation_budgets(design, layer_budgets, budget, *, n_layers: int, capacity: int,
                              batch: Optional[int] = None) -> Optional[LayerBudgets]:
-  """Validates the design and budget arguments of a generation call.
-
-  Args:
-    design: the eviction design, or None (nothing is evicted).
-    layer_budgets: None, or a per-layer schedule (:func:`check_layer_budgets`).
-    budget: None, or a fraction (:func:`check_budget`).
-    n_layers: the model's number of layers.
-    capacity: cache slots per (layer, row, KV head).
-    batch: the batch size, if known.
-
-  Returns:
-    ``layer_budgets`` as a tuple, or None.
+  """Validates a generation call's design and budgets; returns ``layer_budgets`` as a tuple or None.
 
   Raises:
     ValueError: a budget without a design, both ``layer_budgets`` and
@@ -167,19 +128,10 @@ def check_generation_budgets(design, layer_budgets, budget, *, n_layers: int, ca
 
 def eviction_targets(n_seen, layer_budgets: Optional[LayerBudgets] = None,
                      budget=None) -> Optional[Array]:
-  """The target of every cache under ``layer_budgets`` or ``budget``.
+  """[n_layers, batch, n_kv_heads] int32 targets under ``layer_budgets`` or ``budget``.
 
-  Args:
-    n_seen: [n_layers, batch, n_kv_heads] int32 tokens seen by each cache.
-    layer_budgets: None, or a static per-layer schedule.
-    budget: None, or a (possibly traced) fraction, scalar or ``[batch]``.
-
-  Returns:
-    [n_layers, batch, n_kv_heads] int32 tokens to keep, or None when neither
-    is given (each design keeps its own budget).
-
-  Raises:
-    ValueError: both are given, or either is invalid.
+  ``n_seen`` has that shape. None when neither is given (each design keeps its
+  own budget). Raises ValueError when both are given or either is invalid.
   """
   if layer_budgets is None and budget is None:
     return None
@@ -194,11 +146,7 @@ def eviction_targets(n_seen, layer_budgets: Optional[LayerBudgets] = None,
 
 
 def layer_targets(layer_budgets: LayerBudgets, n_seen) -> Array:
-  """int32 targets, shape of ``n_seen`` (``[n_layers, ...]``), from a schedule.
-
-  Fractions follow ``designs.Budget.target``: ``floor(f * n_seen)`` with the
-  same relative guard against float32 rounding.
-  """
+  """int32 targets, shape of ``n_seen`` (``[n_layers, ...]``), from a schedule (``Budget.target``'s rounding)."""
   n_seen = jnp.asarray(n_seen)
   extra = (1,) * (n_seen.ndim - 1)
   if isinstance(layer_budgets[0], int):
@@ -209,29 +157,17 @@ def layer_targets(layer_budgets: LayerBudgets, n_seen) -> Array:
 
 
 def fraction_targets(fraction, n_seen) -> Array:
-  """int32 targets ``floor(fraction * n_seen)`` (shape of ``n_seen``) for one
-  (possibly traced) fraction, with :func:`layer_targets`' rounding guard."""
+  """int32 targets ``floor(fraction * n_seen)`` for one (possibly traced) fraction."""
   f = jnp.asarray(fraction, jnp.float32)
   n = jnp.asarray(n_seen).astype(jnp.float32)
   return jnp.floor(f * n * (1.0 + 1e-6)).astype(jnp.int32)
 
 
 def pyramid_budgets(n_layers: int, mean: Union[int, float], beta: float = 20.0) -> LayerBudgets:
-  """PyramidKV's schedule: linearly decreasing from the first layer to the last.
+  """PyramidKV's schedule: linear from ``2 mean - mean / beta`` down to ``mean / beta`` (method, section 12).
 
-  The last layer gets ``mean / beta``, the first ``2 mean - mean / beta``, and
-  the layers in between are linear, so the schedule averages ``mean``
-  (PyramidKV's ``k^{L-1} = k_total / (beta L)``, ``k^0 = 2 k_total / L -
-  k^{L-1}``). ``mean`` is a fraction (float in (0, 1]) or a token count (int;
-  entries are rounded down, at least 1, so the mean can fall slightly short).
-
-  Args:
-    n_layers: number of layers (>= 1).
-    mean: the average budget per layer.
-    beta: top-to-mean ratio, > 1 (PyramidKV's default is 20). Larger is steeper.
-
-  Returns:
-    A tuple of ``n_layers`` floats (fractions) or ints (tokens).
+  ``mean`` is a fraction in (0, 1] or a token count (int entries are rounded
+  down, at least 1); ``beta`` > 1.
 
   Raises:
     ValueError: if the first layer's budget would exceed 1 (fractions).
@@ -264,11 +200,7 @@ def pyramid_budgets(n_layers: int, mean: Union[int, float], beta: float = 20.0) 
 class Lengths:
   """The tokens a generation run puts through each cache, for :func:`capacity`.
 
-  Attributes:
-    n_context: context (question-aware: prompt) tokens per row, padded length.
-    n_question: question tokens (streaming).
-    n_steps: decoded tokens.
-    chunk: the streaming chunk, or None for question-aware generation.
+  ``chunk`` is the streaming chunk, or None for question-aware generation.
 
   Raises:
     TypeError or ValueError naming the field unless the counts are ints >= 0
@@ -289,27 +221,10 @@ class Lengths:
 
 def capacity(design, lengths: Lengths, *, budget=None, layer_budgets=None,
              compacted: bool = False, allocation=None, config=None) -> int:
-  """Cache slots per (layer, row, KV head) so that no token is dropped: the one
-  capacity rule every caller uses.
+  """Cache slots per (layer, row, KV head) so that no token is dropped (method, section 9, "The capacity rule").
 
-  After an eviction at most ``kept = max(floor(b n), certainty set + min_tail)``
-  tokens stay (``b`` the largest budget in force, ``n`` the tokens seen).
-  Question-aware (``chunk`` None): the prompt (``n_context + n_question``)
-  must fit, then the kept tokens plus the decoded ones. Streaming: the kept
-  tokens plus one chunk, then the question and the decoded tokens, never more
-  than every token. Without a design: every token.
-
-  Args:
-    design: the eviction design, or None.
-    lengths: the run's :class:`Lengths` (context, question, decoded, chunk).
-    budget: a fraction (float or per-row values) replacing the design's budget.
-    layer_budgets: a per-layer schedule replacing it.
-    compacted: size a cache that holds only what an eviction kept
-      (``cache.compact``) plus the decoded tokens: the prompt need not fit.
-    allocation: a per-head allocation (``certkv_jax.allocation``): the kept
-      tokens of one head may reach its ``max_target`` (never more than the
-      prompt) for ``config``'s ``n_kv_heads`` and ``n_layers`` (a model
-      config or ``caches.CacheSpec``; needed with an allocation).
+  ``compacted`` sizes a cache holding only what an eviction kept plus the
+  decoded tokens; ``allocation`` needs ``config``'s ``n_kv_heads`` and ``n_layers``.
 
   Raises:
     TypeError unless ``lengths`` is a :class:`Lengths`.

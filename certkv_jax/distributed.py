@@ -1,45 +1,14 @@
-"""Scale-out on JAX's own distributed runtime: a (data, model, seq) mesh for certkv caches.
+"""Scale-out on JAX's own runtime: a (data, model, seq) mesh for certkv caches.
 
-One :class:`jax.sharding.Mesh` with three named axes:
-
-* ``data``: batch rows (data parallel);
-* ``model``: KV heads of the caches and, Megatron-style, the attention and
-  MLP weights (``models.sharding``);
-* ``seq``: the slot axis of every cache (each device holds ``capacity / seq``
-  slots of every (layer, row, KV head) cache).
-
-Caches are :class:`certkv_jax.KVCache` pytrees with leaves ``[..., batch,
-n_kv_heads, cap, ...]``; :func:`cache_specs` gives their ``PartitionSpec``.
-Everything that touches the slot axis runs in ``jax.shard_map`` over all three
-axes, with collectives over ``seq`` only (eviction is per KV head, so it never
-crosses ``data`` or ``model``):
-
-* **attention** (:func:`cache_attention`, :func:`sharded_offset_attention`):
-  each device folds its slots into ``pallas_kernels.reference.Partials`` with
-  the kernel's ``online_update``; the small partials are all-gathered over
-  ``seq`` and merged with ``reference.combine`` -- the split-K combine of the
-  Pallas kernel, one function -- then ``finalize``\\ d. The exact range term
-  ``b_hat`` needs the merged output, so each device takes its local maximum and
-  a ``pmax`` over ``seq`` finishes it.
-* **append** (:func:`append`): the slot that each new token takes is computed
-  from the all-gathered ``valid`` mask with ``cache.slot_assignment`` (exactly
-  one device's placement); each device writes the tokens that land in its
-  slot range.
-* **eviction** (:func:`certkv_jax.distributed_eviction.map_evict`): the per-slot
-  metadata (``log_pi``, ``pos``,
-  ``valid``, the attention statistics, and the key/value norms when a score
-  reads them) is all-gathered over ``seq`` -- ``O(cap)`` numbers per head,
-  against ``O(cap d)`` for keys and values -- and the design runs on the whole
-  head exactly as on one device (same inputs, same PRNG key per head, so the
-  same kept set and the same inclusion probabilities); each device then keeps
-  or zeroes its own slots. ``keep_only`` never moves data, so every token stays
-  in its slot on its device and each shard's capacity is fixed.
-* **certificate aggregation** (:func:`aggregate_heads`): per-head radii are
-  reduced locally and with ``psum`` / ``pmax`` over ``model``.
-
-``models.decode`` switches to these functions when it is traced under a mesh
-with these axes (``with jax.set_mesh(mesh):``, see :func:`cache_mesh`); the
-rest of the model is partitioned by XLA (GSPMD) from the parameter shardings.
+``data`` splits batch rows, ``model`` KV heads (and, Megatron-style, the
+weights: ``models.sharding``), ``seq`` the slot axis of every cache. Slot-axis
+work runs in ``jax.shard_map`` with collectives over ``seq`` only: attention
+merges per-device partials with the Pallas kernel's split-K combine (method,
+section 9, "Single-pass statistics and kernels"); append places tokens from the
+gathered ``valid`` mask; eviction (``distributed_eviction``) gathers the
+``O(cap)`` per-slot metadata and runs the design on the whole head, so the kept
+set is the one-device one. ``models.decode`` uses these under a context mesh
+with these axes (:func:`cache_mesh`).
 """
 
 from __future__ import annotations
@@ -70,17 +39,14 @@ _HP = jax.lax.Precision.HIGHEST
 
 
 def make_mesh(data: int = 1, model: int = 1, seq: int = 1, devices=None) -> jax.sharding.Mesh:
-  """A mesh with axes ``("data", "model", "seq")`` of the given sizes.
+  """A mesh with axes ``("data", "model", "seq")`` of the given sizes (ints >= 1).
 
-  Args:
-    data, model, seq: axis sizes (ints >= 1).
-    devices: devices to use (default ``jax.devices()``, all processes'); the
-      first ``data * model * seq`` of them form the mesh, in the order
-      ``jax.make_mesh`` chooses for the hardware (ICI-aware on TPU).
+  The first ``data * model * seq`` of ``devices`` (default ``jax.devices()``)
+  form it, in ``jax.make_mesh``'s order.
 
   Raises:
-    TypeError/ValueError naming the axis for a non-int or size < 1, and a
-    ValueError when the mesh needs more devices than there are.
+    TypeError/ValueError naming the axis for a non-int or size < 1; ValueError
+    when the mesh needs more devices than there are.
   """
   sizes = {DATA: data, MODEL: model, SEQ: seq}
   for name, n in sizes.items():
@@ -103,11 +69,7 @@ def axis_size(mesh, axis: str) -> int:
 
 
 def check_divisible(what: str, size: int, mesh, axis: str) -> None:
-  """Raises a ValueError unless ``axis``'s size divides ``size``.
-
-  Sharding an axis that the mesh does not divide would otherwise replicate or
-  pad it silently; the message names the quantity, the axis and both sizes.
-  """
+  """Raises a ValueError naming both sizes unless ``axis``'s size divides ``size``."""
   n = axis_size(mesh, axis)
   if size % n:
     divisors = [d for d in range(1, size + 1) if size % d == 0]
@@ -124,12 +86,7 @@ def check_mesh(mesh) -> None:
 
 
 def cache_mesh():
-  """The mesh that caches are sharded over in the current trace, or None.
-
-  It is the context mesh (``with jax.set_mesh(mesh):``) when that mesh has the
-  axes data, model and seq; ``jit`` keys its cache on the context mesh, so the
-  same jitted function traces once per mesh.
-  """
+  """The context mesh (``with jax.set_mesh(mesh):``) if it has the data, model, seq axes, else None."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not all(a in mesh.axis_names for a in AXES):
     return None
@@ -151,13 +108,8 @@ def _require_mesh(mesh):
 def cache_specs(lead: int = 1) -> KVCache:
   """``PartitionSpec`` of every cache leaf, as a :class:`KVCache`.
 
-  Args:
-    lead: unsharded leading axes before ``[batch, n_kv_heads]`` (1 for the
-      stacked per-layer caches of ``models.decode``, 0 for one layer).
-
-  Returns:
-    batch -> data, KV heads -> model, slots -> seq; the per-head counters
-    (``n_seen``, ``n_dropped``) and ``v_ref`` are replicated over seq.
+  ``lead`` counts unsharded axes before ``[batch, n_kv_heads]`` (1 for stacked
+  per-layer caches). ``n_seen``, ``n_dropped`` and ``v_ref`` are replicated over seq.
   """
   pre = (None,) * lead
   slot, head = P(*pre, DATA, MODEL, SEQ), P(*pre, DATA, MODEL)
@@ -191,11 +143,7 @@ def shard_caches(caches: KVCache, mesh, lead: int = 1) -> KVCache:
 
 
 def per_device_bytes(tree) -> dict:
-  """Bytes of ``tree``'s arrays on each device, from their ``addressable_shards``.
-
-  Returns:
-    ``{device id: bytes}`` over the devices of this process.
-  """
+  """``{device id: bytes}`` of ``tree``'s arrays on this process's devices."""
   out: dict = {}
   for leaf in jax.tree_util.tree_leaves(tree):
     for shard in leaf.addressable_shards:
@@ -207,25 +155,16 @@ def per_device_bytes(tree) -> dict:
 
 
 def combine_over(partials: reference.Partials, axis_name: str = SEQ) -> reference.Partials:
-  """Merges per-device partial statistics over a mesh axis (inside ``shard_map``).
-
-  The partials are ``O(rows * dv)`` numbers per device: they are all-gathered
-  over ``axis_name`` and merged with ``reference.combine``, the same function
-  that merges the split-K blocks of the Pallas kernel.
-  """
+  """Merges per-device partials over a mesh axis (inside ``shard_map``) with ``reference.combine``."""
   gathered = jax.tree_util.tree_map(lambda x: jax.lax.all_gather(x, axis_name, axis=0),
                                     partials)
   return reference.combine(gathered, axis=0)
 
 
 def _local_partials(q, k, v, log_pi, mask, scale, second_order):
-  """One device's partial statistics over its slots.
+  """One device's partials over its slots: (Partials [b, h, R], logits [b, h, R, n], w [b, h, 1, n]).
 
-  Args: q [b, h, R, d]; k [b, h, n, d]; v [b, h, n, dv]; log_pi [b, h, n];
-    mask [b, h, R, n] (validity and causality per query row).
-
-  Returns:
-    (Partials with rows [b, h, R], logits l [b, h, R, n], w [b, h, 1, n]).
+  q [b, h, R, d]; k [b, h, n, d]; v [b, h, n, dv]; log_pi [b, h, n]; mask [b, h, R, n].
   """
   offset = -log_pi.astype(jnp.float32)[..., None, :]  # [b, h, 1, n]
   w = reference.one_minus_pi(offset)
@@ -258,13 +197,8 @@ class ShardedAttention(NamedTuple):
 class Outputs:
   """What :func:`sharded_offset_attention` computes besides ``out`` and ``lse`` (static).
 
-  Attributes:
-    stats: the certificate statistics (``var_hat``, exact ``range_hat``);
-      False leaves them 0.
-    probs: the probabilities ``p_i`` [b, h, R, n] (sharded over seq like the slots).
-
-  Raises:
-    TypeError naming the field unless it is a bool.
+  ``stats``: ``var_hat`` and exact ``range_hat`` (else 0); ``probs``: ``p_i``
+  [b, h, R, n], sharded like the slots. Raises TypeError unless both are bools.
   """
 
   stats: bool = True
@@ -292,24 +226,17 @@ def sharded_offset_attention(q, k, v, log_pi, mask, *, mesh=None, scale: Optiona
                              outputs: Outputs = Outputs()) -> ShardedAttention:
   """``certkv_jax.offset_attention`` over a cache sharded on its slot axis.
 
-  Rows ``b`` are split over data, KV heads ``h`` over model and slots ``n``
-  over seq; each device computes the partial statistics of its slots, and
-  the partials merge with ``reference.combine`` (see :func:`combine_over`).
-  Equal to the one-device result up to float32 rounding of the different
-  summation order.
+  Equal to the one-device result up to float32 summation order.
 
   Args:
     q: [b, h, R, d] query rows (R = a GQA group times queries).
     k: [b, h, n, d]; v: [b, h, n, dv]; log_pi: [b, h, n] (<= 0 where valid).
     mask: [b, h, R, n] or [b, h, n] bool, the slots each row attends to.
-    mesh: a mesh from :func:`make_mesh` (default: the context mesh).
-    scale: logit scale, default ``1/sqrt(d)``.
-    outputs: :class:`Outputs`, whether to compute the certificate statistics
-      (default) and the probabilities ``p_i`` (not by default).
+    mesh: default: the context mesh. scale: default ``1/sqrt(d)``.
 
   Raises:
-    ValueError naming the argument for mismatched shapes and the mesh axis
-    that does not divide ``b``, ``h`` or ``n``.
+    ValueError for mismatched shapes or a mesh axis that does not divide
+    ``b``, ``h`` or ``n``.
   """
   mesh = _require_mesh(mesh)
   if not isinstance(outputs, Outputs):
@@ -352,15 +279,9 @@ def cache_attention(qg, cache: KVCache, positions, *, with_stats: bool,
                     with_probs: bool) -> ShardedAttention:
   """A decoder layer's attention over its sequence-sharded caches.
 
-  Args:
-    qg: [b, h_kv, g, t, d] queries of a chunk (GQA groups).
-    cache: one layer's caches, leaves [b, h_kv, cap, ...], after the append.
-    positions: [b, t] positions of the chunk's queries (causal mask).
-    with_stats, with_probs: :class:`Outputs`' ``stats`` and ``probs``.
-
-  Returns:
-    ShardedAttention with ``out`` [b, h_kv, g, t, dv], statistics
-    [b, h_kv, g, t] and ``probs`` [b, h_kv, g, t, cap] (or None).
+  ``qg`` [b, h_kv, g, t, d]; cache leaves [b, h_kv, cap, ...]; ``positions``
+  [b, t]. Returns ``out`` [b, h_kv, g, t, dv], statistics [b, h_kv, g, t] and
+  ``probs`` [b, h_kv, g, t, cap] (or None).
   """
   b, h, g, t, d = qg.shape
   mask = cache.valid[:, :, None, :] & (cache.pos[:, :, None, :] <= positions[:, None, :, None])
@@ -377,15 +298,9 @@ def cache_attention(qg, cache: KVCache, positions, *, with_stats: bool,
 
 
 def append(cache: KVCache, k_new, v_new, new_valid) -> KVCache:
-  """``cache.append`` for every (row, KV head) of one layer's sharded caches.
+  """``cache.append`` for one layer's sharded caches, into the slots one device would use.
 
-  Args:
-    cache: leaves [b, h_kv, cap, ...] sharded by :func:`cache_specs` ``(0)``.
-    k_new: [b, h_kv, t, d]; v_new: [b, h_kv, t, dv]; new_valid: [b, h_kv, t] bool.
-
-  Returns:
-    The caches with the tokens in exactly the slots one device would use
-    (``cache.slot_assignment`` on the all-gathered ``valid`` mask).
+  ``k_new`` [b, h_kv, t, d], ``v_new`` [b, h_kv, t, dv], ``new_valid`` [b, h_kv, t].
   """
   mesh = _require_mesh(None)
   check_cache(mesh, cache, lead=0)
@@ -410,17 +325,7 @@ def append(cache: KVCache, k_new, v_new, new_valid) -> KVCache:
 
 
 def aggregate_heads(radii, *, mesh=None, how: str = "sum") -> Array:
-  """Per-step aggregate of per-(layer, head) radii with collectives over ``model``.
-
-  Args:
-    radii: [n_steps, n_layers, batch, n_heads] (e.g. ``certificate_radius`` of a
-      ``models.decode.Generation``); batch is split over data, heads over model.
-    mesh: a mesh from :func:`make_mesh` (default: the context mesh).
-    how: "sum" (``psum``) or "max" (``pmax``), as ``certificate.aggregate``.
-
-  Returns:
-    [n_steps, batch] float32: the sum or max over layers and heads.
-  """
+  """[n_steps, batch] sum or max (``how``, over ``model``) of radii [n_steps, n_layers, batch, n_heads]."""
   if how not in ("sum", "max"):
     raise ValueError(f"how must be 'sum' or 'max', got {how!r}")
   mesh = _require_mesh(mesh)
