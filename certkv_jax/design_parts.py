@@ -1,11 +1,9 @@
-"""The parts a design composes: the budget, the certainty set and the tail rules.
+"""The parts a design composes (method, section 3): the budget, the certainty set, tail rules.
 
-:class:`CertaintySet` says which tokens are kept with probability 1 (sinks,
-the recent window, heavy hitters); a tail rule (:class:`TopK`,
-:class:`UniformTail`, :class:`PoissonTail`) chooses among the rest for the
-remaining slots and returns a :class:`TailChoice`; :class:`PriorityTail`
-is the fixed-size randomized tail (method, section 3, "Fixed-size tail"). :func:`certkv_jax.designs.compose`
-puts them together under a budget (method, section 3).
+:class:`CertaintySet` keeps tokens with probability 1; a tail rule (:class:`TopK`,
+:class:`UniformTail`, :class:`PoissonTail`, :class:`PriorityTail`) chooses
+among the rest for the remaining slots. :func:`certkv_jax.designs.compose`
+puts them together under a budget.
 """
 
 from __future__ import annotations
@@ -23,8 +21,6 @@ from certkv_jax.cache import KVCache
 
 Array = jax.Array
 
-
-# --------------------------------------------------------------------------- budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +57,10 @@ AMBIGUOUS_ONE = ("budget=1 (an int) would mean one token kept, while budget=1.0 
 
 
 def as_budget(budget: Union[int, float, Budget]) -> Budget:
-  """Reads a budget: an int >= 2 = tokens, a float in (0, 1] = fraction, or a
-  :class:`Budget` (the explicit spelling: ``Budget(tokens=n)`` /
-  ``Budget(fraction=f)``).
+  """Reads a budget: an int >= 2 = tokens, a float in (0, 1] = fraction, or a :class:`Budget`.
 
-  Raises:
-    ValueError for the int 1, which reads as "everything" but would mean one
-    token (the message says how to write each), and for values out of range.
+  ValueError for the int 1 (it reads as "everything" but would mean one token;
+  the message says how to write each) and for values out of range.
   """
   if isinstance(budget, Budget):
     return budget
@@ -82,8 +75,6 @@ def as_budget(budget: Union[int, float, Budget]) -> Budget:
   raise TypeError(f"budget must be an int token count or a float fraction in (0, 1], "
                   f"got {budget!r}")
 
-
-# --------------------------------------------------------------------------- certainty set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +114,6 @@ class CertaintySet:
     return base | heavy
 
 
-# --------------------------------------------------------------------------- tail rules
-
 
 class TailChoice(NamedTuple):
   keep: Array  # [cap] bool, kept tail tokens
@@ -136,9 +125,8 @@ class TailChoice(NamedTuple):
 
 
 class TailRule(Protocol):
-  """Chooses among the tail tokens for the slots the certainty set leaves:
-  ``select(cache, tail, slots, key) -> TailChoice``; ``randomized`` says
-  whether the choice is a draw (and so whether the certificate certifies)."""
+  """Chooses tail tokens for the slots the certainty set leaves; ``randomized``: the
+  choice is a draw, so the certificate certifies it."""
 
   randomized: bool
 
@@ -198,18 +186,14 @@ class UniformTail:
 
 @dataclasses.dataclass(frozen=True)
 class PoissonTail:
-  """method, section 3: Poisson sampling of the tail with Hajek offsets.
+  """Poisson sampling of the tail with Hajek offsets (method, section 3).
 
-  ``pi_i = clip(m score_i / sum_T score, eps, 1)`` (Eq. 2, clipped mass moved
-  to H), each tail token kept independently with probability ``pi_i``, and a
-  kept token's cache offset decreases by ``log pi_i`` (cumulative across
-  rounds). ``m`` is the largest expected count whose overflow probability of
-  the available tail slots is <= ``overflow_prob`` (Chernoff bound);
-  overflowing draws are redrawn up to ``max_redraws`` times.
+  ``m`` is the largest expected count whose overflow probability of the free
+  slots is <= ``overflow_prob``; an overflowing draw is redrawn up to
+  ``max_redraws`` times.
 
   Attributes:
-    score: non-negative importance score (default accumulated attention;
-      ``scores.CurrentAttention()`` gives ``pi ∝ a``).
+    score: non-negative importance score (``scores.CurrentAttention()``: ``pi ∝ a``).
     eps: probability floor in (0, 1].
     overflow_prob: per-draw overflow bound in (0, 1).
     max_redraws: redraws after an overflow (>= 0).
@@ -243,39 +227,20 @@ class PoissonTail:
 class PriorityTail:
   """Fixed-size randomized tail: priority sampling (method, section 3, "Fixed-size tail").
 
-  Duffield, Lund and Thorup (2007): each tail token gets the priority
-  ``q_i = w_i / u_i`` (``u_i`` uniform on (0, 1]) and the ``slots`` highest
-  priorities are kept, so every slot is used. With ``tau`` the largest
-  priority left out, a kept token's inclusion probability given the other
-  tokens' priorities is ``pi_i = min(1, w_i / tau)``; the Horvitz-Thompson
-  terms ``1{kept} / pi_i`` are unbiased with zero covariance, so the Hajek
-  offset ``-log pi_i`` (cumulative across rounds) and the variance estimator
-  keep their Poisson form. ``w_i`` is the score plus ``eps`` times its tail
-  mean, so that no tail token is excluded with certainty.
-
-  ``heavy_share`` in [0, 1) keeps the ``floor(heavy_share * slots)``
-  highest-scored tail tokens with certainty (``pi = 1``, no offset) and
-  samples the other slots among the rest: between a pure sample (0) and the
-  deterministic top-k it approaches as the share grows (method, section 3,
-  "Deterministic share"). The certificate still covers what is sampled.
-  ``heavy_score`` ranks that share (default: ``score``), e.g. SnapKV's window
-  attention beside a history-weighted sample.
-
-  ``focus_share`` adds a share that follows the window (``score`` a
-  :class:`scores.FocusBlend`): per head and eviction, ``focus_share`` times
-  the score's ``focus`` (1 at a window focused on few tokens, 0 at a diffuse
-  one), ranked by the window's score (method, section 3, "Focused share"). A
-  question that points at a few tokens then keeps them together, as SnapKV
-  does; running text stays sampled.
+  The ``slots`` highest priorities ``w_i / u_i`` are kept, so every slot is
+  used, with ``pi_i = min(1, w_i / tau)``; the offsets and variance estimator
+  keep their Poisson form. ``heavy_share`` and ``focus_share`` keep a share of
+  the slots by rank with certainty (section 3, "Deterministic share",
+  "Focused share").
 
   Attributes:
     score: non-negative importance score (default accumulated attention).
     eps: relative floor of the weights in (0, 1].
-    heavy_share: fraction of the slots filled by score, in [0, 1).
-    heavy_score: the score that fills them (None: ``score``, or the
-      window's score when ``focus_share`` is set).
-    focus_share: the share added at a focused window, in [0, 1) with
-      ``heavy_share + focus_share < 1``.
+    heavy_share: fraction of the slots filled by rank, in [0, 1).
+    heavy_score: the ranking score (None: ``score``, or the window's score
+      with ``focus_share``).
+    focus_share: the share added at a focused window (``score`` a
+      :class:`scores.FocusBlend`), in [0, 1) with ``heavy_share + focus_share < 1``.
   """
 
   score: scores.Score = scores.AccumulatedAttention()

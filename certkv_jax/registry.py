@@ -1,30 +1,14 @@
 """The one registry of eviction designs: a name to its factory.
 
-Every place that lists, builds or checks designs by name reads this table:
-experiments, the generation CLI, the benchmarks and the tests. A factory takes
-the budget and keyword settings and returns an :class:`EvictionDesign`; the
-defaults are the factory's own (the core defaults). Settings shared by an
-experiment (``n_sink``, ``window``) are passed by name, and only to the
-factories that take them (:func:`make`); experiment defaults live in
-``experiments``. Settings a factory takes together as one frozen dataclass
-(the certainty set, ``certain=CertaintySet(...)``; ``priority_focus``'s
-``focus=Focus(...)``) are given here by their field names, so a design string
-stays flat (``priority_focus:diffuse_weight=0.3``). Adding a design is one
-line here (see ``keydiff.py``)::
+Experiments, the CLI, benchmarks and tests list, build and check designs
+here, so a name means the same everywhere. A design string
+``"design[:setting=value...][+allocation[:setting=value...]]"`` names a design,
+its settings (fields of a grouped dataclass setting by their own names) and a
+per-head allocation (:data:`ALLOCATIONS`); :func:`parse` is its one parser::
 
-    designs = registry.names()                       # every registered name
     design = registry.make("snapkv", 0.25, n_sink=4, window=16)
-
-A design string names a design, its own settings and a per-head allocation
-(:data:`ALLOCATIONS`), ``"design[:setting=value...][+allocation[:setting=value...]]"``;
-:func:`parse` is the one parser of these strings: ``generate``, the leaderboard,
-the equal-memory comparison and :func:`make` read them all through it, so a
-name means the same thing everywhere::
-
-    registry.parse("priority_floor:min_tail=8+cert").allocation      # "cert"
-    design = registry.make("priority_focus:diffuse_weight=0.3", 0.25)
     design, allocation = registry.make_with_allocation(
-        "priority_focus:diffuse_weight=0.3:focus_share=0.95+cert:min_share=0.95", 0.25)
+        "priority_focus:diffuse_weight=0.3+cert:min_share=0.95", 0.25)
 """
 
 from __future__ import annotations
@@ -75,8 +59,7 @@ ALLOCATIONS = {
 }
 # PyramidKV = SnapKV's scores under the pyramid layer schedule (Cai et al., 2024).
 ALIASES = {"pyramidkv": "snapkv+pyramid", "pyramidkv+adakv": "snapkv+pyramid_adakv"}
-# The observation window an allocation that reads the window's queries (``needs_gains``)
-# gives a design without a window of its own (SnapKV's is its own).
+# The window given to a design without one when its allocation reads the window's queries.
 OBSERVATION_WINDOW = 16
 
 
@@ -84,8 +67,7 @@ TWIN_SUFFIX = "_cert"
 
 
 def _twin(factory):
-  """The factory of the certified twin of ``factory``'s design (:func:`designs.certified`):
-  the same settings and ``top_share``."""
+  """The factory of ``factory``'s certified twin (:func:`designs.certified`), with ``top_share``."""
 
   def twin(budget, *, top_share: float = designs.TWIN_SHARE, **settings):
     return designs.certified(factory(budget, **settings), top_share=top_share)
@@ -98,8 +80,7 @@ def _twin(factory):
 
 
 def _factory(name: str):
-  """The factory of ``name``: a registered design, or ``<deterministic>_cert``, its
-  certified twin (every deterministic design has one, built on demand); None if neither."""
+  """The factory of a registered ``name`` or of ``<deterministic>_cert``, its twin; else None."""
   if name in _FACTORIES:
     return _FACTORIES[name]
   base = name[:-len(TWIN_SUFFIX)] if name.endswith(TWIN_SUFFIX) else None
@@ -114,11 +95,7 @@ def twins() -> tuple[str, ...]:
 
 
 def register(name: str, factory: Callable[..., EvictionDesign]) -> None:
-  """Adds a user's design (``factory(budget, **settings) -> EvictionDesign``).
-
-  Raises:
-    ValueError if ``name`` is taken.
-  """
+  """Adds a user design (``factory(budget, **settings) -> EvictionDesign``); ValueError if taken."""
   if _factory(name) is not None:
     raise ValueError(f"design {name!r} is already registered")
   _FACTORIES[name] = factory
@@ -133,20 +110,12 @@ def names(*, randomized: Optional[bool] = None) -> tuple[str, ...]:
 
 
 def make(name: str, budget, **settings) -> EvictionDesign:
-  """The design ``name`` at ``budget``; ``name`` may be a design string with the
-  design's own settings (``"priority_focus:diffuse_weight=0.3"``, :func:`parse`),
-  which override ``settings``.
+  """The design ``name`` (a design string's own settings override ``settings``) at ``budget``.
 
-  The shared settings (``n_sink``, ``window``) go to the factories that take
-  them: :func:`designs.sink_window` has no recent-window setting (its window is
-  whatever the budget leaves after the sinks). Any other setting must be one
-  of the factory's keywords, or a field of one whose default is a frozen
-  dataclass (``n_sink`` of ``certain``). A string with a per-head allocation
-  (``+cert``) needs :func:`make_with_allocation`, which returns the allocation too.
-
-  Raises:
-    ValueError naming the design and listing the known names, or naming a
-    setting the design does not take.
+  The shared settings (``n_sink``, ``window``) go only to the factories that
+  take them; any other must be a keyword of the factory or a field of a grouped
+  one. Raises ValueError for an unknown design (listing the names), a setting
+  the design does not take, or an allocation (use :func:`make_with_allocation`).
   """
   if isinstance(name, str) and _factory(name) is not None:
     return _make_registered(name, budget, settings)
@@ -160,13 +129,8 @@ def make(name: str, budget, **settings) -> EvictionDesign:
 
 
 def _grouped(name: str, params) -> dict:
-  """``{setting: parameter}`` for the settings a factory takes inside a frozen dataclass
-  (a keyword whose default is one, e.g. ``certain=CertaintySet()``): each of its fields
-  is a setting by its own name (``n_sink``, ``window``, ``heavy``).
-
-  Raises:
-    TypeError naming the design where two parameters would give a setting one name.
-  """
+  """``{setting: parameter}`` for the fields of keyword parameters whose default is a frozen
+  dataclass (``certain=CertaintySet()``); TypeError if two would share a name."""
   out = {}
   for p in params.values():
     if p.kind is not p.KEYWORD_ONLY or not dataclasses.is_dataclass(p.default) or isinstance(
@@ -183,10 +147,8 @@ def _grouped(name: str, params) -> dict:
 
 
 def _make_registered(name: str, budget, settings: dict, own=()) -> EvictionDesign:
-  """The registered design ``name`` at ``budget`` with ``settings`` (see :func:`make`)
-  and the string's ``own`` settings, which override them and must be the design's.
-  A setting that is a field of a grouped parameter (:func:`_grouped`) replaces that
-  field of the group given, or of the factory's default."""
+  """The registered design ``name`` with ``settings`` overridden by the string's ``own``
+  (see :func:`make`); grouped fields replace those of the group or its default."""
   factory = _factory(name)
   params = inspect.signature(factory).parameters
   takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -207,14 +169,8 @@ def _make_registered(name: str, budget, settings: dict, own=()) -> EvictionDesig
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """A parsed design string (:func:`parse`).
-
-  Attributes:
-    name: the registered design (or :data:`FULL`).
-    settings: the design's own settings, ``((key, value), ...)`` in the given order.
-    allocation: a name of :data:`ALLOCATIONS` (``"uniform"``: none).
-    allocation_settings: the allocation's settings, as ``settings``.
-  """
+  """A parsed design string (:func:`parse`); settings are ``((key, value), ...)`` in order,
+  ``allocation`` a name of :data:`ALLOCATIONS`."""
 
   name: str
   settings: tuple = ()
@@ -238,12 +194,10 @@ def _settings(part: str, text: str, flag: str) -> tuple:
 
 
 def parse(text: str, *, flag: str = "design") -> Spec:
-  """The :class:`Spec` of ``"design[:setting=value...][+allocation[:setting=value...]]"``
-  (aliases in :data:`ALIASES`; :data:`FULL` takes no settings or allocation).
+  """The :class:`Spec` of a design string (aliases in :data:`ALIASES`).
 
-  Raises:
-    ValueError naming ``flag``, the unknown design, allocation or malformed setting,
-    and the allowed names.
+  Raises ValueError naming ``flag``, the unknown design, allocation or malformed
+  setting, and the allowed names; :data:`FULL` takes no settings or allocation.
   """
   if not isinstance(text, str) or not text:
     raise ValueError(f"{flag}: a design must be a non-empty string, got {text!r}")
@@ -289,14 +243,11 @@ def _allocation(spec: Spec, text: str, flag: str):
 
 def make_with_allocation(text: Union[str, Spec], budget, *, flag: str = "design",
                          **settings):
-  """``(design, allocation)`` of a design string at ``budget``: ``(None, None)`` for
-  :data:`FULL`; the allocation is None for uniform budgets. ``settings`` (e.g. the
-  shared ``n_sink``, ``window``) go to the design as in :func:`make`; the string's own
-  settings override them. A design whose allocation reads the observation window
-  (``needs_gains``) but has none of its own gets :data:`OBSERVATION_WINDOW` queries.
+  """``(design, allocation)`` of a design string at ``budget`` (``(None, None)`` for :data:`FULL`).
 
-  Raises:
-    ValueError naming ``flag`` and what is wrong (:func:`parse`, :func:`make`).
+  ``settings`` go to the design as in :func:`make`. A design with no window of
+  its own whose allocation reads one gets :data:`OBSERVATION_WINDOW` queries.
+  ValueError naming ``flag`` and what is wrong.
   """
   spec = text if isinstance(text, Spec) else parse(text, flag=flag)
   label = text if isinstance(text, str) else spec.name
