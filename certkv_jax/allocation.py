@@ -1,29 +1,14 @@
-"""Per-head budgets: one memory total shared unequally among KV heads.
+"""Per-head budgets: one memory total shared unequally among KV heads (method, section 12).
 
-A design's budget gives every (layer, row, KV head) cache the same target.
-An allocation turns those equal targets into unequal ones with the same sum
-over its pool (method, section 12):
-
-* :class:`AdaKV` -- kvpress's ``AdaKVPress``: per layer, a top-k over the
-  design's scores of all KV heads flattened, after each head keeps a
-  safeguard share of its own top tokens.
-* :class:`CertificateTargeted` -- the allocation that minimises the summed
-  projected variance of the Hajek estimator, estimated per head from the
-  observation-window attention and projected through the head's output
-  projection (``gains``); pooled per layer or over the whole model.
-* :class:`TargetRadius` -- per head, the smallest budget whose estimated
-  projected radius meets a target: memory follows the error, not a total.
-* :class:`Pyramid` -- PyramidKV's layer schedule (more in lower layers),
-  optionally followed by another allocation within each layer.
-
-An allocation is a static, hashable object called inside the jitted
-eviction (``certkv_jax.eviction.evict(..., allocation=, gains=)``)::
+An allocation maps the uniform targets of a design's budget to unequal ones
+with the same sum over its pool: :class:`AdaKV` (kvpress's), :class:`Pyramid`
+(PyramidKV's layer schedule), :class:`CertificateTargeted` (least summed
+projected variance) and :class:`TargetRadius` (a radius per head, no total).
+It is a static, hashable object called in the jitted eviction::
 
     targets = allocation(design, caches, targets, gains)   # [L, B, H] int32
 
-Shapes stay static: the caches must be sized for the largest target an
-allocation can give (:meth:`max_target`, used by ``budgets.capacity``); the
-memory a design holds is its kept slots, not its buffer (``memory.py``).
+Caches must be sized for the largest target it gives (:meth:`max_target`).
 """
 
 from __future__ import annotations
@@ -82,20 +67,14 @@ def _check_grid(allocation):
   sampling.check_eps(allocation.eps)
 
 
-# --------------------------------------------------------------------------- AdaKV
-
 
 @dataclasses.dataclass(frozen=True)
 class AdaKV:
   """kvpress's ``AdaKVPress`` (Feng et al., 2024) over any design with a score.
 
-  Per (layer, row): each KV head first keeps ``floor(alpha_safeguard * t)``
-  (at least 1 when ``alpha_safeguard > 0``) of its own highest-scoring tokens (``t`` its uniform target); the rest of
-  the layer's total ``sum_h t`` goes to the highest scores of all heads
-  flattened. Certain tokens (sinks, window) score above everything, as
-  kvpress's window tokens do. A head's target is the number of its tokens
-  chosen; the design then keeps its certainty set and its tail rule's choice
-  under that target (for a top-k design: exactly AdaKV's kept set).
+  Per (layer, row), each KV head keeps its own top ``alpha_safeguard`` share of
+  its target, then the layer's remaining total goes to the highest scores of
+  all heads flattened (method, section 12, "AdaKV").
   """
 
   alpha_safeguard: float = 0.2
@@ -125,8 +104,7 @@ class AdaKV:
 
     s = _pools(_per_head(head_scores, caches), "layer")  # [L*B, H, cap]
     t = _pools(targets, "layer")  # [L*B, H]
-    # kvpress: int(n_kept * alpha) in float64 (0.7 * 90 -> 62, not 63); exact
-    # for t <= capacity by a static table (= max_target's math.floor).
+    # kvpress's int(n_kept * alpha) in float64 (0.7 * 90 -> 62), by a static table.
     cap = s.shape[-1]
     table = jnp.asarray(np.floor(np.arange(cap + 1) * float(self.alpha_safeguard)), jnp.int32)
     n_safe = jnp.where(t <= cap, table[jnp.clip(t, 0, cap)],
@@ -150,20 +128,13 @@ def _design_score(design):
   return score
 
 
-# --------------------------------------------------------------------------- certificate-targeted
-
 
 def _window_costs(design, cache: KVCache, step, n_grid: int, eps: float):
-  """``(costs [n_grid + 1], n_certain, n_tail, informed)`` of one head.
+  """``(costs [n_grid + 1], n_certain, n_tail, informed)`` of one head (method, section 12).
 
-  ``costs[j]`` estimates the squared attention error of the observation
-  window's mean query when the tail gets ``j * step`` slots: the Hajek
-  variance ``sum_T (1 / pi_i - 1) a_i^2 ||v_i - o||^2`` with ``pi`` the
-  design's tail weights scaled to sum to the slots (Eq. 2 with capping),
-  ``a`` the window's mean attention and ``o`` its output; ``costs[0]`` is
-  the squared error of deleting the whole tail (renormalised over the
-  certain set). ``informed`` is False before any window query was folded
-  (``obs`` all zero): then there is nothing to allocate by.
+  ``costs[j]``: the window's Hajek variance with ``j * step`` tail slots;
+  ``costs[0]`` the squared error of deleting the tail. ``informed`` is False
+  before any window query was folded.
   """
   valid = cache.valid
   certain = design.certain(cache) & valid
@@ -184,7 +155,6 @@ def _window_costs(design, cache: KVCache, step, n_grid: int, eps: float):
   pi = inclusion_grid(w, tail, m, eps, getattr(design.tail, "heavy_share", 0.0))
   var = jnp.sum(jnp.where(tail, (1.0 / jnp.maximum(pi, 1e-30) - 1.0) * x, 0.0), axis=-1)
   var = jnp.where(m > 0, var, 0.0)
-  # deleting the tail renormalises over the certain set: e = -sum_T a_i (v_i - o) / a(H)
   a_certain = jnp.sum(jnp.where(certain, a, 0.0))
   deleted = jnp.sum(jnp.where(tail, a, 0.0)[:, None] * (v - o), axis=0)
   deleted = deleted / jnp.maximum(a_certain, 1e-6)
@@ -193,19 +163,12 @@ def _window_costs(design, cache: KVCache, step, n_grid: int, eps: float):
 
 
 def inclusion_grid(w, tail, ms, eps: float, heavy_share: float = 0.0):
-  """Eq. 2's capped inclusion probabilities for several tail sizes at once.
+  """Eq. 2's capped inclusion probabilities [J, n] for the tail sizes ``ms`` [J] at once.
 
-  ``pi_i = clip(c w_i, eps, 1)`` with ``c`` such that ``sum_T min(1, c w_i) =
-  m`` for each ``m`` in ``ms`` [J] (the floor applied after, so sums can
-  exceed ``m`` by ``eps |T|``): the capped tokens are the ``j`` largest
-  weights for the smallest ``j`` with ``c_j w_(j+1) < 1``, ``c_j = (m - j) /
-  (sum of the rest)``. One sort instead of a bisection per size: this runs at
-  every eviction for every head and grid point. ``m >= |T|`` gives 1 on T.
-  ``heavy_share`` (:class:`design_parts.PriorityTail`'s) first gives ``pi = 1``
-  to the ``floor(heavy_share * m)`` largest weights: then ``j`` starts there.
-
-  Returns:
-    [J, n] float32, 0 off ``tail``.
+  One sort instead of a bisection per size, since it runs at every eviction
+  for every head and grid point; the ``eps`` floor is applied after, so sums
+  can exceed ``m``. ``heavy_share`` first gives ``pi = 1`` to the
+  ``floor(heavy_share * m)`` largest weights. 0 off ``tail``.
   """
   n = w.shape[-1]
   ws = -jnp.sort(-jnp.where(tail, w, 0.0))  # descending
@@ -231,18 +194,12 @@ def _grid_step(targets, steps: int):
 
 
 def _greedy(costs, n_certain, limit, pool, step, floor):
-  """Targets of the members of one pool minimising the summed cost.
+  """Targets of one pool's members minimising the summed cost (method, section 12).
 
-  ``costs`` [M, J + 1] (non-increasing in j, ideally convex), ``limit`` [M]
-  the most tail slots a member can take (its tail, within its largest
-  target), ``pool`` the total target, ``floor`` [M] the tail slots a member
-  gets before any cost is compared (rounded up to whole steps). Each member
-  keeps its certainty set and its floor; the remaining slots go ``step`` at a
-  time to the largest marginal decreases (a top-k over all marginals), and
-  the remainder to the members with the largest next decrease that have room.
-  The sum is ``pool`` unless every member reaches its limit, or the certainty
-  sets alone exceed it (then each member keeps its certainty set and the sum
-  is above ``pool``).
+  ``costs`` [M, J + 1], ``limit`` [M] the most tail slots a member can take,
+  ``pool`` the total, ``floor`` [M] tail slots given first. Each member keeps its
+  certainty set; the sum is ``pool`` unless all reach their limit or the
+  certainty sets alone exceed it.
   """
   M, J1 = costs.shape
   J = J1 - 1
@@ -268,24 +225,17 @@ def _greedy(costs, n_certain, limit, pool, step, floor):
 
 @dataclasses.dataclass(frozen=True)
 class CertificateTargeted:
-  """Memory where the certificate's variance is: minimise the summed projected variance.
+  """Memory where the certificate's variance is (method, section 12, "Certificate-targeted").
 
-  At each eviction, each (layer, KV head)'s squared error is estimated on a
-  grid of tail sizes (``steps`` grid points per uniform share, up to
-  ``max_share`` shares) from its observation window (the design needs
-  ``observation_window >= 1``) and multiplied by ``gains`` [L, H] (the
-  squared output-projection gains of the head's query heads,
-  :func:`kv_head_gains`); the pool's total (per layer or model-wide) then
-  goes greedily to the largest decreases of the summed cost.
+  Each head's window variance on a grid of tail sizes, weighted by ``gains``
+  [L, H] (:func:`kv_head_gains`), goes greedily into the pool's total. The
+  design needs ``observation_window >= 1``.
 
   Attributes:
-    scope: "layer" (each layer keeps its total) or "model" (a row's total
-      moves between layers too).
+    scope: "layer" (each layer keeps its total) or "model" (per row).
     steps: grid points per uniform share (>= 1).
     max_share: the largest target, in uniform shares (>= 1).
-    min_share: the smallest target, in uniform shares, in [0, 1]: a safeguard
-      (AdaKV's ``alpha_safeguard``) against starving a head whose window
-      under-states the error of later queries (0: none).
+    min_share: the smallest target, in uniform shares, in [0, 1] (0: none).
     eps: the inclusion-probability floor of the variance formula.
   """
 
@@ -326,8 +276,7 @@ class CertificateTargeted:
     out = jax.vmap(_greedy)(_pools(costs, self.scope), _pools(n_certain, self.scope),
                             _pools(limit, self.scope), jnp.sum(pooled_t, axis=-1), step,
                             _pools(floor, self.scope))
-    # a pool with a head that has seen no window query keeps its uniform targets
-    ok = jnp.all(_pools(informed, self.scope), axis=-1, keepdims=True)
+    ok = jnp.all(_pools(informed, self.scope), axis=-1, keepdims=True)  # else uniform
     out = jnp.where(ok, out, pooled_t)
     return _unpool(out.astype(jnp.int32), shape, self.scope)
 
@@ -336,11 +285,9 @@ class CertificateTargeted:
 class TargetRadius:
   """Per head, the smallest target whose estimated projected radius meets ``radius``.
 
-  The estimate is the variance term of the Bernstein radius at ``delta``,
-  ``gain * sqrt(2 V log(2 / delta))``, with ``V`` the observation-window
-  variance of :class:`CertificateTargeted` on the same grid; no pool, so the
-  memory used is whatever the targets add up to (read it from the kept
-  slots). A head whose grid never meets the target gets ``max_share`` shares.
+  The variance term of the Bernstein radius at ``delta`` on
+  :class:`CertificateTargeted`'s grid (method, section 12, "Target radius");
+  no pool, and a head that never meets it gets ``max_share`` shares.
   """
 
   radius: float = 1.0
@@ -409,9 +356,7 @@ def _check_gains(gains, shape):
 def kv_head_gains(w_o, n_heads: int, n_kv_heads: int, head_dim: int) -> Array:
   """[L, n_kv_heads] summed squared RMS gains of each KV head's query heads.
 
-  ``w_o`` [L, n_heads * head_dim, hidden] (the model's ``o_proj`` kernel);
-  a KV head's error reaches the residual stream through its group's query
-  heads, each with ``damage.head_output_norms(kind="frobenius_rms")``.
+  ``w_o`` [L, n_heads * head_dim, hidden] is the model's ``o_proj`` kernel.
   """
   if n_heads % n_kv_heads:
     raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
@@ -420,15 +365,11 @@ def kv_head_gains(w_o, n_heads: int, n_kv_heads: int, head_dim: int) -> Array:
   return jnp.sum(g * g, axis=-1)
 
 
-# --------------------------------------------------------------------------- PyramidKV
-
 
 @dataclasses.dataclass(frozen=True)
 class Pyramid:
-  """PyramidKV's layer schedule (``budgets.pyramid_budgets``' shape): layer ``l``
-  of ``L`` gets ``floor(r_l t)`` with ``r`` linear from ``2 - 1/beta`` down to
-  ``1/beta`` (mean 1), then ``within`` (e.g. :class:`AdaKV`) shares each layer's
-  total among its heads."""
+  """PyramidKV's layer schedule: layer ratios linear from ``2 - 1/beta`` down to
+  ``1/beta`` (mean 1), then ``within`` (e.g. :class:`AdaKV`) shares each layer's total."""
 
   beta: float = 20.0
   within: Optional[object] = None

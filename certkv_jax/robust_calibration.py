@@ -1,45 +1,12 @@
-"""Source-robust, radius-binned conformal calibration (method, section 10).
+"""Source-robust, radius-binned conformal calibration (method, section 10, "The shipped scheme").
 
-The per-(layer, KV head) scales of :mod:`certkv_jax.calibration_store` assume
-that the calls a calibration is applied to are exchangeable with those it was
-fitted on. Measured on SmolLM2 (``experiments/results/validity``), that fails
-across data sources: a scale fitted on natural text under-covers on retrieval
-tasks. This module fits what held up better there:
-
-* **Bins of the raw radius (Mondrian conformal).** Calls are grouped by which
-  of ``n_bins`` intervals their raw radius ``r`` falls in (edges: quantiles of
-  the calibration calls' radii). The radius is known online in every mode, so
-  a calibrated radius needs no truth and no extra statistic at run time. The
-  guarantee becomes conditional on the bin, which is where the raw radius is
-  most wrong (small ``r``: few or light tail tokens).
-* **Max over calibration sources.** Within each bin, the scale is the largest
-  of the per-source split-conformal quantiles (one per data source: a text,
-  a task). If the calls of a new source are distributed as any mixture of the
-  calibration sources (each exchangeable within itself), every component
-  covers at ``>= 1 - delta`` in every bin, so the mixture does too. A source
-  unlike all of them is not covered by this argument: that shift is measured
-  (leave-one-source-out), not assumed.
-* **Per regime, budget and delta**: one set of edges and scales each. A
-  budget between two fitted ones gets the log-linear mix of the two
-  calibrated radii (coverage is established at the fitted budgets only; the
-  mix is a reading between them, and the caller says so); outside the fitted
-  budgets' range there is no radius.
-* **The context lengths it was fitted on.** The artifact records the range
-  ``context_range`` (fewest and most prompt tokens, context + question, of the
-  calibration calls) next to its sources (``data``). Context length is a shift
-  like any other (scales fitted at 1,024 tokens under-cover at 256 on SmolLM2), so
-  :meth:`BinnedCalibration.radius` given a ``context_len`` outside that range
-  refuses, or, with ``outside_range="warn"``, returns the radius and leaves the
-  warning to the caller.
-
-Caveat: the bin edges are computed from the same calibration calls as the
-quantiles; with ``n_bins`` small against the number of calls this perturbs
-the exchangeability argument by O(n_bins / n) and is ignored here.
-
-:class:`BinnedCalibration` is the artifact (orbax, with the metadata of what it
-was fitted on; :meth:`BinnedCalibration.radius` refuses anything else).
-Format version 2 added ``context_range``; version-1 artifacts are refused on
-load (re-fit them: ``python -m experiments.calibrate --from_units``).
+Calls are binned by their raw radius (Mondrian conformal), and a bin's scale is
+the largest of the per-source split-conformal quantiles, so any mixture of the
+calibration sources is covered. One set of edges and scales per regime, budget
+and delta; a budget between two fitted ones gets the log-linear mix of their
+radii (coverage is established at fitted budgets only), none outside. The
+artifact, :class:`BinnedCalibration`, records its sources and the range of
+prompt lengths it was fitted on and refuses anything else.
 """
 
 from __future__ import annotations
@@ -76,17 +43,10 @@ def bin_edges(radii, n_bins: int) -> np.ndarray:
 def robust_scales(errors, radii, sources, edges, delta: float) -> tuple[np.ndarray, np.ndarray]:
   """Per-bin scales: the max over sources of each source's conformal quantile.
 
-  Args:
-    errors: [n_calls] true errors.
-    radii: [n_calls] raw radii at ``delta``.
-    sources: [n_calls] source label of each call (any hashable values).
-    edges: [n_bins - 1] increasing interior bin edges of the raw radius.
-    delta: miss probability in (0, 1).
-
-  Returns:
-    ``(scales [n_bins], n_calls [n_sources, n_bins])``; a bin in which no
-    source has a finite quantile (too few calls) gets ``+inf``; a source with
-    too few calls in a bin is left out of that bin's max (its count is kept).
+  ``errors``, ``radii`` (raw, at ``delta``) and ``sources`` (hashable labels) are
+  [n_calls]; ``edges`` [n_bins - 1] are increasing. Returns ``(scales [n_bins],
+  n_calls [n_sources, n_bins])``: a source with too few calls in a bin has no
+  say there, a bin where none has enough gets ``+inf``.
   """
   labels = np.asarray(sources)
   e = np.asarray(errors, np.float64)
@@ -120,10 +80,7 @@ class BinnedCalibration:
     edges: [n_regimes, n_budgets, n_deltas, n_bins - 1] interior radius edges.
     n_calls: [n_regimes, n_budgets, n_deltas, n_sources, n_bins] int64.
     regimes, budgets, deltas, data: the axes (``data`` = calibration sources).
-    context_range: ``(lo, hi)`` ints, the fewest and most prompt tokens
-      (context + question) of the calls it was fitted on.
-    model, design, created, format_version: as in
-      :class:`certkv_jax.calibration_store.Calibration`.
+    context_range: ``(lo, hi)`` prompt tokens (context + question) of the fitted calls.
   """
 
   scales: np.ndarray
@@ -183,10 +140,8 @@ class BinnedCalibration:
     return f"contexts of {span} tokens from sources {', '.join(self.data)}"
 
   def budget_neighbours(self, budget: float) -> Optional[tuple]:
-    """``((b_lo, weight_lo), (b_hi, weight_hi))`` fitted-budget indices and weights
-    whose log-linear mix gives ``budget``: one entry of weight 1 when
-    ``budget`` was fitted, two when it lies between fitted budgets, None
-    outside their range."""
+    """``((b_lo, weight_lo), (b_hi, weight_hi))``: fitted-budget indices and log-linear
+    weights giving ``budget`` (one entry when fitted), None outside their range."""
     budget = float(budget)
     hits = [i for i, s in enumerate(self.budgets) if abs(budget - s) <= store.MATCH_TOL]
     if hits:
@@ -221,24 +176,13 @@ class BinnedCalibration:
   def radius(self, raw, *, model: str, design: str, regime: str, budget: float,
              delta: float, context_len: Optional[int] = None,
              outside_range: str = "raise") -> Array:
-    """Calibrated radii of raw radii ``raw [...]`` (jnp; ``raw`` may be traced).
+    """Calibrated radii of raw radii ``raw [...]`` at ``delta`` (jnp; may be traced).
 
-    Args:
-      raw: [...] raw radii at ``delta``.
-      model, design, regime, budget, delta: must be ones this calibration was
-        made for.
-      context_len: prompt tokens (context + question) of the calls of ``raw``;
-        None: not checked (the caller vouches for it, e.g. a study that
-        measures the shift across context lengths).
-      outside_range: what a ``context_len`` outside :attr:`context_range`
-        does: "raise" (ValueError) or "warn" (the radius is returned and the
-        caller must tell the user that its coverage is not established there).
-
-    Raises:
-      ValueError naming the field (model, design, regime, budget, delta) when
-      this calibration was not made for it; naming ``context_len``, the fitted
-      range and the sources when ``context_len`` is outside the range and
-      ``outside_range`` is "raise".
+    ``model``, ``design``, ``regime``, ``budget``, ``delta`` must be ones this
+    calibration was made for (ValueError naming the field). ``context_len``:
+    prompt tokens of the calls, None to skip the check; outside
+    :attr:`context_range` it raises (naming the range and sources) or, with
+    ``outside_range="warn"``, returns the radius and the caller must warn.
     """
     if outside_range not in OUTSIDE_RANGE:
       raise ValueError(f"outside_range must be one of {OUTSIDE_RANGE}, got {outside_range!r}")
@@ -283,15 +227,13 @@ def _check_range(value) -> tuple:
 
 
 class FitCalls(NamedTuple):
-  """The calls a calibration is fitted on, as flat arrays (one entry per call).
+  """The calls a calibration is fitted on, flat (one entry per call).
 
   Attributes:
     errors: [n_calls] true errors.
     radii: [n_deltas, n_calls] raw radii, row j at the fit's ``deltas[j]``.
     regimes_per_call, budgets_per_call, sources_per_call: [n_calls] labels.
-    context_tokens_per_call: [n_calls] ints, the prompt tokens (context +
-      question) of each call's sequence; the artifact records their range over
-      the calls it is fitted on.
+    context_tokens_per_call: [n_calls] int prompt tokens (context + question).
   """
 
   errors: object
@@ -305,14 +247,10 @@ class FitCalls(NamedTuple):
 def fit(calls: FitCalls, *, regimes: Sequence[str], budgets: Sequence[float],
         deltas: Sequence[float], model: str, design: str, n_bins: int = DEFAULT_BINS,
         created: Optional[str] = None) -> BinnedCalibration:
-  """Fits a :class:`BinnedCalibration` from the calls' flat arrays (:class:`FitCalls`).
+  """Fits a :class:`BinnedCalibration` on the calls of ``regimes`` x ``budgets``.
 
-  Args:
-    calls: the calibration calls; those of ``regimes`` x ``budgets`` are used
-      (and set the recorded context range).
-    regimes, budgets, deltas: the stored axes; every (regime, budget) needs calls.
-    model, design: metadata checked when applied.
-    n_bins: radius bins per (regime, budget, delta).
+  Every (regime, budget) needs calls; ``n_bins`` radius bins per (regime,
+  budget, delta); ``model`` and ``design`` are checked when applied.
   """
   (errors, radii, regimes_per_call, budgets_per_call, sources_per_call,
    context_tokens_per_call) = calls
@@ -367,9 +305,8 @@ def save(path, cal: BinnedCalibration, *, overwrite: bool = False) -> str:
 
 
 def load(path) -> BinnedCalibration:
-  """Reads a calibration written by :func:`save` (errors as calibration_store.load; an
-  artifact of another format version, e.g. version 1 without ``context_range``, is a
-  ValueError saying how to re-fit it)."""
+  """Reads a calibration written by :func:`save` (errors as calibration_store.load;
+  another format version, e.g. 1, is a ValueError saying how to re-fit it)."""
   try:
     meta, read = store.read_checkpoint(path, KIND, FORMAT_VERSION)
   except ValueError as err:
