@@ -128,10 +128,9 @@ def check_generation_budgets(design, layer_budgets, budget, *, n_layers: int, ca
 
 def eviction_targets(n_seen, layer_budgets: Optional[LayerBudgets] = None,
                      budget=None) -> Optional[Array]:
-  """[n_layers, batch, n_kv_heads] int32 targets under ``layer_budgets`` or ``budget``.
+  """Int32 targets, shape of ``n_seen``, under ``layer_budgets`` or ``budget`` (None: neither).
 
-  ``n_seen`` has that shape. None when neither is given (each design keeps its
-  own budget). Raises ValueError when both are given or either is invalid.
+  Raises ValueError when both are given or either is invalid.
   """
   if layer_budgets is None and budget is None:
     return None
@@ -166,8 +165,7 @@ def fraction_targets(fraction, n_seen) -> Array:
 def pyramid_budgets(n_layers: int, mean: Union[int, float], beta: float = 20.0) -> LayerBudgets:
   """PyramidKV's schedule: linear from ``2 mean - mean / beta`` down to ``mean / beta`` (method, section 12).
 
-  ``mean`` is a fraction in (0, 1] or a token count (int entries are rounded
-  down, at least 1); ``beta`` > 1.
+  ``mean`` is a fraction in (0, 1] or a token count (entries floored, >= 1); ``beta`` > 1.
 
   Raises:
     ValueError: if the first layer's budget would exceed 1 (fractions).

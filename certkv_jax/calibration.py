@@ -1,43 +1,12 @@
-"""Split-conformal calibration of the certificate radius.
+"""Split-conformal calibration of the certificate radius (method, section 10).
 
-The Bernstein radius ``r(delta)`` of :mod:`certkv_jax.certificate` is only
-approximately valid; on real models it under-covers. Split-conformal scaling
-repairs the level with data where the true error is known (evaluation mode:
-the full-cache output is computed beside the evicted one). For each call the
-conformity score is ``s = ||e|| / r``; for a group of calls (e.g. one (layer,
-KV head) pair) the calibrated radius is ``q_g * r`` with ``q_g`` the
-``ceil((n_g + 1)(1 - delta))``-th smallest of the group's ``n_g`` calibration
-scores (:func:`conformal_quantile`). A test call is covered iff
-``||e|| <= q_g r``, i.e. iff its score is ``<= q_g``.
-
-Guarantee (Vovk et al. 2005; Lei et al. 2018, "Distribution-free predictive
-inference for regression", Theorem 2.2): if the calibration calls of a group
-and a new test call of the same group are exchangeable, then
-
-    1 - delta  <=  P(||e_test|| <= q_g r_test)                       (always)
-    P(||e_test|| <= q_g r_test)  <=  1 - delta + 1 / (n_g + 1)       (no ties)
-
-and exactly ``ceil((n_g + 1)(1 - delta)) / (n_g + 1)`` for continuous scores.
-The probability is over the calibration sample *and* the test call (marginal
-coverage): for one fixed calibration sample the coverage is
-``F(q_g)``, distributed ``Beta(k, n_g + 1 - k)`` around that value. It is not
-conditional on anything (task, prompt, step): calls of a group may be covered
-at 0.99 on one task and 0.80 on another. Any shift between calibration and use
-(another model, design, budget, regime, text distribution, context length)
-breaks exchangeability and with it the guarantee; that is why
-:mod:`certkv_jax.calibration_store` records and checks what a calibration was
-fitted on.
-
-Radius zero: a call with ``r = 0`` and ``||e|| = 0`` has score 0 (covered by
-any scale, ``q * 0 = 0 >= 0``); ``r = 0`` with ``||e|| > 0`` has score
-``+inf`` (no finite scale covers it). An infinite scale (too few calls, or a
-group with such calls) means "no finite guarantee": :func:`apply_scales` then
-returns an infinite radius, also where ``r = 0`` (never ``inf * 0 = NaN``).
-
-Groups with fewer than ``min_calls`` calibration calls borrow the quantile of
-a coarser group (``fallback_groups``, e.g. (layer, head) -> layer) or of all
-calls pooled. The borrowed scale has the guarantee only for calls exchangeable
-with the coarse pool; :class:`ConformalScales` records which groups fell back.
+The score of a call is ``s = ||e|| / r``; a group's calibrated radius is
+``q_g * r`` with ``q_g`` the ``ceil((n_g + 1)(1 - delta))``-th smallest of its
+``n_g`` calibration scores. Coverage is at least ``1 - delta``, marginally and
+only for calls exchangeable with the calibration ones (hence
+:mod:`certkv_jax.calibration_store`'s checks). ``r = 0`` scores 0 when
+``||e|| = 0``, else ``+inf``; an infinite scale gives an infinite radius. Small
+groups borrow a coarser group's (or the pooled) quantile.
 """
 
 from __future__ import annotations
@@ -68,12 +37,8 @@ class ConformalScales(NamedTuple):
   Attributes:
     scales: [n_groups] float64 multiplier of the raw radius (``+inf``: no
       finite scale has the guarantee).
-    n_calls: [n_groups] int64 calibration calls of each group (its own, before
-      any fallback).
-    fell_back: [n_groups] bool, True where the group had fewer than
-      ``min_calls`` calls and took a coarser group's (or the pooled) scale.
-    delta: the miss probability the scales were fitted for.
-    pooled: the conformal quantile of all calls together.
+    n_calls: [n_groups] int64 calibration calls of each group, before fallback.
+    fell_back: [n_groups] bool, the groups that took a coarser or pooled scale.
   """
 
   scales: np.ndarray
@@ -91,10 +56,7 @@ def _check_delta(delta) -> float:
 
 
 def conformal_rank(n: int, delta: float) -> int:
-  """``ceil((n + 1)(1 - delta))``: the rank of the conformal quantile among ``n`` scores.
-
-  It exceeds ``n`` (quantile ``+inf``) when ``n < min_finite_calls(delta)``.
-  """
+  """``ceil((n + 1)(1 - delta))``, the conformal quantile's rank (above ``n``: ``+inf``)."""
   n = _checks.check_nonneg_int("n", n)
   delta = _check_delta(delta)
   x = (n + 1) * (1.0 - delta)
@@ -105,11 +67,7 @@ def conformal_rank(n: int, delta: float) -> int:
 
 
 def min_finite_calls(delta: float) -> int:
-  """The smallest ``n`` whose conformal quantile is finite: ``ceil(1/delta) - 1``.
-
-  (``ceil((n+1)(1-delta)) <= n`` iff ``n >= 1/delta - 1``; computed through
-  :func:`conformal_rank` so that the two agree on every float ``delta``.)
-  """
+  """The smallest ``n`` whose conformal quantile is finite: ``ceil(1/delta) - 1``."""
   delta = _check_delta(delta)
   n = max(0, math.ceil(1.0 / delta) - 1)
   while conformal_rank(n, delta) > n:
@@ -140,15 +98,9 @@ def _check_nonneg(name: str, arr: np.ndarray, *, allow_inf: bool) -> None:
 
 
 def conformal_quantile(scores, delta: float) -> float:
-  """The split-conformal quantile of ``n`` scores at miss probability ``delta``.
+  """The split-conformal quantile of ``scores`` [n] (``+inf`` allowed) at miss probability ``delta``.
 
-  Args:
-    scores: [n] nonnegative scores (``+inf`` allowed, NaN not).
-    delta: miss probability in (0, 1).
-
-  Returns:
-    The ``ceil((n + 1)(1 - delta))``-th smallest score, or ``+inf`` when that
-    rank exceeds ``n`` (including ``n = 0``).
+  ``+inf`` when the rank exceeds ``n`` (including ``n = 0``).
 
   Raises:
     ValueError: ``delta`` outside (0, 1); ``scores`` not 1-D, NaN or negative.
@@ -163,13 +115,7 @@ def conformal_quantile(scores, delta: float) -> float:
 
 
 def conformity_scores(errors, radii) -> np.ndarray:
-  """Scores ``||e|| / r`` [n] float64: 0 where ``r = 0 = ||e||``, ``+inf`` where
-  ``r = 0 < ||e||`` (see the module docstring).
-
-  Args:
-    errors: [n] finite nonnegative true errors ``||o_hat - o||``.
-    radii: [n] finite nonnegative raw radii.
-  """
+  """Scores ``||e|| / r`` [n] float64 (0 where ``r = 0 = ||e||``, ``+inf`` where ``r = 0 < ||e||``)."""
   e = _as_1d("errors", errors)
   r = _as_1d("radii", radii)
   _check_nonneg("errors", e, allow_inf=False)
@@ -183,10 +129,7 @@ def conformity_scores(errors, radii) -> np.ndarray:
 
 
 def check_groups(name: str, groups, n_groups: int, bound: str = "n_groups") -> np.ndarray:
-  """``groups`` as int64 [n] after checking: 1-D integers in ``[0, n_groups)``.
-
-  The ValueError names ``name`` and the bound (called ``bound``, e.g. "n_layers").
-  """
+  """``groups`` as int64 [n] after checking: 1-D integers in ``[0, n_groups)``."""
   g = np.asarray(groups)
   if g.ndim != 1:
     raise ValueError(f"{name} must be 1-D, got shape {g.shape}")
@@ -234,30 +177,18 @@ def fit_scales(
   """Per-group split-conformal scales of the radius.
 
   Args:
-    errors: [n_calls] finite nonnegative true errors ``||e||`` (evaluation mode).
-    radii: [n_calls] finite nonnegative raw radii ``r(delta)`` of the same calls,
-      computed at this ``delta``.
+    errors, radii: [n_calls] finite nonnegative true errors and raw radii
+      ``r(delta)`` at this ``delta``.
     groups: [n_calls] int group of each call in ``[0, n_groups)``.
-    n_groups: number of groups (>= 1); groups without calls fall back.
-    delta: miss probability in (0, 1).
-    min_calls: a group with fewer calls takes its coarse group's (or the
-      pooled) scale. Default :func:`min_finite_calls` (``ceil(1/delta) - 1``),
-      the fewest calls for which the group's own quantile is finite.
-    fallback_groups: coarse group of each group (a mapping over all groups or
-      a sequence [n_groups]), e.g. ``{layer * n_heads + head: layer}``. A
-      coarse group's quantile uses all calls of its member groups; when it too
-      has fewer than ``min_calls`` calls, or when ``fallback_groups`` is None,
-      the pooled quantile of all calls is used.
-
-  Returns:
-    ConformalScales(scales, n_calls, fell_back, delta, pooled). The pooled
-    quantile is used as is, even when it is ``+inf`` (too few calls overall).
+    min_calls: groups with fewer calls fall back (default
+      :func:`min_finite_calls`).
+    fallback_groups: coarse group of each group (mapping or [n_groups]); None
+      or a too-small coarse group falls back to the pooled quantile.
 
   Raises:
     ValueError naming the argument: ``delta`` outside (0, 1); negative, NaN or
-    infinite ``errors``/``radii``; unequal lengths; ``groups`` not integers in
-    ``[0, n_groups)``; ``n_groups``/``min_calls`` < 1; an incomplete
-    ``fallback_groups``.
+    infinite ``errors``/``radii``; unequal lengths; bad ``groups``;
+    ``n_groups``/``min_calls`` < 1; an incomplete ``fallback_groups``.
   """
   delta = _check_delta(delta)
   n_groups = _checks.check_positive_int("n_groups", n_groups)
@@ -296,21 +227,13 @@ def fit_scales(
 def apply_scales(radii, groups, scales) -> Array:
   """Calibrated radii ``scales[groups] * radii`` (jnp; works inside jit/vmap).
 
-  Args:
-    radii: [...] nonnegative raw radii.
-    groups: [...] int group of each radius (broadcasts against ``radii``).
-    scales: [n_groups] nonnegative scales (``+inf`` allowed).
-
-  Returns:
-    [broadcast shape] radii, ``+inf`` where the scale or the raw radius is
-    infinite (also when the other factor is 0). Outside jit, a group outside
-    ``[0, n_groups)`` raises; inside jit (traced groups) it gives NaN, never a
-    clipped index.
+  ``+inf`` where either factor is infinite (also when the other is 0). Inside
+  jit an out-of-range group gives NaN, never a clipped index.
 
   Raises:
-    ValueError naming the argument for non-integer or out-of-range ``groups``,
-    NaN or negative ``radii``/``scales``, non-1-D ``scales`` or shapes that do
-    not broadcast.
+    ValueError naming the argument for non-integer ``groups``, non-1-D
+    ``scales``, shapes that do not broadcast and, when concrete, out-of-range
+    ``groups`` or NaN or negative ``radii``/``scales``.
   """
   radii, groups, scales = jnp.asarray(radii), jnp.asarray(groups), jnp.asarray(scales)
   if scales.ndim != 1:
@@ -337,12 +260,9 @@ def apply_scales(radii, groups, scales) -> Array:
 
 
 def coverage_and_sharpness(errors, radii) -> tuple[float, float]:
-  """Coverage ``mean(||e|| <= r)`` and sharpness, the median of ``r / ||e||``
-  over covered calls with ``||e|| > 0`` (NaN if none), as the project reports
-  them (:func:`certkv_jax.diagnostics.coverage` / ``sharpness``).
+  """Coverage ``mean(||e|| <= r)`` and sharpness, the median ``r / ||e||`` over covered calls with ``||e|| > 0``.
 
-  Args:
-    errors, radii: equal-shape, non-empty arrays of true errors and radii.
+  As :func:`certkv_jax.diagnostics.coverage` and ``sharpness``; NaN sharpness if none.
   """
   e = np.asarray(errors, np.float64)
   r = np.asarray(radii, np.float64)

@@ -1,28 +1,10 @@
-"""The per-call error certificate of method, section 5 and its aggregation.
+"""The per-call error certificate of method, section 5, and its aggregation.
 
-For one attention call with variance estimate ``V_hat`` and range ``b_hat``
-(fields ``var_hat`` and ``range_hat`` of an ``OffsetAttentionResult``)::
-
-    L = log(2 / delta)
-    r = sqrt(2 V_hat L) + (2/3) b_hat L        ("bernstein", the default)
-
-the empirical-Bernstein form of the vector Bernstein inequality (Pinelis): the
-error ``e = o_hat - o`` is, to first order, a sum of independent zero-mean
-vectors ``(I_i/pi_i - 1) a_i (v_i - o) / N`` with total variance ``V`` and
-terms bounded by ``b``. The alternative ``"chebyshev"`` form,
-``r = sqrt(V_hat / delta)``, uses only the variance (Markov on ``||e||^2``);
-it is wider at small delta and needs no range term. Both are approximate: they
-plug in estimates of ``V`` and ``b``, and the linearisation ignores the Hajek
-ratio's second-order terms.
-
-``V_hat`` is skewed: it collapses when the tokens that carry ``V`` were not
-kept. :func:`smoothed_variance` replaces it by the larger of itself and the
-mean ``V_hat`` of the same head's last few calls (method, section 5,
-"Smoothed variance"); :class:`VarianceWindow` is the same for a caller that
-decodes one step at a time.
-
-Everything here is elementwise or a reduction over given axes, so radii for
-all heads and layers come from ``jax.vmap`` of the attention call.
+``r = sqrt(2 V_hat L) + (2/3) b_hat L`` with ``L = log(2 / delta)``
+("bernstein", the default) or ``r = sqrt(V_hat / delta)`` ("chebyshev"), from
+an ``OffsetAttentionResult``'s ``var_hat`` and ``range_hat``; both are
+approximate. :func:`smoothed_variance` tempers ``V_hat``'s skew. All of it is
+elementwise or a reduction, so ``jax.vmap`` gives every head and layer.
 """
 
 from __future__ import annotations
@@ -48,16 +30,10 @@ def _check_window(window) -> int:
 
 
 def smoothed_variance(var_hat, window: int = SMOOTHING_WINDOW, axis: int = 0) -> Array:
-  """``max(V_hat_t, mean(V_hat_{t-window+1..t}))`` per call, causal along ``axis``.
+  """``max(V_hat_t, mean(V_hat_{t-window+1..t}))`` per call, causal along ``axis`` (method, section 5, "Smoothed variance").
 
-  ``axis`` orders one head's calls (decode steps, or a chunk's query
-  positions); the first ``window - 1`` calls average over those there are.
-  ``V_hat`` is unbiased but skewed (usually too small, now and then far too
-  large); neighbouring queries share the kept set and much of their
-  attention, so the mean of their ``V_hat`` is a far less skewed estimate of
-  their common variance (method, section 5, "Smoothed variance").
-  ``window=1`` returns ``var_hat``. A NaN (a call left out of a subsampled
-  certificate) makes NaN only the windows that hold it.
+  ``axis`` orders one head's calls; the first calls average over those there
+  are; ``window=1`` returns ``var_hat``. A NaN makes NaN only the windows that hold it.
   """
   window = _check_window(window)
   v = jnp.moveaxis(jnp.asarray(var_hat, jnp.float32), axis, 0)
@@ -73,8 +49,8 @@ def smoothed_variance(var_hat, window: int = SMOOTHING_WINDOW, axis: int = 0) ->
 class VarianceWindow(NamedTuple):
   """The last calls' ``V_hat`` for :func:`smoothed_variance` one step at a time.
 
-  ``recent`` [window - 1, ...] holds the previous calls, newest last;
-  ``count`` (int32) how many of them are real. Carry it between decode steps.
+  ``recent`` [window - 1, ...] holds the previous calls, newest last, ``count``
+  how many are real. Carry it between decode steps.
   """
 
   recent: Array
@@ -115,14 +91,10 @@ def _check_delta(delta):
 def radius_from_stats(var_hat, range_hat, delta, form: str = "bernstein") -> Array:
   """Radius from the statistics; ``delta`` is a scalar or broadcasts against them.
 
-  ``delta`` outside (0, 1) raises ValueError when it is a Python number or a
-  concrete array. A traced ``delta`` is not checked (method, section 9, "Bad
-  input"): 0 gives an infinite radius (NaN where ``var_hat`` and
-  ``range_hat`` are 0), ``1 <= delta <= 2`` a finite radius that guarantees
-  nothing, ``delta > 2``, ``delta < 0`` or NaN a NaN (or -0) radius; use
-  ``certkv_jax.checked.checked_certificate_radius`` to make these errors. A NaN
-  statistic gives a NaN radius (``models.decode`` marks the calls left out of
-  a subsampled certificate that way).
+  A concrete ``delta`` outside (0, 1) raises ValueError; a traced one is not
+  checked and gives an infinite, meaningless or NaN radius (method, section 9,
+  "Bad input"; ``checked.checked_certificate_radius`` makes it an error). A NaN
+  statistic (a call left out of a subsampled certificate) gives a NaN radius.
   """
   _check_delta(delta)
   if form not in FORMS:
@@ -139,32 +111,17 @@ def radius_from_stats(var_hat, range_hat, delta, form: str = "bernstein") -> Arr
 def certificate_radius(result, delta, form: str = "bernstein") -> Array:
   """Radius ``r`` with ``P(||o_hat - o|| <= r) >= 1 - delta`` (approximately).
 
-  Args:
-    result: an ``OffsetAttentionResult`` (anything with ``var_hat`` and
-      ``range_hat``), any leading shape.
-    delta: miss probability in (0, 1): a float, or an array broadcasting
-      against the result (e.g. :func:`anytime_delta` per step).
-    form: "bernstein" (method, section 5) or "chebyshev".
-
-  Returns:
-    float32 radius with the result's leading shape.
-
-  Raises:
-    ValueError naming ``delta`` when a concrete ``delta`` is outside (0, 1);
-    a traced one is not checked (see :func:`radius_from_stats`).
+  ``result`` has ``var_hat`` and ``range_hat``; ``delta`` in (0, 1) is a float or
+  an array (e.g. :func:`anytime_delta`); ``form`` "bernstein" or "chebyshev".
+  Float32 with the result's leading shape; raises as :func:`radius_from_stats`.
   """
   return radius_from_stats(result.var_hat, result.range_hat, delta, form)
 
 
 def anytime_delta(delta: float, step) -> Array:
-  """``delta_t = delta / (t (t + 1))`` for steps ``t = 1, 2, ...``.
+  """``delta_t = delta / (t (t + 1))`` for steps ``t = 1, 2, ...``: a union bound over steps (method, section 5).
 
-  Since ``sum_t 1/(t(t+1)) = 1``, radii built with ``delta_t`` hold for every
-  step simultaneously with probability ``>= 1 - delta`` (a union bound: a
-  confidence sequence over decode steps).
-
-  A concrete ``step < 1`` raises ValueError; a traced step 0 gives an infinite
-  ``delta_t`` (and a NaN radius from it), negative steps a meaningless one.
+  A concrete ``step < 1`` raises ValueError; a traced step 0 gives an infinite ``delta_t``.
   """
   _check_delta(delta)
   step = jnp.asarray(step)
@@ -176,14 +133,10 @@ def anytime_delta(delta: float, step) -> Array:
 
 
 def aggregate(radii, axis=None, how: str = "sum", mask=None) -> Array:
-  """Aggregates radii over heads/layers: "sum" (a bound on the summed error
-  norms, by the triangle inequality and a union bound at delta/#calls) or "max".
+  """Sums (``how="sum"``) or maximises radii over ``axis`` (default all), counting only ``mask``.
 
-  Args:
-    radii: array of radii.
-    axis: axes to reduce (default all).
-    how: "sum" or "max".
-    mask: optional bool array like ``radii``; only True entries count.
+  A sum bounds the summed error norms only if the radii were built at
+  ``delta`` over the number of calls (method, section 9).
   """
   if how not in ("sum", "max"):
     raise ValueError(f"how must be 'sum' or 'max', got {how!r}")
@@ -199,11 +152,7 @@ def aggregate(radii, axis=None, how: str = "sum", mask=None) -> Array:
 
 
 def subsample_mask(key, shape, n_keep: int) -> Array:
-  """A uniformly random set of ``n_keep`` calls (e.g. (layer, head) pairs).
-
-  Computing certificates only there makes them cheaper; ``subsampled_sum``
-  turns the subsample into an unbiased estimate of the full sum.
-  """
+  """A uniformly random set of ``n_keep`` calls, for a cheaper certificate (:func:`subsampled_sum`)."""
   shape = tuple(shape)
   total = math.prod(shape)
   _checks.check_positive_int("n_keep", n_keep)
@@ -216,8 +165,7 @@ def subsample_mask(key, shape, n_keep: int) -> Array:
 
 
 def subsampled_sum(radii, mask) -> Array:
-  """Horvitz-Thompson estimate ``(total / n_keep) * sum_{mask} radii`` of the
-  full sum over all entries (simple random sampling without replacement)."""
+  """Horvitz-Thompson estimate ``(total / n_keep) * sum_{mask} radii`` of the full sum."""
   radii = jnp.asarray(radii, jnp.float32)
   mask = jnp.asarray(mask)
   if mask.shape != radii.shape:
@@ -227,14 +175,7 @@ def subsampled_sum(radii, mask) -> Array:
 
 
 def moving_window(per_step, window: int = 6, how: str = "mean") -> Array:
-  """Causal moving window over decode steps (axis 0): step t sees steps
-  ``max(0, t - window + 1) .. t`` (the paper uses 6 steps).
-
-  Args:
-    per_step: [T, ...] per-step scores.
-    window: window length >= 1.
-    how: "mean", "sum" or "max".
-  """
+  """Causal moving ``how`` ("mean", "sum" or "max") over decode steps (axis 0) of ``window`` >= 1 steps."""
   _checks.check_positive_int("window", window)
   if how not in ("mean", "sum", "max"):
     raise ValueError(f"how must be 'mean', 'sum' or 'max', got {how!r}")
