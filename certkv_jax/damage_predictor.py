@@ -1,28 +1,14 @@
 """A small learned map from per-step features to output damage (method, section 11).
 
-:mod:`certkv_jax.damage` bounds what each layer's attention writes wrongly
-into the residual stream; how much of that reaches the next-token
-distribution depends on the rest of the network. A :class:`DamagePredictor`
-learns that last step from evaluation-mode runs: rows of per-step features
-(e.g. the damage score, per-layer projected radii, warning signals, the
-budget) and a target such as ``log KL(p_full || p_evicted)``.
-
-The model is linear (``hidden=0``) or one hidden layer (``tanh`` or
-``gelu``), fitted full-batch by AdamW on the mean squared error. Features and
-target are standardized with the training rows' mean and standard deviation,
-which are stored in the parameters, so :meth:`DamagePredictor.predict` takes
-raw features. A seeded part of the rows (``val_fraction``) is held out, and
-the parameters of the step with the smallest validation loss are kept.
-
-That validation split only picks the step: it is not an evaluation. Fit on
-seeds and texts kept apart from those the predictor is evaluated on; rows of
-one sequence are strongly dependent, so split by sequence, not by row.
-
-On disk (``save``/``load``) a predictor is an orbax checkpoint directory
-written atomically as in :mod:`certkv_jax.calibration_store`: ``arrays``
-(the parameters, float32) and ``metadata`` (JSON: the spec, the losses and
-the best step). :func:`load` refuses a predictor made for other features,
-model, design, budget or target.
+How much of each layer's attention damage (:mod:`certkv_jax.damage`) reaches
+the next-token distribution depends on the rest of the network; a
+:class:`DamagePredictor` learns that step from evaluation-mode rows of
+features and a target such as ``log KL(p_full || p_evicted)``. It is linear
+or has one hidden layer, fitted full-batch by AdamW on standardized data; the
+held-out rows only pick the step, so evaluate on seeds and texts kept apart
+(split by sequence). Saved as an orbax directory (as
+:mod:`certkv_jax.calibration_store`); :func:`load` refuses a predictor made
+for other features, model, design, budget or target.
 """
 
 from __future__ import annotations
@@ -149,14 +135,11 @@ class DamagePredictor:
 
   Attributes:
     spec: the :class:`PredictorSpec`.
-    params: dict of float32 jnp arrays, shapes from :func:`param_shapes`
-      (``x_mean``/``x_std`` standardize features, ``y_mean``/``y_std`` undo
-      the target's standardization).
-    train_loss: mean squared error on the training rows at ``best_step``, in
-      the target's units squared.
-    val_loss: the same on the validation rows.
-    best_step: number of optimizer updates of the kept parameters (0 = the
-      initialization).
+    params: float32 arrays, shapes from :func:`param_shapes`, with the
+      standardization statistics.
+    train_loss, val_loss: mean squared error at ``best_step`` on the training
+      and validation rows, in the target's units squared.
+    best_step: optimizer updates of the kept parameters (0 = initialization).
   """
 
   spec: PredictorSpec
@@ -247,15 +230,12 @@ def fit(spec: PredictorSpec, x, y, *, seed: int = 0, steps: int = 2000,
         val_fraction: float = 0.2) -> DamagePredictor:
   """Fits a predictor to rows ``(x, y)`` (evaluation-mode data).
 
-  The rows are split by a permutation seeded with ``seed`` into
-  ``round(val_fraction * n)`` validation rows and the rest for training; the
-  standardization statistics come from the training rows only. Weight decay
-  applies to the weights, not the biases.
+  A permutation seeded with ``seed`` holds out ``round(val_fraction * n)``
+  rows; standardization uses the training rows; weight decay skips biases.
 
   Args:
     spec: the :class:`PredictorSpec`.
-    x: [n, len(spec.feature_names)] finite features, columns in
-      ``spec.feature_names`` order.
+    x: [n, len(spec.feature_names)] finite features, in ``spec.feature_names`` order.
     y: [n] finite targets.
     seed: int >= 0, for the split and the initialization.
     steps: number of full-batch updates, int >= 1.
@@ -263,14 +243,11 @@ def fit(spec: PredictorSpec, x, y, *, seed: int = 0, steps: int = 2000,
     weight_decay: AdamW decoupled weight decay, finite >= 0.
     val_fraction: share of rows held out to choose the step, in (0, 1).
 
-  Returns:
-    A :class:`DamagePredictor` with the parameters of the best validation step.
-
   Raises:
     ValueError: bad shapes or values (naming the argument and the allowed
       range), fewer than 10 rows, a split leaving fewer than 1 validation or
-      2 training rows, a feature or target constant on the training rows, or
-      training that never gave a finite validation loss.
+      2 training rows, a constant feature or target on the training rows, or
+      no finite validation loss.
   """
   if not isinstance(spec, PredictorSpec):
     raise ValueError(f"spec must be a PredictorSpec, got {type(spec).__name__}")
@@ -325,13 +302,9 @@ def fit(spec: PredictorSpec, x, y, *, seed: int = 0, steps: int = 2000,
 
 
 def save(predictor: DamagePredictor, directory, *, overwrite: bool = False) -> str:
-  """Writes ``predictor`` to ``directory`` atomically (temporary directory, then rename).
+  """Writes ``predictor`` to ``directory`` atomically; returns the absolute path.
 
-  Returns:
-    The absolute path written.
-
-  Raises:
-    FileExistsError: ``directory`` exists and ``overwrite`` is False.
+  FileExistsError if ``directory`` exists and ``overwrite`` is False.
   """
   if not isinstance(predictor, DamagePredictor):
     raise ValueError(f"predictor must be a DamagePredictor, got {type(predictor).__name__}")

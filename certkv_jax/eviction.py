@@ -1,14 +1,9 @@
 """Eviction of a model's caches: a design applied to every (layer, row, KV head).
 
-:func:`evict` resolves the budget (``certkv_jax.budgets.eviction_targets``: the
-design's own, a per-layer schedule, or a traced fraction), then runs
-``design.evict`` on each cache with its own PRNG key, lifted with ``jax.vmap``
-over ``[n_layers, batch, n_kv_heads]``. On sequence-sharded caches (traced
-under a mesh) the same vmapped eviction runs through
-``certkv_jax.distributed_eviction.map_evict``, with the same result as one device.
-
-In evaluation mode :func:`record_inclusion` adds each round's inclusion
-probabilities to the shadow full cache (:func:`evict_and_record` does both).
+:func:`evict` resolves the budget, then runs ``design.evict`` on each cache with
+its own PRNG key (``jax.vmap``; sequence-sharded caches through
+``distributed_eviction.map_evict``, with the same result). In evaluation mode
+:func:`record_inclusion` keeps each round's inclusion probabilities in the shadow cache.
 """
 
 from __future__ import annotations
@@ -28,9 +23,7 @@ from certkv_jax.caches import over_heads
 
 
 def init_state(design, caches: KVCache):
-  """The design's state for every cache (zero counters), leaves
-  ``[n_layers, batch, n_kv_heads]``; the caller carries it from round to round.
-  ``caches`` stacked or per layer (``caches.unstack``)."""
+  """The design's zero state, leaves ``[n_layers, batch, n_kv_heads]``, carried by the caller."""
   if caches_lib.is_unstacked(caches):
     return caches_lib.stack(tuple(over_heads(design.init)(c) for c in caches))
   return jax.vmap(over_heads(design.init))(caches)
@@ -40,38 +33,22 @@ def evict(design, caches: KVCache, key, *, state=None, layer_budgets=None, budge
           allocation=None, gains=None):
   """Applies ``design.evict`` to every (layer, row, KV head) cache (jitted).
 
-  Called eagerly it checks ``budget`` where it is concrete and runs one jitted
-  program per (design, layer_budgets, shapes); inside an enclosing ``jit`` it
-  is inlined.
-
   Args:
     design: a ``certkv_jax.EvictionDesign``.
-    caches: stacked caches, leaves ``[n_layers, batch, n_kv_heads, ...]``, or
-      per layer (``caches.unstack``: each layer evicted in its own buffers,
-      the same draws; returned per layer). An allocation then reads them
-      stacked (a copy), and sequence-sharded caches must be stacked.
+    caches: stacked caches, leaves ``[n_layers, batch, n_kv_heads, ...]``, or per
+      layer (``caches.unstack``; returned per layer, not on a mesh).
     key: PRNG key, split into one key per cache.
-    state: the design's state from :func:`init_state` or the previous round
-      (its counters: rounds, redraws, dropped tokens, rounds over budget);
-      None starts from zero.
-    layer_budgets: optional, static: one budget per layer, all ints (tokens)
-      or all floats (fractions), e.g. ``budgets.pyramid_budgets``; it
-      replaces the design's own budget, layer by layer.
-    budget: optional, may be traced: a fraction in (0, 1] of the tokens seen,
-      a scalar or one per batch row (``[batch]``), that replaces the design's
-      budget in every layer, so that one compiled program serves every
-      budget. Checked by ``budgets.check_budget`` where it is concrete.
-    allocation: optional, static: a per-head allocation
-      (``certkv_jax.allocation``: AdaKV, CertificateTargeted, TargetRadius,
-      Pyramid) that redistributes the targets among heads; the caches must
-      be sized for its ``max_target`` (``budgets.capacity(allocation=...)``).
-    gains: [n_layers, n_kv_heads] output-projection gains, for the
-      allocations that need them (``allocation.kv_head_gains``).
+    state: the design's counters from :func:`init_state` or the last round; None: zero.
+    layer_budgets: optional, static: one budget per layer, all ints (tokens) or
+      all floats (fractions), replacing the design's.
+    budget: optional, may be traced: a fraction in (0, 1], scalar or ``[batch]``,
+      replacing the design's in every layer (one program for every budget).
+    allocation: optional, static: a per-head allocation (``certkv_jax.allocation``;
+      not on sequence-sharded caches), with ``gains`` [n_layers, n_kv_heads] if it needs them.
 
   Returns:
-    ``(caches, state, info)``: ``info`` the design's ``EvictionInfo`` of this
-    round, leaves ``[n_layers, batch, n_kv_heads, ...]``; ``state`` the
-    updated counters.
+    ``(caches, state, info)``: ``info`` the round's ``EvictionInfo``, leaves
+    ``[n_layers, batch, n_kv_heads, ...]``.
   """
   if layer_budgets is not None:
     layer_budgets = tuple(layer_budgets)
@@ -127,20 +104,14 @@ _evict_jit = jax.jit(_evict, static_argnames=("design", "layer_budgets", "alloca
 
 
 def _evict_per_layer(design, evict_all, caches: tuple, per_cache):
-  """``evict_all`` on per-layer caches: the design runs once over every layer's
-  stacked per-slot metadata, keys and values standing in as their norms (or
-  zeros) when its scores read no more
-  (``distributed_eviction.design_reads``), and each layer then applies the
-  kept slots and offsets to its own buffers (``cache.apply_keep``: evicted
-  keys and values zeroed in place). A design whose scores read whole keys or
-  values gets them stacked (a copy)."""
+  """``evict_all`` on per-layer caches: one decision on the stacked slot metadata (keys
+  and values as norms or zeros unless read), applied by each layer to its own buffers."""
   reads = distributed_eviction.design_reads(design)
 
   def stand_in(name):  # [n_layers, b, h, cap, 1]: the stacked norms, or zeros unread
     xs = [getattr(c, name) for c in caches]
     if f"{name}_norm" in reads:
       return jnp.stack([distributed_eviction.norm_column(x) for x in xs])
-    # One broadcast, not a stack of per-layer zeros: a stack is computed from no input.
     return jnp.zeros((len(xs),) + xs[0].shape[:-1] + (1,), jnp.float32)
 
   if reads is None:
@@ -149,7 +120,6 @@ def _evict_per_layer(design, evict_all, caches: tuple, per_cache):
     meta = caches_lib.stack([c._replace(k=None, v=None) for c in caches])
     meta = meta._replace(k=stand_in("k"), v=stand_in("v"))
   new, out = evict_all(meta, *per_cache)
-  # Each layer applies its decision (kept slots, offsets) to its own buffers.
   apply = over_heads(cache_lib.apply_keep)
   return tuple(apply(c, new.valid[i], new.log_pi[i]) for i, c in enumerate(caches)), out
 
@@ -164,21 +134,9 @@ def _n_seen(caches):
 def record_inclusion(shadow: KVCache, before: KVCache, info) -> KVCache:
   """Evaluation mode: adds one eviction round's ``log pi`` to the shadow cache's record.
 
-  The shadow cache holds every token at slot = position (it is never
-  evicted and padding takes no slot), and its ``log_pi`` accumulates each
-  token's log inclusion probability over the rounds it took part in: a kept
-  token's total equals its offset in the evicted cache; an evicted token's
-  total stops at the round that evicted it (the product up to that round is
-  all that is defined for it).
-
-  Args:
-    shadow: the shadow caches, leaves ``[n_layers, batch, n_kv_heads, ...]``.
-    before: the caches the round was applied to.
-    info: the round's ``EvictionInfo`` (per slot of ``before``).
-
-  Returns:
-    The shadow caches with the round's ``log pi`` added. Per-layer ``shadow``
-    and ``before`` (``caches.unstack``) are recorded layer by layer.
+  The never-evicted shadow (slot = position) accumulates each token's log
+  inclusion probability over its rounds (method, section 9); ``before``: the
+  caches the round applied to, ``info``: its ``EvictionInfo``.
   """
   if caches_lib.is_unstacked(shadow) or caches_lib.is_unstacked(before):
     shadows, befores = caches_lib.unstack(shadow), caches_lib.unstack(before)
