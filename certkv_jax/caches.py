@@ -1,11 +1,7 @@
 """A model's caches: one :class:`certkv_jax.KVCache` per (layer, batch row, KV head).
 
-The per-head caches are stacked into one pytree whose leaves are
-``[n_layers, batch, n_kv_heads, ...]``. The single-head cache functions of
-``certkv_jax.cache`` are lifted over batch and KV heads with ``jax.vmap``
-(:func:`over_heads`); layers are the leading axis that the model's layer loop
-or a third ``vmap`` (eviction) walks. Any model config with ``n_layers``,
-``n_kv_heads`` and ``head_dim`` sizes them (:class:`CacheSpec` is the minimal one).
+Stacked, leaves ``[n_layers, batch, n_kv_heads, ...]``, or a tuple per layer
+(:func:`unstack`); :func:`over_heads` lifts ``certkv_jax.cache`` over the heads.
 """
 
 from __future__ import annotations
@@ -37,38 +33,21 @@ class CacheSpec:
 
 
 def init_caches(config, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
-  """Empty caches, leaves ``[n_layers, batch, n_kv_heads, ...]``.
-
-  ``config`` is any object with ``n_layers``, ``n_kv_heads`` and ``head_dim``
-  (a :class:`CacheSpec`, ``models.LlamaConfig``, a user's own config).
-  """
+  """Empty caches ``[n_layers, batch, n_kv_heads, ...]`` for a config such as :class:`CacheSpec`."""
   one = certkv_jax.init_cache(capacity, config.head_dim, dtype=dtype)
   lead = (config.n_layers, batch, config.n_kv_heads)
   return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, lead + x.shape), one)
 
 
 def abstract_caches(config, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
-  """The shapes and dtypes of :func:`init_caches` without allocating them
-  (``jax.ShapeDtypeStruct`` leaves), for sharding plans and memory sums."""
+  """:func:`init_caches`' ``jax.ShapeDtypeStruct`` leaves, allocating nothing."""
   return jax.eval_shape(lambda: init_caches(config, batch, capacity, dtype))
 
 
 def append(cache: KVCache, k_new, v_new, new_valid) -> KVCache:
-  """Appends a chunk's keys and values to one layer's caches.
+  """Appends keys and values ``[batch, n_kv_heads, t, head_dim]`` to one layer's caches.
 
-  Traced under a mesh with the axes data, model and seq (``jax.set_mesh``),
-  the caches are sequence-sharded and ``certkv_jax.distributed.append`` puts
-  every token in the slot one device would; otherwise ``cache.append`` runs
-  per (row, KV head).
-
-  Args:
-    cache: one layer's caches, leaves ``[batch, n_kv_heads, cap, ...]``.
-    k_new: [batch, n_kv_heads, t, head_dim] keys.
-    v_new: [batch, n_kv_heads, t, head_dim] values.
-    new_valid: [batch, n_kv_heads, t] bool, False on padding (takes no slot).
-
-  Returns:
-    The caches with the new tokens.
+  ``new_valid`` [batch, n_kv_heads, t] is False on padding (no slot).
   """
   if distributed.cache_mesh() is not None:
     return distributed.append(cache, k_new, v_new, new_valid)
@@ -86,21 +65,9 @@ class ChunkSlots(NamedTuple):
 def reserve(caches: KVCache, new_valid) -> tuple[KVCache, ChunkSlots]:
   """Every layer's slots for a chunk, with all but its keys and values written.
 
-  The slots, positions, flags and zeroed statistics of a chunk's tokens do
-  not depend on their keys, so they are written for every layer at once; then
-  :func:`write_kv` puts each layer's keys and values into its slots, in place.
-  Together they are :func:`append` on every layer, without copying a layer
-  out and back; written layer by layer, the metadata of layer ``i + 1`` would
-  not wait for layer ``i`` to read its own, and XLA copies the stacked arrays
-  to keep them apart. On sequence-sharded caches (under a mesh) nothing is
-  written here (``idx`` None): :func:`write_kv` appends there.
-
-  Args:
-    caches: stacked caches, leaves ``[n_layers, batch, n_kv_heads, ...]``.
-    new_valid: [batch, t] bool, False on (right) padding.
-
-  Returns:
-    ``(caches, ChunkSlots)``.
+  With :func:`write_kv` per layer, :func:`append` on every layer without copies;
+  ``new_valid`` [batch, t] is False on right padding. Sequence-sharded caches get
+  ``idx`` None, and :func:`write_kv` appends.
   """
   n_kv = caches.n_seen.shape[-1]
   start = caches.n_seen[0, :, 0]  # [batch], equal across layers and KV heads
@@ -121,22 +88,15 @@ def reserve(caches: KVCache, new_valid) -> tuple[KVCache, ChunkSlots]:
 
 
 def write_kv(caches: KVCache, i, slots: ChunkSlots, k_new, v_new) -> KVCache:
-  """Layer ``i``'s (int or traced) keys and values of a chunk into the slots
-  :func:`reserve` gave them (one scatter per field, in place when the caches
-  are donated or carried by a loop).
-
-  Args:
-    k_new: [batch, n_kv_heads, t, head_dim]; v_new: [batch, n_kv_heads, t, value_dim].
-  """
+  """Layer ``i``'s (int or traced) keys [batch, n_kv_heads, t, head_dim] and values into
+  the slots :func:`reserve` gave them (one scatter per field, in place when donated)."""
   if slots.idx is None:  # sequence-sharded: the whole append on the layer
     return with_layer(caches, i, append(layer(caches, i), k_new, v_new, slots.new_valid))
   idx = jax.lax.dynamic_index_in_dim(slots.idx, i, axis=0, keepdims=False)  # [b, h, t]
   b, h = idx.shape[:2]
   one = layer(caches, i)
-  # The cache held no token before this chunk (every valid slot is one of its
-  # own) and the chunk's first token is real: its value becomes the reference.
   stored = jnp.sum(idx < one.capacity, axis=-1)
-  fresh = (jnp.sum(one.valid, axis=-1) == stored) & slots.new_valid[:, :, 0]
+  fresh = (jnp.sum(one.valid, axis=-1) == stored) & slots.new_valid[:, :, 0]  # v_ref: the first
   new, v_ref = over_heads(cache_lib.slot_kv)(one, k_new, v_new, fresh)
   at = (i, jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], idx)
   return caches._replace(
@@ -145,10 +105,7 @@ def write_kv(caches: KVCache, i, slots: ChunkSlots, k_new, v_new) -> KVCache:
 
 
 def rebase(caches):
-  """``cache.rebase`` where an eviction left a ``v_ref`` that is not its
-  reference slot's value (stacked or per-layer caches; per layer, each layer
-  on its own). The check is cheap; the pass over the values runs only when
-  some cache needs it (a design without sinks whose oldest kept token left)."""
+  """``cache.rebase``, run only where an eviction left a stale ``v_ref`` (any layout)."""
   if distributed.cache_mesh() is not None:  # sharded: no collectives inside a cond
     return cache_lib.rebase(caches)
   if is_unstacked(caches):
@@ -161,12 +118,8 @@ def rebase(caches):
 def unstack(caches: KVCache) -> tuple:
   """Stacked caches as a tuple of per-layer caches (leaves ``[batch, n_kv_heads, ...]``).
 
-  Each layer's arrays become buffers of their own, which a Python loop over the
-  layers (``models.forward.forward_chunk(layer_loop="unrolled")``) updates and
-  reads in place, and ``certkv_jax.eviction.evict`` evicts in place; a layer of
-  stacked caches is a slice, copied out for every matmul that reads it. It
-  copies: call it once before a decode loop and carry the tuple. Caches
-  already unstacked are returned as they are.
+  A layer loop and eviction then update each layer's buffers in place; it copies,
+  so call it once before a decode loop. Unstacked caches are returned as they are.
   """
   if is_unstacked(caches):
     return caches
@@ -192,8 +145,7 @@ def layer(caches: KVCache, i) -> KVCache:
 
 
 def with_layer(caches: KVCache, i, cache: KVCache, fields=None) -> KVCache:
-  """Stacked caches with layer ``i`` replaced by ``cache`` (in place inside a loop);
-  ``fields``: only those fields (None: all)."""
+  """Stacked caches with layer ``i``'s ``fields`` (None: all) replaced by ``cache``'s."""
   fields = KVCache._fields if fields is None else fields
   put = lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, axis=0)
   return caches._replace(**{f: put(getattr(caches, f), getattr(cache, f)) for f in fields})

@@ -1,23 +1,8 @@
-"""What a kept token costs: key/value bytes plus the per-slot metadata a design needs.
+"""What a kept token costs: key/value bytes plus the per-slot metadata its design reads.
 
-Designs are compared at equal memory (method, section 12): the bytes their
-kept tokens hold, not their nominal budgets. A slot holds its key and value
-(``head_dim`` and ``value_dim`` entries of ``dtype``) and the metadata its
-design reads (``certkv_jax.cache.KVCache``'s per-slot fields):
-
-* every design: ``pos`` (int32: sinks, the recent window, RoPE bookkeeping)
-  and ``valid`` (1 byte);
-* the statistics its scores read (``design.reads``: ``acc``, ``last``,
-  ``obs``, 4 bytes each), and ``obs`` for an allocation that reads the
-  observation window (``certkv_jax.allocation.CertificateTargeted``);
-* a randomized design: ``log_pi`` (its offset) and ``v_sq`` (the certificate's
-  stored value norms), 4 bytes each.
-
-This is the layout a serving system would store; our caches carry every
-field for every design (``cache.cache_bytes``), which costs the same for all
-designs and is left out of the comparison. A static buffer sized for a
-per-head maximum (``budgets.capacity(allocation=...)``) is counted by the
-slots its kept tokens fill: a paged or ragged layout holds only those.
+Designs are compared at equal memory, the bytes their kept tokens hold, not
+their nominal budgets (method, section 12, "Equal memory"), in the layout a
+serving system would store, not our caches' all-fields one (``cache.cache_bytes``).
 """
 
 from __future__ import annotations
@@ -55,12 +40,8 @@ def slot_bytes(design, head_dim: int, value_dim: int | None = None, dtype=jnp.fl
 
 def token_fraction(memory: float, design, head_dim: int, value_dim: int | None = None,
                    dtype=jnp.float32, allocation=None) -> float:
-  """The budget (fraction of tokens) whose kept bytes equal ``memory`` times the
-  full cache's key/value bytes: ``memory * kv_bytes / slot_bytes(design)``.
-
-  Raises:
-    ValueError unless ``memory`` is in (0, 1].
-  """
+  """The budget (fraction of tokens) whose kept bytes are ``memory`` in (0, 1] times the
+  full cache's key/value bytes (ValueError otherwise)."""
   if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory <= 1:
     raise ValueError(f"memory must be a fraction in (0, 1] of the full cache, got {memory!r}")
   full = slot_bytes(None, head_dim, value_dim, dtype)
