@@ -1,34 +1,11 @@
 """Checked mode: the bad-input checks of method, section 9 ("Bad input"), under ``jit``.
 
-The public functions check argument values only when the arrays are concrete
-(outside ``jit`` and ``vmap``). Traced bad values run through and give the
-results that the docstrings and method, section 9 describe (NaN or infinite
-radii, outputs of 0, silently dropped tokens). This module adds the same
-checks as ``jax.experimental.checkify`` checks, which do run under ``jit``::
-
-    from certkv_jax import checked
+Elsewhere values are checked only when concrete; these wrappers add the same
+checks as ``checkify`` checks, leaving the unchecked programs unchanged::
 
     f = checked.checked(checked.checked_offset_attention)   # jitted, checkified
     err, res = f(q, k, v, log_pi, mask)
     err.throw()   # ValueError naming the argument, if a check failed
-
-The checks live only in these wrappers. The unchecked functions are unchanged:
-their jitted programs contain no check and give bit-identical results whether
-or not this module is used, and a checked wrapper returns exactly what its
-unchecked function returns. A function with checks must be staged through
-``checkify.checkify`` (:func:`checked` does it, with ``jit``); called eagerly,
-a failing check raises ``checkify.JaxRuntimeError`` (a ValueError) at once;
-staged under plain ``jit`` without ``checkify`` it fails at trace time.
-
-What is checked (each message names the argument and the allowed range):
-
-* :func:`check_attention_inputs`: ``q`` finite; ``k``, ``v``, ``log_pi``
-  finite on valid slots; ``log_pi <= 0`` there; every ``mask`` row has a
-  valid slot (an all-False row is a defined result of
-  ``certkv_jax.offset_attention``, out 0, but in a model it means a bug).
-* :func:`check_delta`: every ``delta`` in (0, 1), NaN excluded.
-* :func:`check_no_overflow`: no cache has dropped a token on append
-  (``KVCache.n_dropped == 0``; method, section 9, "Capacity and overflow").
 """
 
 from __future__ import annotations
@@ -47,9 +24,7 @@ from certkv_jax import certificate
 
 Array = jax.Array
 
-# The checkify error set of this module's checks (``checkify.check`` calls).
-# ``errors=`` can add checkify's automatic checks (e.g. ``checkify.nan_checks``),
-# which instrument every operation instead of the inputs.
+# The checks here (``checkify.check``); ``errors=`` can add e.g. ``checkify.nan_checks``.
 ERRORS = checkify.user_checks
 
 
@@ -63,18 +38,8 @@ def _first_bad(x, ok):
 def check_attention_inputs(q, k, v, log_pi, mask, *, allow_empty_rows: bool = False) -> None:
   """Checkify checks of the inputs of ``certkv_jax.offset_attention``.
 
-  Shapes and dtypes are checked statically (ValueError/TypeError at trace
-  time, as in ``offset_attention``).
-
-  Args:
-    q: [..., d] queries; must be finite.
-    k: [..., n, d] keys; finite on valid slots.
-    v: [..., n, dv] values (None to skip, for ``attention_probs``); finite on
-      valid slots.
-    log_pi: [..., n] log inclusion probabilities; finite and <= 0 on valid slots.
-    mask: [..., n] bool.
-    allow_empty_rows: accept mask rows with no valid slot (their result is
-      defined: out 0, lse -inf).
+  ``q`` finite; ``k``, ``v`` (None to skip) and ``log_pi <= 0`` finite on
+  valid slots; every ``mask`` row has a valid slot unless ``allow_empty_rows``.
   """
   q, k, log_pi, mask = (jnp.asarray(x) for x in (q, k, log_pi, mask))
   v = None if v is None else jnp.asarray(v)
@@ -111,13 +76,7 @@ def check_delta(delta, name: str = "delta") -> None:
 
 
 def check_no_overflow(caches, name: str = "cache") -> None:
-  """Checkify check that no cache dropped a token on append.
-
-  Args:
-    caches: a ``KVCache`` of any leading shape (one head, or the stacked
-      ``[n_layers, batch, n_kv_heads]`` caches of ``certkv_jax.caches``).
-    name: how the message names the caches.
-  """
+  """Checkify check that no cache (``KVCache`` of any leading shape) dropped a token on append."""
   dropped = jnp.sum(caches.n_dropped, dtype=jnp.int32)
   checkify.check(dropped == 0, f"{name} overflow: {{n}} appended tokens found no free slot "
                  f"(capacity {caches.capacity} per head; n_dropped must stay 0): raise the "
@@ -126,12 +85,9 @@ def check_no_overflow(caches, name: str = "cache") -> None:
 
 def checked_offset_attention(q, k, v, log_pi, mask, *, allow_empty_rows: bool = False,
                              **kwargs) -> attention.OffsetAttentionResult:
-  """``certkv_jax.offset_attention`` with :func:`check_attention_inputs`.
+  """``certkv_jax.offset_attention`` with :func:`check_attention_inputs`; same result, bit for bit.
 
-  Keyword arguments other than ``allow_empty_rows`` go to ``offset_attention``;
-  the result is the same as the unchecked call's, bit for bit. Stored value
-  norms (``value_sqnorm``), when given, are checked too: finite and >= 0 on
-  valid slots.
+  A given ``value_sqnorm`` is checked too: finite and >= 0 on valid slots.
   """
   check_attention_inputs(q, k, v, log_pi, mask, allow_empty_rows=allow_empty_rows)
   if kwargs.get("value_sqnorm") is not None:
@@ -155,9 +111,7 @@ def checked_attention_probs(q, k, log_pi, mask, *, allow_empty_rows: bool = Fals
 def checked_certificate_radius(result, delta, form: str = "bernstein") -> Array:
   """``certkv_jax.certificate_radius`` with :func:`check_delta`.
 
-  The statistics are not checked: a NaN ``var_hat`` marks a call left out of a
-  subsampled certificate (``models.decode``); check the attention inputs with
-  :func:`checked_offset_attention` instead.
+  The statistics are not checked: NaN marks a call left out of a subsampled certificate.
   """
   check_delta(delta)
   return certificate.certificate_radius(result, delta, form)
@@ -170,12 +124,7 @@ def checked_radius_from_stats(var_hat, range_hat, delta, form: str = "bernstein"
 
 
 def checked_append(cache: cache_lib.KVCache, k_new, v_new, new_valid=None) -> cache_lib.KVCache:
-  """``certkv_jax.cache.append`` that fails (checkify) if any token was dropped.
-
-  The check reads the cache's cumulative ``n_dropped`` after the append, so a
-  cache that overflowed earlier fails too. Works per head and under ``vmap``
-  (e.g. ``certkv_jax.caches.over_heads(checked_append)``).
-  """
+  """``certkv_jax.cache.append`` that fails (checkify) if the cache ever dropped a token."""
   new = cache_lib.append(cache, k_new, v_new, new_valid)
   check_no_overflow(new)
   return new
@@ -184,27 +133,15 @@ def checked_append(cache: cache_lib.KVCache, k_new, v_new, new_valid=None) -> ca
 def checked(fn: Callable, *, errors=ERRORS, jit: bool = True, **jit_kwargs) -> Callable:
   """``fn`` with its checkify checks functionalised: returns ``(err, out)``.
 
-  Args:
-    fn: a function that calls the ``check_*`` / ``checked_*`` functions here
-      (or any ``checkify.check``).
-    errors: checkify error set (default :data:`ERRORS`, the user checks).
-    jit: wrap the checkified function in ``jax.jit``.
-    **jit_kwargs: passed to ``jax.jit`` (e.g. ``static_argnames``).
-
-  Returns:
-    A function with ``fn``'s arguments that returns ``(err, out)``;
-    ``err.throw()`` raises ``checkify.JaxRuntimeError`` (a ValueError) with
-    the first failed check's message, ``err.get()`` returns it or None.
+  ``jit`` wraps it in ``jax.jit`` with ``jit_kwargs``; ``err.throw()`` raises
+  ``checkify.JaxRuntimeError`` (a ValueError) with the first failed check.
   """
   f = checkify.checkify(fn, errors=errors)
   return jax.jit(f, **jit_kwargs) if jit else f
 
 
 def raising(fn: Callable, *, errors=ERRORS, **jit_kwargs) -> Callable:
-  """``fn`` jitted and checkified, raising on a failed check and returning ``out``.
-
-  Each call waits for the error value, i.e. synchronises with the device.
-  """
+  """``fn`` jitted and checkified, raising on a failed check (synchronises with the device)."""
   f = checked(fn, errors=errors, **jit_kwargs)
 
   @functools.wraps(fn)

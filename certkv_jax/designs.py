@@ -322,10 +322,10 @@ def priority_blend(budget, *, certain: CertaintySet = CertaintySet(),
                    window_weight: float = 0.5, window_share: float = 0.0, pool_size: int = 5,
                    min_tail: int = 16, eps: float = 1e-6,
                    observation_window: Optional[int] = None) -> EvictionDesign:
-  """:func:`priority_floor` weighting H2O's and SnapKV's statistics (method, section 3, "Blended weights").
+  """:func:`priority_floor` weighting H2O's and SnapKV's statistics.
 
-  ``window_share`` of the tail slots go first to the tokens the window attends
-  to most, with certainty.
+  Method, section 3, "Blended weights": ``window_share`` of the tail slots go
+  first to the tokens the window attends to most, with certainty.
 
   Raises:
     ValueError unless ``window_weight`` is in [0, 1] and ``window_share`` in [0, 1).
