@@ -1,13 +1,7 @@
-"""Eviction on sequence-sharded caches, exactly as on one device.
+"""Eviction on sequence-sharded caches, exactly as on one device (:func:`map_evict`).
 
-Part of the scale-out of :mod:`certkv_jax.distributed`: :func:`map_evict`
-runs a per-head eviction inside ``jax.shard_map``. Each device all-gathers
-the per-slot metadata of its heads over ``seq`` (``log_pi``, ``pos``,
-``valid``, the attention statistics, and the key/value norms when a score
-reads them: ``O(cap)`` numbers per head, against ``O(cap d)`` for keys and
-values), runs the design on whole heads with the same PRNG keys (so the same
-kept set and inclusion probabilities as one device), then keeps or zeroes its
-own slots; no token leaves its slot.
+Each device gathers only per-slot metadata (``O(cap)`` per head, not the
+``O(cap d)`` keys and values), so the design sees whole heads with the same keys.
 """
 
 from __future__ import annotations
@@ -30,48 +24,27 @@ _NORMS = frozenset({"k_norm", "v_norm"})
 
 
 def design_reads(design) -> Optional[set]:
-  """What ``design.evict`` reads of the keys and values, from its scores' ``reads``.
-
-  Returns:
-    A set of "k_norm" / "v_norm" when the design's scores read at most the
-    key and value norms, or None when one reads whole keys or values.
-  """
+  """The "k_norm" / "v_norm" that ``design.evict`` reads, or None if it reads whole k or v."""
   reads = design.reads & (_NORMS | {"k", "v"})
   return set(reads) if reads <= _NORMS else None
 
 
 def norm_column(x):
-  """[..., cap, d] -> [..., cap, 1] float32 row norms. The scores take
-  ``jnp.linalg.norm`` of this one-element row, ``sqrt(x * x)``, which is ``x``
-  exactly in binary floating point (no underflow at these magnitudes)."""
+  """[..., cap, d] -> [..., cap, 1] float32 row norms; a score's norm of this one-element
+  row is the norm again, exactly."""
   return jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
 
 
 def map_evict(design, fn, caches: KVCache, *head_args):
   """Runs a per-head eviction on sequence-sharded caches exactly as on one device.
 
-  ``fn(caches, *head_args) -> (new_caches, info)`` is the one-device eviction
-  of all heads (``models.decode.evict``'s vmapped ``design.evict``), with
-  cache leaves ``[n_layers, batch, n_kv_heads, cap, ...]``, ``head_args``
-  leaves ``[n_layers, batch, n_kv_heads, ...]`` (PRNG keys, per-head targets)
-  and ``info`` leaves ``[n_layers, batch, n_kv_heads]`` or ``[..., cap]``.
-
-  Inside ``shard_map`` each device all-gathers the per-slot metadata of its
-  heads over ``seq`` and runs ``fn`` on whole heads: same inputs and keys, so
-  the same kept set and inclusion probabilities as one device. Keys and
-  values are not gathered: the designs' scores read them only through their
-  norms (``KeyNorm``, ``ValueAware``), which are gathered as one number per
-  slot. A design with a score this module does not know gathers k and v
-  whole (correct, but then eviction briefly holds a full head per device).
-
-  Args:
-    design: the eviction design (its scores decide what is gathered).
-    fn: the one-device eviction, traceable.
-    caches: stacked caches sharded by :func:`cache_specs` ``(1)``.
-    *head_args: per-head arrays, sharded over data and model like the caches.
-
-  Returns:
-    ``(new_caches, info)`` sharded like the inputs (info's slot leaves over seq).
+  In ``shard_map`` each device all-gathers its heads' slot metadata over ``seq``
+  (keys and values as norms unless ``design``'s scores read them whole), runs
+  ``fn(caches, *head_args) -> (new_caches, info)``, the one-device eviction, on
+  whole heads with the same PRNG keys, then keeps or zeroes its own slots.
+  ``caches`` are sharded by ``distributed.cache_specs(1)``, ``head_args`` (keys,
+  targets) ``[n_layers, batch, n_kv_heads, ...]`` like them; the result is
+  sharded like the inputs (info's slot leaves over seq).
   """
   mesh = distributed._require_mesh(None)  # pylint: disable=protected-access
   distributed.check_cache(mesh, caches, lead=1)

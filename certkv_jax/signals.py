@@ -1,38 +1,10 @@
-"""Online warning signals of one attention call, from the kept set alone.
+"""Online warning signals of one attention call, from the kept set alone (method, section 10).
 
-The conformal scale (:mod:`certkv_jax.calibration`) fixes the certificate's
-level on average; these signals say, per call and without the full cache,
-when the certificate's own ingredients look fragile. All of them are functions
-of what the cache holds: the offset-attention probabilities ``p`` over kept
-slots (softmax of ``s_i - log pi_i``, 0 on invalid slots), the inclusion
-probabilities ``pi`` (1 on the certainty set), the values and the output.
-
-Per call (one query, one KV head), with the kept tail ``T_S = {i in S: pi_i < 1}``
-and ``w_i = 1 - pi_i``:
-
-* ``ess = 1 / sum_S p_i^2`` -- effective sample size of the offset weights
-  (Kish), in ``[1, |S|]``; small when a few slots carry the output.
-* ``max_tail_weight = max_{T_S} w_i p_i`` -- the largest tail term's weight.
-* ``range_ratio = b_hat / sqrt(V_hat)`` -- in ``[0, 1]`` (``b_hat^2`` is one
-  of the terms that sum to ``V_hat``); near 1 when one tail slot dominates the
-  variance, i.e. the Gaussian part of the Bernstein radius is unreliable.
-  Defined as 0 when ``V_hat = 0`` (then ``b_hat = 0`` too, in exact arithmetic).
-* ``entropy = -sum_S p_i log p_i`` (nats; ``0 log 0 = 0``).
-* ``r_hat = m_hat * max_{T_S} p_i`` -- a kept-set stand-in for the
-  Assumption-2 ratio ``R = m max_T a_i / (pi_i sum_C a_j)`` (method, section 6,
-  which needs the full cache): ``p_i = (a_i / pi_i) / sum_S a_j / pi_j`` and
-  the Hajek denominator estimates ``sum_C a_j``. The design's expected tail
-  size ``m`` is not visible from the kept set, so ``m_hat = |T_S|``, the
-  number of kept tail slots (its realisation; ``E|T_S| = m``).
-* ``tail_mass = sum_{T_S} p_i``.
-
-``var_hat`` and ``range_hat`` (the certificate statistics ``V_hat``, ``b_hat``)
-come from the one implementation of method, section 4 in
-``pallas_kernels.reference`` (the same code behind
-:func:`certkv_jax.offset_attention`), fed with ``log p`` as the logits.
-
-Write for one call, lift with vmap: :func:`signals` is one call,
-:func:`signals_batched` maps it over any leading dimensions.
+Per call, without the full cache, they say when the certificate's own
+ingredients look fragile: ``ess``, ``max_tail_weight``, ``range_ratio``,
+``entropy``, ``r_hat`` (a kept-set stand-in for Assumption 2's ratio) and
+``tail_mass``, with ``V_hat`` and ``b_hat`` from ``pallas_kernels.reference``.
+:func:`signals` is one call; :func:`signals_batched` maps it over leading dims.
 """
 
 from __future__ import annotations
@@ -118,9 +90,7 @@ def _signals_one(p, pi, mask, v, o_hat) -> Signals:
   r_hat = jnp.sum(tail).astype(jnp.float32) * jnp.max(tail_p, initial=0.0)
   tail_mass = jnp.sum(tail_p)
 
-  # V_hat and b_hat by the reference implementation (one formula, one place):
-  # with logits log p, its softmax is p itself; o_hat is the centre of the
-  # second-order sums, and the statistics are taken about sum_S p_i v_i.
+  # V_hat, b_hat by the reference code: logits log p give softmax p, centred at o_hat.
   l = jnp.where(mask & (p > 0), jnp.log(safe_p), -jnp.inf)[None, :]  # [1, n]
   valid = mask[None, :]  # [1, n]
   hp = jax.lax.Precision.HIGHEST
@@ -145,22 +115,18 @@ def signals(p, pi, mask, v, o_hat) -> Signals:
   """Warning signals of one attention call (one query, one head).
 
   Args:
-    p: [n] offset-attention probabilities over the slots (e.g.
-      :func:`certkv_jax.attention_probs`); 0 on invalid slots.
-    pi: [n] inclusion probabilities in (0, 1] (``exp(log_pi)`` of the cache;
-      1 on the certainty set). Read only where ``mask``.
+    p: [n] offset-attention probabilities (:func:`certkv_jax.attention_probs`),
+      0 on invalid slots.
+    pi: [n] inclusion probabilities in (0, 1] (1 on the certainty set), read
+      only where ``mask``.
     mask: [n] bool, True for slots that hold a kept token.
     v: [n, dv] values.
-    o_hat: [dv] the call's output ``sum_i p_i v_i``, used as the centre of
-      the variance sums (any centre gives the same statistics up to rounding;
-      this one makes the rounding smallest).
+    o_hat: [dv] the call's output, the centre of the variance sums (any centre
+      gives the same statistics up to rounding; this one the least rounding).
 
-  Returns:
-    :class:`Signals` of scalars.
-
-  Raises:
-    ValueError naming the argument for wrong shapes/dtypes and, outside jit,
-    ``p`` outside [0, 1] or ``pi`` outside (0, 1] on a valid slot.
+  Returns :class:`Signals` of scalars; ValueError naming the argument for wrong
+  shapes/dtypes and, outside jit, ``p`` outside [0, 1] or ``pi`` outside (0, 1]
+  on a valid slot.
   """
   p, pi, mask, v, o_hat = (jnp.asarray(x) for x in (p, pi, mask, v, o_hat))
   _check(p, pi, mask, v, o_hat, lead_ndim=0)
@@ -170,13 +136,9 @@ def signals(p, pi, mask, v, o_hat) -> Signals:
 def signals_batched(p, pi, mask, v, o_hat) -> Signals:
   """:func:`signals` over leading dimensions (``jax.vmap`` of the one-call code).
 
-  Args:
-    p, pi, mask: [..., n]; v: [..., n, dv]; o_hat: [..., dv]. Leading dims
-      broadcast (numpy rules), e.g. v [b, h_kv, 1, n, dv] against the GQA
-      group p [b, h_kv, g, n].
-
-  Returns:
-    :class:`Signals` with fields of the broadcast leading shape ``[...]``.
+  ``p``, ``pi``, ``mask`` [..., n], ``v`` [..., n, dv] and ``o_hat`` [..., dv]
+  broadcast by numpy rules (e.g. v [b, h_kv, 1, n, dv] against p [b, h_kv, g, n]);
+  the fields of the result have the broadcast leading shape.
   """
   p, pi, mask, v, o_hat = (jnp.asarray(x) for x in (p, pi, mask, v, o_hat))
   lead, n, dv = _check(p, pi, mask, v, o_hat)
