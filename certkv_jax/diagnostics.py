@@ -1,9 +1,7 @@
-"""Evaluation-mode truths: what the certificate is judged against.
+"""Evaluation-mode truths the certificate is judged against, from the full cache.
 
-These need the full cache (a shadow cache kept only in evaluation mode):
-the true attention output ``o``, the realised error ``||o_hat - o||``, and the
-Assumption-2 ratio ``R`` of method, section 6. Plus the summary statistics the
-experiments report (coverage, sharpness, the log R regression).
+The true output, the realised error, the Assumption-2 ratio (method, section 6)
+and the summaries the experiments report (coverage, sharpness, the log R fit).
 """
 
 from __future__ import annotations
@@ -45,21 +43,16 @@ def attention_error(estimate, full) -> ErrorNorms:
 
 
 def assumption2_ratio(q, k, mask, tail, pi, m=None, *, scale: Optional[float] = None) -> Array:
-  """``R = m * max_{i in T} a_i / (pi_i sum_{j in C} a_j)`` (method, section 6).
-
-  Assumption 2 asks ``R <= B`` for a constant ``B``; the floor ``eps`` alone
-  only gives ``R <= m / eps``. Tokens with ``pi_i = 1`` belong to the certainty
-  set H and are excluded from T. Computed in log space.
+  """``R = m * max_{i in T} a_i / (pi_i sum_{j in C} a_j)`` (method, section 6), in log space.
 
   Args:
     q: [..., d]; k: [..., n, d] keys of the FULL context.
     mask: [..., n] bool, tokens of the context C.
-    tail: [..., n] bool, candidate tail tokens (those with pi < 1 count).
+    tail: [..., n] bool, candidate tail tokens (those with 0 < pi < 1 count).
     pi: [..., n] inclusion probabilities.
     m: expected number of kept random tail tokens; default ``sum_T pi``.
 
-  Returns:
-    R [...] float32 (0 where the tail is empty).
+  Returns R [...] float32, 0 where the tail is empty.
   """
   q, k, mask, tail, pi = (jnp.asarray(x) for x in (q, k, mask, tail, pi))
   if scale is None:

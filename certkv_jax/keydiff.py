@@ -1,10 +1,7 @@
 """KeyDiff (Park et al., 2025; kvpress's ``KeyDiffPress``): keep distinctive keys.
 
-A token scores minus the cosine similarity of its key to the anchor, the mean
-of the unit-normalised keys of the head's valid slots: keys that point away
-from the common direction are kept. It reads the keys only (no attention
-statistics), so it works with any attention implementation and in streaming.
-This file and one line in ``registry.py`` are the whole design.
+It reads the keys only, so it works with any attention and in streaming; this
+file and one line in ``registry.py`` are the whole design.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ from certkv_jax.cache import KVCache
 
 @dataclasses.dataclass(frozen=True)
 class KeyDiff:
-  """``-cos(k_i, mean_valid(k / ||k||))`` (torch's ``normalize`` and
-  ``cosine_similarity`` guards: eps 1e-12 and 1e-8 on the norms)."""
+  """``-cos(k_i, mean_valid(k / ||k||))`` with torch's guards (eps 1e-12, 1e-8 on norms)."""
 
   reads: ClassVar[frozenset] = frozenset({"k"})
 
