@@ -1,16 +1,9 @@
-"""Per-slot importance scores: ``score(cache) -> [cap] float32``.
+"""Per-slot importance scores: ``score(cache) -> [cap] float32``, higher = more important.
 
-The protocol (kvpress's ``score``, as a static pytree): a score is a frozen
-(hashable) dataclass with
-
-* ``__call__(cache) -> [cap]`` float32, higher = more important, read only on
-  valid slots;
-* ``reads``: the frozenset of what it reads of the cache, from :data:`READS`.
-
-Designs, statistics folding and sharded eviction ask ``reads`` instead of
-knowing score types: a score reading ``"obs"`` needs an observation window, a
-score reading only metadata and norms is evicted across devices without
-gathering keys and values. A new score is one class (see ``keydiff.py``).
+A score is a frozen (hashable) dataclass, kvpress's ``score`` as a static
+pytree, that declares ``reads`` (from :data:`READS`): designs and sharded
+eviction ask it instead of knowing score types (method, section 9, "The score
+protocol"). A new score is one class (see ``keydiff.py``).
 """
 
 from __future__ import annotations
@@ -43,8 +36,7 @@ class AccumulatedAttention:
 
 @dataclasses.dataclass(frozen=True)
 class CurrentAttention:
-  """TOVA: attention of the latest query. With the question as the latest
-  query this is the ``pi ∝ a`` score of method, section 6."""
+  """TOVA: attention of the latest query (``pi ∝ a`` of method, section 6, for the question)."""
 
   reads: ClassVar[frozenset] = frozenset({"last"})
 
@@ -54,9 +46,10 @@ class CurrentAttention:
 
 @dataclasses.dataclass(frozen=True)
 class WindowAttention:
-  """SnapKV: attention mass from the observation-window queries, average-pooled
-  over ``pool_size`` neighbouring kept positions (zero padding counted, as in
-  SnapKV's ``avg_pool1d``)."""
+  """SnapKV: observation-window attention mass, average-pooled over ``pool_size`` kept positions.
+
+  Zero padding is counted, as in SnapKV's ``avg_pool1d``.
+  """
 
   pool_size: int = 1
   reads: ClassVar[frozenset] = frozenset({"obs", "pos"})
@@ -125,50 +118,15 @@ class ValueAware:
 
 @dataclasses.dataclass(frozen=True)
 class Defensive:
-  """A defensive mixture of a base score with the uniform score (method,
-  section 6).
+  """A defensive mixture of a base score with the uniform score (method, sections 3 and 6).
 
-  On the valid slots (``n`` of them)::
-
-      score_i = (1 - u) * base_i / sum_valid(base) + u / n,    u = uniform_share
-
-  and 0 on free slots; the scores sum to 1 over the valid slots. A base whose
-  sum over the valid slots is 0 (nothing observed yet) falls back to the
-  uniform ``1 / n``; an empty cache gives all zeros. ``base`` must be
-  non-negative (attention masses); a negative concrete base raises, and under
-  ``jit`` a negative base is not repaired (the result is then meaningless).
-
-  **What it buys for Assumption 2** (method, sections 3 and 6). Let ``T`` be
-  the tail, ``m`` the expected kept tail count and ``pi`` the Eq. 2
-  probabilities from this score. Because the scores sum to 1 over the valid
-  slots, ``sum_T score <= 1``; so at ``c0 = m / sum_T score`` every tail token
-  has ``c0 score_i >= m score_i >= m u / n``. When ``eps <= m u / n`` (true for
-  the default ``eps = 1e-6``) the floor does not bind at ``c0``, the capped
-  tokens only raise the Eq. 2 multiplier above ``c0``, hence
-
-      pi_i >= min(1, m ((1 - u) bbar_i + u / n)) >= min(1, m u / n),
-
-  with ``bbar_i = base_i / sum_valid(base)``. For ANY query with attention
-  probabilities ``p_i = a_i / sum_C a`` (over the context ``C`` at eviction,
-  ``|C| = n``), the ratio ``R = m max_{T, pi<1} a_i / (pi_i sum_C a)`` obeys
-
-      R <= max_{i in T} p_i / ((1 - u) bbar_i + u / n)
-        <= min( max_T p_i / ((1 - u) bbar_i),   n max_T p_i / u ).
-
-  The second form holds whatever the query: the floor's ``m / eps`` becomes
-  ``n max_T p_i / u <= n / u``. That is still not a constant ``B`` (a query
-  that puts all its attention on one tail token still gives ``R ~ n / u``);
-  it is ``O(1 / u)`` only when the query spreads its tail attention, with
-  ``max_T p_i = O(1 / n)``. The first form is the score-matching term: a query
-  whose attention is at most ``K`` times the base share (``p_i <= K bbar_i``)
-  gets ``R <= K / (1 - u)``. (``m`` in ``R`` counted over ``pi < 1`` tokens, as
-  ``diagnostics.assumption2_ratio`` does, is at most the design's ``m``, so the
-  bound stands. Over several eviction rounds ``pi`` is the product of the
-  rounds' probabilities and the floors multiply.)
-
-  Attributes:
-    base: a non-negative score (e.g. ``AccumulatedAttention()``).
-    uniform_share: ``u`` in [0, 1]; 0 is the normalised base, 1 is uniform.
+  ``score_i = (1 - u) base_i / sum_valid(base) + u / n`` on the ``n`` valid
+  slots (``u = uniform_share`` in [0, 1]), 0 on free ones; a base summing to 0
+  gives ``1 / n``. ``base`` must be non-negative (a concrete negative one raises).
+  With ``m`` the expected kept tail count, every tail token gets
+  ``pi_i >= min(1, m u / n)``, so any query's Assumption-2 ratio obeys
+  ``R <= min(max_T p_i / ((1 - u) bbar_i), n max_T p_i / u)`` (``bbar`` the
+  normalised base): ``O(1 / u)`` only when the query spreads its tail attention.
   """
 
   base: Score
@@ -204,19 +162,11 @@ class Defensive:
 
 @dataclasses.dataclass(frozen=True)
 class Blend:
-  """A weighted sum of scores, each first normalised to sum 1 over the valid
-  slots (a part that is 0 everywhere contributes 0).
+  """A weighted sum of scores, each first normalised to sum 1 over the valid slots.
 
-  Normalising makes parts of different scales comparable: accumulated
-  attention sums to the number of queries folded so far, window attention to
-  the window's size. ``Blend((AccumulatedAttention(), WindowAttention(5)),
-  (0.5, 0.5))`` ranks a token high when either the history (H2O) or the
-  latest queries (SnapKV) attend to it, which :func:`designs.priority_blend`
-  samples from.
-
-  Attributes:
-    parts: non-negative scores, at least one.
-    weights: one non-negative weight per part, summing to a positive number.
+  Normalising makes history (H2O) and window (SnapKV) attention comparable
+  (method, section 3, "Blended weights"). ``parts`` are non-negative scores, at
+  least one; ``weights`` one non-negative weight per part, with a positive sum.
   """
 
   parts: tuple
@@ -250,11 +200,10 @@ class Blend:
 
 @dataclasses.dataclass(frozen=True)
 class TailShifted:
-  """``score`` minus its minimum over the candidates where that minimum is
-  negative (0 off them): non-negative weights that rank as ``score`` does, for
-  sampling by a score that may be negative (Knorm's ``-||k||``); a
-  non-negative score is left as it is. What a certified twin samples by
-  (:func:`certkv_jax.designs.certified`)."""
+  """``score`` shifted to be non-negative on the candidates, ranking as ``score`` does.
+
+  The weights a certified twin samples by (:func:`certkv_jax.designs.certified`).
+  """
 
   score: object
 
@@ -274,24 +223,12 @@ class TailShifted:
 
 @dataclasses.dataclass(frozen=True)
 class FocusBlend:
-  """:class:`Blend` of history and window attention whose window weight rises
-  as the window's attention over the candidates concentrates.
+  """:class:`Blend` of history and window whose window weight rises as the window focuses.
 
-  Each part is normalised over the candidate slots (``on(cache, mask)``; the
-  tail when a sampled tail scores with it). The window's concentration is its
-  effective share ``1 / (n * sum b_i^2)`` over the ``n`` candidates (1: flat,
-  1/n: one token). A question points at few tokens (share near 0.05 on RULER
-  prompts), a window of running text spreads wide (near 0.2), and the
-  history's many queries estimate later attention better than 16 diffuse
-  ones. The weight is ``diffuse_weight`` at a share of ``diffuse`` or more,
-  ``focused_weight`` at ``focused`` or less, linear between (method,
-  section 3, "Focus-weighted blend").
-
-  Attributes:
-    history: the history score (H2O's accumulated attention).
-    window: the window score (SnapKV's pooled window attention).
-    focused, diffuse: effective shares, 0 <= focused < diffuse <= 1.
-    focused_weight, diffuse_weight: window weights in [0, 1].
+  Parts are normalised over the candidate slots (``on(cache, mask)``). The
+  weight is ``diffuse_weight`` at an effective share of ``diffuse`` or more,
+  ``focused_weight`` at ``focused`` or less, linear between (method, section 3,
+  "Focus-weighted blend"); ``0 <= focused < diffuse <= 1``, weights in [0, 1].
   """
 
   history: object = AccumulatedAttention()
@@ -318,15 +255,13 @@ class FocusBlend:
     return reads_of(self.history) | reads_of(self.window)
 
   def effective_share(self, cache: KVCache, mask):
-    """The window's effective share ``1 / (n sum b_i^2)`` over ``mask``'s ``n``
-    slots (a scalar float32; 1 when flat, ``1/n`` on one token)."""
+    """Scalar ``1 / (n sum b_i^2)`` of the window over ``mask``'s ``n`` slots (1 when flat)."""
     b = _normalised(self.window(cache), mask)
     n = jnp.maximum(jnp.sum(mask).astype(jnp.float32), 1.0)
     return 1.0 / jnp.maximum(n * jnp.sum(b * b), 1e-30)
 
   def focus(self, cache: KVCache, mask):
-    """How focused the window is on ``mask``'s slots: 0 at an effective share
-    of ``diffuse`` or more, 1 at ``focused`` or less, linear between."""
+    """0 at an effective share of ``diffuse`` or more, 1 at ``focused`` or less, linear between."""
     share = self.effective_share(cache, mask)
     return jnp.clip((self.diffuse - share) / (self.diffuse - self.focused), 0.0, 1.0)
 
@@ -361,11 +296,7 @@ class Score(Protocol):
 
 
 def reads_of(score) -> frozenset:
-  """What ``score`` reads (its ``reads``), checked against :data:`READS`.
-
-  Raises:
-    TypeError naming the score when it does not declare ``reads``.
-  """
+  """What ``score`` reads, checked against :data:`READS`; TypeError if it declares nothing."""
   reads = getattr(score, "reads", None)
   if not isinstance(reads, (set, frozenset)) or not reads <= READS:
     raise TypeError(f"score {score!r} must declare `reads`, a subset of {sorted(READS)} "
@@ -374,6 +305,5 @@ def reads_of(score) -> frozenset:
 
 
 def reads_observation(score) -> bool:
-  """Whether ``score`` reads the observation-window statistic ``obs``: a design
-  scoring with it needs an observation window."""
+  """Whether ``score`` reads ``obs`` (a design scoring with it needs an observation window)."""
   return "obs" in reads_of(score)
