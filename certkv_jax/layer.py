@@ -1,14 +1,9 @@
-"""The drop-in attention a model's layer calls to use a design (method, section 1).
+"""The drop-in attention a model's layer calls to use a design (method, sections 1 and 3).
 
-:func:`attend` appends a chunk to one layer's caches, attends over the kept
-slots with Hajek offsets (method, section 3), returning the certificate
-statistics, and folds the attention into the design's slot statistics; the
-caller evicts between chunks (``eviction.evict``). Use it inside ``jax.jit``::
+:func:`attend` appends a chunk to one layer's caches, attends with Hajek offsets and folds
+the attention into the design's statistics (:func:`attend_layer`: in place on stacked caches)::
 
-    pos = layer.positions(cache, valid)  # [b, t], for RoPE
-    out, cache, _, stats = layer.attend(q, k, v, cache, valid=valid, design=design)
-
-:func:`attend_layer` does the same in place on stacked caches (``lax.scan``).
+    out, cache, _, stats = layer.attend(q, k, v, cache, valid=valid, design=design)  # in jit
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ Array = jax.Array
 
 
 def positions(cache: KVCache, valid) -> Array:
-  """[batch, t] positions of a chunk's tokens: each row continues from its
-  cache's ``n_seen``; padding (``valid`` False) takes no position."""
+  """[batch, t] positions continuing each row's ``n_seen``; padding takes none."""
   start = cache.n_seen[:, 0]  # [batch], equal across KV heads
   return start[:, None] + jnp.cumsum(valid, axis=1).astype(jnp.int32) - 1
 
@@ -39,20 +33,17 @@ def attend(q, k, v, cache: KVCache, *, valid=None, design=None, observe: bool = 
 
   Args:
     q: [batch, t, n_heads, head_dim] queries, positions encoded.
-    k, v: [batch, t, n_kv_heads, head_dim]; ValueError unless ``n_kv_heads``
-      divides ``n_heads``.
+    k, v: [batch, t, n_kv_heads, head_dim]; ValueError unless ``n_kv_heads`` divides ``n_heads``.
     cache: this layer's caches, leaves ``[batch, n_kv_heads, cap, ...]``.
     valid: [batch, t] bool, False on right padding; None = all real.
     design: the ``EvictionDesign`` whose statistics are folded, or None.
-    observe: the last ``design.observation_window`` real queries are the
-      observation window (prompt chunks); decode steps pass False.
+    observe: the last ``design.observation_window`` real queries form the window (False: decode).
     certificate: True; False (``stats`` None); or ``(layer_flag, heads)``: a traced
       bool switching the layer off and a static tuple of KV heads (the rest NaN).
     shadow: evaluation only: a never-evicted cache of the layer (truth, audit).
 
-  Returns:
-    ``(out [batch, t, n_heads, head_dim] float32, cache, shadow, stats)``,
-    ``stats`` a ``ChunkStats`` of ``[batch, n_heads, t]`` arrays or None.
+  Returns ``(out [batch, t, n_heads, head_dim] float32, cache, shadow, stats)``,
+  ``stats`` a ``ChunkStats`` of ``[batch, n_heads, t]`` arrays or None.
   """
   valid, new_kv = _new_tokens(q, k, v, valid)
   pos = positions(cache, valid)
@@ -69,14 +60,9 @@ def attend_layer(q, k, v, caches: KVCache, i, slots: caches_lib.ChunkSlots, *, v
                  design=None, observe: bool = True, certificate=True,
                  shadow: Optional[KVCache] = None,
                  shadow_slots: Optional[caches_lib.ChunkSlots] = None):
-  """:func:`attend` on layer ``i`` (int or traced) of stacked caches, in place.
-
-  ``caches`` leaves are ``[n_layers, batch, n_kv_heads, cap, ...]``; ``slots``
-  the chunk's slots from ``caches.reserve`` (once per chunk); ``shadow`` likewise
-  with ``shadow_slots``. The keys and values go into their slots and only the
-  design's statistics are written back, so nothing is copied out and back.
-  Returns ``(out, caches, shadow, stats)`` as :func:`attend`.
-  """
+  """:func:`attend` on layer ``i`` (int or traced) of stacked caches, in place: ``caches``
+  leaves ``[n_layers, batch, n_kv_heads, cap, ...]``, ``slots`` from ``caches.reserve``
+  (``shadow`` likewise, with ``shadow_slots``); returns as :func:`attend`."""
   valid, (k_new, v_new, _) = _new_tokens(q, k, v, valid)
   with jax.named_scope("append"):
     caches = caches_lib.write_kv(caches, i, slots, k_new, v_new)
@@ -104,8 +90,7 @@ def _new_tokens(q, k, v, valid):
 
 
 def _attend_appended(q, cache, shadow, pos, valid, design, observe, certificate):
-  """Attention over one layer's caches that hold the chunk, and the design's fold:
-  ``(out [b, t, n_heads, d], cache, stats)``."""
+  """Attends over caches holding the chunk, then folds: ``(out [b, t, h, d], cache, stats)``."""
   b, t, n_heads, d = q.shape
   n_kv = cache.k.shape[1]
   qg = q.reshape(b, t, n_kv, n_heads // n_kv, d).transpose(0, 2, 3, 1, 4)
@@ -126,12 +111,9 @@ def _attend_appended(q, cache, shadow, pos, valid, design, observe, certificate)
 
 
 def fold_statistics(design, cache: KVCache, probs, valid, observation_window: int) -> KVCache:
-  """Folds probabilities [b, h_kv, g, t, cap] into slot statistics (``design.update``).
-
-  Non-window real queries first, then the last ``observation_window`` ones with
-  ``obs`` reset, so the last real query is the latest (TOVA) and ``obs`` holds
-  this chunk's window only (SnapKV); all-padding rows keep their statistics.
-  """
+  """Folds probabilities [b, h_kv, g, t, cap] into slot statistics (``design.update``): the
+  non-window real queries, then the window with ``obs`` reset, so the last real query is the
+  latest (TOVA) and ``obs`` this chunk's window (SnapKV); all-padding rows keep theirs."""
   probs = jnp.where(valid[:, None, None, :, None], probs, 0.0)  # padded queries count 0
   t = valid.shape[1]
   n_real = jnp.sum(valid, axis=1).astype(jnp.int32)
