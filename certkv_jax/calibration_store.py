@@ -1,26 +1,17 @@
-"""A fitted conformal calibration as a versioned artifact (orbax).
+"""A fitted conformal calibration as a versioned orbax artifact (method, section 10).
 
-A :class:`Calibration` holds the conformal scales of
-:mod:`certkv_jax.calibration` for every (budget, delta, layer, KV head) of one
-model and one eviction design, with the metadata saying what it was fitted on.
-The guarantee holds only for calls exchangeable with the calibration calls, so
-:meth:`Calibration.scale_for` refuses (ValueError naming the field) to hand out
-scales for another model, design, shape, budget or delta.
+A :class:`Calibration` holds the scales of :mod:`certkv_jax.calibration` for
+every (budget, delta, layer, KV head) of one model and design, with what it
+was fitted on: the guarantee holds only for exchangeable calls, so
+:meth:`Calibration.scale_for` refuses other models, designs, shapes, budgets
+or deltas. On disk: ``arrays`` (``scales``, ``n_calls``, ``fell_back``) and
+``metadata`` (JSON), format version 1::
 
-On disk (``save``/``load``) it is an orbax checkpoint directory with two items:
-``arrays`` (``scales`` float64, ``n_calls`` int64, ``fell_back`` bool, each
-[n_budgets, n_deltas, n_layers, n_kv_heads], via ``ocp.args.StandardSave``)
-and ``metadata`` (JSON: every other field, plus ``kind`` and ``shape``).
-``format_version`` is checked on load; this code reads version 1.
-
-Usage::
-
-    calls = calibration_store.GroupCalls(errors, radii, layers, heads, budget_of_call)
-    cal = calibration_store.fit(calls, deltas=(0.05, 0.1), budgets=(0.25, 0.5),
+    cal = calibration_store.fit(calls, deltas=(0.05,), budgets=(0.25,),
                                 shape=(n_layers, n_kv_heads), provenance=...)
     calibration_store.save("/tmp/cal", cal)
-    cal = calibration_store.load("/tmp/cal")
-    r_cal = cal.apply(r_raw, model=..., design=..., budget=0.25, delta=0.05)
+    r_cal = calibration_store.load("/tmp/cal").apply(r_raw, model=..., design=...,
+                                                     budget=0.25, delta=0.05)
 """
 
 from __future__ import annotations
@@ -93,18 +84,10 @@ class Calibration:
   Attributes:
     scales: [n_budgets, n_deltas, n_layers, n_kv_heads] float64 (read-only)
       multipliers of the raw radius; ``+inf`` means no finite guarantee.
-    n_calls: same shape, int64 calibration calls of each (layer, head).
-    fell_back: same shape, bool: the entry took its layer's or the pooled scale.
-    budgets: the budgets (floats > 0; fractions of the tokens seen in the
-      suite), one per axis-0 entry.
-    deltas: miss probabilities in (0, 1), one per axis-1 entry.
-    model: name of the model the calls came from.
-    design: eviction design (e.g. "poisson_tail").
-    regimes: regimes of the calibration calls (e.g. ("streaming",)).
-    data: names of the calibration tasks / texts.
-    created: ISO-8601 creation time.
+    n_calls, fell_back: same shape, calls per (layer, head) and whether the
+      entry took its layer's or the pooled scale.
+    budgets: floats > 0, one per axis-0 entry; deltas: in (0, 1), axis 1.
     radius_form: the raw radius that the scales multiply ("bernstein").
-    format_version: artifact format (1).
   """
 
   scales: np.ndarray
@@ -172,9 +155,8 @@ class Calibration:
     """The [n_layers, n_kv_heads] scales for one use, after checking it matches.
 
     Raises:
-      ValueError naming the first mismatching field and what this calibration
-      was made for; ``budget`` and ``delta`` must equal a stored entry within
-      ``MATCH_TOL``.
+      ValueError naming the first mismatching field; ``budget`` and ``delta``
+      must equal a stored entry within ``MATCH_TOL``.
     """
     for name, want, got in (("model", self.model, model), ("design", self.design, design),
                             ("n_layers", self.n_layers, n_layers),
@@ -186,13 +168,7 @@ class Calibration:
     return self.scales[b, d]
 
   def apply(self, radii, *, model: str, design: str, budget: float, delta: float) -> Array:
-    """Calibrated radii [..., n_layers, n_kv_heads] (jnp; ``radii`` may be traced).
-
-    Args:
-      radii: [..., n_layers, n_kv_heads] raw radii at ``delta`` (radius_form).
-      model, design, budget, delta: checked as in :meth:`scale_for`; the
-        layer/head counts are the last two dims of ``radii``.
-    """
+    """Calibrated radii [..., n_layers, n_kv_heads] (jnp; may be traced), checked as :meth:`scale_for`."""
     radii = jnp.asarray(radii)
     if radii.ndim < 2:
       raise ValueError(f"radii must be [..., n_layers, n_kv_heads], got shape {radii.shape}")
@@ -217,14 +193,8 @@ def _checkpointer():
 def write_checkpoint(path, arrays: dict, metadata: dict, *, overwrite: bool = False) -> str:
   """Writes ``arrays`` (numpy) and ``metadata`` (JSON) to the directory ``path`` atomically.
 
-  The orbax checkpoint is written into a fresh temporary directory beside
-  ``path`` and renamed into place, so ``path`` never holds a partial artifact.
-  With ``overwrite=True`` an existing ``path`` is first renamed into that
-  temporary directory and deleted after the new one is in place (a crash
-  between the two renames leaves the old artifact there, not at ``path``).
-
-  Returns:
-    The absolute path written.
+  Written beside ``path`` and renamed into place, so ``path`` never holds a
+  partial artifact. Returns the absolute path.
 
   Raises:
     FileExistsError: ``path`` exists and ``overwrite`` is False.
@@ -250,13 +220,11 @@ def write_checkpoint(path, arrays: dict, metadata: dict, *, overwrite: bool = Fa
 
 
 def read_checkpoint(path, kind: str, format_version: int):
-  """``(metadata, read)`` of an artifact written by :func:`write_checkpoint`;
-  ``read(target)`` restores the arrays into the shapes/dtypes of ``target``.
+  """``(metadata, read)``: ``read(target)`` restores the arrays into ``target``'s shapes/dtypes.
 
   Raises:
     FileNotFoundError: nothing at ``path``.
-    ValueError: ``path`` is not an artifact of ``kind``, or its
-      ``format_version`` is not ``format_version``.
+    ValueError: not an artifact of ``kind``, or another ``format_version``.
   """
   path = os.path.abspath(os.fspath(path))
   if not os.path.isdir(path):
@@ -318,13 +286,7 @@ def load(path) -> Calibration:
 
 
 def bernstein_radii(var_hat, range_hat, deltas: Sequence[float]) -> np.ndarray:
-  """Raw radii [n_deltas, ...] float64 for :func:`fit`, by
-  :func:`certkv_jax.certificate.radius_from_stats` (form "bernstein") at each delta.
-
-  Args:
-    var_hat, range_hat: [...] per-call certificate statistics.
-    deltas: the miss probabilities.
-  """
+  """Raw Bernstein radii [n_deltas, ...] float64 for :func:`fit`, one row per delta."""
   deltas = _float_tuple("deltas", deltas, 0.0, 1.0, True)
   return np.stack([np.asarray(certificate.radius_from_stats(var_hat, range_hat, d), np.float64)
                    for d in deltas])
@@ -333,13 +295,8 @@ def bernstein_radii(var_hat, range_hat, deltas: Sequence[float]) -> np.ndarray:
 class GroupCalls(NamedTuple):
   """The calls a calibration is fitted on, as flat arrays (one entry per call).
 
-  Attributes:
-    errors: [n_calls] true errors ``||o_hat - o||``.
-    radii: [n_deltas, n_calls] raw Bernstein radii; row j at the fit's ``deltas[j]``.
-    layers: [n_calls] int layer in [0, n_layers).
-    heads: [n_calls] int KV head in [0, n_kv_heads).
-    budgets_per_call: [n_calls] budget of each call (one of the fit's ``budgets``
-      within ``MATCH_TOL``).
+  ``radii`` is [n_deltas, n_calls], row j at the fit's ``deltas[j]``; each
+  ``budgets_per_call`` entry is one of the fit's ``budgets`` within ``MATCH_TOL``.
   """
 
   errors: object
@@ -363,23 +320,11 @@ def fit(calls: GroupCalls, *, deltas: Sequence[float], budgets: Sequence[float],
         min_calls: Optional[int] = None, created: Optional[str] = None) -> Calibration:
   """Fits a :class:`Calibration` from the calls' flat arrays (evaluation mode).
 
-  Each (budget, delta) is fitted separately by
-  :func:`certkv_jax.calibration.fit_scales` over the calls of that budget,
-  one group per (layer, KV head); a group with fewer than ``min_calls`` calls
-  falls back to its layer (``fallback="layer"``; if the layer also has too
-  few, to all calls of the budget) or directly to all calls of the budget
-  (``fallback="pooled"``). Radii are taken as given (Bernstein radii, e.g.
-  :func:`bernstein_radii`), so the scales multiply exactly the radius the
-  caller computes at run time.
-
-  Args:
-    calls: the :class:`GroupCalls`.
-    deltas, budgets: the stored axes.
-    shape: ``(n_layers, n_kv_heads)`` of the model.
-    provenance: model, design, regimes and data (see :class:`Calibration`).
-    fallback: "layer" or "pooled".
-    min_calls: see ``fit_scales`` (default ``ceil(1/delta) - 1`` per delta).
-    created: ISO time (default now, UTC).
+  Each (budget, delta) is fitted by :func:`certkv_jax.calibration.fit_scales`,
+  one group per (layer, KV head); small groups fall back to their layer, then
+  to all calls of the budget (``fallback="layer"``), or to the latter directly
+  (``fallback="pooled"``). Radii are used as given, so the scales multiply the
+  radius the caller computes at run time.
 
   Raises:
     ValueError naming the argument for mismatched lengths, out-of-range

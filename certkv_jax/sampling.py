@@ -1,29 +1,10 @@
-"""Poisson sampling of the tail: Eq. 2 inclusion probabilities and capacity.
+"""Poisson and priority sampling of the tail: Eq. 2 inclusion probabilities and capacity.
 
-* :func:`inclusion_probabilities` solves Eq. 2 of method, section 3,
-  ``pi_i = clip(c * score_i, eps, 1)`` with ``c`` chosen so that
-  ``sum_T pi_i = m`` exactly: tokens whose ``c * score_i`` reaches 1 become
-  certain (``pi_i = 1``, mass moved into H) and the rest are renormalised.
-* :func:`expected_tail_count` is the capacity rule. Fixed-shape buffers hold
-  ``slots`` tail tokens; a Poisson draw keeps a random number ``X`` of them with
-  ``E[X] = m``. We choose the largest ``m`` for which the Chernoff bound of a sum
-  of independent Bernoullis, ``P(X >= c) <= exp(-m) (e m / c)^c`` with
-  ``c = slots + 1``, is at most ``overflow_prob``. (The Bernoulli moment
-  generating function is dominated by the Poisson one, so the bound holds for
-  any ``pi``; tokens promoted to ``pi = 1`` only tighten it.)
-* :func:`poisson_draw` draws the sample. If a draw would overflow, it is
-  redrawn (up to ``max_redraws`` times with fresh randomness): the kept set is
-  then the Poisson sample conditioned on fitting, whose inclusion
-  probabilities differ from ``pi`` by a relative factor within about
-  ``overflow_prob / (1 - overflow_prob)`` (the conditioning event has
-  probability >= 1 - overflow_prob). If every draw overflows (probability
-  <= ``overflow_prob ** (max_redraws + 1)``), the slots with the highest
-  priority (certain first, then random order) are kept and the number of
-  dropped tokens is returned so the caller can account for it; nothing is
-  dropped silently.
-* :func:`top_k_mask` is the ``k`` highest scores (ties to the lower index)
-  without a sort, for the top-k tail rules and that fallback: eviction runs
-  every decode step, and a sort there is the slowest op of the step.
+Implements method, sections 3 and 9 ("Inclusion probabilities", "Capacity and
+overflow", "Fixed-size tail"): Eq. 2 solved as a fixed point, the Chernoff
+capacity rule, Poisson draws conditioned on fitting (a token that cannot fit
+is counted, never dropped silently), priority draws and a sort-free top-k
+(eviction runs every decode step, where a sort is the slowest op).
 """
 
 from __future__ import annotations
@@ -50,19 +31,10 @@ def check_eps(eps) -> float:
 def inclusion_probabilities(score, m, eps: float = 1e-6, mask=None) -> Array:
   """Eq. 2 inclusion probabilities with floor and redistributed clipped mass.
 
-  Args:
-    score: [..., n] non-negative, finite importance scores of the tail tokens.
-    m: scalar or [...] expected number of kept tail tokens (> 0).
-    eps: floor of the inclusion probability, in (0, 1].
-    mask: [..., n] bool, True for tokens of the tail T (default: all).
-
-  Returns:
-    pi: [..., n] float32 with ``pi = 0`` off the mask, ``eps <= pi <= 1`` on it
-    and ``sum_T pi = m`` (to float32 rounding). Edge cases, each documented
-    rather than repaired: ``m >= |T|`` gives ``pi = 1`` on all of T; if the
-    positive scores cannot carry ``m`` (``m > #positive + eps #zero``), positive
-    scores get 1 and zero scores share the rest equally; under ``jit`` an
-    ``m < eps |T|`` (rejected eagerly) gives the uniform ``m / |T|``.
+  ``score`` [..., n] is non-negative and finite, ``m`` (scalar or [...]) > 0,
+  ``eps`` in (0, 1], ``mask`` [..., n] the tail T. Returns float32 ``pi``, 0
+  off the mask, in [eps, 1] on it, ``sum_T pi = m``; edge cases as method,
+  section 9, "Inclusion probabilities".
 
   Raises:
     ValueError naming ``score``, ``m``, ``eps`` or ``mask`` for bad input
@@ -105,8 +77,7 @@ def inclusion_probabilities(score, m, eps: float = 1e-6, mask=None) -> Array:
 
 
 def solve_inclusion(score, m, eps, mask):
-  """The solver behind :func:`inclusion_probabilities`, without value checks
-  (for callers inside ``jit`` that have validated their inputs)."""
+  """The solver behind :func:`inclusion_probabilities`, without value checks (for ``jit``)."""
   s = jnp.where(mask, score, 0.0)
   m = jnp.broadcast_to(m, s.shape[:-1])
   n_t = jnp.sum(mask, axis=-1).astype(jnp.float32)
@@ -167,15 +138,7 @@ def overflow_bound(m, slots) -> Array:
 
 
 def expected_tail_count(slots, overflow_prob: float) -> Array:
-  """Largest ``m`` whose Chernoff overflow bound for ``slots`` is <= overflow_prob.
-
-  Args:
-    slots: int or int array, tail slots available (>= 0).
-    overflow_prob: target bound on the per-draw overflow probability, in (0, 1).
-
-  Returns:
-    float32 ``m`` (0 when ``slots == 0``).
-  """
+  """Largest float32 ``m`` whose Chernoff overflow bound for ``slots`` is <= ``overflow_prob``."""
   if not (isinstance(overflow_prob, float) and 0.0 < overflow_prob < 1.0):
     raise ValueError(f"overflow_prob must be a float in (0, 1), got {overflow_prob!r}")
   slots = jnp.asarray(slots, jnp.float32)
@@ -204,15 +167,8 @@ class Draw(NamedTuple):
 def poisson_draw(key, pi, mask, slots, max_redraws: int = 3) -> Draw:
   """Independent Bernoulli(pi_i) draws conditioned on fitting into ``slots``.
 
-  Args:
-    key: PRNG key.
-    pi: [n] inclusion probabilities (1 means always kept).
-    mask: [n] bool, the tail.
-    slots: int scalar (may be traced), capacity for the kept tail.
-    max_redraws: redraws allowed after an overflowing draw.
-
-  Returns:
-    Draw(keep [n], n_redraws [], n_dropped []).
+  ``pi`` [n] (1: always kept), ``mask`` [n] the tail, ``slots`` an int scalar
+  (may be traced). Returns Draw(keep [n], n_redraws [], n_dropped []).
   """
   k_draw, k_fallback = jax.random.split(key)
   u = jax.random.uniform(k_draw, (max_redraws + 1,) + pi.shape)
@@ -242,20 +198,10 @@ class PriorityDraw(NamedTuple):
 def priority_draw(key, score, mask, slots, eps: float = 1e-6) -> PriorityDraw:
   """Priority sampling of ``min(slots, |T|)`` tail tokens (Duffield et al., 2007).
 
-  Weights ``w = score + eps * mean_T(score)`` (all 1 when every score is 0),
-  priorities ``q = w / u`` with ``u`` uniform on (0, 1], the ``slots`` highest
-  priorities kept. A kept token's inclusion probability given the others'
-  priorities is ``min(1, w / tau)`` with ``tau`` the largest priority left
-  out; a token left out was beaten by the smallest kept priority, so its
-  probability is ``min(1, w / q_min_kept)`` (what the shadow record of
-  ``certkv_jax.eviction.record_inclusion`` needs for evicted tokens).
-
-  Args:
-    key: PRNG key.
-    score: [..., n] non-negative scores (read on ``mask`` only).
-    mask: [..., n] bool, the tail T.
-    slots: int, scalar or [...] (may be traced): tokens to keep.
-    eps: relative weight floor in (0, 1].
+  Method, section 3, "Fixed-size tail": kept tokens get ``pi = min(1, w / tau)``,
+  tokens left out ``min(1, w / q_min_kept)`` (for the shadow record). ``score``
+  [..., n] is non-negative (read on ``mask``); ``slots`` an int, scalar or [...]
+  (may be traced); ``eps`` the relative weight floor in (0, 1].
   """
   eps = check_eps(eps)
   s = jnp.where(mask, score.astype(jnp.float32), 0.0)
@@ -275,11 +221,7 @@ def priority_draw(key, score, mask, slots, eps: float = 1e-6) -> PriorityDraw:
 
 
 def _sort_key(x) -> Array:
-  """Unsigned integers in the order of ``jnp.sort(x)``.
-
-  Floats follow JAX's sort comparator: ``-0.0`` equals ``0.0`` and every NaN
-  is one value after ``+inf``; signed integers have their sign bit flipped.
-  """
+  """Unsigned integers in the order of ``jnp.sort(x)`` (``-0.0 == 0.0``, NaN after ``+inf``)."""
   x = jnp.asarray(x)
   nbits = 8 * x.dtype.itemsize
   udt = jnp.dtype(f"uint{nbits}")
@@ -298,20 +240,9 @@ def _sort_key(x) -> Array:
 def top_k_mask(score, k) -> Array:
   """The ``k`` largest entries of ``score``, ties to the lower index, without a sort.
 
-  Exactly ``rank < k`` for the rank of each entry in
-  ``jnp.argsort(-score, stable=True)`` (NaN ranks last, ``-0.0`` ties with
-  ``0.0``), but ``k`` may be traced and no sort is compiled: a bitwise
-  search over the sort key finds the ``k``-th value ``t`` (one count of the
-  keys ``<= candidate`` per key bit), then the entries before ``t`` and the
-  first entries equal to ``t``, by index, are kept.
-
-  Args:
-    score: [..., n] real scores.
-    k: int scalar or [...] (may be traced); ``k <= 0`` keeps nothing and
-      ``k >= n`` keeps everything.
-
-  Returns:
-    [..., n] bool.
+  Exactly ``rank < k`` in ``jnp.argsort(-score, stable=True)`` (NaN last), by a
+  bitwise search for the ``k``-th value over the sort key. ``score`` [..., n]
+  real; ``k`` int scalar or [...] (may be traced). Returns [..., n] bool.
   """
   score = jnp.asarray(score)
   if score.ndim < 1:
