@@ -1,11 +1,8 @@
 """Monte Carlo evaluation of a design on a fixed attention problem.
 
-One attention problem (query, full context of keys and values) is held fixed;
-only the design's randomness varies across trials. Each trial fills a cache,
-lets the query's attention set the scores, evicts once, runs offset attention
-on the kept slots, and compares with the full-cache output. This is how the
-tests check the statistical claims (unbiasedness, the variance estimator,
-coverage) and how ``experiments/montecarlo_certificate.py`` reports them.
+The problem (query, keys, values) is fixed and only the design's draws vary:
+each trial evicts once and compares offset attention with the full output. The
+tests check unbiasedness, the variance estimator and coverage this way.
 """
 
 from __future__ import annotations
@@ -110,11 +107,7 @@ class Trial(NamedTuple):
 
 def run_trials(problem: Problem, design, keys, question_aware: bool = True
                ) -> tuple[Array, Trial]:
-  """Runs the design once per key (vmapped).
-
-  Returns:
-    (o, trials): the full-cache output [dv] and the stacked :class:`Trial`.
-  """
+  """Runs the design once per key (vmapped): ``(o [dv], stacked Trial)``, o the full output."""
   base = prepared_cache(problem, question_aware=question_aware)
   full_mask = base.valid
   o = diagnostics.full_attention(problem.q, base.k, base.v, full_mask)
