@@ -29,8 +29,7 @@ LayerBudgets = tuple  # tuple[int, ...] or tuple[float, ...], one entry per laye
 class TracedBudget(designs.Budget):
   """A budget whose target is an int32 array (possibly traced), not static.
 
-  For use inside a trace only; :func:`check_layer_budgets` replaces the static
-  budget-vs-capacity check of ``EvictionDesign.init``.
+  Trace-only; :func:`check_layer_budgets` replaces ``EvictionDesign.init``'s capacity check.
   """
 
   value: object = None
@@ -145,7 +144,7 @@ def eviction_targets(n_seen, layer_budgets: Optional[LayerBudgets] = None,
 
 
 def layer_targets(layer_budgets: LayerBudgets, n_seen) -> Array:
-  """int32 targets, shape of ``n_seen`` (``[n_layers, ...]``), from a schedule (``Budget.target``'s rounding)."""
+  """int32 targets, shape of ``n_seen`` (``[n_layers, ...]``), from a schedule."""
   n_seen = jnp.asarray(n_seen)
   extra = (1,) * (n_seen.ndim - 1)
   if isinstance(layer_budgets[0], int):
@@ -163,7 +162,7 @@ def fraction_targets(fraction, n_seen) -> Array:
 
 
 def pyramid_budgets(n_layers: int, mean: Union[int, float], beta: float = 20.0) -> LayerBudgets:
-  """PyramidKV's schedule: linear from ``2 mean - mean / beta`` down to ``mean / beta`` (method, section 12).
+  """PyramidKV's schedule, ``2 mean - mean / beta`` down to ``mean / beta`` (method, section 12).
 
   ``mean`` is a fraction in (0, 1] or a token count (entries floored, >= 1); ``beta`` > 1.
 
@@ -219,10 +218,10 @@ class Lengths:
 
 def capacity(design, lengths: Lengths, *, budget=None, layer_budgets=None,
              compacted: bool = False, allocation=None, config=None) -> int:
-  """Cache slots per (layer, row, KV head) so that no token is dropped (method, section 9, "The capacity rule").
+  """Cache slots per (layer, row, KV head) so that no token is dropped.
 
-  ``compacted`` sizes a cache holding only what an eviction kept plus the
-  decoded tokens; ``allocation`` needs ``config``'s ``n_kv_heads`` and ``n_layers``.
+  Method, section 9, "The capacity rule". ``compacted`` sizes a cache holding only
+  what an eviction kept plus the decoded tokens; ``allocation`` needs ``config``.
 
   Raises:
     TypeError unless ``lengths`` is a :class:`Lengths`.

@@ -98,7 +98,7 @@ def _check_nonneg(name: str, arr: np.ndarray, *, allow_inf: bool) -> None:
 
 
 def conformal_quantile(scores, delta: float) -> float:
-  """The split-conformal quantile of ``scores`` [n] (``+inf`` allowed) at miss probability ``delta``.
+  """The split-conformal quantile of ``scores`` [n] (``+inf`` allowed) at miss probability delta.
 
   ``+inf`` when the rank exceeds ``n`` (including ``n = 0``).
 
@@ -115,7 +115,7 @@ def conformal_quantile(scores, delta: float) -> float:
 
 
 def conformity_scores(errors, radii) -> np.ndarray:
-  """Scores ``||e|| / r`` [n] float64 (0 where ``r = 0 = ||e||``, ``+inf`` where ``r = 0 < ||e||``)."""
+  """Scores ``||e|| / r`` [n] float64 (0 where ``r = 0 = ||e||``, inf where ``r = 0 < ||e||``)."""
   e = _as_1d("errors", errors)
   r = _as_1d("radii", radii)
   _check_nonneg("errors", e, allow_inf=False)
@@ -260,7 +260,7 @@ def apply_scales(radii, groups, scales) -> Array:
 
 
 def coverage_and_sharpness(errors, radii) -> tuple[float, float]:
-  """Coverage ``mean(||e|| <= r)`` and sharpness, the median ``r / ||e||`` over covered calls with ``||e|| > 0``.
+  """Coverage ``mean(||e|| <= r)`` and sharpness, median ``r / ||e||`` over covered ``||e|| > 0``.
 
   As :func:`certkv_jax.diagnostics.coverage` and ``sharpness``; NaN sharpness if none.
   """

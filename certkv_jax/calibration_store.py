@@ -168,7 +168,7 @@ class Calibration:
     return self.scales[b, d]
 
   def apply(self, radii, *, model: str, design: str, budget: float, delta: float) -> Array:
-    """Calibrated radii [..., n_layers, n_kv_heads] (jnp; may be traced), checked as :meth:`scale_for`."""
+    """Calibrated radii [..., n_layers, n_kv_heads] (traceable), checked as :meth:`scale_for`."""
     radii = jnp.asarray(radii)
     if radii.ndim < 2:
       raise ValueError(f"radii must be [..., n_layers, n_kv_heads], got shape {radii.shape}")

@@ -30,10 +30,10 @@ def _check_window(window) -> int:
 
 
 def smoothed_variance(var_hat, window: int = SMOOTHING_WINDOW, axis: int = 0) -> Array:
-  """``max(V_hat_t, mean(V_hat_{t-window+1..t}))`` per call, causal along ``axis`` (method, section 5, "Smoothed variance").
+  """``max(V_hat_t, mean(V_hat_{t-window+1..t}))`` per call, causal along ``axis``.
 
-  ``axis`` orders one head's calls; the first calls average over those there
-  are; ``window=1`` returns ``var_hat``. A NaN makes NaN only the windows that hold it.
+  Method, section 5, "Smoothed variance". The first calls average over those there
+  are; ``window=1`` returns ``var_hat``. A NaN makes NaN only the windows holding it.
   """
   window = _check_window(window)
   v = jnp.moveaxis(jnp.asarray(var_hat, jnp.float32), axis, 0)
@@ -119,7 +119,7 @@ def certificate_radius(result, delta, form: str = "bernstein") -> Array:
 
 
 def anytime_delta(delta: float, step) -> Array:
-  """``delta_t = delta / (t (t + 1))`` for steps ``t = 1, 2, ...``: a union bound over steps (method, section 5).
+  """``delta_t = delta / (t (t + 1))`` for steps ``t >= 1`` (method, section 5).
 
   A concrete ``step < 1`` raises ValueError; a traced step 0 gives an infinite ``delta_t``.
   """
@@ -152,7 +152,7 @@ def aggregate(radii, axis=None, how: str = "sum", mask=None) -> Array:
 
 
 def subsample_mask(key, shape, n_keep: int) -> Array:
-  """A uniformly random set of ``n_keep`` calls, for a cheaper certificate (:func:`subsampled_sum`)."""
+  """A uniformly random set of ``n_keep`` calls, for a cheaper :func:`subsampled_sum`."""
   shape = tuple(shape)
   total = math.prod(shape)
   _checks.check_positive_int("n_keep", n_keep)
@@ -175,7 +175,7 @@ def subsampled_sum(radii, mask) -> Array:
 
 
 def moving_window(per_step, window: int = 6, how: str = "mean") -> Array:
-  """Causal moving ``how`` ("mean", "sum" or "max") over decode steps (axis 0) of ``window`` >= 1 steps."""
+  """Causal moving ``how`` ("mean", "sum" or "max") of ``window`` >= 1 decode steps (axis 0)."""
   _checks.check_positive_int("window", window)
   if how not in ("mean", "sum", "max"):
     raise ValueError(f"how must be 'mean', 'sum' or 'max', got {how!r}")

@@ -86,7 +86,7 @@ def check_mesh(mesh) -> None:
 
 
 def cache_mesh():
-  """The context mesh (``with jax.set_mesh(mesh):``) if it has the data, model, seq axes, else None."""
+  """The context mesh (``jax.set_mesh``) if it has the data, model and seq axes, else None."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not all(a in mesh.axis_names for a in AXES):
     return None
@@ -155,14 +155,14 @@ def per_device_bytes(tree) -> dict:
 
 
 def combine_over(partials: reference.Partials, axis_name: str = SEQ) -> reference.Partials:
-  """Merges per-device partials over a mesh axis (inside ``shard_map``) with ``reference.combine``."""
+  """Merges per-device partials over a mesh axis (in ``shard_map``) with ``reference.combine``."""
   gathered = jax.tree_util.tree_map(lambda x: jax.lax.all_gather(x, axis_name, axis=0),
                                     partials)
   return reference.combine(gathered, axis=0)
 
 
 def _local_partials(q, k, v, log_pi, mask, scale, second_order):
-  """One device's partials over its slots: (Partials [b, h, R], logits [b, h, R, n], w [b, h, 1, n]).
+  """One device's (Partials [b, h, R], logits [b, h, R, n], w [b, h, 1, n]) over its slots.
 
   q [b, h, R, d]; k [b, h, n, d]; v [b, h, n, dv]; log_pi [b, h, n]; mask [b, h, R, n].
   """
@@ -325,7 +325,7 @@ def append(cache: KVCache, k_new, v_new, new_valid) -> KVCache:
 
 
 def aggregate_heads(radii, *, mesh=None, how: str = "sum") -> Array:
-  """[n_steps, batch] sum or max (``how``, over ``model``) of radii [n_steps, n_layers, batch, n_heads]."""
+  """[n_steps, batch] sum or max (``how``) of radii [n_steps, n_layers, batch, n_heads]."""
   if how not in ("sum", "max"):
     raise ValueError(f"how must be 'sum' or 'max', got {how!r}")
   mesh = _require_mesh(mesh)
