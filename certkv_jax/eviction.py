@@ -162,13 +162,11 @@ def _record_layer(shadow, before, pi):
   return over_heads(_record_one)(shadow, before, pi)
 
 
-def evict_and_record(design, caches: KVCache, shadow: Optional[KVCache], key, *,
-                     state=None, layer_budgets=None, budget=None, allocation=None,
-                     gains=None):
-  """:func:`evict`, and in evaluation mode (``shadow`` not None) the shadow's
-  inclusion record (:func:`record_inclusion`). Returns ``(caches, shadow, state)``."""
-  new, state, info = evict(design, caches, key, state=state, layer_budgets=layer_budgets,
-                           budget=budget, allocation=allocation, gains=gains)
+def evict_and_record(design, caches: KVCache, shadow: Optional[KVCache], key, **evict_args):
+  """:func:`evict` (``evict_args``: its keywords), and in evaluation mode (``shadow``
+  not None) the shadow's inclusion record (:func:`record_inclusion`). Returns
+  ``(caches, shadow, state)``."""
+  new, state, info = evict(design, caches, key, **evict_args)
   if shadow is not None:
     shadow = record_inclusion(shadow, caches, info)
   return new, shadow, state

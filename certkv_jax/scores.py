@@ -118,7 +118,8 @@ class ValueAware:
 
 @dataclasses.dataclass(frozen=True)
 class Defensive:
-  """A defensive mixture of a base score with the uniform score (method, sections 3 and 6).
+  """A defensive mixture of a base score with the uniform score (method, section 6,
+  "A defensive mixture").
 
   ``score_i = (1 - u) base_i / sum_valid(base) + u / n`` on the ``n`` valid
   slots (``u = uniform_share`` in [0, 1]), 0 on free ones; a base summing to 0
