@@ -1,33 +1,12 @@
 """Fused decode kernel: offset attention + certificate statistics in one pass.
 
-One program handles one KV head of one sequence (``B`` rows after flattening
-batch and KV heads) and the ``G`` query rows that share it (a GQA group, or
-the queries of a chunk). Keys are swept in tiles of ``block_k`` with online
-softmax; each tile's arithmetic is ``reference.online_update`` (one formula,
-one place). The kernel outputs unnormalised partial statistics per split of
-the cache; ``reference.combine`` merges the splits (flash-decoding split-K,
-rescaling by ``exp(m_i - m)`` and ``exp(2 (m_i - m))``) and
-``reference.finalize`` normalises.
-
-Inputs (per row b):
-  q [G, d], k [n, d], v [n, dv], offset [n] float32 ``-log pi`` (>= 0; ``-inf``
-  marks an empty slot: the validity mask is folded into the offset), and an
-  optional ragged length: slots ``>= lengths[b]`` are ignored and their tiles
-  are skipped.
-
-Backends: ``"triton"`` (GPU: an in-kernel loop over tiles of a split,
-grid = (B, splits)) and ``"mosaic"`` (TPU: the tile loop is the last grid
-axis, accumulating in the resident output block; lengths are scalar-prefetched
-into SMEM and empty tiles are skipped with ``pl.when``). ``interpret=True`` runs
-either on any backend (CPU tests). These knobs (backend, tiling, interpret,
-debug, range mode, Triton warps and stages) travel together as one static
-:class:`KernelConfig`.
-
-Precision: every product states it (``precision.product_operands``). Float32
-keys and queries multiply at ``HIGHEST`` (IEEE float32 on Triton, not TF32);
-bfloat16 keys and queries multiply as they are with float32 accumulation;
-the value products (float32 weights times values upcast in the tile) run at
-``HIGHEST``. Statistics, offsets and accumulators are float32 throughout.
+One program per KV head of one sequence (``B`` rows) and its ``G`` query rows;
+keys are swept in tiles with ``reference.online_update``, partials per split-K
+split are merged by ``reference.combine`` (method, section 9). Offsets are
+``-log pi`` (``-inf`` marks an empty slot); an optional ragged length skips
+tiles. Backends: ``"triton"`` (GPU, tile loop in the kernel) and ``"mosaic"``
+(TPU, tile loop as the last grid axis); ``interpret=True`` runs either on CPU.
+Precision: ``precision.product_operands``; statistics are float32.
 """
 
 from __future__ import annotations
@@ -56,8 +35,7 @@ BACKENDS = ("triton", "mosaic")
 _STATS = ("m", "z", "s0", "s2", "r1", "rv")  # per-row scalar statistics
 
 
-# A split's tiles run one after another in its program: fewer than this and the
-# program's fixed cost (loading q, writing partials, the combine) dominates.
+# Fewer tiles per split and a program's fixed cost dominates.
 MIN_TILES_PER_SPLIT = 4
 DEFAULT_CORES = 132  # an H100/H200's SMs, for devices that report no core count
 
@@ -73,11 +51,9 @@ class BlockSizes:
   """Tiling of the key axis.
 
   Attributes:
-    block_k: keys per tile. Triton: a power of two >= 16. Mosaic: a multiple
-      of 128 (the lane width; offsets are laid out along lanes).
-    num_splits: split-K partitions of the cache (flash-decoding); each split
-      holds ``ceil(n / (num_splits * block_k))`` tiles. More splits give a GPU
-      more parallel programs for long caches at small batch.
+    block_k: keys per tile; Triton: a power of two >= 16, Mosaic: a multiple
+      of 128 (the lane width).
+    num_splits: split-K partitions of the cache (flash-decoding).
   """
 
   block_k: int = 128
@@ -86,13 +62,9 @@ class BlockSizes:
   @classmethod
   def get_default(cls, n: int, batch_rows: int = 1, backend: str = "triton",
                   cores: Optional[int] = None) -> "BlockSizes":
-    """Defaults: 128-key tiles; on GPU, enough splits that ``batch_rows x
-    splits`` programs cover every core (SM) of the device, while each split
-    keeps at least ``MIN_TILES_PER_SPLIT`` tiles (fewer only for short caches).
-
-    ``cores``: the device's core count (default: the default device's
-    ``core_count``, or ``DEFAULT_CORES`` where it reports none).
-    """
+    """128-key tiles; on GPU, enough splits for ``batch_rows x splits`` programs
+    to cover ``cores`` (default :func:`device_cores`), each keeping at least
+    ``MIN_TILES_PER_SPLIT`` tiles."""
     block_k = 128 if backend == "triton" else 512 if n >= 4096 else 128
     tiles = -(-n // block_k)
     splits = 1
@@ -119,11 +91,8 @@ class BlockSizes:
 
 def _tile_update(carry, q, k_tile, v_tile, off_row, off_col, first_index, length, scale,
                  with_stats, stacked):
-  """One tile: logits, validity (offset and ragged length), online update.
-
-  ``off_row`` [1, bk] and ``off_col`` [bk, 1] are the tile's offsets in the
-  two layouts the arithmetic needs (beside the logits, and beside the values).
-  """
+  """One tile: logits, validity (offset and length), online update; offsets come
+  as ``off_row`` [1, bk] and ``off_col`` [bk, 1]."""
   block_k = k_tile.shape[0]
   kt, qt, precision = precision_lib.product_operands(k_tile, q)
   s = jax.lax.dot_general(qt, kt, (((1,), (1,)), ((), ())), precision=precision,
@@ -203,15 +172,8 @@ def decode_partials(q, k, v, offset, lengths=None, *, scale: float, config: Kern
                     with_stats: bool = True):
   """Partial statistics per split, ``Partials`` with rows [B, splits, G].
 
-  Args:
-    q: [B, G, d]; k: [B, n, d]; v: [B, n, dv]; offset: [B, n] float32
-      (``-log pi``; ``-inf`` = empty slot); lengths: optional [B] int32.
-    scale: logit scale.
-    config: :class:`KernelConfig`; ``range_mode`` is not used here. A None
-      ``backend`` or ``block_sizes`` takes the defaults of
-      :func:`offset_decode_attention`.
-    with_stats: False skips the certificate statistics (they stay zero).
-    n must be a multiple of ``block_k * num_splits`` (see :func:`pad_slots`).
+  Args: as :func:`offset_decode_attention` (``range_mode`` unused); n must be a
+    multiple of ``block_k * num_splits`` (:func:`pad_slots`), else ValueError.
   """
   batch, rows, d = q.shape
   n, dv = k.shape[1], v.shape[-1]
@@ -319,12 +281,8 @@ def _resolve(config: KernelConfig, n: int, batch: int) -> KernelConfig:
 
 
 def _cache_partials(q, k, v, offset, lengths, *, scale, config, with_stats=True):
-  """Pads rows and slots to the kernel's tiling, runs it, merges the splits.
-
-  Args: q [B, R, d] query rows; config: a :func:`_resolve`-d ``KernelConfig``;
-    the rest as in :func:`offset_decode_attention`.
-  Returns: ``reference.Partials`` with rows [B, R].
-  """
+  """Pads q [B, R, d] and the slots to the tiling, runs the kernel, merges the
+  splits into ``reference.Partials`` with rows [B, R]."""
   rows, n = q.shape[1], k.shape[1]
   rows_pad = rows
   if config.backend == "triton":
@@ -342,10 +300,7 @@ def _cache_partials(q, k, v, offset, lengths, *, scale, config, with_stats=True)
 
 
 def _exact_cache_range(q, k, v, offset, lengths, scale, fin):
-  """the method's exact b_hat over the cache slots: one XLA pass after the kernel.
-
-  Args: q [B, R, d] query rows; fin: ``reference.Finalized`` with rows [B, R].
-  """
+  """Exact b_hat over the cache slots for q [B, R, d]: one XLA pass after the kernel."""
   valid = _slot_validity(offset, lengths)[:, None, :]
   off = jnp.where(valid, offset[:, None, :], 0.0)
   l = reference.slot_logits(q, k, off, valid, scale)
@@ -364,18 +319,17 @@ def offset_decode_attention(q, k, v, offset, lengths=None, *, scale: Optional[fl
       slots).
     lengths: optional [B] int32 ragged valid lengths (slots beyond are ignored).
     scale: logit scale (default 1/sqrt(d)).
-    config: :class:`KernelConfig` (static): tiling (default
-      ``BlockSizes.get_default``), backend (default: by the device),
-      interpret, debug, range_mode ("bound": one pass, the kernel's;
-      "exact": one more cheap XLA pass over the keys for the method's b_hat),
-      Triton warps and stages.
+    config: :class:`KernelConfig` (static); range_mode "exact" adds one XLA
+      pass over the keys for b_hat (method, section 5).
     with_stats: False computes the offset attention alone (var_hat and
-      range_hat are then zero): the baseline the statistics' cost is measured
-      against.
+      range_hat zero).
 
   Returns:
     ``reference.Reference(out [B, G, dv] float32, lse [B, G], var_hat [B, G],
     range_hat [B, G])``.
+
+  Raises:
+    ValueError: on mismatched shapes or an unknown range_mode or backend.
   """
   batch, rows, d = q.shape
   n = k.shape[1]
@@ -410,12 +364,7 @@ def offset_decode_reference(q, k, v, offset, lengths=None, *, scale: Optional[fl
 
 
 class ChunkKV(NamedTuple):
-  """A prefill chunk's own keys and values (for :func:`offset_chunk_attention`).
-
-  Attributes:
-    k: [B, t, d]; v: [B, t, dv].
-    valid: optional [B, t] bool (False for padding in ragged chunks).
-  """
+  """A prefill chunk's own k [B, t, d], v [B, t, dv] and optional valid [B, t]."""
 
   k: jax.Array
   v: jax.Array
@@ -428,11 +377,9 @@ def offset_chunk_attention(q, k, v, offset, chunk: ChunkKV, lengths=None, *,
                            config: KernelConfig = KernelConfig()):
   """Chunk (multi-query) variant for streaming prefill.
 
-  The ``t`` queries of a new chunk attend over the compressed cache with its
-  offsets (the fused kernel, with ``t * G`` query rows per KV head) and
-  causally over the chunk itself (certain tokens: offset 0, ``w = 0``, so they
-  add to the softmax but not to the variance statistics). The two partial
-  statistics merge with ``reference.combine``.
+  The ``t`` queries attend over the cache with its offsets (the fused kernel,
+  ``t * G`` rows per KV head) and causally over the chunk, whose certain tokens
+  (``w = 0``) add nothing to the variance; ``reference.combine`` merges both.
 
   Args:
     q: [B, t, G, d] chunk queries (G query heads per KV head).
@@ -454,7 +401,7 @@ def offset_chunk_attention(q, k, v, offset, chunk: ChunkKV, lengths=None, *,
   config = _resolve(config, k.shape[1], batch)
   rows_n = t * groups
   cache_parts = _cache_partials(rows, k, v, offset, lengths, scale=scale, config=config)
-  # Causal self-attention within the chunk: row (i, g) sees chunk tokens j <= i.
+  # Row (i, g) sees chunk tokens j <= i.
   causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]  # [t, t]
   causal = jnp.repeat(causal, groups, axis=0)[None]  # [1, t*G, t]
   if chunk_valid is not None:

@@ -1,35 +1,8 @@
 """Pure-jnp reference for offset attention with certificate statistics.
 
-This module is the single place where the formulas of method, sections 3-4 are
-written down. ``certkv_jax.offset_attention`` calls it on the XLA path, and the
-Pallas kernels are tested against it. It imports nothing from Pallas.
-
-For one query ``q`` and slots ``i`` with keys ``k_i``, values ``v_i``, log
-inclusion probabilities ``log_pi_i`` (0 for certain tokens) and validity
-``mask_i``::
-
-    l_i = q . k_i * scale - log_pi_i        (logit plus Hajek offset)
-    p_i = exp(l_i) / sum_j exp(l_j)         (offset-attention probabilities)
-    out = sum_i p_i v_i                     (the Hajek estimator o_hat)
-    w_i = 1 - pi_i = -expm1(log_pi_i)
-    var_hat = sum_i w_i p_i^2 ||v_i - out||^2
-            = (S2 - 2 out . S1 + ||out||^2 S0) / Z^2
-    range_hat = max_i w_i p_i ||v_i - out||
-
-with, relative to a running maximum ``m`` of the logits,
-``Z = sum e_i``, ``A = sum e_i v_i``, ``S0 = sum w_i e_i^2``,
-``S1 = sum w_i e_i^2 v_i``, ``S2 = sum w_i e_i^2 ||v_i||^2``, ``e_i = exp(l_i - m)``.
-These sums are accumulated in one sweep; two partial sums over disjoint key
-blocks combine by rescaling with ``exp(m_a - m)`` (first-order sums) and
-``exp(2 (m_a - m))`` (second-order sums): :func:`merge_partials`, the same
-combine used by split-K decoding and by sequence-sharded caches.
-
-The exact range term needs ``out``, which is known only after the sweep. When
-the logits are materialised (``ReferenceConfig(block_size=None)``) it costs no
-extra pass. In the blocked path it costs a second sweep; ``range_mode="bound"``
-instead uses the one-pass upper bound
-``(max_i w_i e_i ||v_i|| + ||out|| max_i w_i e_i) / Z``, which follows from the
-triangle inequality and is never smaller than the exact value.
+The one implementation of the single-pass sums of method, sections 4 and 9:
+``certkv_jax.offset_attention`` runs it on the XLA path, the Pallas kernels call
+``online_update`` per tile and are tested against ``grouped_reference``.
 """
 
 from __future__ import annotations
@@ -47,16 +20,12 @@ from pallas_kernels import precision as precision_lib
 Array = jax.Array
 
 _NEG_INF = -jnp.inf
-# Finite stand-in for "no valid slot yet" in running maxima. Kernels avoid
-# inf - inf; any real logit (|l| << 1e30) exceeds it.
+# Finite "no valid slot yet" for running maxima (kernels avoid inf - inf).
 M_EMPTY = -1e30
 
 
 class Partials(NamedTuple):
-  """Unnormalised one-pass statistics over a set of slots, per query row.
-
-  Leading dims ``...`` are the query rows (e.g. [..., g] for a GQA group).
-  """
+  """Unnormalised one-pass statistics per query row ``[...]`` (method, section 9)."""
 
   m: Array  # [...]      running maximum of the offset logits (M_EMPTY if none)
   z: Array  # [...]      sum_i e_i
@@ -84,22 +53,15 @@ def empty_partials(rows_shape, dv: int) -> Partials:
 
 
 def one_minus_pi(offset):
-  """``w = 1 - pi = 1 - exp(-offset)`` for ``offset = -log pi >= 0``.
-
-  Written as ``2t / (1 + t)`` with ``t = tanh(offset / 2)``: exact for small
-  offsets (pi near 1) without expm1, which the TPU kernel lowering lacks.
-  """
+  """``w = 1 - pi = 1 - exp(-offset)`` for ``offset >= 0``, as ``2t / (1 + t)``,
+  ``t = tanh(offset / 2)``: accurate near pi = 1 without expm1 (absent on TPU)."""
   t = jnp.tanh(0.5 * offset)
   return 2.0 * t / (1.0 + t)
 
 
 class StoredNorms(NamedTuple):
-  """Squared distances of the values to a reference value, stored beside them
-  (``certkv_jax.KVCache.v_sq`` about ``v_ref``): the certificate's second-order
-  sums then read them instead of a pass over the values. The reference is a
-  value of the same head, so it carries the channels' common component, and
-  float32 rounding scales with ``||v - ref||^2`` rather than ``||v||^2``.
-  """
+  """Stored ``||v_i - ref||^2`` (``KVCache.v_sq`` about ``v_ref``), read by the
+  second-order sums instead of a pass over the values (method, section 4)."""
 
   sq: Array  # [..., n] (``[..., 1, n]`` inside online_update) ||v_i - ref||^2
   ref: Array  # [..., dv] (``[..., 1, dv]`` inside) the reference; 0 gives ||v_i||^2
@@ -107,22 +69,15 @@ class StoredNorms(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class UpdateOptions:
-  """Numerics of :func:`online_update`, bundled so that its callers (the
-  reference, the kernels' tiles, the sharded path) pass one value.
+  """Numerics of :func:`online_update`, one value for all its callers.
 
   Attributes:
-    precision: precision of the float32 value products (default HIGHEST:
-      full float32; a GPU's default would round operands to TF32).
-    second_order: False skips the certificate statistics (the kernel's
-      statistics-free mode, for measuring their cost); they stay zero.
-    stacked_matmul: compute ``e @ v`` and ``w e^2 @ v`` as one matmul over
-      stacked rows (one pass over the values for XLA); False uses two matmuls
-      (Triton concatenates only along the last axis; the tile is in SRAM).
-    center: optional [..., 1, dv] centre of the second-order sums to use
-      instead of the tile mean (the XLA path picks the value of the
-      highest-logit slot, which costs one gather instead of a pass over the
-      values). Any centre gives the same statistics up to rounding. An array:
-      options holding one are not hashable (not a ``jit`` static argument).
+    precision: of the float32 value products (default HIGHEST, not TF32).
+    second_order: False skips the certificate statistics (they stay zero).
+    stacked_matmul: ``e @ v`` and ``w e^2 @ v`` as one matmul over stacked
+      rows; False uses two (Triton concatenates only along the last axis).
+    center: optional [..., 1, dv] centre of the second-order sums instead of
+      the tile mean; an array, so options holding one are not hashable.
   """
 
   precision: Optional[jax.lax.Precision] = jax.lax.Precision.HIGHEST
@@ -135,15 +90,9 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, *, sqnorm=Non
                   options: UpdateOptions = UpdateOptions()) -> Partials:
   """Folds one block of slots into running statistics (online softmax).
 
-  This is the arithmetic of the fused kernel: the reference and the Pallas
-  kernels call this same function on their tiles.
-
-  The second-order sums are taken about a centre ``c``: the mean of the valid
-  values of the first block that has any (fixed from then on; while nothing
-  has been accumulated it costs nothing to move). The variance is then
-  ``(S2 - 2 (o - c) . S1 + ||o - c||^2 S0) / Z^2``, whose float32 cancellation
-  error scales with ``||v - c||^2`` instead of ``||v||^2``: values with a
-  common offset (channel means) no longer swamp a small variance.
+  The arithmetic of the fused kernel (the Pallas kernels call it per tile).
+  Second-order sums are about a centre ``c``, the mean of the valid values of
+  the first non-empty block (method, sections 4 and 9).
 
   Args:
     carry: statistics so far, rows ``[..., g]``.
@@ -151,25 +100,15 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, *, sqnorm=Non
     v: [..., n, dv] values of the block.
     w: [..., 1 or g, n] ``1 - pi`` of each slot (ignored where invalid).
     valid: [..., 1 or g, n] bool.
-    valid_col: [..., n, 1] bool, the slots valid for any row, as a column
-      (default: the first row of ``valid``, right when rows share validity).
-      Values outside it are never read (they may hold garbage). Rows sharing
-      a KV head share the centre, which comes from this column.
+    valid_col: [..., n, 1] bool, slots valid for any row (default: the first
+      row of ``valid``); values outside it are never read; it sets the centre.
     sqnorm: optional :class:`StoredNorms` (``sq`` [..., 1, n], ``ref``
-      [..., 1, dv]) stored beside the values; ``sq`` is read only on valid
-      slots. The second-order sum then comes from ``sum w e^2 ||v - c||^2 =
-      sum w e^2 ||v - r||^2 - 2 (c - r) . sum w e^2 (v - r) + ||c - r||^2
-      sum w e^2``, whose middle sum the stacked matmul already gives: no pass
-      over the values for it. (The one-pass range bound still needs each
-      ``||v_i - c||``: one matrix-vector product.) Float32 rounding then
-      scales with ``||v - r||^2``: a common component of the values cancels
-      only when ``r`` lacks it (``r = 0``).
-    options: :class:`UpdateOptions` (precision, statistics on/off, matmul
-      layout, centre).
+      [..., 1, dv]), read only on valid slots: the second-order sum then comes
+      from the stored norms without a pass over the values (method, section 4).
+    options: :class:`UpdateOptions`.
 
   Returns:
-    Updated statistics. The new running max ``m'`` rescales first-order sums
-    by ``exp(m - m')`` and second-order sums by its square.
+    Updated statistics.
   """
   precision, center = options.precision, options.center
   dot = functools.partial(jnp.matmul, precision=precision,
@@ -197,8 +136,7 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, *, sqnorm=Non
   we = jnp.where(valid, w, 0.0) * e
   we2 = we * e
   s0 = jnp.sum(we2, axis=-1)
-  # One matmul pass over the values for both first- and second-order sums;
-  # S1 about the centre is sum w e^2 v - S0 c (benign: no squared terms).
+  # One matmul over the values for first- and second-order sums.
   if options.stacked_matmul:
     both = dot(jnp.concatenate([e, we2], axis=-2), vf)  # [..., 2g, dv]
     rows = e.shape[-2]
@@ -217,7 +155,7 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, *, sqnorm=Non
     s1_ref = s1_raw - s0[..., None] * ref  # sum w e^2 (v - r)
     s2_blk = (jnp.sum(we2 * sq, axis=-1) - 2.0 * jnp.sum(cr * s1_ref, axis=-1)
               + cr_sq * s0)
-    # [..., 1, n]: the range bound's (v - r) . (c - r) (values on the left: read in place).
+    # [..., 1, n]: the range bound's (v - r) . (c - r).
     v_c = (jnp.swapaxes(dot(vf, jnp.swapaxes(cr, -1, -2)), -1, -2)
            - jnp.sum(ref * cr, axis=-1)[..., None])
     vn2 = jnp.maximum(sq - 2.0 * v_c + cr_sq[..., None], 0.0)
@@ -235,13 +173,9 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, *, sqnorm=Non
 
 
 def combine(p: Partials, axis: int) -> Partials:
-  """Merges partial statistics of disjoint slot sets stacked along ``axis``
-  (split-K blocks, sequence shards). ``axis`` indexes the row dims of ``m``.
-
-  Each part's second-order sums are moved to a common centre (that of the
-  part with the largest running max): with ``d_a = c_a - c``,
-  ``S1 -> S1_a + S0_a d_a`` and ``S2 -> S2_a + 2 d_a . S1_a + ||d_a||^2 S0_a``.
-  """
+  """Merges statistics of disjoint slot sets stacked along ``axis`` of ``m``'s dims
+  (split-K blocks, sequence shards), moving second-order sums to the centre of
+  the part with the largest running max (method, section 9)."""
   axis = axis % p.m.ndim
   m = jnp.max(p.m, axis=axis)
   lead = jnp.argmax(p.m, axis=axis)
@@ -272,19 +206,15 @@ def merge_partials(a: Partials, b: Partials) -> Partials:
 
 
 def finalize(p: Partials) -> Finalized:
-  """Output, log-normaliser and variance estimate from merged statistics.
-
-  An empty row (no valid slot) gives out = 0, lse = -inf, var_hat = 0: defined,
-  never NaN.
-  """
+  """Output, lse and variance from merged statistics; an empty row gives out = 0,
+  lse = -inf, var_hat = 0 (never NaN)."""
   nonempty = p.z > 0
   z = jnp.where(nonempty, p.z, 1.0)
   out = p.acc / z[..., None]
   oc = out - p.c
   oc_sq = jnp.sum(oc * oc, axis=-1)
   num = p.s2 - 2.0 * jnp.sum(oc * p.s1, axis=-1) + oc_sq * p.s0
-  # The expanded square can come out slightly negative through float rounding
-  # (it is a sum of non-negative terms); clamp that rounding error at zero.
+  # A sum of non-negative terms: clamp float rounding below zero.
   var_hat = jnp.maximum(num, 0.0) / (z * z)
   lse = jnp.where(nonempty, p.m + jnp.log(z), _NEG_INF)
   range_bound = (p.rv + jnp.sqrt(oc_sq) * p.r1) / z
@@ -300,9 +230,7 @@ def finalize(p: Partials) -> Finalized:
 def slot_logits(q, k, offset, valid, scale):
   """``q . k * scale + offset`` for rows q [..., g, d] and keys k [..., n, d].
 
-  Computed as ``k @ q^T`` (keys on the left): with the keys' contracted axis
-  minor, XLA's CPU matmul reads them where they lie instead of a transposed
-  copy. Precision: ``precision.product_operands``.
+  Computed as ``k @ q^T`` so that XLA's CPU matmul reads the keys in place.
   """
   k, q, precision = precision_lib.product_operands(k, q)
   s = jnp.swapaxes(jnp.matmul(k, jnp.swapaxes(q, -1, -2), precision=precision,
@@ -313,8 +241,7 @@ def slot_logits(q, k, offset, valid, scale):
 def offset_logits(q, k, log_pi, mask, scale):
   """Offset logits ``q.k * scale - log_pi`` [..., n], -inf on invalid slots.
 
-  Args: q [..., d]; k [..., n, d]; log_pi, mask [..., n]; scale float.
-  """
+  Args: q [..., d]; k [..., n, d]; log_pi, mask [..., n]; scale float."""
   l = slot_logits(q[..., None, :], k, -log_pi.astype(jnp.float32)[..., None, :],
                   mask[..., None, :], scale)
   return l[..., 0, :]
@@ -326,13 +253,8 @@ def exact_range(l, v, w, valid, out, lse, sqnorm=None):
   Args:
     l: [..., g, n] offset logits; v: [..., n, dv]; w, valid: [..., 1|g, n];
     out: [..., g, dv] final output; lse: [..., g] final log-normaliser.
-    sqnorm: optional :class:`StoredNorms` (as :func:`online_update` takes
-      them). Given, the distances come from ``||v_i - r||^2 - 2 (v_i - r) .
-      (out - r) + ||out - r||^2``, one matmul over the values, instead of a
-      ``[g, n, dv]`` elementwise pass. Its float32 rounding is about
-      ``eps (||v_i - r||^2 + ||out - r||^2)`` in the squared distance: it
-      matters for slots whose value is nearly ``out``, which do not attain
-      the maximum unless every slot's does.
+    sqnorm: optional :class:`StoredNorms`: the distances then come from one
+      matmul over the values instead of a ``[g, n, dv]`` pass (method, section 4).
   """
   lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
   p = jnp.where(valid, jnp.exp(l - lse_safe[..., None]), 0.0)
@@ -373,8 +295,7 @@ def offset_attention_reference(
     block_size: Optional[int] = None,
     range_mode: str = "exact",
 ) -> Reference:
-  """Reference offset attention for one query per leading index (numpy
-  broadcasting of the leading dims): :func:`grouped_reference` with g = 1.
+  """:func:`grouped_reference` with one query per leading index (g = 1).
 
   Args: q [..., d]; k [..., n, d]; v [..., n, dv]; log_pi, mask [..., n].
   """
@@ -390,11 +311,9 @@ class ReferenceConfig:
 
   Attributes:
     block_size: None folds all slots in one block; an int sweeps key blocks of
-      that size with :func:`online_update` (the kernel's algorithm).
-    range_mode: "exact" (method, section 5's b_hat) or "bound" (one-pass upper
-      bound, see module docstring).
-    with_stats: False computes the offset attention alone (statistics zero),
-      the baseline that their cost is measured against.
+      that size (the kernel's algorithm).
+    range_mode: "exact" (b_hat, method, section 5) or "bound" (one-pass bound).
+    with_stats: False computes the offset attention alone (statistics zero).
   """
 
   block_size: Optional[int] = None
@@ -415,22 +334,20 @@ def grouped_reference(
 ) -> Reference:
   """Reference offset attention with certificate statistics (float32 math).
 
-  The ``g`` query rows of each leading index share its keys and values (a
-  GQA group, or the queries of a chunk), so keys are never copied per row.
+  The ``g`` query rows of each leading index share its keys and values (a GQA
+  group, or a chunk's queries).
 
   Args:
     q: [..., g, d]; k: [..., n, d]; v: [..., n, dv]; log_pi: [..., n] (<= 0);
     mask: [..., n] bool. Leading dims broadcast (numpy rules).
     scale: logit scale, default 1/sqrt(d).
     config: :class:`ReferenceConfig` (block size, range mode, statistics on/off).
-    value_sqnorm: optional stored norms of each slot, as a
-      ``certkv_jax.KVCache`` keeps them: a :class:`StoredNorms` (``sq``
-      [..., n] = ``||v_i - ref||^2`` about ``ref`` [..., dv]; the cache's
-      ``v_sq`` and ``v_ref``), or an array [..., n] of ``||v_i||^2`` (ref 0).
-      The second-order sum and the exact range then read them instead of a
-      pass over the values (see :func:`online_update` and
-      :func:`exact_range`); the result is the same up to float32 rounding,
-      which then scales with ``||v - ref||^2``.
+    value_sqnorm: optional :class:`StoredNorms` (``sq`` [..., n], ``ref``
+      [..., dv]; the cache's ``v_sq`` and ``v_ref``) or an array [..., n] of
+      ``||v_i||^2`` (ref 0); same result up to float32 rounding.
+
+  Raises:
+    ValueError: for a bad ``range_mode``, ``block_size`` or ``value_sqnorm`` shape.
 
   Returns:
     Reference(out [..., g, dv], lse, var_hat, range_hat [..., g]).
@@ -460,8 +377,7 @@ def grouped_reference(
   w = one_minus_pi(offset)
   hp = jax.lax.Precision.HIGHEST
   if block_size is None or block_size >= n:
-    # One block: the logits stay materialised, so the centre (the value of the
-    # highest-logit slot of the first row: one gather) costs no extra sweep.
+    # One block: centre = value of the first row's highest-logit slot (one gather).
     l = slot_logits(q, k, offset, valid, scale)  # [..., g, n]
     top = jnp.argmax(jnp.where(valid, l, M_EMPTY)[..., :1, :], axis=-1)[..., None]
     vb = jnp.broadcast_to(v, lead + (n, dv))
