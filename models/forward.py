@@ -1,23 +1,8 @@
 """The forward pass of a chunk of new tokens through the model and its caches.
 
-:func:`forward_chunk` embeds the chunk, runs the decoder layers and returns
-the logits. Each layer appends the chunk's keys and values to its caches,
-attends over them with the certificate statistics and, with a design, folds
-the chunk's attention probabilities into the slot statistics the design
-scores (``certkv_jax.layer``); in a prompt chunk (``observe=True``) the last
-``design.observation_window`` real queries are the observation window
-(SnapKV's ``obs``, replaced chunk by chunk). Eviction itself is
-``certkv_jax.eviction``.
-
-Two layer loops, same results (``layer_loop``):
-
-* ``"scan"``: a ``lax.scan`` over the stacked layer parameters and caches
-  (``certkv_jax.caches``): one compiled layer, but every step copies its
-  layer's weights and caches out of the stacks before the matmuls read them.
-* ``"unrolled"``: a Python loop over per-layer parameters
-  (:func:`unstack_layers`) and per-layer caches (``caches.unstack``), each a
-  buffer of its own that the matmuls read in place: a decode step then reads
-  each weight and cache byte about once. It compiles every layer.
+:func:`forward_chunk` runs the layers (attention through ``certkv_jax.layer``).
+Its ``"scan"`` loop compiles one layer over stacked weights and caches, copying
+each layer's slice; ``"unrolled"`` reads per-layer buffers in place.
 """
 
 from __future__ import annotations
@@ -44,16 +29,8 @@ Array = jax.Array
 def _layer_stacked(config: LlamaConfig, design, observe: bool, certificate, x, valid,
                    layer_params, caches: KVCache, shadow: Optional[KVCache], i, slots,
                    shadow_slots):
-  """Decoder layer ``i`` on a chunk: q, k, v, the drop-in attention on the
-  stacked caches (``certkv_jax.layer.attend_layer``: keys and values into the
-  reserved slots, offset attention with the certificate statistics, the
-  design's statistics folded), then the output projection and MLP.
-  ``certificate`` is ``attend``'s: a bool or ``(layer_flag, heads)``; ``slots``
-  and ``shadow_slots`` are ``caches.reserve``'s.
-
-  Returns:
-    ``(x [b, t, hidden], caches, stats [b, n_heads, t] or None, shadow)``.
-  """
+  """Decoder layer ``i`` on the stacked caches (``layer.attend_layer``); returns
+  ``(x [b, t, hidden], caches, stats [b, n_heads, t] or None, shadow)``."""
   block = Block(config)
   variables = {"params": layer_params}
   with jax.named_scope("qkv"):
@@ -67,9 +44,8 @@ def _layer_stacked(config: LlamaConfig, design, observe: bool, certificate, x, v
 
 
 def allocation_args(params, config: LlamaConfig, allocation) -> dict:
-  """``eviction.evict``'s ``allocation`` and ``gains`` for this model: the gains
-  (``certkv_jax.allocation.kv_head_gains`` of the ``o_proj`` kernel) only for
-  an allocation that needs them."""
+  """``eviction.evict``'s ``allocation`` and ``gains`` (``o_proj``'s
+  ``kv_head_gains``, only for an allocation that needs them)."""
   gains = None
   if allocation is not None and allocation.needs_gains:
     layers = params["params"]["layers"]
@@ -86,15 +62,8 @@ LAYER_LOOPS = ("scan", "unrolled")
 
 
 def unstack_layers(params, config: LlamaConfig):
-  """``params`` with the stacked ``layers`` subtree split into a tuple of per-layer
-  trees, each with its q, k and v projections fused (``models.llama.fuse_qkv``).
-
-  Call it once, outside ``jit``: every layer's weights become buffers of their
-  own, which :func:`forward_chunk` (``layer_loop="unrolled"``) reads in place;
-  inside the ``lax.scan`` over stacked weights each step copies its layer's
-  slice out first. A decode step's three small q, k, v products become one.
-  Params already unstacked are returned as they are.
-  """
+  """``params`` with ``layers`` split into per-layer trees, q, k and v fused
+  (``llama.fuse_qkv``), for ``layer_loop="unrolled"``; call it once, outside ``jit``."""
   layers = params["params"]["layers"]
   if isinstance(layers, (tuple, list)):
     return params
@@ -138,40 +107,28 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
   """Runs a chunk of new tokens through the model with caches.
 
   Args:
-    params: ``{"params": ...}`` of :class:`models.llama.LlamaModel`, its
-      ``layers`` stacked (as loaded) or a tuple of per-layer trees
-      (:func:`unstack_layers`, ``layer_loop="unrolled"`` only).
+    params: ``{"params": ...}`` of :class:`models.llama.LlamaModel`, ``layers``
+      stacked or per layer (:func:`unstack_layers`, ``"unrolled"`` only).
     config: the model config.
     tokens: [batch, t] int token ids.
-    valid: [batch, t] bool, False on (right) padding: padding takes no cache
-      slot and no position.
-    caches: from :func:`certkv_jax.caches.init_caches` (or a previous chunk),
-      stacked, or per layer (``caches.unstack``, ``layer_loop="unrolled"``
-      only); returned in the same form.
-    design: optional ``certkv_jax.EvictionDesign``; its ``update`` folds the
-      chunk's attention probabilities into the slot statistics.
-    observe: whether this is a prompt chunk whose last
-      ``design.observation_window`` real queries are the design's observation
-      window (``obs`` is replaced by their attention); decode steps pass
-      False, so that ``obs`` keeps the prompt's window.
-    certificate: True: attention with ``certkv_jax.offset_attention`` and its
-      certificate statistics; False: the same Hajek softmax without them
-      (cheaper for long prefills) and ``None`` stats; a
-      ``certified_attention.Subsample(layers, heads)``: certify only those
-      layers / KV heads (the others attend with the plain softmax, a
-      ``lax.cond`` per layer, and report NaN; the logits do not change).
-    shadow: evaluation mode: full caches (never evicted) that receive the same
-      keys and values (stacked or per layer, as ``caches``); with the
-      certificate the stats then include the true error of every call.
-    layer_loop: ``"scan"`` or ``"unrolled"`` (module docstring); same results.
-      Unrolled with stacked params or caches slices and splits them every
-      call: pass them unstacked where the calls repeat (a decode loop).
+    valid: [batch, t] bool, False on (right) padding (no slot, no position).
+    caches: from ``certkv_jax.caches.init_caches``, stacked or per layer
+      (``"unrolled"`` only); returned in the same form.
+    design: optional ``certkv_jax.EvictionDesign`` whose ``update`` folds the
+      chunk's attention into the slot statistics.
+    observe: a prompt chunk whose last ``design.observation_window`` queries
+      replace the design's ``obs``; decode steps pass False.
+    certificate: True (``offset_attention`` with its statistics), False (the
+      same softmax, ``None`` stats) or ``certified_attention.Subsample(layers,
+      heads)`` (the others report NaN; the logits do not change).
+    shadow: evaluation mode: never-evicted caches receiving the same keys and
+      values; the stats then include the true error.
+    layer_loop: ``"scan"`` or ``"unrolled"`` (module docstring); pass unstacked
+      params and caches to ``"unrolled"`` where the calls repeat.
 
   Returns:
-    ``(logits [batch, t, vocab] float32, caches, ChunkStats or None, shadow)``;
-    every ChunkStats field is ``[t, n_layers, batch, n_heads]`` (``Generation``
-    has ``[n_steps, n_layers, batch, n_heads]``, a decode step being a chunk of
-    one query).
+    ``(logits [batch, t, vocab] float32, caches, ChunkStats or None, shadow)``,
+    ChunkStats fields ``[t, n_layers, batch, n_heads]``.
 
   Raises:
     ValueError: ``layer_loop`` not in ``LAYER_LOOPS``; unstacked params or
@@ -208,8 +165,7 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
                                                 slots, shadow_slots)
       return (x, caches, shadow), stats
 
-    # The caches ride in the carry, updated in place (scanned inputs and
-    # outputs would copy the stacked caches every call).
+    # Caches in the carry are updated in place (scanned ones would be copied).
     (x, caches, shadow), stats = jax.lax.scan(
         body, (x, caches, shadow),
         (layers, layer_flags, jnp.arange(config.n_layers, dtype=jnp.int32)))
@@ -223,14 +179,8 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
 
 def _unrolled(config: LlamaConfig, design, observe: bool, cert_of, x, valid, layers,
               layer_flags, caches, shadow):
-  """The Python loop over the layers, each on its own caches (``certkv_jax.layer.attend``).
-
-  Stacked params are sliced and stacked caches split here, every call (copies);
-  the caller's form of the caches is returned.
-
-  Returns:
-    ``(x, caches, stats [n_layers, batch, n_heads, t] or None, shadow)``.
-  """
+  """The Python loop over the layers, each on its own caches (``layer.attend``);
+  returns ``(x, caches, stats [n_layers, batch, n_heads, t] or None, shadow)``."""
   as_given = lambda given, new: new if caches_lib.is_unstacked(given) else caches_lib.stack(new)
   per_layer = list(caches_lib.unstack(caches))
   shadows = None if shadow is None else list(caches_lib.unstack(shadow))

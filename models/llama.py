@@ -1,10 +1,7 @@
 """A Llama-family decoder in flax.linen: RMSNorm, RoPE, GQA attention, SwiGLU.
 
-Covers Llama 1-3, Mistral, Qwen2 and SmolLM2 (see :class:`LlamaConfig`). The
-full forward pass is ``logits = LlamaModel(config).apply(params, tokens)``.
-
-Parameter tree (``params = {"params": ...}``; layers are stacked on a leading
-axis by ``nn.scan``, so a checkpoint's layer ``i`` is ``leaf[i]``)::
+Llama 1-3, Mistral, Qwen2, SmolLM2: ``LlamaModel(config).apply(params, tokens)``.
+Parameters (``{"params": ...}``, layers stacked on a leading axis by ``nn.scan``)::
 
     embed/embedding                       [vocab, hidden]
     layers/attn_norm/scale                [L, hidden]
@@ -16,18 +13,10 @@ axis by ``nn.scan``, so a checkpoint's layer ``i`` is ``leaf[i]``)::
     final_norm/scale                      [hidden]
     lm_head/kernel                        [hidden, vocab]   (absent if tied)
 
-Per-layer params for a decode loop (``models.forward.unstack_layers``) hold
-``qkv_proj`` instead of the three projections (:func:`fuse_qkv`).
-
-A :class:`Block` exposes its two halves, :meth:`Block.qkv` (norm, projections,
-RoPE) and :meth:`Block.finish` (output projection, residual, MLP), so that
-cached decoding (``models.decode``) can put a KV cache between them.
-
-Precision (``config.dtype``, :mod:`models.precision`): every matrix product
-takes operands in ``config.dtype`` and, when that is narrower than float32
-(bfloat16 weights), accumulates in float32 and returns float32; the residual
-stream, RMSNorm, RoPE, the attention softmax and the logits are float32. A
-bfloat16 model thus rounds the weights and each product's input, nothing else.
+:meth:`Block.qkv` and :meth:`Block.finish` are a block's two halves, so that
+cached decoding can put a KV cache between them. Matrix products take operands
+in ``config.dtype`` and accumulate in float32; everything else is float32
+(:mod:`models.precision`).
 """
 
 from __future__ import annotations
@@ -47,9 +36,7 @@ from models.config import LlamaConfig
 
 Array = jax.Array
 _NEG = -1e30  # masked logit: finite, so a fully masked row cannot produce NaN
-# Up to this many rows (batch x tokens) the tied output projection puts the
-# embedding on the left of its matmul, read in place; XLA's CPU matmul
-# otherwise reads it through a transposed copy, which only many rows amortize.
+# Up to this many rows the tied output projection reads the embedding in place.
 _FEW_ROWS = 64
 
 
@@ -61,8 +48,7 @@ def _dot_f32(lhs, rhs, dimension_numbers, precision=None, preferred_element_type
 
 
 def _dense_kw(dtype) -> dict:
-  """Flax ``Dense`` / ``DenseGeneral`` arguments of a product in ``dtype``: operands in
-  ``dtype``, float32 accumulation and output when it is narrower than float32."""
+  """Flax ``Dense`` arguments: operands in ``dtype``, float32 accumulation if narrower."""
   kw = dict(dtype=dtype, param_dtype=jnp.float32)
   if precision.is_low_precision(dtype):
     kw["dot_general"] = _dot_f32
@@ -97,11 +83,8 @@ class SwiGLU(nn.Module):
 
 
 def attention_mask(positions, token_mask, sliding_window: Optional[int] = None) -> Array:
-  """[batch, seq, seq] bool: query ``i`` may attend key ``j``.
-
-  Causal by position, restricted to real keys (``token_mask``) and, if set, to
-  the ``sliding_window`` most recent positions.
-  """
+  """[batch, seq, seq] bool: query ``i`` may attend key ``j`` (causal, real keys,
+  within ``sliding_window`` if set)."""
   qp, kp = positions[:, :, None], positions[:, None, :]
   allowed = (kp <= qp) & token_mask[:, None, :]
   if sliding_window is not None:
@@ -110,16 +93,8 @@ def attention_mask(positions, token_mask, sliding_window: Optional[int] = None) 
 
 
 def grouped_attention(q, k, v, allowed) -> Array:
-  """Softmax attention with grouped KV heads, in float32.
-
-  Args:
-    q: [batch, seq_q, n_heads, head_dim].
-    k, v: [batch, seq_k, n_kv_heads, head_dim].
-    allowed: [batch, seq_q, seq_k] bool.
-
-  Returns:
-    [batch, seq_q, n_heads, head_dim] float32.
-  """
+  """Float32 softmax attention with grouped KV heads: q [batch, seq_q, n_heads, d],
+  k, v [batch, seq_k, n_kv_heads, d], allowed [batch, seq_q, seq_k] -> like q."""
   b, s, h, d = q.shape
   h_kv = k.shape[2]
   qg = q.astype(jnp.float32).reshape(b, s, h_kv, h // h_kv, d)
@@ -150,16 +125,8 @@ class Block(nn.Module):
     self.mlp = SwiGLU(c.hidden, c.ffn_dim, c.dtype)
 
   def qkv(self, x, positions):
-    """Queries, keys and values of ``x`` [batch, seq, hidden] after RoPE.
-
-    The layer's params hold ``q_proj``, ``k_proj`` and ``v_proj`` (as
-    loaded), or ``qkv_proj`` (:func:`fuse_qkv`): the same numbers, one
-    matrix product instead of three, which a decode step's small products
-    are the faster for.
-
-    Returns:
-      q [batch, seq, n_heads, head_dim], k and v [batch, seq, n_kv_heads, head_dim].
-    """
+    """q [b, s, n_heads, head_dim], k and v [b, s, n_kv_heads, head_dim] of ``x``
+    [b, s, hidden] after RoPE, fused ``qkv_proj`` (:func:`fuse_qkv`) or not."""
     c = self.config
     b, s, _ = x.shape
     h = self.attn_norm(x)
@@ -226,20 +193,17 @@ class LlamaModel(nn.Module):
 
     Args:
       tokens: [batch, seq] int token ids in ``[0, vocab_size)``, seq >= 1.
-      mask: optional [batch, seq] bool, False on padding (right-padded ragged
-        batches); padded keys are never attended to. A row that is all False
-        is defined (finite logits that mean nothing).
+      mask: optional [batch, seq] bool, False on (right) padding, never attended
+        to; an all-False row gives finite, meaningless logits.
       positions: optional [batch, seq] int positions; default ``0..seq-1``.
 
     Returns:
       [batch, seq, vocab] float32 logits (rows at padding are not meaningful).
 
     Raises:
-      ValueError naming the argument: ``tokens`` not an int [batch, seq] array,
-      empty (batch or seq 0), or (when concrete) holding an id outside
-      ``[0, vocab_size)`` (``models.inputs.check_tokens``; under ``jit`` such
-      an id makes the row's logits NaN, or wraps around if negative); a
-      ``mask`` or ``positions`` of the wrong shape or dtype.
+      ValueError naming the argument: ``tokens`` not a non-empty int [batch, seq]
+      array or (when concrete) with an id out of range; ``mask`` or
+      ``positions`` of the wrong shape or dtype.
     """
     c = self.config
     tokens = jnp.asarray(tokens)
@@ -260,11 +224,8 @@ class LlamaModel(nn.Module):
 
 
 def init_params(config: LlamaConfig, key, seq: int = 8):
-  """Randomly initialised parameters ``{"params": ...}`` (for tests and training).
-
-  ``seq`` (an int >= 1) is the length of the dummy prompt used to trace the
-  model; the parameters do not depend on it.
-  """
+  """Random parameters ``{"params": ...}``; ``seq`` (int >= 1) is the length of the
+  dummy prompt traced, which they do not depend on."""
   seq = _checks.check_positive_int("seq", seq)
   return LlamaModel(config).init(key, jnp.zeros((1, seq), jnp.int32))
 
@@ -277,11 +238,8 @@ _QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def fuse_qkv(layer, config: LlamaConfig) -> dict:
-  """One layer's params (a leading layer axis allowed) with ``q_proj``,
-  ``k_proj`` and ``v_proj`` replaced by ``qkv_proj``: kernel
-  ``[hidden, n_kv_heads, group + 2, head_dim]`` (each KV head's queries, then
-  its key and value; bias ``[n_kv_heads, group + 2, head_dim]``), applied by
-  :meth:`Block.qkv` as one product. Inverse: :func:`unfuse_qkv`."""
+  """One layer's params with q, k, v projections replaced by ``qkv_proj``, kernel
+  ``[hidden, n_kv_heads, group + 2, head_dim]`` (each KV head's queries, key, value)."""
   if "qkv_proj" in layer:
     return layer
   g, n_kv, d = _group(config), config.n_kv_heads, config.head_dim
@@ -293,8 +251,7 @@ def fuse_qkv(layer, config: LlamaConfig) -> dict:
 
 
 def unfuse_qkv(layer) -> dict:
-  """The inverse of :func:`fuse_qkv` (params without ``qkv_proj`` returned as they
-  are); the head layout is read from the fused kernel's shape."""
+  """The inverse of :func:`fuse_qkv` (params without ``qkv_proj`` returned as they are)."""
   if "qkv_proj" not in layer:
     return layer
   fused = layer["qkv_proj"]
