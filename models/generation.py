@@ -1,9 +1,6 @@
-"""What :mod:`models.decode` is asked to do and what it returns.
-
-:class:`GenerationConfig` holds the static settings of a generation (one compile
-per distinct config); :class:`Generation` is the result, tokens beside the
-certificate statistics of every decode step. ``models.decode`` re-exports both.
-"""
+"""A generation's static settings (:class:`GenerationConfig`) and result
+(:class:`Generation`: tokens and per-step certificate statistics), re-exported by
+``models.decode``."""
 
 from __future__ import annotations
 
@@ -19,57 +16,25 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
-  """How to generate (static: one compile per distinct config).
+  """How to generate (static: one compile per distinct config)."""
 
-  Attributes:
-    n_steps: tokens to decode (greedy).
-    design: an eviction design, or None to keep everything.
-    capacity: cache slots per (layer, row, KV head); None sizes them with
-      ``certkv_jax.budgets.capacity`` from the design and the prompt.
-    chunk: context tokens per chunk (streaming generation only).
-    evict_each_step: evict during decoding too, after every ``evict_every``-th
-      step (amortized eviction: ``evict_every`` slots of slack, the
-      certificate exact for the rounds run; method, section 3).
-    evict_every: decode steps per eviction (>= 1; not 1 needs evict_each_step).
-    return_logits: also return every step's logits.
-    evaluate: evaluation mode: a never-evicted shadow cache gives every decode
-      call's true error and Assumption-2 audit.
-    layer_budgets: one budget per layer (all ints or all floats; PyramidKV),
-      replacing the design's budget layer by layer.
-    allocation: a per-head allocation (``certkv_jax.allocation``: AdaKV,
-      CertificateTargeted, TargetRadius, Pyramid) applied at every eviction;
-      capacities are sized for its largest per-head target.
-    certificate_layers, certificate_heads: layer / KV-head indices whose decode
-      steps are certified (None = all); the rest report NaN, the tokens do not
-      change.
-    on_token: host function ``on_token(step, tokens)`` called as each step's
-      ``[batch]`` tokens are chosen (an ordered ``jax.debug.callback``).
-    stop_tokens: token ids that end a row's answer (EOS). Once every row has
-      emitted one, the remaining steps skip the model (a ``lax.cond``): they
-      return ``stop_tokens[0]`` with log-probability 0 and NaN logits and
-      statistics. Everything up to that step equals the run without it.
-    layer_loop: the decode steps' loop over the layers
-      (``models.forward.forward_chunk``): "scan", or "unrolled" (per-layer
-      weights and caches read in place; the caches are split before the decode
-      loop and stacked after it, and stacked params sliced once per call:
-      pass ``forward.unstack_layers(params, config)`` to skip that). The prefill scans.
-  """
-
-  n_steps: int
-  design: object = None
-  capacity: Optional[int] = None
-  chunk: Optional[int] = None
-  evict_each_step: bool = False
-  evict_every: int = 1
-  return_logits: bool = False
-  evaluate: bool = False
-  layer_budgets: Optional[tuple] = None
-  allocation: object = None
-  certificate_layers: Optional[tuple] = None
-  certificate_heads: Optional[tuple] = None
-  on_token: Optional[Callable] = None
+  n_steps: int  # tokens to decode (greedy)
+  design: object = None  # an eviction design; None keeps everything
+  capacity: Optional[int] = None  # slots per (layer, row, KV head); None: budgets.capacity
+  chunk: Optional[int] = None  # context tokens per chunk (streaming generation only)
+  evict_each_step: bool = False  # evict while decoding too (method, section 3)
+  evict_every: int = 1  # decode steps per eviction (>= 1; not 1 needs evict_each_step)
+  return_logits: bool = False  # also return every step's logits
+  evaluate: bool = False  # a never-evicted shadow cache: true errors and Assumption-2 audit
+  layer_budgets: Optional[tuple] = None  # one budget per layer (all ints or all floats)
+  allocation: object = None  # a per-head certkv_jax.allocation applied at every eviction
+  certificate_layers: Optional[tuple] = None  # certified layers (None = all; the rest NaN)
+  certificate_heads: Optional[tuple] = None  # certified KV heads (None = all; the rest NaN)
+  on_token: Optional[Callable] = None  # host on_token(step, tokens), an ordered callback
+  # Ids ending a row (EOS); once all rows have one, later steps skip the model
+  # and return stop_tokens[0], log-probability 0 and NaN logits and statistics.
   stop_tokens: tuple = ()
-  layer_loop: str = "scan"
+  layer_loop: str = "scan"  # decode steps' loop: "scan" or "unrolled" (forward.forward_chunk)
 
   def replace(self, **kw) -> "GenerationConfig":
     return dataclasses.replace(self, **kw)
@@ -81,40 +46,26 @@ class Generation(NamedTuple):
   tokens: Array  # [batch, n_steps] int32 generated tokens (greedy)
   logprobs: Array  # [batch, n_steps] float32 log-probability of each generated token
   logits: Optional[Array]  # [batch, n_steps, vocab] float32 if return_logits
-  # Certificate statistics of decode step i: the forward pass of generated token
-  # i, whose attention produces the distribution of token i + 1. NaN for the
-  # (layer, head) calls left out by ``certificate_layers`` / ``certificate_heads``.
+  # Statistics of step i (the pass of token i); NaN for calls not certified.
   var_hat: Array  # [n_steps, n_layers, batch, n_heads] float32
   range_hat: Array  # [n_steps, n_layers, batch, n_heads] float32
   caches: KVCache  # final caches (``n_dropped`` counts tokens that found no slot)
-  # [batch] int32: tokens of each row that found no cache slot (the max over its
-  # (layer, KV head) caches). Nonzero means the capacity was too small and the
-  # logits after it are wrong; the eager call raises (see generate), a call
-  # inside an outer jit returns it here (and certkv_jax.checked catches it).
+  # [batch] int32 tokens that found no slot: nonzero means wrong logits (eager raises).
   n_dropped: Optional[Array] = None
-  # The design's counters (rounds, redraws, dropped tokens, rounds over budget),
-  # leaves [n_layers, batch, n_kv_heads]; None without a design.
+  # The design's counters, leaves [n_layers, batch, n_kv_heads]; None without one.
   design_state: Optional[object] = None
-  # [] bool: whether var_hat / range_hat certify anything. False without a
-  # design or with a deterministic one: their V_hat is 0 by construction, and
-  # a radius of 0 then means "no certificate", not "no error" (Theorem 1).
+  # [] bool: False for no or a deterministic design (V_hat = 0, no certificate).
   certified: Optional[Array] = None
-  # ||o_hat|| of every certified call, the scale a radius is read against
-  # (NaN where not certified); [n_steps, n_layers, batch, n_heads] float32.
+  # ||o_hat|| of each certified call, [n_steps, n_layers, batch, n_heads].
   out_norm: Optional[Array] = None
   # Evaluation mode only (None otherwise), same steps as var_hat:
   true_error: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] ||o_hat - o||
   rel_error: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] ||o_hat - o||/||o||
-  # Assumption-2 audit of every decode call (method, section 6; evaluation mode):
-  # R = m max_{i in T} a_i / (pi_i sum_C a_j) over the full context C, with
-  # pi_i each token's cumulative inclusion probability (up to its eviction)
-  # and T the tokens sampled with 0 < pi_i < 1; 0 when T is empty (e.g. any
-  # deterministic design: its pi is 0 or 1).
+  # Assumption-2 audit (method, section 6; evaluation mode); 0 when T is empty.
   ratio: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] R
   tail_m: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] m = sum_T pi_i
   tail_n: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] |T|
-  # Online warning signals of every decode call (evaluation mode; see
-  # certkv_jax.certified_attention.ChunkStats and certkv_jax.signals):
+  # Warning signals (evaluation mode; certkv_jax.signals):
   ess: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads]
   max_tail_weight: Optional[Array] = None
   range_ratio: Optional[Array] = None

@@ -1,22 +1,7 @@
 """Chunked prefill: a long prompt into the caches in bounded memory.
 
-One :func:`models.forward.forward_chunk` call on an ``n``-token prompt
-materialises ``[batch, heads, n, capacity]`` attention scores (and
-``[batch, n, vocab]`` logits) per layer: several GB at 8k tokens.
-:func:`prefill` feeds the prompt ``chunk`` tokens at a time in a ``lax.scan``
-that carries the caches, so the scores are ``[batch, heads, chunk, capacity]``
-and only the last chunk's logits are computed. Nothing is evicted here: a
-caller evicts after (``certkv_jax.eviction.evict``).
-
-The result equals the one-shot ``forward_chunk`` prefill: same positions,
-slots, keys and values, and a design's statistics with the same observation
-window. ``forward_chunk`` takes a chunk's last ``design.observation_window``
-real queries as the window and replaces the previous chunk's, so each row's
-last chunk must hold its last window of real queries. The padding therefore
-goes into the first chunk, not the last: a row of ``L`` real tokens fills its
-last ``min(L, chunk)`` tokens into the last chunk, full chunks before it, and
-the remainder (right-padded) first; earlier chunks of a short row are all
-padding, which takes no slot, no position and leaves the statistics as they are.
+:func:`prefill` scans ``forward_chunk`` over chunks (scores ``[batch, heads, chunk,
+capacity]``), evicting nothing; padding goes first, so it equals one-shot prefill.
 """
 
 from __future__ import annotations
@@ -40,14 +25,8 @@ def _positive_int(value) -> bool:
 
 def check_args(n_tokens: int, *, config: LlamaConfig, capacity: int, chunk: int,
                design=None) -> None:
-  """Checks :func:`prefill`'s static arguments for an ``n_tokens``-column prompt.
-
-  Raises:
-    ValueError naming the argument and its allowed range: ``chunk`` not an int
-    in ``[max(1, design.observation_window), inf)`` (the window must fit in the
-    last chunk); ``capacity`` not an int >= ``n_tokens`` (the prompt's
-    length: nothing is evicted); ``n_tokens`` beyond ``config.max_positions``.
-  """
+  """Checks :func:`prefill`'s static arguments; ValueError for ``chunk`` not an int
+  >= max(1, observation window), ``capacity`` < ``n_tokens`` or too long a prompt."""
   window = 0 if design is None else design.observation_window
   if not _positive_int(chunk) or chunk < window:
     raise ValueError(f"chunk must be an int >= max(1, design.observation_window) = "
@@ -63,19 +42,8 @@ def check_args(n_tokens: int, *, config: LlamaConfig, capacity: int, chunk: int,
 def chunk_layout(tokens, mask, chunk: int) -> tuple[Array, Array]:
   """The prompt as chunks whose last one holds every row's last real tokens.
 
-  Each row's real tokens (``mask`` True, in column order) are packed and
-  aligned to the end of ``n_chunks * chunk`` columns, then every chunk is
-  right-padded: row ``r`` with ``L`` real tokens has ``min(L, chunk)`` of them
-  in the last chunk, ``chunk`` in each chunk before back to its first one, the
-  remainder at the front of that first chunk, and nothing earlier.
-
-  Args:
-    tokens: [batch, n] int token ids.
-    mask: [batch, n] bool, True on real tokens.
-    chunk: tokens per chunk.
-
-  Returns:
-    ``(tokens, valid)``, each ``[n_chunks, batch, chunk]``, ``n_chunks = ceil(n / chunk)``.
+  Returns ``(tokens, valid)``, each ``[n_chunks, batch, chunk]``, from ``tokens``
+  and ``mask`` [batch, n]; every chunk is right-padded.
   """
   b, n = tokens.shape
   n_chunks = -(-n // chunk)
@@ -98,29 +66,10 @@ def prefill(params, tokens, mask, *, config: LlamaConfig, capacity: int, chunk: 
             design=None, certificate=False):
   """Prefills a prompt into empty caches ``chunk`` tokens at a time.
 
-  Args:
-    params: the model's parameters (stacked layers, as loaded).
-    tokens: [batch, n] int token ids, right-padded per row.
-    mask: [batch, n] bool, True on real tokens; every row needs >= 1 (its
-      values are not checked here: ``models.inputs.check_prompt`` does,
-      before the call).
-    config: the model config (static).
-    capacity: cache slots per (layer, row, KV head), >= n (static).
-    chunk: tokens per ``forward_chunk`` call, >= the design's observation
-      window (static); the attention scores are ``[batch, heads, chunk,
-      capacity]``. A chunk of ``n`` or more is the one-shot prefill.
-    design: optional ``certkv_jax.EvictionDesign`` whose statistics are folded
-      (the prompt's last ``design.observation_window`` real queries are the
-      observation window), as one-shot ``forward_chunk``.
-    certificate: ``forward_chunk``'s; the statistics are not returned.
-
-  Returns:
-    ``(logits [batch, vocab] float32 of each row's last real token, caches)``,
-    the caches as ``certkv_jax.caches.init_caches(config, batch, capacity, dtype)``,
-    keys and values in the config's dtype (``models.precision.cache_dtype``).
-
-  Raises:
-    ValueError: :func:`check_args`.
+  ``tokens`` [batch, n] int and ``mask`` [batch, n] bool (True on real tokens, >= 1
+  per row); static ``capacity`` >= n slots and ``chunk`` tokens per call (>= the
+  observation window; n or more is one-shot). Returns ``(logits [batch, vocab]
+  float32 of each row's last real token, caches)``; ValueError: :func:`check_args`.
   """
   batch, n = tokens.shape
   check_args(n, config=config, capacity=capacity, chunk=chunk, design=design)
