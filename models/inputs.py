@@ -1,27 +1,8 @@
 """Checks of a model's token inputs: prompts, their masks, token ids.
 
-Every bad input gets a ValueError that names the argument and the allowed
-range (method, section 9, "Bad input"). Shape checks (an empty prompt, a
-prompt longer than the model's context) are static and also run inside
-``jit``. Value checks (token ids, mask rows) need the arrays' values, so they
-run only when the arrays are concrete; inside ``jit`` they are skipped, and
-the model then computes on whatever it was given:
-
-* a token id ``>= vocab_size`` embeds as NaN (``jnp.take``'s fill value for
-  an out-of-range gather): ``LlamaModel`` gives NaN logits for the whole row;
-  ``models.decode`` gives NaN logits at the prompt's last token (greedy
-  decoding emits token 0), then finite, wrong ones, because the NaN keys
-  empty every attention row that reads them (out 0; see
-  ``certkv_jax.offset_attention`` and method, section 9, "Bad input");
-* a negative id wraps around (``-1`` reads the vocabulary's last token);
-* a mask row that is all False makes ``models.decode`` decode that row from
-  the logits of its first, padded column, computed with nothing to attend to;
-* a mask that is not right-padded (a True after a False) makes
-  ``models.decode`` decode from the logits of column ``n_real - 1``, which is
-  then not the row's last real token.
-
-So call :func:`check_prompt` where the arrays are still concrete (before the
-jitted call) to get the value checks.
+Bad inputs raise a ValueError naming the argument (method, section 9, "Bad
+input"); value checks need concrete arrays (call :func:`check_prompt` before
+``jit``). Unchecked, an id ``>= vocab_size`` gives NaN logits, a negative one wraps.
 """
 
 from __future__ import annotations
@@ -37,20 +18,8 @@ from models.config import LlamaConfig
 
 
 def check_tokens(tokens, *, config: Optional[LlamaConfig] = None, name: str = "tokens") -> None:
-  """Checks ``[batch, len]`` int token ids: non-empty, ids in ``[0, vocab_size)``.
-
-  Args:
-    tokens: [batch, len] int token ids (padding included: pad with a valid id,
-      e.g. 0, since padded columns are embedded too).
-    config: the model's config; its ``vocab_size`` bounds the ids (None skips
-      the id check).
-    name: the argument's name in the messages.
-
-  Raises:
-    ValueError naming ``name``: not a 2-d int array, batch or length 0, or
-    (when ``tokens`` is concrete) an id outside ``[0, vocab_size)``, naming
-    the first such id and where it is.
-  """
+  """Checks ``[batch, len]`` int token ids: non-empty, ids (padding too) in
+  ``[0, config.vocab_size)`` when concrete; raises ValueError naming ``name``."""
   shape, dtype = jnp.shape(tokens), jnp.result_type(tokens)
   if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
     raise ValueError(f"{name} must be an int [batch, len] array, got {dtype} {shape}")
@@ -78,26 +47,17 @@ def check_prompt(tokens, mask, *, config: Optional[LlamaConfig], n_steps: int,
   """Checks a right-padded ``[batch, len]`` prompt, its mask and ``n_steps``.
 
   Args:
-    tokens: [batch, len] int token ids, right-padded per row.
-    mask: [batch, len] bool, True on real tokens.
-    config: the model's config (its ``vocab_size`` bounds the ids); None skips
-      the id check.
+    tokens, mask: [batch, len] int ids and bool (True on real tokens).
+    config: bounds the ids by ``vocab_size``; None skips the id check.
     n_steps: tokens to decode after the prompt, an int >= 1.
-    name: the prompt argument's name in messages (``"context"``, ``"question"``).
-    mask_name: the mask's name; default ``"mask"`` for ``"tokens"``, else
-      ``name + "_mask"``.
-    max_positions: the model's context length: the longest prompt row plus
-      ``n_steps`` must fit in it. None takes ``config.max_positions`` (None
-      there too: unknown, unchecked).
-    allow_empty_rows: accept mask rows with no real token (a streaming
-      context may be empty for some rows); the question or prompt whose last
-      token's logits are decoded must not.
+    max_positions: longest row + ``n_steps`` must fit (default
+      ``config.max_positions``; None: unchecked).
+    allow_empty_rows: accept rows with no real token (a streaming context).
 
   Raises:
-    ValueError naming the argument and the allowed range: shapes or dtypes,
-    an empty prompt, ``n_steps < 1``, a prompt longer than ``max_positions``;
-    and, when the arrays are concrete: a token id outside ``[0, vocab_size)``,
-    a mask row with no real token, a mask row that is not right-padded.
+    ValueError naming the argument: bad shapes or dtypes, an empty prompt,
+    ``n_steps < 1``, too long a prompt; when concrete, a bad id, an empty or
+    not right-padded mask row.
   """
   if mask_name is None:
     mask_name = "mask" if name == "tokens" else f"{name}_mask"
