@@ -1,9 +1,5 @@
-"""Opening GGUF files and reading their metadata.
-
-Shared by the weights loader (``models.gguf_loader``) and the tokenizer
-(``models.tokenizer``), which both read a ``gguf.GGUFReader``. The ``gguf``
-package is imported only when a file is opened.
-"""
+"""Opening GGUF files and reading their metadata (for ``gguf_loader`` and
+``tokenizer``); ``gguf`` is imported only when a file is opened."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""Memory of a run's caches: key/value payload and per-slot metadata, vs. the full cache.
+"""Memory of a run's caches (key/value payload and per-slot metadata) vs. the full cache.
 
-A run's caches (``models.decode.init_caches``: one ``certkv_jax.KVCache`` per
-layer, batch row and KV head, stacked) are fixed-capacity buffers, so their
-memory is set by the capacity, not by how many slots are in use: a run whose
-capacity is sized to a budget of ``b`` of the tokens holds ``b`` of the full
-cache's key/value bytes, plus the per-slot metadata certkv keeps beside them
-(``log_pi``, ``pos``, ``valid`` and the ``acc``/``last``/``obs`` statistics,
-and two int32 counters per cache). Bytes are from
-:func:`certkv_jax.cache.cache_bytes`, per cache, summed.
+Caches are fixed-capacity buffers, so their bytes (``certkv_jax.cache.cache_bytes``)
+are set by the capacity, not by the slots in use.
 """
 
 from __future__ import annotations
@@ -22,9 +16,8 @@ from models.config import LlamaConfig
 
 
 def caches_bytes(caches: KVCache) -> dict:
-  """``{"kv", "metadata", "total", "n_caches"}``: ``cache_bytes`` summed over
-  every (layer, row, KV head) cache of a stacked pytree (arrays or
-  ``jax.ShapeDtypeStruct``s)."""
+  """``{"kv", "metadata", "total", "n_caches"}``: ``cache_bytes`` summed over a
+  stacked pytree's caches (arrays or ``jax.ShapeDtypeStruct``s)."""
   lead = caches.n_seen.shape
   n = int(np.prod(lead)) if lead else 1
   as_np = jax.tree_util.tree_map(
@@ -43,18 +36,9 @@ def full_cache_bytes(config: LlamaConfig, batch: int, n_tokens: int, dtype=np.fl
 def memory_summary(caches: KVCache, config: LlamaConfig, n_tokens: int) -> dict:
   """A run's cache memory next to the full cache's.
 
-  Args:
-    caches: the run's caches (e.g. ``Generation.caches``), leaves
-      ``[n_layers, batch, n_kv_heads, ...]``.
-    config: the model config.
-    n_tokens: tokens per row a full cache would hold (context + question +
-      decoded tokens).
-
-  Returns:
-    A flat dict: ``kv_bytes``, ``metadata_bytes``, ``total_bytes`` of the run;
-    ``full_kv_bytes``, ``full_metadata_bytes``, ``full_total_bytes`` of the
-    full cache; ``kv_fraction`` (run K/V bytes / full K/V bytes),
-    ``total_fraction``; ``capacity`` and ``full_capacity`` (slots per cache).
+  ``caches``: leaves ``[n_layers, batch, n_kv_heads, ...]``; ``n_tokens``: tokens per
+  row a full cache holds. Returns a flat dict of the run's and the full cache's
+  bytes (``kv``, ``metadata``, ``total``), their fractions and capacities.
   """
   batch = caches.n_seen.shape[1]
   dtype = caches.k.dtype
@@ -79,9 +63,8 @@ def format_bytes(n: float) -> str:
 
 
 def retained_bytes(caches: KVCache) -> dict:
-  """Bytes of the slots in use (``valid``), summed over caches: what a cache
-  compacted to exactly its kept tokens would hold (``kv`` and per-slot
-  ``metadata``, without the two per-cache counters)."""
+  """Bytes of the slots in use (``valid``), summed over caches: ``kv`` and per-slot
+  ``metadata`` of caches compacted to their kept tokens."""
   lead = caches.n_seen.shape
   one = jax.tree_util.tree_map(lambda x: np.empty(x.shape[len(lead):], x.dtype), caches)
   b = cache_lib.cache_bytes(one)

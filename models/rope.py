@@ -1,15 +1,7 @@
 """Rotary position embeddings in the two layouts of the Llama family.
 
-Both layouts rotate pairs of dimensions of a head by ``pos * inv_freq[i]``;
-they differ in which dimensions form pair ``i``:
-
-* ``"half"`` (Hugging Face ``rotate_half``): ``(x[i], x[i + d/2])``.
-* ``"interleaved"`` (GGUF / llama.cpp, Meta's original): ``(x[2i], x[2i + 1])``.
-
-llama.cpp's converter permutes the rows of ``W_q`` and ``W_k`` so that a
-Hugging Face checkpoint in the ``"half"`` layout computes the same attention
-in the ``"interleaved"`` layout; :func:`half_to_interleaved_rows` is that
-permutation.
+Pair ``i`` of a head rotates by ``pos * inv_freq[i]``: ``(x[i], x[i + d/2])`` in
+``"half"`` (Hugging Face), ``(x[2i], x[2i + 1])`` in ``"interleaved"`` (GGUF).
 """
 
 from __future__ import annotations
@@ -26,11 +18,8 @@ Array = jax.Array
 
 
 def inverse_frequencies(config: LlamaConfig) -> np.ndarray:
-  """[head_dim // 2] float32 rotation frequencies, with ``rope_scaling`` applied.
-
-  Mirrors Hugging Face's ``ROPE_INIT_FUNCTIONS`` (default, linear, llama3),
-  computed in float32 like its reference.
-  """
+  """[head_dim // 2] float32 frequencies with ``rope_scaling`` applied, as Hugging
+  Face's ``ROPE_INIT_FUNCTIONS`` (default, linear, llama3)."""
   d = config.head_dim
   exponent = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)
   inv_freq = (np.float32(1.0) / np.power(np.float32(config.rope_theta), exponent)).astype(
@@ -52,16 +41,8 @@ def inverse_frequencies(config: LlamaConfig) -> np.ndarray:
 
 
 def apply_rope(x, positions, config: LlamaConfig) -> Array:
-  """Rotates queries or keys.
-
-  Args:
-    x: [batch, seq, heads, head_dim].
-    positions: [batch, seq] int token positions.
-    config: gives ``rope_layout`` and the frequencies.
-
-  Returns:
-    [batch, seq, heads, head_dim], dtype of ``x`` (rotation in float32).
-  """
+  """Rotates x [batch, seq, heads, head_dim] at int ``positions`` [batch, seq]
+  (in float32; returns ``x``'s dtype); ValueError on other shapes."""
   if x.ndim != 4 or x.shape[-1] != config.head_dim:
     raise ValueError(f"x must be [batch, seq, heads, {config.head_dim}], got {x.shape}")
   if positions.shape != x.shape[:2]:
@@ -81,12 +62,8 @@ def apply_rope(x, positions, config: LlamaConfig) -> Array:
 
 
 def half_to_interleaved_rows(n_heads: int, head_dim: int) -> np.ndarray:
-  """Row order that turns a ``"half"``-layout projection into ``"interleaved"``.
-
-  ``w_interleaved = w_half[rows]`` for a ``[n_heads * head_dim, in]`` weight
-  (llama.cpp's ``permute`` in ``convert_hf_to_gguf.py``): within each head,
-  output ``2i`` takes row ``i`` and output ``2i + 1`` takes row ``i + d/2``.
-  """
+  """Rows with ``w_interleaved = w_half[rows]`` for a ``[n_heads * head_dim, in]``
+  weight (llama.cpp's ``permute`` in ``convert_hf_to_gguf.py``)."""
   half = head_dim // 2
   within = np.stack([np.arange(half), np.arange(half) + half], axis=-1).reshape(-1)
   return (np.arange(n_heads)[:, None] * head_dim + within[None, :]).reshape(-1)
