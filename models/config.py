@@ -1,7 +1,6 @@
 """The configuration of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2).
 
-A frozen, hashable dataclass: it is static metadata (a ``jit`` static argument
-or a Flax module attribute), never a pytree of arrays.
+Frozen and hashable: static metadata (a ``jit`` static argument), not a pytree.
 """
 
 from __future__ import annotations
@@ -15,61 +14,31 @@ ROPE_SCALINGS = (None, "linear", "llama3")
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-  """Hyperparameters of a Llama-family decoder.
-
-  Attributes:
-    vocab_size: number of token ids.
-    hidden: residual-stream width.
-    n_layers: decoder blocks.
-    n_heads: query heads.
-    n_kv_heads: key/value heads (GQA); divides ``n_heads``.
-    head_dim: per-head width (not necessarily ``hidden // n_heads``).
-    ffn_dim: SwiGLU inner width.
-    rope_theta: RoPE base.
-    rope_layout: how RoPE pairs the dimensions of a head: ``"interleaved"``
-      rotates ``(x[2i], x[2i+1])`` (GGUF's Q/K layout, llama.cpp permutes the
-      Hugging Face weights into it); ``"half"`` rotates ``(x[i], x[i + d/2])``
-      (Hugging Face's ``rotate_half``).
-    rms_eps: RMSNorm epsilon.
-    tie_embeddings: the output projection is the transposed token embedding.
-    qkv_bias: q/k/v projections have biases (Qwen2; Llama ``attention_bias``).
-    out_bias: the attention output projection has a bias (Llama ``attention_bias``).
-    rope_scaling: ``None``, ``"linear"`` (positions divided by
-      ``rope_factor``) or ``"llama3"`` (Llama 3.1 frequency-dependent scaling).
-    rope_factor, rope_low_freq_factor, rope_high_freq_factor,
-    rope_original_max_positions: parameters of ``rope_scaling``.
-    sliding_window: if set, a query attends to at most this many most recent
-      keys, itself included (Mistral).
-    max_positions: the model's context length (HF ``max_position_embeddings``,
-      GGUF ``{arch}.context_length``), if known: ``models.decode`` refuses a
-      prompt plus decoded tokens longer than this. None: unknown, unchecked.
-    dtype: the compute dtype name (``"float32"`` default; ``"bfloat16"``): the
-      matrix products' operands (the loaders store the matrices in it) and the
-      cached keys and values (:mod:`models.precision`). Products accumulate in
-      float32; the residual stream, norms, attention softmax and logits are float32.
-  """
+  """Hyperparameters of a Llama-family decoder."""
 
   vocab_size: int
-  hidden: int
+  hidden: int  # residual-stream width
   n_layers: int
-  n_heads: int
-  n_kv_heads: int
-  head_dim: int
-  ffn_dim: int
+  n_heads: int  # query heads
+  n_kv_heads: int  # key/value heads (GQA); divides n_heads
+  head_dim: int  # not necessarily hidden // n_heads
+  ffn_dim: int  # SwiGLU inner width
   rope_theta: float = 10000.0
+  # RoPE pairs: "half" (x[i], x[i + d/2]), Hugging Face; "interleaved" (x[2i], x[2i+1]), GGUF.
   rope_layout: str = "half"
   rms_eps: float = 1e-5
-  tie_embeddings: bool = False
-  qkv_bias: bool = False
-  out_bias: bool = False
-  rope_scaling: Optional[str] = None
+  tie_embeddings: bool = False  # output projection = transposed token embedding
+  qkv_bias: bool = False  # q/k/v projection biases (Qwen2; Llama attention_bias)
+  out_bias: bool = False  # attention output projection bias (Llama attention_bias)
+  rope_scaling: Optional[str] = None  # None, "linear" or "llama3"; parameters below
   rope_factor: float = 1.0
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_positions: int = 8192
-  sliding_window: Optional[int] = None
+  sliding_window: Optional[int] = None  # most recent keys a query attends, itself included
+  # Compute dtype of the matrices and cached keys and values (models.precision).
   dtype: str = "float32"
-  max_positions: Optional[int] = None
+  max_positions: Optional[int] = None  # context length prompts are checked against; None: unknown
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim",

@@ -9,7 +9,7 @@ LOW_PRECISION = (jnp.bfloat16, jnp.float16)
 
 
 def product_operands(a, b):
-  """``(a, b, precision)`` of a lossless product: bf16 pairs as they are, else f32 HIGHEST."""
+  """``(a, b, precision)`` of a lossless product: bf16/f16 pairs as is, else f32 HIGHEST."""
   if a.dtype == b.dtype and a.dtype in LOW_PRECISION:
     return a, b, jax.lax.Precision.DEFAULT
   return a.astype(jnp.float32), b.astype(jnp.float32), jax.lax.Precision.HIGHEST
