@@ -1,22 +1,10 @@
 """Flax decoder models that run a certkv_jax design in every attention layer
-(through the drop-in ``certkv_jax.layer.attend``).
+(through ``certkv_jax.layer.attend``).
 
-* :mod:`models.config` -- :class:`LlamaConfig`, the frozen hyperparameters.
-* :mod:`models.rope` -- rotary embeddings, interleaved and rotate-half layouts.
-* :mod:`models.llama` -- the Llama-family decoder (:class:`LlamaModel`).
-* :mod:`models.decode` -- question-aware and streaming generation (prefill,
-  eviction, ``lax.scan`` decode) under a frozen ``GenerationConfig``;
-  ``decode_step`` for a caller's own loop (caches donated).
-* :mod:`models.forward` -- a chunk of tokens through the model and its caches.
-* :mod:`models.prefill` -- a long prompt into the caches chunk by chunk, in bounded memory.
-* :mod:`models.memory` -- bytes of a run's caches (K/V, metadata) vs. the full cache.
-* :mod:`models.param_tree` -- the parameter tree from per-layer tensors (loaders).
-* :mod:`models.precision` -- the dtype option: float32 or bfloat16 weights and caches.
-* :mod:`models.hf_loader` -- Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2).
-* :mod:`models.gguf_loader` -- GGUF files; the default model SmolLM2-135M-Instruct.
-* :mod:`models.gguf_reader` -- opening a GGUF file and reading its metadata.
-* :mod:`models.tokenizer` -- byte-level BPE tokenizer from GGUF metadata.
-* :mod:`models.text` -- text in, answer and certificate out (``generate_text``).
+:mod:`models.llama` (the decoder), :mod:`models.decode` (generation),
+:mod:`models.forward` and :mod:`models.prefill` (chunks through the caches),
+loaders (:mod:`models.hf_loader`, :mod:`models.gguf_loader`), the tokenizer
+and :mod:`models.text` (text in, answer and certificate out).
 """
 
 from models import config

@@ -1,8 +1,7 @@
 """The answer as text: where it ends (stop ids) and how it is shown (whole characters).
 
-Byte-level tokens can split a character (an emoji is often 3 tokens), so
-text is decoded incrementally (:class:`WholeChars`): a token that ends inside
-a character adds nothing and the token that completes it adds the character.
+Byte-level tokens can split a character, so :class:`WholeChars` shows each one
+with the token that completes it.
 """
 
 from __future__ import annotations
@@ -12,16 +11,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-# End-of-turn / end-of-text strings that stop generation when they are single
-# tokens of the vocabulary (next to the tokenizer's own eos_id).
+# End strings that stop generation when they are single tokens (beside eos_id).
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>",
                "</s>")
 
 
 def stop_ids(tokenizer) -> tuple:
-  """The ids that end an answer: the tokenizer's ``eos_id`` and every string of
-  :data:`END_OF_TURN` that is one token of its vocabulary (SmolLM2-Instruct:
-  ``<|im_end|>`` = 2 and ``<|endoftext|>`` = 0)."""
+  """The ids that end an answer: ``eos_id`` and each :data:`END_OF_TURN` string that
+  is one token of the vocabulary."""
   ids = set()
   eos = getattr(tokenizer, "eos_id", None)
   if eos is not None:
@@ -36,12 +33,8 @@ def stop_ids(tokenizer) -> tuple:
 
 
 def truncate_at_stop(tokens, stops: Sequence[int]) -> tuple[np.ndarray, bool, Optional[int]]:
-  """``(tokens before the first stop id, whether one occurred, that id)``.
-
-  Args:
-    tokens: [n] generated token ids.
-    stops: ids that end the answer (may be empty: nothing is cut).
-  """
+  """``(tokens before the first stop id, whether one occurred, that id)`` for
+  ``tokens`` [n] (empty ``stops`` cut nothing)."""
   tokens = np.asarray(tokens).reshape(-1)
   hits = np.flatnonzero(np.isin(tokens, np.asarray(list(stops), tokens.dtype)))
   if hits.size == 0:
@@ -67,25 +60,19 @@ class WholeChars:
 
 
 def text_pieces(tokenizer, ids) -> tuple:
-  """Per token, the whole characters it completes (:class:`WholeChars`); the
-  pieces join to :func:`whole_text`."""
+  """Per token, the whole characters it completes (they join to :func:`whole_text`)."""
   chars = WholeChars(tokenizer)
   return tuple(chars.push(t) for t in ids)
 
 
 def whole_text(tokenizer, ids) -> str:
-  """``tokenizer.decode(ids)`` without a character cut off at the end (an
-  answer stopped by ``max_new_tokens`` may end inside one)."""
+  """``tokenizer.decode(ids)`` without a character cut off at the end."""
   return "".join(text_pieces(tokenizer, ids))
 
 
 class TokenStream:
-  """Prints an answer as it is decoded: pass as ``generate_text(on_token=...)``.
-
-  Whole characters only (:class:`WholeChars`); stops printing at the first
-  stop id. ``enabled`` off makes it silent (``generate_text`` turns it off
-  for a profiling warm-up call).
-  """
+  """Prints an answer's whole characters as decoded, up to the first stop id
+  (``generate_text(on_token=...)``); ``enabled = False`` silences it."""
 
   def __init__(self, tokenizer, stops: Sequence[int], write=None):
     self._tok, self._stops = tokenizer, set(int(s) for s in stops)

@@ -1,13 +1,8 @@
 """The budget at which a prompt's calls get a certificate: computed from the prompt.
 
-A call's radius is positive only when its head's cache keeps a sampled token
-(``0 < pi < 1``, method, section 3); with a small tail every such token may be
-capped at ``pi = 1`` or left out, and the radius is then 0, which certifies
-nothing. :func:`certifying_budget` prefills the prompt once with the design's
-statistics folded, evicts it at each budget of a grid (one compiled program:
-the budget is traced) with ``DRAWS`` keys, and returns the smallest budget at
-which the (layer, KV head) caches keep a sampled token in at least ``target``
-of them on average over the draws.
+A radius is positive only if its cache keeps a sampled token (``0 < pi < 1``,
+method, section 3). :func:`certifying_budget` evicts the prefilled prompt at each
+budget of a grid and returns the smallest one where enough caches keep one.
 """
 
 from __future__ import annotations
@@ -23,8 +18,7 @@ from models import prefill as prefill_lib
 
 TARGET = 0.9  # the share of caches (hence of calls) that should hold a sampled token
 GRID = tuple(round(0.01 * i, 2) for i in range(1, 101))  # budgets tried, in order
-# Eviction draws averaged per budget: the share of one draw varies by several points
-# over 90 caches; the hint is for the expected share.
+# Eviction draws averaged per budget (the hint is for the expected share).
 DRAWS = 16
 
 
@@ -45,16 +39,8 @@ def _share(caches):
 def certifying_budget(params, config, context_ids, design, key, *, start: float = 0.0,
                       target: float = TARGET) -> Hint:
   """The smallest budget of :data:`GRID` above ``start`` at which at least
-  ``target`` of the caches keep a sampled token after the prompt's eviction.
-
-  Args:
-    params, config: the model.
-    context_ids: the prompt's token ids (what the first eviction sees).
-    design: a randomized ``certkv_jax.EvictionDesign``.
-    key: PRNG key of the eviction draws (the share varies little with it).
-    start: budgets at or below it are not tried (the one that fell short).
-    target: the share to reach, in (0, 1].
-  """
+  ``target`` (in (0, 1], else ValueError) of the caches keep a sampled token after
+  the eviction of ``context_ids`` by the randomized ``design``."""
   if not 0.0 < target <= 1.0:
     raise ValueError(f"target must be in (0, 1], got {target!r}")
   tokens = jnp.asarray(np.asarray(context_ids, np.int32))[None, :]
