@@ -1,17 +1,9 @@
 r"""What a generate run's radii mean: their summary, whether they are a
 certificate, and the calibrated radius where the shipped calibration applies.
 
-:func:`models.text.generate.generate_text` computes, for every decode step,
-the raw Bernstein radius of every (layer, query head) attention call (method,
-section 5). This module summarizes those radii per step (:func:`summarize`),
-says whether the design makes them a certificate (:func:`certificate_status`,
-:func:`no_sample_note`: only a Poisson tail with Hajek offsets that sampled
-some token does; Theorem 1, method, section 2) and maps them to the calibrated
-radius of a :mod:`certkv_jax.robust_calibration` artifact (method, section 10)
-where it was made for the model, design, regime, budget and delta, or says why
-not (:func:`calibrated`). A prompt whose length is outside the context range the
-artifact was fitted on still gets the calibrated radius, with a note that starts
-with "WARNING:" (its coverage is not established at that length).
+Per-step summaries (:func:`summarize`), whether the design certifies
+(:func:`certificate_status`: only a sampled tail with Hajek offsets; method,
+section 2) and the calibrated radius (:func:`calibrated`, method, section 10).
 """
 
 from __future__ import annotations
@@ -25,13 +17,11 @@ import numpy as np
 from certkv_jax import designs
 from certkv_jax import robust_calibration
 
-# The settings of the validity study (experiments.lib.validity.collect.Plan), which
-# the shipped calibration was fitted with; tests/generate_test.py checks they agree.
+# The validity study's settings, which the shipped calibration was fitted with.
 N_SINK = 4
 WINDOW = 16
 CHUNK = 64
-# The shipped calibration: the validity study's artifact in this repository
-# (models/text/certificate.py -> the repository root -> experiments/results/...).
+# The shipped calibration: the validity study's artifact in this repository.
 DEFAULT_CALIBRATION = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     "experiments", "results", "validity", "calibration")
@@ -73,9 +63,8 @@ def certificate_status(design_name: str, design) -> tuple[bool, str]:
 
 def no_sample_note(design, budget: float, n_context: int, regime: str,
                    suggestion: Optional[str] = None) -> str:
-  """Why a randomized design sampled no tail token (its radius is then 0);
-  ``suggestion``: what would give one (``models.text.hint.describe``), else
-  the smallest budget that leaves a tail slot at all."""
+  """Why a randomized design sampled no tail token (radius 0), with ``suggestion``
+  (``hint.describe``) or the smallest budget that leaves a tail slot."""
   target = int(math.floor(budget * n_context))
   size = design.certain.size
   where = "context" if regime == "streaming" else "prompt"
@@ -104,8 +93,7 @@ class Run(NamedTuple):
   regime: str
   budget: float
   delta: float
-  # Must be the validity study's (the calibration was fitted with them; it does not
-  # record them).
+  # Must be the validity study's (the calibration does not record them).
   n_sink: int = N_SINK
   window: int = WINDOW
   chunk: int = CHUNK
@@ -115,22 +103,11 @@ def calibrated(raw, run: Run, *, calibration: Optional[str], context_tokens: int
                ) -> tuple[Optional[np.ndarray], str, Optional[bool]]:
   """``(radius, note, in_range)``: the calibrated radius of ``raw``, or None.
 
-  ``in_range`` is None when no radius is returned (the note says why not),
-  True when the prompt's ``context_tokens`` lie in the context range the
-  calibration was fitted on, and False when they do not: the radius is still
-  returned, but the note starts with "WARNING:" (fitted on contexts of A-B
-  tokens from its sources; this prompt has N tokens, so its coverage is not
-  established here) and the caller must show it to the user.
-
-  Args:
-    raw: [...] raw radii at ``run.delta``.
-    run: the run's model, design, regime, budget and delta (each must be in
-      the calibration: a model name of None matches nothing) and its n_sink,
-      window and chunk (the validity study's).
-    calibration: path of a :mod:`certkv_jax.robust_calibration` artifact
-      (method, section 10), or None.
-    context_tokens: the run's prompt tokens (context + question), compared
-      with the calibration's ``context_range``.
+  ``in_range``: None without a radius (the note says why), else whether
+  ``context_tokens`` (a positive int, else ValueError) lie in the fitted context
+  range; outside it the note starts with "WARNING:" and must be shown.
+  ``raw``: [...] radii at ``run.delta``; ``calibration``: a
+  :mod:`certkv_jax.robust_calibration` artifact path (method, section 10) or None.
   """
   if calibration is None:
     return None, "not requested (no calibration path)", None
