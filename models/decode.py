@@ -258,6 +258,18 @@ def _check_inputs(given: dict, gen: GenerationConfig) -> None:
                        f"max_positions {config.max_positions}")
 
 
+def _pair(pair, name: str):
+  """``(tokens, mask)`` from ``pair``; a ValueError naming ``name`` unless it is a
+  tuple or list of two arrays."""
+  if isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
+      hasattr(x, "shape") for x in pair):
+    return tuple(pair)
+  kind = lambda x: f"{type(x).__name__}{tuple(x.shape) if hasattr(x, 'shape') else ''}"
+  got = (f"{type(pair).__name__} of {len(pair)}: ({', '.join(map(kind, pair))})"
+         if isinstance(pair, (tuple, list)) else kind(pair))
+  raise ValueError(f"{name} must be a (tokens, mask) pair of two arrays, got {got}")
+
+
 def _sized(gen: GenerationConfig, given: dict) -> GenerationConfig:
   """``gen`` with its capacity set by ``certkv_jax.budgets.capacity`` when None."""
   if gen.capacity is not None:
@@ -302,6 +314,9 @@ def _checking_budgets(jitted):
   @functools.wraps(jitted)
   def wrapper(*args, **kwargs):
     given = signature.bind(*args, **kwargs).arguments  # the arguments passed
+    for name in ("context", "question"):  # generate_streaming's (tokens, mask) pairs
+      if name in given:
+        given[name], given[f"{name}_mask"] = _pair(given[name], name)
     gen = given["gen"]
     if not isinstance(gen, GenerationConfig):
       raise TypeError(f"gen must be a GenerationConfig, got {type(gen).__name__}")
@@ -372,9 +387,8 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, gen: GenerationC
 
 @_checking_budgets
 @functools.partial(jax.jit, static_argnames=("config", "gen"))
-def generate_streaming(params, context, context_mask, question, question_mask, key, *,
-                       config: LlamaConfig, gen: GenerationConfig,
-                       budget=None) -> Generation:
+def generate_streaming(params, context, question, key, *, config: LlamaConfig,
+                       gen: GenerationConfig, budget=None) -> Generation:
   """Streaming greedy generation: the context arrives in chunks, then the question.
 
   The context is fed ``gen.chunk`` tokens at a time (a ``lax.scan`` over
@@ -386,16 +400,17 @@ def generate_streaming(params, context, context_mask, question, question_mask, k
 
   Args:
     params: model parameters.
-    context: [batch, n_context] int context tokens, right-padded per row.
-    context_mask: [batch, n_context] bool.
-    question: [batch, n_question] int question tokens, right-padded per row.
-    question_mask: [batch, n_question] bool (>= 1 real token per row).
+    context: ``(tokens, mask)``: [batch, n_context] int tokens, right-padded per
+      row, and their [batch, n_context] bool mask.
+    question: ``(tokens, mask)``: [batch, n_question] int tokens, right-padded
+      per row, and their [batch, n_question] bool mask (>= 1 real token per row).
     key: PRNG key.
     config, gen, budget: as in :func:`generate`; ``gen.chunk`` is required.
 
   Returns:
     A :class:`Generation`.
   """
+  (context, context_mask), (question, question_mask) = context, question  # checked pairs
   _check_prompt(context, context_mask, gen.n_steps, name="context", allow_empty_rows=True)
   check_certificate_subsample(config, True, gen.certificate_layers, gen.certificate_heads)
   _check_prompt(question, question_mask, gen.n_steps, name="question")

@@ -340,16 +340,21 @@ def generate(mesh, params, tokens, mask, key, *, config: LlamaConfig,
     return decode.generate(params, tokens, mask, key, config=config, gen=gen, budget=budget)
 
 
-def generate_streaming(mesh, params, context, context_mask, question, question_mask, key, *,
-                       config: LlamaConfig, gen: decode.GenerationConfig,
-                       budget=None) -> decode.Generation:
+def generate_streaming(mesh, params, context, question, key, *, config: LlamaConfig,
+                       gen: decode.GenerationConfig, budget=None) -> decode.Generation:
   """``models.decode.generate_streaming`` on ``mesh``: same arguments and result
-  (``gen.chunk`` required; capacity, placement and result as in :func:`generate`)."""
+  (``context`` and ``question`` are ``(tokens, mask)`` pairs; ``gen.chunk``
+  required; capacity, placement and result as in :func:`generate`)."""
+  pair = decode._pair  # pylint: disable=protected-access
+  (context, context_mask), (question, question_mask) = (pair(context, "context"),
+                                                        pair(question, "question"))
   gen = _sized(gen, budget, context=context, question=question)
   params, arrays = _prepare(mesh, params, config, np.shape(context)[0], gen.capacity,
                             (context, context_mask, question, question_mask, key))
+  context, context_mask, question, question_mask, key = arrays
   with jax.set_mesh(mesh):
-    return decode.generate_streaming(params, *arrays, config=config, gen=gen, budget=budget)
+    return decode.generate_streaming(params, (context, context_mask), (question, question_mask),
+                                     key, config=config, gen=gen, budget=budget)
 
 
 def replicate(x):

@@ -516,13 +516,15 @@ class GenerationTest(absltest.TestCase):
             0.5, certain=designs.CertaintySet(n_sink=1, window=1)), observation_window=2),
          allocation.CertificateTargeted()),):
       gen = decode.generate_streaming(
-          params, tokens, mask, question, np.ones(question.shape, bool), jax.random.PRNGKey(0),
+          params, (tokens, mask), (question, np.ones(question.shape, bool)),
+          jax.random.PRNGKey(0),
           config=config, gen=decode.GenerationConfig(n_steps=2, design=design, chunk=4,
                                                      allocation=alloc))
       np.testing.assert_array_equal(gen.caches.n_dropped, 0)
       kept = np.asarray(gen.caches.valid.sum(-1))  # [layers, batch, kv heads]
       uniform = decode.generate_streaming(
-          params, tokens, mask, question, np.ones(question.shape, bool), jax.random.PRNGKey(0),
+          params, (tokens, mask), (question, np.ones(question.shape, bool)),
+          jax.random.PRNGKey(0),
           config=config, gen=decode.GenerationConfig(n_steps=2, design=design, chunk=4))
       # same total per (layer, row) as the uniform budget (top-k / fixed-size tails)
       np.testing.assert_array_equal(kept.sum(-1),

@@ -384,9 +384,10 @@ class ModelInputsTest(absltest.TestCase):
     skw = dict(config=short, gen=decode.GenerationConfig(n_steps=2, capacity=8, chunk=2))
     with self.assertRaisesRegex(ValueError, r"context \(3\) \+ question \(2\) \+ n_steps \(2\) "
                                 r"= 7 positions exceed .* max_positions 4"):
-      decode.generate_streaming(params, self.tokens, self.mask, question, q_mask, key, **skw)
+      decode.generate_streaming(params, (self.tokens, self.mask), (question, q_mask), key,
+                                **skw)
     with self.assertRaisesRegex(ValueError, r"question holds token id 64"):
-      decode.generate_streaming(params, self.tokens, self.mask, bad[:, :2], q_mask, key,
+      decode.generate_streaming(params, (self.tokens, self.mask), (bad[:, :2], q_mask), key,
                                 **dict(skw, config=self.config))
     with self.assertRaisesRegex(ValueError, "max_positions must be a positive int"):
       self.config.replace(max_positions=0)

@@ -214,8 +214,8 @@ class TinyBfloat16Test(absltest.TestCase):
     self.assertEqual((caches.k.dtype, caches.v_sq.dtype), (BF16, F32))
     design = registry.make("snapkv", 0.5, n_sink=2, window=4)
     gen = decode.generate_streaming(
-        forward.unstack_layers(self.p16, self.c16), self.tokens[:, :32], self.mask[:, :32],
-        self.tokens[:, 32:], jnp.ones((2, 8), bool), jax.random.PRNGKey(3), config=self.c16,
+        forward.unstack_layers(self.p16, self.c16), (self.tokens[:, :32], self.mask[:, :32]),
+        (self.tokens[:, 32:], jnp.ones((2, 8), bool)), jax.random.PRNGKey(3), config=self.c16,
         gen=decode.GenerationConfig(n_steps=3, design=design, capacity=40, chunk=16,
                                     layer_loop="unrolled"))
     self.assertEqual((gen.caches.k.dtype, gen.caches.acc.dtype), (BF16, F32))

@@ -197,7 +197,8 @@ class SharedPrefillTest(absltest.TestCase):
                              gen=gen, budget=budget)
     else:
       want = decode.generate_streaming(
-          self.params, *map(rep, batch.prompt + batch.question), key, config=self.config,
+          self.params, tuple(map(rep, batch.prompt)), tuple(map(rep, batch.question)), key,
+          config=self.config,
           gen=gen.replace(chunk=batch.prompt[0].shape[1]), budget=budget)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)

@@ -117,7 +117,7 @@ class LayerBudgetsDecodeTest(absltest.TestCase):
     design = certkv_jax.designs.sink_window(4, n_sink=1)
     question = np.array([[5, 6, 7], [8, 9, 10]], np.int32)
     gen = decode.generate_streaming(
-        self.params, self.tokens, self.mask, question, np.ones((2, 3), bool),
+        self.params, (self.tokens, self.mask), (question, np.ones((2, 3), bool)),
         jax.random.PRNGKey(0), config=self.config,
         gen=decode.GenerationConfig(n_steps=N_STEPS, design=design,
                                     capacity=5 + 3 + 3 + N_STEPS, chunk=3,

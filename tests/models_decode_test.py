@@ -36,7 +36,7 @@ class DecodeTest(absltest.TestCase):
     question = np.array([[5, 6, 7], [8, 9, 0]], np.int32)
     q_mask = np.array([[True, True, True], [True, True, False]])
     gen = decode.generate_streaming(
-        self.params, self.tokens, self.mask, question, q_mask, jax.random.PRNGKey(0),
+        self.params, (self.tokens, self.mask), (question, q_mask), jax.random.PRNGKey(0),
         config=self.config,
         gen=decode.GenerationConfig(n_steps=3, capacity=16, chunk=4, return_logits=True,
                                     evaluate=True))
@@ -159,7 +159,7 @@ class DecodeTest(absltest.TestCase):
     question = np.array([[5, 6], [8, 9]], np.int32)
     gen = decode.GenerationConfig(n_steps=N_STEPS, capacity=4 + 3 + 2 + N_STEPS, chunk=3)
     run = lambda design: decode.generate_streaming(
-        self.params, self.tokens, self.mask, question, np.ones((2, 2), bool),
+        self.params, (self.tokens, self.mask), (question, np.ones((2, 2), bool)),
         jax.random.PRNGKey(0), config=self.config, gen=gen.replace(design=design)).caches
     snap = run(certkv_jax.designs.snapkv(4, window=1, pool_size=1, observation_window=2))
     flat = run(certkv_jax.designs.top_k(4, certkv_jax.scores.Uniform(), window=1))
@@ -202,7 +202,7 @@ class DecodeTest(absltest.TestCase):
         6, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=1), overflow_prob=0.05)
     question = np.array([[5, 6, 7], [8, 9, 10]], np.int32)
     gen = decode.generate_streaming(
-        self.params, self.tokens, self.mask, question, np.ones((2, 3), bool),
+        self.params, (self.tokens, self.mask), (question, np.ones((2, 3), bool)),
         jax.random.PRNGKey(0), config=self.config,
         gen=decode.GenerationConfig(n_steps=N_STEPS, design=design, capacity=6 + 3 + N_STEPS,
                                     chunk=3, evaluate=True))

@@ -89,7 +89,7 @@ class SmolLM2DesignsTest(parameterized.TestCase):
                                  capacity=prompt.shape[1] + N_STEPS, evaluate=True),
                              budget=budget)
     return decode.generate_streaming(
-        self.params, ctx, jnp.ones(ctx.shape, bool), q, jnp.ones(q.shape, bool),
+        self.params, (ctx, jnp.ones(ctx.shape, bool)), (q, jnp.ones(q.shape, bool)),
         jax.random.PRNGKey(0), config=self.config,
         gen=decode.GenerationConfig(
             n_steps=N_STEPS, design=design,

@@ -233,7 +233,7 @@ def run_one(params, config, tok, examples, plan: Plan, design_name: str, budget:
     gen_cfg = decode.GenerationConfig(n_steps=N_STEPS, design=design, evaluate=True,
                                       capacity=capacity, chunk=chunk)
     gen_fn = jax.jit(lambda p, k, b: decode.generate_streaming(
-        p, ctx, ctx_mask, qst, q_mask, k, config=config, gen=gen_cfg, budget=b))
+        p, (ctx, ctx_mask), (qst, q_mask), k, config=config, gen=gen_cfg, budget=b))
 
     def prefill(p, k, b):  # generate_streaming up to the first decode step
       pad = n_chunks * chunk - n_ctx

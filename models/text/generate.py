@@ -398,7 +398,7 @@ def generate_text(prompt: str, *, params, config, tokenizer,
     ctx, ctx_mask = _row(encoded.context)
     qst, q_mask = _row(encoded.question)
     gen_cfg = gen_cfg.replace(capacity=capacity, chunk=run_chunk)
-    run = lambda: decode.generate_streaming(params, ctx, ctx_mask, qst, q_mask, key,
+    run = lambda: decode.generate_streaming(params, (ctx, ctx_mask), (qst, q_mask), key,
                                             config=config, gen=gen_cfg)
   gen, seconds = _timed_call(run, profile_dir, on_token)
 

@@ -264,7 +264,8 @@ def run_design(params, config, batch: _Batch, name: str, ratios, key, plan: Plan
   t0 = time.time()
   if plan.chunk and batch.regime == "streaming" and design is not None:
     out = decode.generate_streaming(
-        params, *(_repeat_rows(x, len(ratios)) for x in batch.prompt + batch.question), key,
+        params, *(tuple(_repeat_rows(x, len(ratios)) for x in pair)
+                  for pair in (batch.prompt, batch.question)), key,
         config=config, gen=gen.replace(design=design, allocation=allocation, chunk=plan.chunk,
                                        evaluate=randomized),
         budget=budget)

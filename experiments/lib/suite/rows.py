@@ -145,7 +145,7 @@ def run_batch(params, config, examples, row_budgets, key, unit: UnitCall) -> dec
   capacity = unit.capacity or budgets.capacity(
       design, budgets.Lengths(n_context=shape["context"], n_question=shape["question"],
                               n_steps=unit.n_steps, chunk=unit.chunk), budget=sizing)
-  return decode.generate_streaming(params, ctx, c_mask, qst, q_mask, key, config=config,
+  return decode.generate_streaming(params, (ctx, c_mask), (qst, q_mask), key, config=config,
                                    gen=gen.replace(capacity=capacity, chunk=unit.chunk),
                                    budget=budget)
 
