@@ -389,6 +389,10 @@ class ModelInputsTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, r"question holds token id 64"):
       decode.generate_streaming(params, (self.tokens, self.mask), (bad[:, :2], q_mask), key,
                                 **dict(skw, config=self.config))
+    for context in (self.tokens, (self.tokens, self.mask, self.mask)):
+      with self.assertRaisesRegex(ValueError, r"context must be a \(tokens, mask\) pair"):
+        decode.generate_streaming(params, context, (question, q_mask), key,
+                                  **dict(skw, config=self.config))
     with self.assertRaisesRegex(ValueError, "max_positions must be a positive int"):
       self.config.replace(max_positions=0)
     gen = decode.generate(params, self.tokens, self.mask, key, **dict(
