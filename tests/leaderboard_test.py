@@ -250,9 +250,7 @@ class PlanTest(absltest.TestCase):
                            designs=("h2o", "snapkv", "priority_floor+cert"))
     hits = {"h2o": [1, 1, 0, 1, 0, 0], "snapkv": [1, 0, 0, 0, 0, 0],
             "priority_floor+cert": [1, 1, 1, 1, 0, 1], "full": [1] * 6}
-    rows = [dict(design=d, ratio=0.0 if d == "full" else 0.5, task=t, example=e,
-                 score=float(v[2 * e + i]))
-            for d, v in hits.items() for e in range(3) for i, t in enumerate(("vt", "cwe"))]
+    rows = _hit_rows(hits)
     rows.append(dict(design="h2o", ratio=0.5, task="niah_single_1", example=0, score=1.0))
     got = report.paired_scores(rows, plan, list(hits), plan.tasks, seed=0)  # drops that row
     self.assertEqual(got["best_deterministic"], {"0.5": "h2o"})
@@ -271,9 +269,7 @@ class PlanTest(absltest.TestCase):
                            designs=("h2o", "snapkv", "snapkv_cert"))
     hits = {"h2o": [1, 1, 1, 1, 1, 1], "snapkv": [1, 0, 0, 1, 0, 0],
             "snapkv_cert": [1, 1, 0, 0, 0, 0], "full": [1] * 6}
-    rows = [dict(design=d, ratio=0.0 if d == "full" else 0.5, task=t, example=e,
-                 score=float(v[2 * e + i]))
-            for d, v in hits.items() for e in range(3) for i, t in enumerate(("vt", "cwe"))]
+    rows = _hit_rows(hits)
     got = report.paired_scores(rows, plan, list(hits), plan.tasks, seed=0)
     self.assertEqual(list(got["paired_twin"]), ["snapkv"])  # keyed by the design, not h2o
     p = got["paired_twin"]["snapkv"]["0.5"]
@@ -292,6 +288,13 @@ class PlanTest(absltest.TestCase):
                     (dict(tasks_at=((8192, ("vt",)),)), "--tasks_at")):
       with self.assertRaisesRegex(ValueError, msg):
         experiment.Plan(**kw).check()
+
+
+def _hit_rows(hits):
+  """Rows of designs' 0/1 scores on 3 examples of vt and cwe (the full cache at ratio 0)."""
+  return [dict(design=d, ratio=0.0 if d == "full" else 0.5, task=t, example=e,
+               score=float(v[2 * e + i]))
+          for d, v in hits.items() for e in range(3) for i, t in enumerate(("vt", "cwe"))]
 
 
 if __name__ == "__main__":
