@@ -200,7 +200,7 @@ def compose(certain: CertaintySet, tail, budget, name: str = "custom",
 
 # The share of a certified twin's tail slots kept by its score's rank (method, section 3,
 # "Certified twins"); the rest are sampled.
-TWIN_SHARE = 0.75
+TWIN_SHARE = 0.5
 # Their sampling weights' floor, relative to the tail's mean weight: no tail token is
 # nearly never drawn, so no Horvitz-Thompson term 1 / pi is nearly unbounded.
 TWIN_EPS = 0.05

@@ -16,7 +16,7 @@ from certkv_jax import registry
 N, CAP, D = 40, 48, 8
 BUDGET, N_SINK, WINDOW = 16, 2, 4
 SLOTS = BUDGET - N_SINK - WINDOW  # tail slots: 10
-TOP = int(designs.TWIN_SHARE * SLOTS)  # kept by rank: 7; sampled: 3
+TOP = int(designs.TWIN_SHARE * SLOTS)  # kept by rank: 5; sampled: 5
 
 
 def _cache(seed=0):
@@ -111,10 +111,10 @@ class TwinTest(absltest.TestCase):
     registry.register("first_value", factory)
     self.addCleanup(registry._FACTORIES.pop, "first_value")  # pylint: disable=protected-access
     self.assertIn("first_value_cert", registry.twins())
-    twin = registry.make("first_value_cert:top_share=0.5", BUDGET, n_sink=N_SINK,
+    twin = registry.make("first_value_cert:top_share=0.7", BUDGET, n_sink=N_SINK,
                          window=WINDOW)
     self.assertEqual((twin.name, twin.randomized, twin.tail.heavy_share),
-                     ("first_value_cert", True, 0.5))
+                     ("first_value_cert", True, 0.7))
     c = _cache()
     info = _evict(twin, c, jax.random.PRNGKey(0))[2]
     self.assertEqual(int(np.asarray(info.kept).sum()), BUDGET)
