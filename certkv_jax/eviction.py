@@ -8,7 +8,7 @@ its own PRNG key (``jax.vmap``; sequence-sharded caches through
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,15 @@ from certkv_jax import budgets as budgets_lib
 from certkv_jax import cache as cache_lib
 from certkv_jax import caches as caches_lib
 from certkv_jax.caches import over_heads
+
+
+class Evicted(NamedTuple):
+  """What :func:`evict` and :func:`evict_and_record` return."""
+
+  caches: KVCache  # in the form given (stacked or per layer)
+  state: Any  # the design's counters, carried to the next round
+  info: Any  # the round's ``EvictionInfo``, leaves [n_layers, batch, n_kv_heads, ...]
+  shadow: Optional[KVCache] = None  # evict_and_record's shadow with this round's record
 
 
 def init_state(design, caches: KVCache):
@@ -46,9 +55,7 @@ def evict(design, caches: KVCache, key, *, state=None, layer_budgets=None, budge
     allocation: optional, static: a per-head allocation (``certkv_jax.allocation``;
       not on sequence-sharded caches), with ``gains`` [n_layers, n_kv_heads] if it needs them.
 
-  Returns:
-    ``(caches, state, info)``: ``info`` the round's ``EvictionInfo``, leaves
-    ``[n_layers, batch, n_kv_heads, ...]``.
+  Returns an :class:`Evicted` (``shadow`` None).
   """
   if layer_budgets is not None:
     layer_budgets = tuple(layer_budgets)
@@ -63,8 +70,9 @@ def evict(design, caches: KVCache, key, *, state=None, layer_budgets=None, budge
     if allocation is not None:
       raise ValueError("allocation is not supported on sequence-sharded caches: it pools "
                        "scores across heads that live on other devices")
-    return _evict(design, caches, state, key, layer_budgets, budget)
-  return _evict_jit(design, caches, state, key, layer_budgets, budget, allocation, gains)
+    return Evicted(*_evict(design, caches, state, key, layer_budgets, budget))
+  return Evicted(*_evict_jit(design, caches, state, key, layer_budgets, budget, allocation,
+                             gains))
 
 
 def _evict(design, caches: KVCache, state, key, layer_budgets, budget, allocation=None,
@@ -164,9 +172,8 @@ def _record_layer(shadow, before, pi):
 
 def evict_and_record(design, caches: KVCache, shadow: Optional[KVCache], key, **evict_args):
   """:func:`evict` (``evict_args``: its keywords), and in evaluation mode (``shadow``
-  not None) the shadow's inclusion record (:func:`record_inclusion`). Returns
-  ``(caches, shadow, state)``."""
-  new, state, info = evict(design, caches, key, **evict_args)
+  not None) the shadow's inclusion record (:func:`record_inclusion`); an :class:`Evicted`."""
+  new = evict(design, caches, key, **evict_args)
   if shadow is not None:
-    shadow = record_inclusion(shadow, caches, info)
-  return new, shadow, state
+    shadow = record_inclusion(shadow, caches, new.info)
+  return new._replace(shadow=shadow)

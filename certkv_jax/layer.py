@@ -3,22 +3,63 @@
 :func:`attend` appends a chunk to one layer's caches, attends with Hajek offsets and folds
 the attention into the design's statistics (:func:`attend_layer`: in place on stacked caches)::
 
-    out, cache, _, stats = layer.attend(q, k, v, cache, valid=valid, design=design)  # in jit
+    pos = layer.positions(cache, valid)  # the model's rotary or learned positions
+    res = layer.attend(q, k, v, cache, valid=valid, settings=layer.Settings(design))  # in jit
+    out, cache, stats = res.out, res.cache, res.stats
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+import math
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 from certkv_jax import cache as cache_lib
 from certkv_jax import caches as caches_lib
 from certkv_jax import certified_attention
 from certkv_jax.cache import KVCache
+from certkv_jax.certified_attention import ChunkStats
 
 Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What :func:`attend` does besides attention; static under ``jit`` (hashable).
+
+  ``design``: the ``EvictionDesign`` whose statistics are folded, or None.
+  ``observe``: the chunk is a prompt whose last ``design.observation_window`` real queries
+  form the window; decode steps pass False. ``certificate``: True; False (``stats`` None);
+  in ``models.forward`` also a ``certified_attention.Subsample``. ``scale``: the logit
+  scale (None: ``1/sqrt(head_dim)``). ``checked``: raise on overflow through
+  ``checkify.check`` (eager calls raise; under ``jit`` wrap in ``checkify.checkify``).
+  """
+
+  design: Any = None
+  observe: bool = True
+  certificate: Any = True
+  scale: Optional[float] = None
+  checked: bool = False
+
+  def __post_init__(self):
+    if self.scale is not None and not (isinstance(self.scale, (int, float))
+                                       and math.isfinite(self.scale) and self.scale > 0):
+      raise ValueError(f"scale must be a finite number > 0 or None, got {self.scale!r}")
+
+
+class Attended(NamedTuple):
+  """What :func:`attend` and :func:`attend_layer` return."""
+
+  out: Array  # [batch, t, n_heads, head_dim] float32
+  cache: KVCache  # the layer's caches (attend_layer: all layers), the chunk appended
+  shadow: Optional[KVCache]  # the shadow likewise, or None
+  stats: Optional[ChunkStats]  # fields [batch, n_heads, t], or None without the certificate
+  positions: Array  # [batch, t] int32 positions of the chunk's tokens (padding: none)
+  overflow: Array  # [batch] int32 tokens of the chunk that found no free slot (dropped)
 
 
 def positions(cache: KVCache, valid) -> Array:
@@ -27,54 +68,86 @@ def positions(cache: KVCache, valid) -> Array:
   return start[:, None] + jnp.cumsum(valid, axis=1).astype(jnp.int32) - 1
 
 
-def attend(q, k, v, cache: KVCache, *, valid=None, design=None, observe: bool = True,
-           certificate=True, shadow: Optional[KVCache] = None):
+def shadow_caches(config, batch: int, n_tokens: int, dtype=jnp.float32) -> KVCache:
+  """Evaluation mode's never-evicted caches: room for all ``n_tokens``, so slot = position.
+
+  Pass them to :func:`attend` (``shadow=``; the statistics then hold the true error) and to
+  ``eviction.evict_and_record`` (each token's inclusion record; method, section 9).
+  """
+  return caches_lib.init_caches(config, batch, n_tokens, dtype)
+
+
+def stack_stats(per_layer: Sequence[Optional[ChunkStats]]) -> Optional[ChunkStats]:
+  """Per-layer statistics stacked on a new leading layer axis (None without the certificate)."""
+  if per_layer[0] is None:
+    return None
+  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_layer)
+
+
+def attend(q, k, v, cache: KVCache, *, valid=None, shadow: Optional[KVCache] = None,
+           settings: Settings = Settings()) -> Attended:
   """Appends a chunk to one layer's caches and attends over them.
 
   Args:
-    q: [batch, t, n_heads, head_dim] queries, positions encoded.
+    q: [batch, t, n_heads, head_dim] queries, positions encoded (:func:`positions`).
     k, v: [batch, t, n_kv_heads, head_dim]; ValueError unless ``n_kv_heads`` divides ``n_heads``.
     cache: this layer's caches, leaves ``[batch, n_kv_heads, cap, ...]``.
     valid: [batch, t] bool, False on right padding; None = all real.
-    design: the ``EvictionDesign`` whose statistics are folded, or None.
-    observe: the last ``design.observation_window`` real queries form the window (False: decode).
-    certificate: True; False (``stats`` None); or ``(layer_flag, heads)``: a traced
-      bool switching the layer off and a static tuple of KV heads (the rest NaN).
-    shadow: evaluation only: a never-evicted cache of the layer (truth, audit).
-
-  Returns ``(out [batch, t, n_heads, head_dim] float32, cache, shadow, stats)``,
-  ``stats`` a ``ChunkStats`` of ``[batch, n_heads, t]`` arrays or None.
+    shadow: evaluation only: the layer's :func:`shadow_caches` (truth, audit).
+    settings: the design, observe, certificate and scale (:class:`Settings`); a
+      ``certificate`` here is True, False or ``(layer_flag, heads)``: a traced bool
+      switching the layer off and a static tuple of KV heads (the rest NaN).
   """
   valid, new_kv = _new_tokens(q, k, v, valid)
   pos = positions(cache, valid)
+  dropped = cache.n_dropped
   with jax.named_scope("append"):
     cache = caches_lib.append(cache, *new_kv)
     if shadow is not None:  # never sharded
       shadow = caches_lib.over_heads(cache_lib.append)(shadow, *new_kv)
-  out, cache, stats = _attend_appended(q, cache, shadow, pos, valid, design, observe,
-                                       certificate)
-  return out, cache, shadow, stats
+  overflow = jnp.max(cache.n_dropped - dropped, axis=1)
+  _check_overflow(settings, overflow)
+  out, cache, stats = _attend_appended(q, cache, shadow, pos, valid, settings)
+  return Attended(out, cache, shadow, stats, pos, overflow)
 
 
-def attend_layer(q, k, v, caches: KVCache, i, slots: caches_lib.ChunkSlots, *, valid=None,
-                 design=None, observe: bool = True, certificate=True,
-                 shadow: Optional[KVCache] = None,
-                 shadow_slots: Optional[caches_lib.ChunkSlots] = None):
+def attend_layer(q, k, v, caches: KVCache, i, slots: caches_lib.ChunkSlots, *,
+                 shadow=None, settings: Settings = Settings()) -> Attended:
   """:func:`attend` on layer ``i`` (int or traced) of stacked caches, in place: ``caches``
   leaves ``[n_layers, batch, n_kv_heads, cap, ...]``, ``slots`` from ``caches.reserve``
-  (``shadow`` likewise, with ``shadow_slots``); returns as :func:`attend`."""
-  valid, (k_new, v_new, _) = _new_tokens(q, k, v, valid)
+  (its ``new_valid`` gives the padding); ``shadow``: None or ``(shadow caches, their
+  slots)``. Returns :class:`Attended` with all layers' caches and shadow."""
+  valid = slots.new_valid[:, 0]
+  _, (k_new, v_new, _) = _new_tokens(q, k, v, valid)
+  shadow, shadow_slots = (None, None) if shadow is None else shadow
   with jax.named_scope("append"):
     caches = caches_lib.write_kv(caches, i, slots, k_new, v_new)
     if shadow is not None:
       shadow = caches_lib.write_kv(shadow, i, shadow_slots, k_new, v_new)
   cache = caches_lib.layer(caches, i)
+  overflow = _overflow(slots, i, cache.capacity)
+  _check_overflow(settings, overflow)
   shadow_cache = None if shadow is None else caches_lib.layer(shadow, i)
-  out, folded, stats = _attend_appended(q, cache, shadow_cache, slots.positions, valid, design,
-                                        observe, certificate)
-  if design is not None:  # a design folds statistics only: the keys and values stay put
+  out, folded, stats = _attend_appended(q, cache, shadow_cache, slots.positions, valid,
+                                        settings)
+  if settings.design is not None:  # a design folds statistics only: keys and values stay put
     caches = caches_lib.with_layer(caches, i, folded, fields=cache_lib.STATISTICS)
-  return out, caches, shadow, stats
+  return Attended(out, caches, shadow, stats, slots.positions, overflow)
+
+
+def _overflow(slots: caches_lib.ChunkSlots, i, capacity: int) -> Array:
+  """[batch] real tokens of the chunk that layer ``i``'s slots could not store."""
+  if slots.idx is None:  # sequence-sharded: appended whole, counted in n_dropped
+    return jnp.zeros(slots.positions.shape[:1], jnp.int32)
+  idx = jax.lax.dynamic_index_in_dim(slots.idx, i, axis=0, keepdims=False)  # [b, h, t]
+  lost = jnp.sum(slots.new_valid & (idx >= capacity), axis=-1).astype(jnp.int32)
+  return jnp.max(lost, axis=1)
+
+
+def _check_overflow(settings: Settings, overflow) -> None:
+  if settings.checked:
+    checkify.check(jnp.all(overflow == 0), "attend: {} tokens of the chunk found no free "
+                   "slot (per row); evict before appending or raise the capacity", overflow)
 
 
 def _new_tokens(q, k, v, valid):
@@ -89,9 +162,12 @@ def _new_tokens(q, k, v, valid):
                  jnp.repeat(valid[:, None], n_kv, axis=1))
 
 
-def _attend_appended(q, cache, shadow, pos, valid, design, observe, certificate):
+def _attend_appended(q, cache, shadow, pos, valid, settings: Settings):
   """Attends over caches holding the chunk, then folds: ``(out [b, t, h, d], cache, stats)``."""
   b, t, n_heads, d = q.shape
+  design, certificate = settings.design, settings.certificate
+  if settings.scale is not None:  # the kernels scale by 1/sqrt(d)
+    q = q * jnp.asarray(settings.scale * math.sqrt(d), q.dtype)
   n_kv = cache.k.shape[1]
   qg = q.reshape(b, t, n_kv, n_heads // n_kv, d).transpose(0, 2, 3, 1, 4)
   layer_flag, heads = certificate if isinstance(certificate, tuple) else (None, None)
@@ -104,7 +180,7 @@ def _attend_appended(q, cache, shadow, pos, valid, design, observe, certificate)
     stats = jax.tree_util.tree_map(lambda a: a.reshape(b, n_heads, t), stats)
   if design is not None:
     with jax.named_scope("fold"):
-      window = design.observation_window if observe else 0
+      window = design.observation_window if settings.observe else 0
       cache = fold_statistics(design, cache, probs, valid, window)
   out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, n_heads, d)
   return out, cache, stats

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from certkv_jax import budgets as budgets_lib
 from certkv_jax import caches as caches_lib
+from certkv_jax import layer as layer_lib
 from certkv_jax.cache import KVCache
 from models import inputs
 from certkv_jax.budgets import check_budget
@@ -124,8 +125,9 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
   design, every = gen.design, gen.evict_every
   evicts = design is not None and gen.evict_each_step
   batch = first_logits.shape[0]
-  certify = dict(certificate=Subsample(gen.certificate_layers, gen.certificate_heads),
-                 layer_loop=gen.layer_loop)
+  settings = layer_lib.Settings(
+      design, observe=False,
+      certificate=Subsample(gen.certificate_layers, gen.certificate_heads))
   caches, shadow, state, key = carry
   if gen.layer_loop == "unrolled":  # per-layer weights and caches for the whole loop
     params = forward.unstack_layers(params, config)
@@ -133,9 +135,10 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
     shadow = None if shadow is None else caches_lib.unstack(shadow)
 
   def evict_now(caches, shadow, state, sub):
-    return evict_and_record(design, caches, shadow, sub, state=state,
-                            layer_budgets=gen.layer_budgets, budget=budget,
-                            **allocation_args(params, config, gen.allocation))
+    new = evict_and_record(design, caches, shadow, sub, state=state,
+                           layer_budgets=gen.layer_budgets, budget=budget,
+                           **allocation_args(params, config, gen.allocation))
+    return new.caches, new.shadow, new.state
 
   def evict_pending(carry):  # the eviction the last live step left due, if any
     caches, shadow, state, logits, key, sub, pending = carry
@@ -152,8 +155,8 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
     if gen.on_token is not None:
       jax.debug.callback(gen.on_token, i, token, ordered=True)
     new_logits, caches, stats, shadow = forward_chunk(
-        params, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
-        observe=False, shadow=shadow, **certify)
+        params, config, token[:, None], jnp.ones((batch, 1), bool), caches, settings=settings,
+        shadow=shadow, layer_loop=gen.layer_loop)
     key, sub = jax.random.split(key)
     pending = jnp.asarray(evicts) & (i % every == every - 1)  # amortized: into the slack
     stats = jax.tree_util.tree_map(lambda a: a[0], stats)  # t = 1
@@ -373,16 +376,24 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, gen: GenerationC
   caches = init_caches(config, batch, capacity, kv_dtype)
   shadow = init_caches(config, batch, prompt_len + gen.n_steps, kv_dtype) if gen.evaluate else None
   state = None if design is None else init_state(design, caches)
+  logits, carry = _prompt_chunk(params, config, gen, budget, (caches, shadow, state, key),
+                                (tokens, mask))
+  return _decode_loop(params, config, gen, carry, _last_logits(logits, mask), budget)
+
+
+def _prompt_chunk(params, config: LlamaConfig, gen: GenerationConfig, budget, carry, chunk):
+  """A prompt chunk ``(tokens, mask)`` through the model (no certificate), then the
+  design's eviction; returns ``(logits, carry)``, ``carry = (caches, shadow, state, key)``."""
+  caches, shadow, state, key = carry
   logits, caches, _, shadow = forward_chunk(
-      params, config, tokens, mask, caches, design=design, certificate=False, shadow=shadow,
-      layer_loop=_params_loop(params))
+      params, config, *chunk, caches, settings=layer_lib.Settings(gen.design, certificate=False),
+      shadow=shadow, layer_loop=_params_loop(params))
   key, sub = jax.random.split(key)
-  if design is not None:
-    caches, shadow, state = evict_and_record(design, caches, shadow, sub, state=state,
-                                             layer_budgets=gen.layer_budgets, budget=budget,
-                                             **allocation_args(params, config, gen.allocation))
-  return _decode_loop(params, config, gen, (caches, shadow, state, key),
-                      _last_logits(logits, mask), budget)
+  if gen.design is not None:
+    caches, state, _, shadow = evict_and_record(gen.design, caches, shadow, sub, state=state,
+                                                layer_budgets=gen.layer_budgets, budget=budget,
+                                                **allocation_args(params, config, gen.allocation))
+  return logits, (caches, shadow, state, key)
 
 
 @_checking_budgets
@@ -428,19 +439,7 @@ def generate_streaming(params, context, question, key, *, config: LlamaConfig,
   as_chunks = lambda x: x.reshape(batch, n_chunks, chunk).swapaxes(0, 1)  # [n_chunks, b, c]
 
   def feed(carry, xs):
-    caches, shadow, state, key = carry
-    toks, valid = xs
-    _, caches, _, shadow = forward_chunk(params, config, toks, valid, caches, design=design,
-                                         certificate=False, shadow=shadow,
-                                         layer_loop=_params_loop(params))
-    key, sub = jax.random.split(key)
-    if design is not None:
-      caches, shadow, state = evict_and_record(design, caches, shadow, sub, state=state,
-                                               layer_budgets=gen.layer_budgets,
-                                               budget=budget,
-                                               **allocation_args(params, config,
-                                                                 gen.allocation))
-    return (caches, shadow, state, key), None
+    return _prompt_chunk(params, config, gen, budget, carry, xs)[1], None
 
   kv_dtype = precision.cache_dtype(config)
   caches = init_caches(config, batch, capacity, kv_dtype)
@@ -452,8 +451,9 @@ def generate_streaming(params, context, question, key, *, config: LlamaConfig,
   (caches, shadow, state, key), _ = jax.lax.scan(
       feed, (caches, shadow, state, key), (as_chunks(context), as_chunks(context_mask)))
   logits, caches, _, shadow = forward_chunk(
-      params, config, question, question_mask, caches, design=design, certificate=False,
-      shadow=shadow, layer_loop=_params_loop(params))
+      params, config, question, question_mask, caches,
+      settings=layer_lib.Settings(design=design, certificate=False), shadow=shadow,
+      layer_loop=_params_loop(params))
   return _decode_loop(params, config, gen, (caches, shadow, state, key),
                       _last_logits(logits, question_mask), budget)
 
@@ -479,7 +479,7 @@ def decode_step(params, caches: KVCache, tokens, *, config: LlamaConfig, design=
     per_layer = caches_lib.is_unstacked(caches) or _params_loop(params) == "unrolled"
     layer_loop = "unrolled" if per_layer else "scan"
   valid = jnp.ones((tokens.shape[0], 1), bool)
-  logits, caches, stats, _ = forward_chunk(params, config, tokens[:, None], valid, caches,
-                                           design=design, observe=False,
-                                           layer_loop=layer_loop)
+  logits, caches, stats, _ = forward_chunk(
+      params, config, tokens[:, None], valid, caches,
+      settings=layer_lib.Settings(design=design, observe=False), layer_loop=layer_loop)
   return logits[:, 0], caches, jax.tree_util.tree_map(lambda a: a[0], stats)

@@ -7,6 +7,7 @@ each layer's slice; ``"unrolled"`` reads per-layer buffers in place.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -26,18 +27,17 @@ from models.llama import LlamaModel
 Array = jax.Array
 
 
-def _layer_stacked(config: LlamaConfig, design, observe: bool, certificate, x, valid,
-                   layer_params, caches: KVCache, shadow: Optional[KVCache], i, slots,
-                   shadow_slots):
+def _layer_stacked(config: LlamaConfig, settings: layer.Settings, x, layer_params,
+                   caches: KVCache, shadow, i, slots):
   """Decoder layer ``i`` on the stacked caches (``layer.attend_layer``); returns
-  ``(x [b, t, hidden], caches, stats [b, n_heads, t] or None, shadow)``."""
+  ``(x [b, t, hidden], caches, stats [b, n_heads, t] or None, shadow)``; ``shadow``
+  None or ``(caches, slots)`` (``layer.attend_layer``)."""
   block = Block(config)
   variables = {"params": layer_params}
   with jax.named_scope("qkv"):
     q, k, v = block.apply(variables, x, slots.positions, method=Block.qkv)
-  out, caches, shadow, stats = layer.attend_layer(
-      q, k, v, caches, i, slots, valid=valid, design=design, observe=observe,
-      certificate=certificate, shadow=shadow, shadow_slots=shadow_slots)
+  out, caches, shadow, stats, _, _ = layer.attend_layer(q, k, v, caches, i, slots,
+                                                        shadow=shadow, settings=settings)
   with jax.named_scope("mlp"):
     x = block.apply(variables, x, out, method=Block.finish)
   return x, caches, stats, shadow
@@ -99,10 +99,9 @@ def _check_layer_loop(params, config: LlamaConfig, caches, layer_loop: str) -> N
                      "(unstack_layers, caches.unstack) take layer_loop='unrolled'")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "design", "observe", "certificate",
-                                             "layer_loop"))
+@functools.partial(jax.jit, static_argnames=("config", "settings", "layer_loop"))
 def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *,
-                  design=None, observe: bool = True, certificate=True,
+                  settings: layer.Settings = layer.Settings(),
                   shadow: Optional[KVCache] = None, layer_loop: str = "scan"):
   """Runs a chunk of new tokens through the model with caches.
 
@@ -114,13 +113,12 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
     valid: [batch, t] bool, False on (right) padding (no slot, no position).
     caches: from ``certkv_jax.caches.init_caches``, stacked or per layer
       (``"unrolled"`` only); returned in the same form.
-    design: optional ``certkv_jax.EvictionDesign`` whose ``update`` folds the
-      chunk's attention into the slot statistics.
-    observe: a prompt chunk whose last ``design.observation_window`` queries
-      replace the design's ``obs``; decode steps pass False.
-    certificate: True (``offset_attention`` with its statistics), False (the
-      same softmax, ``None`` stats) or ``certified_attention.Subsample(layers,
-      heads)`` (the others report NaN; the logits do not change).
+    settings: ``layer.Settings``: the design whose ``update`` folds the chunk's
+      attention into the slot statistics, ``observe`` (a prompt chunk; decode
+      steps pass False) and the certificate: True, False (the same softmax,
+      ``None`` stats) or ``certified_attention.Subsample(layers, heads)`` (the
+      others report NaN; the logits do not change). Its ``scale`` must be None
+      (the model's own).
     shadow: evaluation mode: never-evicted caches receiving the same keys and
       values; the stats then include the true error.
     layer_loop: ``"scan"`` or ``"unrolled"`` (module docstring); pass unstacked
@@ -135,6 +133,10 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
       caches with ``"scan"`` or with a layer count other than ``config.n_layers``.
   """
   _check_layer_loop(params, config, caches, layer_loop)
+  if settings.scale is not None:
+    raise ValueError(f"settings.scale must be None here (the model's 1/sqrt(head_dim)), got "
+                     f"{settings.scale!r}")
+  certificate = settings.certificate
   sub = certificate if isinstance(certificate, certified_attention.Subsample) else None
   certificate_layers, certificate_heads = (None, None) if sub is None else (sub.layers,
                                                                             sub.heads)
@@ -142,10 +144,10 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
   layer_flags = certified_attention.check_certificate_subsample(
       config, certificate, certificate_layers, certificate_heads)
 
-  def cert_of(flag):  # attend's certificate argument for one layer
+  def cert_of(flag):  # attend's settings for one layer
     if certificate and (flag is not None or certificate_heads is not None):
-      return (flag, certificate_heads)  # this layer's subsample
-    return certificate
+      return dataclasses.replace(settings, certificate=(flag, certificate_heads))  # subsample
+    return dataclasses.replace(settings, certificate=certificate)
 
   model = LlamaModel(config)
   top = {"params": {k: v for k, v in params["params"].items() if k != "layers"}}
@@ -160,9 +162,9 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
     def body(carry, xs):
       x, caches, shadow = carry
       layer_params, flag, i = xs
-      x, caches, stats, shadow = _layer_stacked(config, design, observe, cert_of(flag), x,
-                                                valid, layer_params, caches, shadow, i,
-                                                slots, shadow_slots)
+      paired = None if shadow is None else (shadow, shadow_slots)
+      x, caches, stats, shadow = _layer_stacked(config, cert_of(flag), x, layer_params,
+                                                caches, paired, i, slots)
       return (x, caches, shadow), stats
 
     # Caches in the carry are updated in place (scanned ones would be copied).
@@ -170,15 +172,14 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
         body, (x, caches, shadow),
         (layers, layer_flags, jnp.arange(config.n_layers, dtype=jnp.int32)))
   else:
-    x, caches, stats, shadow = _unrolled(config, design, observe, cert_of, x, valid, layers,
-                                         layer_flags, caches, shadow)
+    x, caches, stats, shadow = _unrolled(config, cert_of, x, valid, layers, layer_flags,
+                                         caches, shadow)
   if stats is not None:  # [n_layers, batch, n_heads, t] -> [t, n_layers, batch, n_heads]
     stats = jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, -1, 0), stats)
   return model.apply(top, x, method=LlamaModel.head), caches, stats, shadow
 
 
-def _unrolled(config: LlamaConfig, design, observe: bool, cert_of, x, valid, layers,
-              layer_flags, caches, shadow):
+def _unrolled(config: LlamaConfig, cert_of, x, valid, layers, layer_flags, caches, shadow):
   """The Python loop over the layers, each on its own caches (``layer.attend``);
   returns ``(x, caches, stats [n_layers, batch, n_heads, t] or None, shadow)``."""
   as_given = lambda given, new: new if caches_lib.is_unstacked(given) else caches_lib.stack(new)
@@ -194,14 +195,14 @@ def _unrolled(config: LlamaConfig, design, observe: bool, cert_of, x, valid, lay
       q, k, v = block.apply(variables, x, layer.positions(per_layer[i], valid),
                             method=Block.qkv)
     flag = None if layer_flags is None else layer_flags[i]
-    out, per_layer[i], sh, s = layer.attend(
-        q, k, v, per_layer[i], valid=valid, design=design, observe=observe,
-        certificate=cert_of(flag), shadow=None if shadow is None else shadows[i])
+    out, per_layer[i], sh, s, _, _ = layer.attend(
+        q, k, v, per_layer[i], valid=valid, shadow=None if shadow is None else shadows[i],
+        settings=cert_of(flag))
     if shadow is not None:
       shadows[i] = sh
     with jax.named_scope("mlp"):
       x = block.apply(variables, x, out, method=Block.finish)
     stats.append(s)
-  stats = None if stats[0] is None else jax.tree_util.tree_map(lambda *a: jnp.stack(a), *stats)
+  stats = layer.stack_stats(stats)
   shadow = None if shadow is None else as_given(shadow, tuple(shadows))
   return x, as_given(caches, tuple(per_layer)), stats, shadow

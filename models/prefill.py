@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from certkv_jax import caches as caches_lib
+from certkv_jax import layer as layer_lib
 from models import forward
 from models import precision
 from models.config import LlamaConfig
@@ -77,8 +78,9 @@ def prefill(params, tokens, mask, *, config: LlamaConfig, capacity: int, chunk: 
   caches = caches_lib.init_caches(config, batch, capacity, precision.cache_dtype(config))
 
   def run(caches, t, v):
-    logits, caches, _, _ = forward.forward_chunk(params, config, t, v, caches, design=design,
-                                                 observe=True, certificate=certificate)
+    logits, caches, _, _ = forward.forward_chunk(
+        params, config, t, v, caches, settings=layer_lib.Settings(design=design, observe=True,
+                                                                  certificate=certificate))
     return logits, caches
 
   if toks.shape[0] > 1:  # all but the last chunk; their logits are dead code

@@ -75,7 +75,7 @@ def _targets_and_evict(design, alloc, cs, gains, key):
   """(uniform targets, allocated targets, kept counts after eviction, kept mask)."""
   base = jax.vmap(over_heads(design.budget.target))(cs)
   targets = alloc(design, cs, base, gains)
-  new, _, _ = eviction.evict(design, cs, key, allocation=alloc, gains=gains)
+  new, _, _, _ = eviction.evict(design, cs, key, allocation=alloc, gains=gains)
   return base, targets, jnp.sum(new.valid, -1), new.valid
 
 
@@ -415,7 +415,7 @@ def _stream(design, alloc, gains):
     probs = jax.nn.softmax(jnp.where(cs.valid[..., None, :], logits, -jnp.inf), -1)
     cs = jax.vmap(over_heads(lambda c, p: design.update(c, design.init(c), p,
                                                         observation=True)[0]))(cs, probs)
-    cs, _, _ = eviction.evict(design, cs, key, allocation=alloc, gains=gains)
+    cs, _, _, _ = eviction.evict(design, cs, key, allocation=alloc, gains=gains)
     return cs, jnp.max(jnp.sum(cs.valid, -1))
 
   cs = caches_lib.init_caches(spec, 1, cap)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import certkv_jax
+from certkv_jax import layer as layer_lib
 from models import decode
 from tests import test_util
 
@@ -28,22 +29,22 @@ def _reference(params, config, tokens, mask, key, design, n_steps, every):
   batch, plen = tokens.shape
   caches = decode.init_caches(config, batch, CAPACITY)
   shadow = decode.init_caches(config, batch, plen + n_steps)
-  logits, caches, _, shadow = decode.forward_chunk(params, config, tokens, mask, caches,
-                                                   design=design, certificate=False,
-                                                   shadow=shadow)
+  logits, caches, _, shadow = decode.forward_chunk(
+      params, config, tokens, mask, caches,
+      settings=layer_lib.Settings(design=design, certificate=False), shadow=shadow)
   key, sub = jax.random.split(key)
-  caches, shadow, state = decode.evict_and_record(design, caches, shadow, sub)
+  caches, state, _, shadow = decode.evict_and_record(design, caches, shadow, sub)
   last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)
   step_logits = logits[jnp.arange(batch), last]
   toks, var_hats, n_valid = [], [], []
   for i in range(n_steps):
     token = jnp.argmax(step_logits, axis=-1).astype(jnp.int32)
     new_logits, caches, stats, shadow = decode.forward_chunk(
-        params, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
-        observe=False, shadow=shadow)
+        params, config, token[:, None], jnp.ones((batch, 1), bool), caches,
+        settings=layer_lib.Settings(design=design, observe=False), shadow=shadow)
     key, sub = jax.random.split(key)
     if i % every == every - 1:
-      caches, shadow, state = decode.evict_and_record(design, caches, shadow, sub,
+      caches, state, _, shadow = decode.evict_and_record(design, caches, shadow, sub,
                                                       state=state)
     toks.append(token)
     var_hats.append(stats.var_hat[0])

@@ -225,8 +225,7 @@ class TinyBfloat16Test(absltest.TestCase):
     c16 = self.c16
     per_layer = forward.unstack_layers(self.p16, c16)
     caches = caches_lib.unstack(caches_lib.init_caches(c16, 2, 48, precision.cache_dtype(c16)))
-    step = functools.partial(forward.forward_chunk, config=c16, certificate=True,
-                             layer_loop="unrolled")
+    step = functools.partial(forward.forward_chunk, config=c16, layer_loop="unrolled")
     token, valid = self.tokens[:, :1], self.mask[:, :1]
     for name, fn, args in (
         ("decode step", lambda p, k: step(p, tokens=token, valid=valid, caches=k),

@@ -157,7 +157,7 @@ class StoredValueNormsTest(parameterized.TestCase):
       np.testing.assert_array_equal(kv.v_ref[:, 0, 0], jnp.stack([vv[0, 0, 0]] * 2))
       if layout == "unrolled":
         kv = caches_lib.unstack(kv)
-      kv, _, _ = eviction.evict(design, kv, jax.random.PRNGKey(0))
+      kv, _, _, _ = eviction.evict(design, kv, jax.random.PRNGKey(0))
       out.append(caches_lib.stack(kv))
     kept = np.asarray(out[0].valid[0, 0, 0])
     self.assertEqual(kept.sum(), 4)

@@ -67,7 +67,7 @@ def _design(name):
 
 
 # Jitted: the eager attention would compile each of its many small ops apart.
-_attend = jax.jit(layer.attend, static_argnames=("design", "observe", "certificate"))
+_attend = jax.jit(layer.attend, static_argnames=("settings",))
 
 
 def _np_params(params):
@@ -168,7 +168,7 @@ class FullCacheTest(absltest.TestCase):
     want = _np_gpt2(_np_params(params), tokens)
     atol = self.TOL * np.abs(want).max()
     caches = caches_lib.init_caches(CONFIG, BATCH, capacity=length)
-    logits, full, stats = gpt2.forward(params, CONFIG, tokens, jnp.ones(tokens.shape, bool),
+    logits, full, stats, _ = gpt2.forward(params, CONFIG, tokens, jnp.ones(tokens.shape, bool),
                                        caches)
     np.testing.assert_allclose(logits, want, rtol=0, atol=atol)
     self.assertEqual(stats.var_hat.shape, (CONFIG.n_layers, BATCH, CONFIG.n_heads, length))
@@ -178,7 +178,7 @@ class FullCacheTest(absltest.TestCase):
     one = jnp.ones((BATCH, 1), bool)
     steps = []
     for i in range(length):
-      step, caches, _ = gpt2.forward(params, CONFIG, tokens[:, i:i + 1], one, caches)
+      step, caches, _, _ = gpt2.forward(params, CONFIG, tokens[:, i:i + 1], one, caches)
       steps.append(step[:, 0])
     np.testing.assert_allclose(np.stack(steps, axis=1), want, rtol=0, atol=atol)
     np.testing.assert_array_equal(caches.pos, full.pos)  # positions continue from n_seen
@@ -191,15 +191,15 @@ def _run(params, tokens, design, key):
   """The loop of ``gpt2.generate``, keeping what the checks read."""
   caches = caches_lib.init_caches(CONFIG, BATCH, capacity=PROMPT + 1)
   one = jnp.ones(tokens.shape, bool)
-  logits, caches, _ = gpt2.forward(params, CONFIG, tokens, one, caches, design=design,
-                                   certificate=False)
-  caches, state, info = eviction.evict(design, caches, key)
+  logits, caches, _, _ = gpt2.forward(params, CONFIG, tokens, one, caches,
+                                      settings=layer.Settings(design=design, certificate=False))
+  caches, state, info, _ = eviction.evict(design, caches, key)
   run = {"evicted": [caches], "infos": [info], "stats": [], "tokens": []}
   for step in range(N_STEPS):
     run["tokens"].append(jnp.argmax(logits[:, -1], axis=-1)[:, None])
-    logits, caches, stats = gpt2.forward(params, CONFIG, run["tokens"][-1], one[:, :1], caches,
-                                         design=design, observe=False)
-    caches, state, info = eviction.evict(design, caches, jax.random.fold_in(key, step + 1),
+    logits, caches, stats, _ = gpt2.forward(params, CONFIG, run["tokens"][-1], one[:, :1], caches,
+                                         settings=layer.Settings(design=design, observe=False))
+    caches, state, info, _ = eviction.evict(design, caches, jax.random.fold_in(key, step + 1),
                                          state=state)
     run["evicted"].append(caches)
     run["infos"].append(info)
@@ -313,7 +313,7 @@ class StatisticsTest(absltest.TestCase):
     cache = jax.jit(caches_lib.append)(cache, k[:, :n].transpose(0, 2, 1, 3),
                                        v[:, :n].transpose(0, 2, 1, 3), np.ones((BATCH, h, n), bool))
     np.testing.assert_array_equal(layer.positions(cache, np.ones((BATCH, 1), bool)), n)
-    out, _, _, stats = _attend(q, k[:, n:], v[:, n:], cache, shadow=cache)
+    out, _, _, stats, _, _ = _attend(q, k[:, n:], v[:, n:], cache, shadow=cache)
     s = np.einsum("bhd,bnhd->bhn", q[:, 0], k) / math.sqrt(d)
     want = np.einsum("bhn,bnhd->bhd", np.asarray(jax.nn.softmax(jnp.asarray(s), axis=-1)), v)
     np.testing.assert_allclose(out[:, 0], want, rtol=1e-5, atol=1e-5)
@@ -326,15 +326,15 @@ class StatisticsTest(absltest.TestCase):
     params, tokens = _params(), _tokens(PROMPT)
     design = _design("poisson_tail")
     caches = caches_lib.init_caches(CONFIG, BATCH, capacity=PROMPT + 1)
-    _, caches, _ = gpt2.forward(params, CONFIG, tokens, jnp.ones(tokens.shape, bool), caches,
-                                design=design, certificate=False)
-    evicted, _, _ = eviction.evict(design, caches, jax.random.PRNGKey(5))
+    _, caches, _, _ = gpt2.forward(params, CONFIG, tokens, jnp.ones(tokens.shape, bool), caches,
+                                settings=layer.Settings(design=design, certificate=False))
+    evicted, _, _, _ = eviction.evict(design, caches, jax.random.PRNGKey(5))
     cache = jax.tree_util.tree_map(lambda a: a[0], evicted)
     shadow = jax.tree_util.tree_map(lambda a: a[0], caches)  # full: nothing evicted yet
     nxt = jnp.full((BATCH, 1), 7)
     x = params["wte"][nxt] + params["wpe"][PROMPT]
     q, k, v = gpt2.qkv(params["h"][0], CONFIG, x)
-    out, cache, shadow, stats = _attend(q, k, v, cache, shadow=shadow)
+    out, cache, shadow, stats, _, _ = _attend(q, k, v, cache, shadow=shadow)
     p = _np_params(params)
     qf, kf, vf = _np_qkv(p["h"][0], np.concatenate([_np_embed(p, tokens),
                                                     _np_embed(p, nxt, PROMPT)], axis=1))
@@ -360,8 +360,8 @@ class StatisticsTest(absltest.TestCase):
     design = _design("poisson_tail")
     caches = caches_lib.init_caches(CONFIG, BATCH, capacity=PROMPT + 1)
     one = jnp.ones(tokens.shape, bool)
-    logits, caches, _ = gpt2.forward(params, CONFIG, tokens, one, caches, design=design,
-                                     certificate=False)
+    logits, caches, _, _ = gpt2.forward(params, CONFIG, tokens, one, caches,
+                                        settings=layer.Settings(design=design, certificate=False))
     nxt = jnp.argmax(logits[:, -1], axis=-1)[:, None]
     p = _np_params(params)
     qf, kf, vf = _np_qkv(p["h"][0], np.concatenate([_np_embed(p, tokens),
@@ -369,9 +369,9 @@ class StatisticsTest(absltest.TestCase):
     calls = [(b, h) for b in range(BATCH) for h in range(CONFIG.n_heads)]
     n_hat, y_hat, errors, radii = [], [], [], []
     for key in jax.random.split(jax.random.PRNGKey(11), N_DRAWS):
-      evicted, _, _ = eviction.evict(design, caches, key)
-      _, step, stats = gpt2.forward(params, CONFIG, nxt, one[:, :1], evicted, design=design,
-                                    observe=False)
+      evicted, _, _, _ = eviction.evict(design, caches, key)
+      _, step, stats, _ = gpt2.forward(params, CONFIG, nxt, one[:, :1], evicted,
+                                       settings=layer.Settings(design=design, observe=False))
       c = _layer0(step)
       radius = np.asarray(certkv_jax.certificate_radius(stats, DELTA))[0, :, :, 0]
       row_n, row_y = [], []

@@ -15,6 +15,7 @@ import pytest
 import certkv_jax
 from certkv_jax import caches as caches_lib
 from certkv_jax import eviction
+from certkv_jax import layer as layer_lib
 from models import decode
 from models import forward
 from models import llama
@@ -37,11 +38,11 @@ class LayerLoopTest(absltest.TestCase):
 
   def _prefilled(self, design):
     caches = caches_lib.init_caches(self.config, 2, 14)
-    logits, caches, _, _ = forward.forward_chunk(self.params, self.config, self.tokens,
-                                                 self.mask, caches, design=design,
-                                                 certificate=False)
+    logits, caches, _, _ = forward.forward_chunk(
+        self.params, self.config, self.tokens, self.mask, caches,
+        settings=layer_lib.Settings(design=design, certificate=False))
     if design is not None:
-      caches, _, _ = eviction.evict(design, caches, jax.random.PRNGKey(1), budget=0.5)
+      caches, _, _, _ = eviction.evict(design, caches, jax.random.PRNGKey(1), budget=0.5)
     return jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None], caches
 
   def test_scan_and_unrolled_agree(self):
@@ -61,8 +62,8 @@ class LayerLoopTest(absltest.TestCase):
       with self.subTest(design=None if design is None else design.name, certificate=cert):
         token, caches = self._prefilled(design)
         step = lambda p, c, loop: forward.forward_chunk(
-            p, self.config, token, one, c, design=design, observe=False, certificate=cert,
-            layer_loop=loop)
+            p, self.config, token, one, c, settings=layer_lib.Settings(
+                design=design, observe=False, certificate=cert), layer_loop=loop)
         want = step(self.params, caches, "scan")
         got = step(per_layer, caches_lib.unstack(caches), "unrolled")
         self.assertLen(got[1], self.config.n_layers)  # the caches stay per layer
@@ -72,8 +73,8 @@ class LayerLoopTest(absltest.TestCase):
         _close(self, got[2], want[2])
         if design is not None:  # eviction per layer: the same draws as stacked
           key = jax.random.PRNGKey(2)
-          new, state, info = eviction.evict(design, got[1], key, budget=0.5)
-          new_want, state_want, info_want = eviction.evict(design, want[1], key, budget=0.5)
+          new, state, info, _ = eviction.evict(design, got[1], key, budget=0.5)
+          new_want, state_want, info_want, _ = eviction.evict(design, want[1], key, budget=0.5)
           _close(self, caches_lib.stack(new), new_want)
           _close(self, (state, info), (state_want, info_want))
 
@@ -96,9 +97,8 @@ class LayerLoopTest(absltest.TestCase):
 
   def test_unrolled_on_stacked_params_and_caches(self):
     token, caches = self._prefilled(None)
-    step = lambda loop: forward.forward_chunk(self.params, self.config, token,
-                                              jnp.ones((2, 1), bool), caches, observe=False,
-                                              layer_loop=loop)
+    step = lambda loop: forward.forward_chunk(self.params, self.config, token, jnp.ones(
+        (2, 1), bool), caches, settings=layer_lib.Settings(observe=False), layer_loop=loop)
     got, want = step("unrolled"), step("scan")
     self.assertEqual(got[1].k.shape, caches.k.shape)  # stacked in, stacked out
     _close(self, got, want)

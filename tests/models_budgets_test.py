@@ -12,6 +12,7 @@ import pytest
 import certkv_jax
 from certkv_jax import cache as cache_lib
 from certkv_jax import budgets
+from certkv_jax import layer as layer_lib
 from models import decode
 from models import hf_loader
 from tests import test_util
@@ -69,9 +70,9 @@ class LayerBudgetsDecodeTest(absltest.TestCase):
 
   def _prefilled(self, design):
     c = self.config
-    _, caches, _, _ = decode.forward_chunk(self.params, c, self.tokens, self.mask,
-                                           decode.init_caches(c, 2, 16), design=design,
-                                           certificate=False)
+    _, caches, _, _ = decode.forward_chunk(
+        self.params, c, self.tokens, self.mask, decode.init_caches(c, 2, 16),
+        settings=layer_lib.Settings(design=design, certificate=False))
     return caches
 
   @pytest.mark.slow  # 55 s cold on the 2-core CI machine (2026-12-01)

@@ -9,6 +9,7 @@ import pytest
 
 import certkv_jax
 from certkv_jax import budgets
+from certkv_jax import layer as layer_lib
 from certkv_jax.certified_attention import Subsample
 from models import decode
 from tests import test_util
@@ -62,9 +63,9 @@ class DecodeTest(absltest.TestCase):
   def test_statistics_folded_per_real_query(self):
     c = self.config
     design = certkv_jax.designs.snapkv(0.5, window=3)
-    _, caches, stats, _ = decode.forward_chunk(self.params, c, self.tokens, self.mask,
-                                            decode.init_caches(c, 2, 20), design=design,
-                                            certificate=False)
+    _, caches, stats, _ = decode.forward_chunk(
+        self.params, c, self.tokens, self.mask, decode.init_caches(c, 2, 20),
+        settings=layer_lib.Settings(design=design, certificate=False))
     self.assertIsNone(stats)
     n_real = np.array([10, 7])[None, :, None]  # [layers, batch, kv heads]
     # Each real query's probabilities sum to one over the slots.
@@ -75,9 +76,9 @@ class DecodeTest(absltest.TestCase):
     self.assertTrue((np.asarray(caches.last[:, 1])[np.asarray(caches.valid[:, 1])] > 0).all())
     # A chunk that is all padding for row 1 (ragged streaming) leaves its statistics alone.
     more = np.stack([np.ones(10, bool), np.zeros(10, bool)])
-    _, after, _, _ = decode.forward_chunk(self.params, c, self.tokens, more, caches,
-                                          design=design,
-                                          certificate=False)
+    _, after, _, _ = decode.forward_chunk(
+        self.params, c, self.tokens, more, caches,
+        settings=layer_lib.Settings(design=design, certificate=False))
     for field in ("acc", "last", "obs", "pos"):
       np.testing.assert_array_equal(getattr(after, field)[:, 1], getattr(caches, field)[:, 1])
     np.testing.assert_allclose(after.acc[:, 0].sum(-1), 20.0, rtol=1e-5)
@@ -141,10 +142,11 @@ class DecodeTest(absltest.TestCase):
   def test_decode_step_donates_the_caches_and_equals_forward_chunk(self):
     caches = decode.init_caches(self.config, 2, 16)
     _, caches, _, _ = decode.forward_chunk(self.params, self.config, self.tokens, self.mask,
-                                           caches, certificate=False)
+                                           caches, settings=layer_lib.Settings(certificate=False))
     token = jnp.asarray([3, 4], jnp.int32)
     want, want_caches, want_stats, _ = decode.forward_chunk(
-        self.params, self.config, token[:, None], jnp.ones((2, 1), bool), caches, observe=False)
+        self.params, self.config, token[:, None], jnp.ones((2, 1), bool), caches,
+        settings=layer_lib.Settings(observe=False))
     logits, got_caches, stats = decode.decode_step(self.params, caches, token,
                                                    config=self.config)
     np.testing.assert_array_equal(logits, want[:, 0])
@@ -172,12 +174,12 @@ class DecodeTest(absltest.TestCase):
     from certkv_jax import eviction  # pylint: disable=g-import-not-at-top
     design = certkv_jax.designs.poisson_tail(
         0.5, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=2))
-    _, caches, _, _ = decode.forward_chunk(self.params, self.config, self.tokens, self.mask,
-                                           decode.init_caches(self.config, 2, 12),
-                                           design=design, certificate=False)
+    _, caches, _, _ = decode.forward_chunk(
+        self.params, self.config, self.tokens, self.mask, decode.init_caches(self.config, 2, 12),
+        settings=layer_lib.Settings(design=design, certificate=False))
     before = eviction._evict_jit._cache_size()  # pylint: disable=protected-access
     for seed in (0, 1):
-      new, _, info = decode.evict(design, caches, jax.random.PRNGKey(seed), budget=0.5)
+      new, _, info, _ = decode.evict(design, caches, jax.random.PRNGKey(seed), budget=0.5)
     self.assertEqual(eviction._evict_jit._cache_size(), before + 1)  # pylint: disable=protected-access
     self.assertTrue((np.asarray(new.n_valid) <= np.asarray(info.target)).all())
     with self.assertRaisesRegex(ValueError, r"budget must be a fraction in \(0, 1\]"):
@@ -269,11 +271,11 @@ class DecodeTest(absltest.TestCase):
     key = jax.random.PRNGKey(1)
     for start in (0, 4, 8):  # chunks of the (10, 7)-token rows
       toks, valid = self.tokens[:, start:start + 4], self.mask[:, start:start + 4]
-      _, caches, _, shadow = decode.forward_chunk(self.params, c, toks, valid, caches,
-                                                  design=design, certificate=False,
-                                                  shadow=shadow)
+      _, caches, _, shadow = decode.forward_chunk(
+          self.params, c, toks, valid, caches,
+          settings=layer_lib.Settings(design=design, certificate=False), shadow=shadow)
       key, sub = jax.random.split(key)
-      caches, shadow, _ = decode.evict_and_record(design, caches, shadow, sub)
+      caches, _, _, shadow = decode.evict_and_record(design, caches, shadow, sub)
     pos, valid = np.asarray(caches.pos), np.asarray(caches.valid)
     record = np.asarray(shadow.log_pi)
     np.testing.assert_array_equal(np.asarray(shadow.pos)[..., :7],
@@ -392,14 +394,14 @@ class DecodeTest(absltest.TestCase):
       call(certificate_heads=(0, 0))
     with self.assertRaisesRegex(ValueError, "certificate_layers must be"):
       call(certificate_layers=())
-    # forward_chunk takes a subsample as certificate=Subsample(...), which
+    # forward_chunk takes a subsample as Settings(certificate=Subsample(...)), which
     # certifies; the check itself still refuses heads without the certificate.
     with self.assertRaisesRegex(ValueError, "certificate_heads needs certificate=True"):
       decode.check_certificate_subsample(self.config, False, None, (0,))
     with self.assertRaisesRegex(ValueError, r"certificate_layers must be .* in \[0, 2\).*5"):
       decode.forward_chunk(self.params, self.config, self.tokens, self.mask,
                            decode.init_caches(self.config, 2, 16),
-                           certificate=Subsample(layers=(5,)))
+                           settings=layer_lib.Settings(certificate=Subsample(layers=(5,))))
 
 if __name__ == "__main__":
   absltest.main()

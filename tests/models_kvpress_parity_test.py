@@ -127,6 +127,7 @@ from certkv_jax import allocation
 from certkv_jax import designs
 from certkv_jax import eviction
 from certkv_jax import keydiff
+from certkv_jax import layer as layer_lib
 from certkv_jax import registry
 from certkv_jax import scores
 from models import decode
@@ -252,8 +253,8 @@ def _prefill_cached(window):
   # design.update (what folds the statistics) is EvictionDesign's own, the same
   # for every design here; any of them gives the same caches.
   _, caches, _, _ = decode.forward_chunk(
-      params, config, tokens, jnp.ones(tokens.shape, bool), caches,
-      design=designs.snapkv(0.5, window=window, pool_size=SNAPKV_KERNEL), certificate=False)
+      params, config, tokens, jnp.ones(tokens.shape, bool), caches, settings=layer_lib.Settings(
+          design=designs.snapkv(0.5, window=window, pool_size=SNAPKV_KERNEL), certificate=False))
   return caches, ref, meta
 
 
@@ -279,7 +280,7 @@ def _adakv_kept():
     for case, (name, alpha) in ADAKV_CASES.items():
       design, transform = _kvpress_configured(name, 1 - RATIOS[0])
       c = transform(rows)
-      _, _, info = eviction.evict(design, c, jax.random.PRNGKey(0), budget=budget,
+      _, _, info, _ = eviction.evict(design, c, jax.random.PRNGKey(0), budget=budget,
                                   allocation=allocation.AdaKV(alpha_safeguard=alpha))
       # kept slots -> kept positions (slot = position after the prefill)
       mask = jax.vmap(jax.vmap(jax.vmap(
@@ -292,7 +293,7 @@ def _adakv_kept():
 
 def _kept_positions(design, caches):
   """[layers][kv_heads] sorted kept positions (batch row 0)."""
-  _, _, info = _evict(design, caches)
+  _, _, info, _ = _evict(design, caches)
   kept = np.asarray(info.kept)[:, 0]
   pos = np.asarray(caches.pos)[:, 0]
   return [[np.sort(pos[l, h][kept[l, h]]) for h in range(kept.shape[1])]
@@ -542,7 +543,7 @@ class KvpressParityTest(parameterized.TestCase):
     self.assertTrue((w.max(-1) - w.min(-1) <= TIE_RTOL * np.abs(w).max(-1)).all())
     design = designs.snapkv(0.25)  # window 64, pool 5: kvpress's defaults
     self.assertEqual(design.certain.window, SNAPKV_DEFAULT_WINDOW)
-    _, state, info = _evict(design, caches)
+    _, state, info, _ = _evict(design, caches)
     self.assertTrue((np.asarray(info.target) == 32).all())
     np.testing.assert_array_equal(state.n_over_budget, 1)  # counted as over budget
     self.assertTrue((np.asarray(info.certain).sum(-1) == SNAPKV_DEFAULT_WINDOW).all())

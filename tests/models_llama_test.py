@@ -255,7 +255,7 @@ class LlamaTest(parameterized.TestCase):
         n_seen=jnp.asarray(valid.sum(-1), jnp.int32))
     design = certkv_jax.designs.snapkv(6, window=2, pool_size=3, n_sink=1)
     out = decode.evict(design, caches, jax.random.PRNGKey(0))
-    new, info = out[0], out[-1]  # (caches, [state,] info)
+    new, info = out.caches, out.info
     evicted = np.asarray(info.evicted)
     kept = np.asarray(new.valid)
     # Row 0 has 12 real tokens, row 1 has 9: 6 and 3 evicted in every cache.

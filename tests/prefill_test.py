@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from certkv_jax import caches as caches_lib
+from certkv_jax import layer as layer_lib
 from certkv_jax import registry
 from models import forward
 from models import prefill as prefill_lib
@@ -39,8 +40,9 @@ def _prompt(config, lengths, n):
 
 def _one_shot(params, config, tokens, mask, capacity, design):
   caches = caches_lib.init_caches(config, tokens.shape[0], capacity)
-  logits, caches, _, _ = forward.forward_chunk(params, config, tokens, mask, caches,
-                                               design=design, certificate=False)
+  logits, caches, _, _ = forward.forward_chunk(
+      params, config, tokens, mask, caches,
+      settings=layer_lib.Settings(design=design, certificate=False))
   last = jnp.sum(mask, axis=1) - 1
   return logits[jnp.arange(tokens.shape[0]), last], caches
 
@@ -89,8 +91,9 @@ class PrefillTest(parameterized.TestCase):
     v = jnp.pad(mask, ((0, 0), (0, pad))).reshape(2, 3, chunk)
     caches = caches_lib.init_caches(self.config, 2, n)
     for i in range(3):
-      _, caches, _, _ = forward.forward_chunk(self.params, self.config, t[:, i], v[:, i],
-                                              caches, design=design, certificate=False)
+      _, caches, _, _ = forward.forward_chunk(
+          self.params, self.config, t[:, i], v[:, i], caches,
+          settings=layer_lib.Settings(design=design, certificate=False))
     _, ref = _one_shot(self.params, self.config, tokens, mask, n, design)
     self.assertFalse(np.allclose(caches.obs[:, 0], ref.obs[:, 0], rtol=RTOL, atol=ATOL))
 

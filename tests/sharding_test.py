@@ -280,10 +280,10 @@ class ShardedChildTest(parameterized.TestCase):
     caches = _random_caches(0)
     key = jax.random.PRNGKey(5)
     evict = jax.jit(decode.evict, static_argnums=0)
-    want_c, want_s, want_i = evict(design, caches, key)
+    want_c, want_s, want_i, _ = evict(design, caches, key)
     sharded = distributed.shard_caches(caches, mesh)
     with jax.set_mesh(mesh):
-      got_c, got_s, got_i = evict(design, sharded, key)
+      got_c, got_s, got_i, _ = evict(design, sharded, key)
     self.assertTrue(bool(jnp.any(want_i.evicted)))
     for name, a, b in zip(want_c._fields + want_s._fields + want_i._fields,
                           tuple(got_c) + tuple(got_s) + tuple(got_i),

@@ -21,6 +21,7 @@ import pytest
 
 from certkv_jax import cache as cache_lib
 from certkv_jax import designs
+from certkv_jax import layer as layer_lib
 from certkv_jax import registry
 from certkv_jax import sampling
 from models import decode
@@ -222,8 +223,9 @@ class DecodeStepSortsTest(absltest.TestCase):
     def count(design):
       def step(params, caches, tok, key):
         valid = jnp.ones(tok.shape, bool)
-        _, c, stats, _ = decode.forward_chunk(params, config, tok, valid, caches, design=design,
-                                              observe=False)
+        _, c, stats, _ = decode.forward_chunk(
+            params, config, tok, valid, caches,
+            settings=layer_lib.Settings(design=design, observe=False))
         return decode.evict(design, c, key)[0], stats
       hlo = jax.jit(step).lower(params, caches, tok, jax.random.PRNGKey(0)).compile().as_text()
       return len(re.findall(r"\bsort\(", hlo))

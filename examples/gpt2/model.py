@@ -101,9 +101,9 @@ def qkv(block: dict, config: GPT2Config, x):
   return heads(q), heads(k), heads(v)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "design", "observe", "certificate"))
-def forward(params, config: GPT2Config, tokens, valid, caches, *, design=None,
-            observe: bool = True, certificate: bool = True):
+@functools.partial(jax.jit, static_argnames=("config", "settings"))
+def forward(params, config: GPT2Config, tokens, valid, caches, *,
+            settings: layer.Settings = layer.Settings(), shadow=None):
   """A chunk of new tokens (a prompt, or one decode step) through the model and caches.
 
   Args:
@@ -113,16 +113,17 @@ def forward(params, config: GPT2Config, tokens, valid, caches, *, design=None,
     valid: [b, t] bool, False on right padding.
     caches: ``certkv_jax.caches.init_caches(config, b, capacity)`` or the
       caches of the previous call, leaves ``[n_layers, b, n_heads, cap, ...]``.
-      They must have room for the chunk: evict before appending (under
-      ``jit`` tokens that find no free slot are dropped and counted in
-      ``n_dropped``). Positions beyond ``n_positions`` are not checked.
-    design: the eviction design whose slot statistics are folded, or None.
-    observe: the chunk is a prompt (its last queries are the observation
-      window of a SnapKV-like design); decode steps pass False.
-    certificate: compute the certificate statistics.
+      They must have room for the chunk: evict before appending (under ``jit``
+      a token that finds no free slot is dropped and counted in each layer's
+      ``overflow``; ``settings.checked`` raises through ``checkify``).
+      Positions beyond ``n_positions`` are not checked.
+    settings: ``certkv_jax.layer.Settings``: the design whose slot statistics
+      are folded, ``observe`` (False on decode steps), the certificate.
+    shadow: evaluation mode: ``layer.shadow_caches(config, b, n_tokens)``,
+      never evicted; the statistics then hold the true error.
 
   Returns:
-    ``(logits [b, t, vocab] float32, caches, stats)``: ``stats`` a
+    ``(logits [b, t, vocab] float32, caches, stats, shadow)``: ``stats`` a
     ``ChunkStats`` whose fields are ``[n_layers, b, n_heads, t]`` (None
     without the certificate).
   """
@@ -132,19 +133,19 @@ def forward(params, config: GPT2Config, tokens, valid, caches, *, design=None,
   per_layer = []
   for i, block in enumerate(params["h"]):
     q, k, v = qkv(block, config, x)
-    out, cache, _, stats = layer.attend(q, k, v, caches_lib.layer(caches, i), valid=valid,
-                                        design=design, observe=observe,
-                                        certificate=certificate)
-    caches = caches_lib.with_layer(caches, i, cache)
-    per_layer.append(stats)
-    x = x + linear(block["attn"]["c_proj"], out.reshape(b, t, config.hidden))
+    res = layer.attend(q, k, v, caches_lib.layer(caches, i), valid=valid,
+                       shadow=None if shadow is None else caches_lib.layer(shadow, i),
+                       settings=settings)
+    caches = caches_lib.with_layer(caches, i, res.cache)
+    if shadow is not None:
+      shadow = caches_lib.with_layer(shadow, i, res.shadow)
+    per_layer.append(res.stats)
+    x = x + linear(block["attn"]["c_proj"], res.out.reshape(b, t, config.hidden))
     hid = jax.nn.gelu(linear(block["mlp"]["c_fc"], layer_norm(block["ln_2"], x)),
                       approximate=True)  # GPT-2's tanh approximation
     x = x + linear(block["mlp"]["c_proj"], hid)
   logits = layer_norm(params["ln_f"], x) @ params["wte"].T
-  stats = None if not certificate else jax.tree_util.tree_map(lambda *a: jnp.stack(a),
-                                                               *per_layer)
-  return logits, caches, stats
+  return logits, caches, layer.stack_stats(per_layer), shadow
 
 
 def generate(params, config: GPT2Config, tokens, key, *, design, n_steps: int, capacity: int):
@@ -168,15 +169,15 @@ def generate(params, config: GPT2Config, tokens, key, *, design, n_steps: int, c
                      f"n_positions={config.n_positions}")
   caches = caches_lib.init_caches(config, tokens.shape[0], capacity)
   one = jnp.ones(tokens.shape, bool)
-  logits, caches, _ = forward(params, config, tokens, one, caches, design=design,
-                              certificate=False)  # no radius for the prompt
-  caches, state, _ = eviction.evict(design, caches, key)
+  logits, caches, _, _ = forward(params, config, tokens, one, caches,
+                                 settings=layer.Settings(design, certificate=False))  # no radius
+  evicted = eviction.evict(design, caches, key)
   new, radii = [], []
   for step in range(n_steps):
     new.append(jnp.argmax(logits[:, -1], axis=-1)[:, None])
-    logits, caches, stats = forward(params, config, new[-1], one[:, :1], caches,
-                                    design=design, observe=False)
-    caches, state, _ = eviction.evict(design, caches, jax.random.fold_in(key, step + 1),
-                                      state=state)
+    logits, caches, stats, _ = forward(params, config, new[-1], one[:, :1], evicted.caches,
+                                       settings=layer.Settings(design, observe=False))
+    evicted = eviction.evict(design, caches, jax.random.fold_in(key, step + 1),
+                             state=evicted.state)
     radii.append(certkv_jax.certificate_radius(stats, 0.05)[..., 0])
   return jnp.concatenate(new, axis=1), jnp.stack(radii)

@@ -51,6 +51,7 @@ from certkv_jax import caches as caches_lib
 from certkv_jax import certificate
 from certkv_jax import diagnostics
 from certkv_jax import eviction
+from certkv_jax import layer as layer_lib
 from experiments.lib import design_defaults
 from experiments.lib import results_io
 from experiments.lib.suite import rows as suite_rows
@@ -214,10 +215,10 @@ def run_one(params, config, tok, examples, plan: Plan, design_name: str, budget:
       shadow = caches_lib.init_caches(config, batch, prompt.shape[1] + N_STEPS)
       logits, caches, _, shadow = forward.forward_chunk(
           p, config, prompt, p_mask, caches_lib.init_caches(config, batch, capacity),
-          design=design, certificate=False, shadow=shadow)
+          settings=layer_lib.Settings(design=design, certificate=False), shadow=shadow)
       state = None
       if design is not None:
-        caches, shadow, state = eviction.evict_and_record(
+        caches, state, _, shadow = eviction.evict_and_record(
             design, caches, shadow, jax.random.split(k)[1], budget=b)
       return suite_rows.last_logits(logits, p_mask), caches, shadow, state
     n_prompt = int(p_mask.sum())
@@ -242,12 +243,12 @@ def run_one(params, config, tok, examples, plan: Plan, design_name: str, budget:
 
       def feed(carry, xs):
         caches, shadow, state, k = carry
-        _, caches, _, shadow = forward.forward_chunk(p, config, xs[0], xs[1], caches,
-                                                     design=design, certificate=False,
-                                                     shadow=shadow)
+        _, caches, _, shadow = forward.forward_chunk(
+            p, config, xs[0], xs[1], caches,
+            settings=layer_lib.Settings(design=design, certificate=False), shadow=shadow)
         k, sub = jax.random.split(k)
         if design is not None:
-          caches, shadow, state = eviction.evict_and_record(design, caches, shadow, sub,
+          caches, state, _, shadow = eviction.evict_and_record(design, caches, shadow, sub,
                                                             state=state, budget=b)
         return (caches, shadow, state, k), None
       caches = caches_lib.init_caches(config, batch, capacity)
@@ -256,7 +257,8 @@ def run_one(params, config, tok, examples, plan: Plan, design_name: str, budget:
       (caches, shadow, state, k), _ = jax.lax.scan(
           feed, (caches, shadow, state, k), (as_chunks(ctx), as_chunks(ctx_mask)))
       logits, caches, _, shadow = forward.forward_chunk(
-          p, config, qst, q_mask, caches, design=design, certificate=False, shadow=shadow)
+          p, config, qst, q_mask, caches,
+          settings=layer_lib.Settings(design=design, certificate=False), shadow=shadow)
       return suite_rows.last_logits(logits, q_mask), caches, shadow, state
     n_prompt = int(ctx_mask.sum() + q_mask.sum())
     full_tokens = n_chunks * chunk + qst.shape[1] + N_STEPS

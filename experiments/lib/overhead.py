@@ -70,6 +70,7 @@ from certkv_jax import caches as caches_lib
 from certkv_jax import certificate
 from certkv_jax import certified_attention
 from certkv_jax import eviction
+from certkv_jax import layer as layer_lib
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib import plots
@@ -183,7 +184,7 @@ def run_overhead(params, config, examples, out_dir: str, plan: Plan, *,
   def prefill(p):
     logits, caches, _, _ = forward.forward_chunk(
         p, config, prompt, mask, caches_lib.init_caches(config, batch, full_cap),
-        certificate=False)
+        settings=layer_lib.Settings(certificate=False))
     return suite_rows.last_logits(logits, mask), caches
 
   first, full_caches = prefill(params)
@@ -197,7 +198,7 @@ def run_overhead(params, config, examples, out_dir: str, plan: Plan, *,
     cert_layers, cert_heads, cert_frac = timed.subsample(config)
     caches = full_caches
     if design is not None:
-      caches, _, _ = eviction.evict(design, full_caches, jax.random.PRNGKey(seed))
+      caches, _, _, _ = eviction.evict(design, full_caches, jax.random.PRNGKey(seed))
       # What a deployment allocates after eviction: the kept tokens, compacted
       # to the front, plus the decoded ones (no prefill in this cache).
       small_cap = budgets.capacity(design, lengths, compacted=True)
@@ -211,8 +212,8 @@ def run_overhead(params, config, examples, out_dir: str, plan: Plan, *,
         caches, logits = carry
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         new_logits, caches, st, _ = forward.forward_chunk(
-            p, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
-            certificate=certify)
+            p, config, token[:, None], jnp.ones((batch, 1), bool), caches,
+            settings=layer_lib.Settings(design=design, certificate=certify))
         # Horvitz-Thompson: the computed radii (NaN elsewhere) over the fraction computed.
         score = (jnp.nansum(certificate.radius_from_stats(st.var_hat, st.range_hat, 0.05))
                  / frac if with_cert else jnp.float32(0.0))

@@ -38,6 +38,7 @@ from certkv_jax import budgets
 from certkv_jax import caches as caches_lib
 from certkv_jax import certificate
 from certkv_jax import eviction
+from certkv_jax import layer as layer_lib
 from certkv_jax import registry
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
@@ -120,12 +121,12 @@ def run_theorem1(params, config, examples, out_dir: str, plan: Plan, *,
       shadow = caches_lib.init_caches(config, batch, plen + n_steps)
       logits, caches, _, shadow = forward.forward_chunk(
           p, config, prompt, mask, caches_lib.init_caches(config, batch, capacity),
-          design=design, certificate=False, shadow=shadow)
+          settings=layer_lib.Settings(design=design, certificate=False), shadow=shadow)
       return suite_rows.last_logits(logits, mask), caches, shadow
 
     @jax.jit
     def evict(caches, shadow, key):
-      new, _, info = eviction.evict(design, caches, key, budget=jnp.float32(budget))
+      new, _, info, _ = eviction.evict(design, caches, key, budget=jnp.float32(budget))
       return new, eviction.record_inclusion(shadow, caches, info), info.evicted
 
     @jax.jit

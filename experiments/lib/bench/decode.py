@@ -29,6 +29,7 @@ import numpy as np
 from certkv_jax import cache as cache_lib
 from certkv_jax import caches as caches_lib
 from certkv_jax import eviction
+from certkv_jax import layer as layer_lib
 from certkv_jax import registry
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
@@ -169,8 +170,9 @@ def _step_fn(config, design, certificate: bool, every: int = 1, steps: int = 1,
     key, _ = jax.random.split(key)  # the step's key (its eviction's, in period)
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     new_logits, caches, stats, _ = forward.forward_chunk(
-        params, config, token[:, None], jnp.ones((batch, 1), bool), caches, design=design,
-        observe=False, certificate=certificate, layer_loop=layer_loop)
+        params, config, token[:, None], jnp.ones((batch, 1), bool), caches,
+        settings=layer_lib.Settings(design=design, observe=False,
+                                    certificate=certificate), layer_loop=layer_loop)
     out = () if stats is None else (stats.var_hat, stats.range_hat)  # kept: not dead code
     return (caches, new_logits[:, 0], key), out
 
@@ -180,7 +182,7 @@ def _step_fn(config, design, certificate: bool, every: int = 1, steps: int = 1,
     # again in it.
     if design is not None:
       caches, logits, key = carry
-      caches, _, _ = eviction.evict(design, caches, jax.random.split(key)[1], budget=budget)
+      caches, _, _, _ = eviction.evict(design, caches, jax.random.split(key)[1], budget=budget)
       carry = (caches, logits, key)
     if every == 1:
       return one(params, carry, budget)
@@ -213,8 +215,9 @@ def _prefill_fn(config, design, capacity: int):
   def prefill(params, tokens, mask):
     caches = caches_lib.init_caches(config, tokens.shape[0], capacity,
                                     precision.cache_dtype(config))
-    logits, caches, _, _ = forward.forward_chunk(params, config, tokens, mask, caches,
-                                                 design=design, certificate=False)
+    logits, caches, _, _ = forward.forward_chunk(
+        params, config, tokens, mask, caches,
+        settings=layer_lib.Settings(design=design, certificate=False))
     return logits[:, -1], caches
   return jax.jit(prefill)
 
@@ -285,7 +288,7 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
     (d_logits, d_caches), first = _timed_call(prefill, params, tokens, mask)
     say(f"  first call {first:.1f} s: prefill {name}")
     for b in plan.budgets:
-      evicted, _, _ = eviction.evict(design, d_caches, jax.random.fold_in(key, 7), budget=b)
+      evicted, _, _, _ = eviction.evict(design, d_caches, jax.random.fold_in(key, 7), budget=b)
       kept = int(jnp.max(evicted.valid.sum(-1)))
       for every in plan.evict_every:
         caches = evicted

@@ -167,6 +167,7 @@ def _prefill_fn(mode: str, config, context: int, chunk: Optional[int]):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from certkv_jax import caches as caches_lib  # pylint: disable=g-import-not-at-top
+  from certkv_jax import layer as layer_lib  # pylint: disable=g-import-not-at-top
   from models import forward  # pylint: disable=g-import-not-at-top
   from models import prefill  # pylint: disable=g-import-not-at-top
   if mode != ONESHOT:
@@ -176,7 +177,7 @@ def _prefill_fn(mode: str, config, context: int, chunk: Optional[int]):
   def oneshot(params, tokens, mask):  # as models.decode.generate prefills
     caches = caches_lib.init_caches(config, tokens.shape[0], context)
     logits, caches, _, _ = forward.forward_chunk(params, config, tokens, mask, caches,
-                                                 certificate=False)
+                                                 settings=layer_lib.Settings(certificate=False))
     last = jnp.sum(mask, axis=1) - 1
     return logits[jnp.arange(tokens.shape[0]), last], caches
   return jax.jit(oneshot)

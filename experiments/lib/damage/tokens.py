@@ -26,6 +26,7 @@ from certkv_jax import budgets
 from certkv_jax import caches as caches_lib
 from certkv_jax import certificate
 from certkv_jax import eviction
+from certkv_jax import layer as layer_lib
 from certkv_jax.certified_attention import SIGNAL_FIELDS
 from experiments.lib.streaming_loss.core import StreamConfig
 from experiments.lib.streaming_loss.core import chunked_targets
@@ -56,11 +57,12 @@ def _token_damage(params, tokens, mask, key, budget, *, config,
   def step(carry, x):
     caches, full, shadow, state, key = carry
     toks, valid, tgt, sc = x
-    f_logits, full, _, _ = forward.forward_chunk(params, config, toks, valid, full,
-                                                 design=None, certificate=False)
-    logits, caches, st, shadow = forward.forward_chunk(params, config, toks, valid, caches,
-                                                       design=design, certificate=True,
-                                                       shadow=shadow)
+    f_logits, full, _, _ = forward.forward_chunk(
+        params, config, toks, valid, full,
+        settings=layer_lib.Settings(design=None, certificate=False))
+    logits, caches, st, shadow = forward.forward_chunk(
+        params, config, toks, valid, caches,
+        settings=layer_lib.Settings(design=design, certificate=True), shadow=shadow)
     lf = jax.nn.log_softmax(f_logits.astype(jnp.float32), axis=-1)
     le = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     kl = jnp.sum(jnp.exp(lf) * (lf - le), axis=-1)
@@ -73,7 +75,7 @@ def _token_damage(params, tokens, mask, key, budget, *, config,
     r = certificate.radius_from_stats(st.var_hat, st.range_hat, delta)
     sig = {k: jnp.mean(per_call(getattr(st, k)), axis=-1) for k in SIGNAL_FIELDS}
     key, sub = jax.random.split(key)
-    caches, shadow, state = eviction.evict_and_record(design, caches, shadow, sub, state=state,
+    caches, state, _, shadow = eviction.evict_and_record(design, caches, shadow, sub, state=state,
                                                       budget=budget)
     return (caches, full, shadow, state, key), (zero(kl), zero(dnll), zero(ent), per_call(r),
                                                 per_call(st.true_error), sig)

@@ -53,6 +53,7 @@ import numpy as np
 from certkv_jax import calibration
 from certkv_jax import certificate
 from certkv_jax import eviction
+from certkv_jax import layer as layer_lib
 from certkv_jax import memory
 from certkv_jax.caches import init_caches
 from experiments.lib import design_defaults
@@ -198,8 +199,9 @@ def prefill(params, tokens, mask, *, config, design, capacity: int):
   """The prompt through empty caches of ``capacity`` slots, ``design``'s statistics
   folded: ``(last logits [batch, vocab], caches)``."""
   caches = init_caches(config, tokens.shape[0], capacity, precision.cache_dtype(config))
-  logits, caches, _, _ = forward_chunk(params, config, tokens, mask, caches, design=design,
-                                       certificate=False)
+  logits, caches, _, _ = forward_chunk(
+      params, config, tokens, mask, caches,
+      settings=layer_lib.Settings(design=design, certificate=False))
   return suite_rows.last_logits(logits, mask), caches
 
 
@@ -210,8 +212,8 @@ def answer(params, carry: decode.DecodeCarry, first_logits, question, question_m
   (caches, shadow, no design state, key) and decodes greedily
   (``models.decode.decode_from``; ``gen.design`` None: decoding evicts nothing)."""
   if question is not None:
-    logits, caches, _, shadow = forward_chunk(params, config, question, question_mask,
-                                              carry.caches, certificate=False,
+    logits, caches, _, shadow = forward_chunk(params, config, question, question_mask, carry.caches,
+                                              settings=layer_lib.Settings(certificate=False),
                                               shadow=carry.shadow)
     carry = carry._replace(caches=caches, shadow=shadow)
     first_logits = suite_rows.last_logits(logits, question_mask)
@@ -283,7 +285,7 @@ def run_design(params, config, batch: _Batch, name: str, ratios, key, plan: Plan
   caches, logits = _repeat(caches, len(ratios)), jnp.repeat(logits, len(ratios), axis=0)
   shadow = caches if randomized else None
   if design is not None:
-    caches, shadow, _ = eviction.evict_and_record(
+    caches, _, _, shadow = eviction.evict_and_record(
         design, caches, shadow, sub, budget=budget,
         **allocation_args(params, config, allocation))
   kept = np.asarray(jnp.mean(jnp.sum(caches.valid, axis=-1) / caches.n_seen, axis=(0, 2)))

@@ -53,6 +53,7 @@ from certkv_jax import budgets
 from certkv_jax import caches as caches_lib
 from certkv_jax import certificate
 from certkv_jax import eviction
+from certkv_jax import layer as layer_lib
 from experiments.lib import stats
 from experiments.lib.suite import settings as suite_settings
 from models import forward
@@ -184,8 +185,8 @@ def _streaming_nll(params, tokens, mask, key, budget, *, config,
     # design.observation_window queries replace its statistic: the window before
     # this eviction, not every earlier chunk's (models.forward.forward_chunk).
     logits, caches, st, shadow = forward.forward_chunk(
-        params, config, toks, valid, caches, design=design, certificate=with_cert,
-        shadow=shadow)
+        params, config, toks, valid, caches,
+        settings=layer_lib.Settings(design=design, certificate=with_cert), shadow=shadow)
     logp = jax.nn.log_softmax(logits, axis=-1)
     lp = jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
     lp = jnp.where(sc, lp, 0.0)
@@ -200,7 +201,7 @@ def _streaming_nll(params, tokens, mask, key, budget, *, config,
       r = jnp.zeros(lp.shape, jnp.float32)
     if design is not None:
       key, sub = jax.random.split(key)
-      caches, shadow, _ = eviction.evict_and_record(design, caches, shadow, sub, budget=budget,
+      caches, _, _, shadow = eviction.evict_and_record(design, caches, shadow, sub, budget=budget,
                                                     **per_head)
     kept = jnp.mean(jnp.sum(caches.valid, axis=-1).astype(jnp.float32), axis=(0, 2))  # [b]
     return (caches, shadow, key), (lp, r, kept, calls)
