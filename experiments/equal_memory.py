@@ -108,12 +108,8 @@ def main(argv):
       if not str(err).startswith("--"):
         raise
       sys.exit(f"experiments.equal_memory: {err}")
-  summary = report.write(rows, FLAGS.out, plan, n_kv_heads=config.n_kv_heads)
-  if summary is None:
-    print("rows incomplete; rerun to finish (no report yet)")
-  else:
-    print(summary["md"])
-  print(f"wall time {time.time() - t0:.0f}s")
+  results_io.print_summary(report.write(rows, FLAGS.out, plan, n_kv_heads=config.n_kv_heads),
+                           t0)
 
 
 if __name__ == "__main__":

@@ -98,11 +98,7 @@ def main(argv):
   else:
     rows = experiment.run(params, config, tok, FLAGS.out, plan, model=name)
   summary = report.write(rows, FLAGS.out, plan, n_kv_heads=config.n_kv_heads, model=name)
-  if summary is None:
-    print("rows incomplete; rerun to finish (no report yet)")
-  else:
-    print(summary["md"])
-  print(f"wall time {time.time() - t0:.0f}s")
+  results_io.print_summary(summary, t0)
 
 
 if __name__ == "__main__":

@@ -178,19 +178,11 @@ def load_ruler(path: str, tokenizer, *, max_examples: Optional[int] = None,
                max_context_tokens: Optional[int] = None, truncate: Optional[str] = None,
                metric: str = "all", question_sep: str = "\n",
                use_chat: bool = True) -> list[Example]:
-  """RULER-style JSONL as examples (see the module docstring).
+  """RULER-style JSONL as examples (see the module docstring), task ``"ruler"``.
 
-  Args:
-    path: the JSONL file.
-    tokenizer: see :mod:`experiments.lib.tasks`.
-    max_examples: read at most this many records (None: all).
-    max_context_tokens: the longest ``context_ids`` allowed (None: no limit).
-    truncate: None (an over-long context is an error) or ``"middle"``.
-    metric: ``"all"`` (string_match_all) or ``"part"`` (string_match_part).
-    question_sep: where an ``input``-only record is split (its last occurrence).
-    use_chat: wrap the prompt in the tokenizer's chat template, if it has one.
-
-  The examples' task is ``"ruler"``.
+  The arguments are :func:`load_longbench`'s, and ``metric``: ``"all"``
+  (string_match_all) or ``"part"`` (string_match_part); ``question_sep``: where
+  an ``input``-only record is split (its last occurrence).
   """
   _check_options(max_context_tokens, truncate)
   if metric not in ("all", "part"):

@@ -108,3 +108,12 @@ def quiet_library_logs(flag_values) -> None:
   absl_logging.set_verbosity(absl_logging.WARNING)
   for name in ("jax", "orbax", "absl"):
     logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def print_summary(summary, t0: float) -> None:
+  """A study's last lines: its report (or that rows are missing) and the wall time."""
+  if summary is None:
+    print("rows incomplete; rerun to finish (no report yet)")
+  else:
+    print(summary["md"])
+  print(f"wall time {time.time() - t0:.0f}s")
