@@ -178,7 +178,7 @@ def _example_scores(rows, design, ratio, tasks) -> dict:
 
 
 def paired_scores(rows, plan, ran, tasks, *, seed: int = 0) -> dict:
-  """Per ratio: each design's score with a 95% interval (``score_ci``), the best
+  """Per ratio: each design's score with a 95% interval (``score``), the best
   deterministic design with uniform budgets (``best_deterministic``) and every
   design's score minus that design's on the same examples
   (``paired_vs_best_deterministic``), and each certified twin
@@ -186,7 +186,7 @@ def paired_scores(rows, plan, ran, tasks, *, seed: int = 0) -> dict:
   by that design; ``"twin"`` names the twin), in points. Intervals: percentile
   bootstrap over examples, resampled within each task (the average weighs tasks
   alike); ``n`` counts the examples."""
-  out = {"score_ci": {}, "best_deterministic": {}, "paired_vs_best_deterministic": {},
+  out = {"score": {}, "best_deterministic": {}, "paired_vs_best_deterministic": {},
          "paired_twin": {}}
   uniform_det = [d for d in ran if d != design_defaults.FULL and not experiment.is_randomized(d)
                  and variants.parse_variant(d)[1] == "uniform"]
@@ -197,7 +197,7 @@ def paired_scores(rows, plan, ran, tasks, *, seed: int = 0) -> dict:
     vec = {d: 100.0 * np.array([per[d][k] for k in keys]) for d in ran}
     for d in ran:
       iv = stats.bootstrap_ci(np.mean, vec[d], n_boot=N_BOOT, seed=seed, strata=strata)
-      out["score_ci"].setdefault(d, {})[_key(ratio)] = {"value": float(iv.estimate),
+      out["score"].setdefault(d, {})[_key(ratio)] = {"value": float(iv.estimate),
                                                         "ci": [float(iv.lo), float(iv.hi)],
                                                         "n": len(keys)}
     for d in ran:
@@ -256,8 +256,6 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, *, n_kv_heads: int = 3,
           by_task = {t: round(100.0 * float(np.mean([r["score"] for r in at if r["task"] == t])),
                               2) for t in tasks}
           cell["score_by_task"].setdefault(d, {})[_key(ratio)] = by_task
-          cell["score"].setdefault(d, {})[_key(ratio)] = round(float(np.mean(list(
-              by_task.values()))), 2)
           if experiment.is_randomized(d) and plan.coverage:
             cell["coverage"].setdefault(d, {})[_key(ratio)] = coverage_cell(
                 out_dir, plan, Cell(c, regime, d, ratio), at, n_kv_heads=n_kv_heads,
@@ -271,7 +269,7 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, *, n_kv_heads: int = 3,
       md += _markdown(cell, c, regime, tasks, plan)
   first = out["cells"][f"{plan.context_lens[0]}/{plan.regimes[0]}"]
   out["headline"] = {"context_len": plan.context_lens[0], "regime": plan.regimes[0]}
-  for k in ("score", "score_by_task", "n_examples", "not_run", "score_ci",
+  for k in ("score", "score_by_task", "n_examples", "not_run",
             "best_deterministic", "paired_vs_best_deterministic", "paired_twin"):
     out[k] = first[k]
   out["md"] = "\n".join(md)
@@ -280,6 +278,11 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, *, n_kv_heads: int = 3,
 
 def _fmt(x, spec=".3f") -> str:
   return "-" if x is None else f"{x:{spec}}"
+
+
+def _fmt_ci(v, spec=".1f") -> str:
+  """``{value, ci}`` as ``value [lo, hi]``; "-" for None."""
+  return "-" if v is None else f"{v['value']:{spec}} [{v['ci'][0]:{spec}}, {v['ci'][1]:{spec}}]"
 
 
 _RATIO_TEXT = {
@@ -304,14 +307,9 @@ def _markdown(cell, c, regime, tasks, plan) -> list[str]:
            f"by compression ratio (the share of the {removed} removed):", "",
            "| design | " + " | ".join(str(r) for r in plan.ratios) + " | s/row |",
            "|---" * (len(plan.ratios) + 2) + "|"]
-  full = cell["score"].get(design_defaults.FULL, {}).get(_key(experiment.FULL_RATIO))
   for d, per in cell["score"].items():
-    if d == design_defaults.FULL:
-      vals = [_fmt(full, ".1f")] * len(plan.ratios)
-      name = "full (reference)"
-    else:
-      vals = [_fmt(per.get(_key(r)), ".1f") for r in plan.ratios]
-      name = d
+    vals = [_fmt_ci(per.get(_key(r))) for r in plan.ratios]
+    name = "full (reference)" if d == design_defaults.FULL else d
     lines.append(f"| {name} | " + " | ".join(vals) +
                  f" | {cell['seconds_per_row'][d]:.2f} |")
   if cell.get("best_deterministic"):
@@ -327,8 +325,7 @@ def _markdown(cell, c, regime, tasks, plan) -> list[str]:
       for r in plan.ratios:
         v = per.get(_key(r))
         bold = "**" if cell["best_deterministic"].get(_key(r)) == d else ""
-        vals.append("-" if v is None else
-                    f"{bold}{v['value']:+.1f} [{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}]{bold}")
+        vals.append("-" if v is None else f"{bold}{_fmt_ci(v, '+.1f')}{bold}")
       lines.append(f"| {d} | " + " | ".join(vals) + " |")
   if cell.get("paired_twin"):
     lines += ["", "Certified twins against their own deterministic design: twin minus design "
@@ -337,8 +334,7 @@ def _markdown(cell, c, regime, tasks, plan) -> list[str]:
               "|---" * (len(plan.ratios) + 2) + "|"]
     for d, per in cell["paired_twin"].items():
       twin = next(iter(per.values()))["twin"]
-      vals = ["-" if (v := per.get(_key(r))) is None else
-              f"{v['value']:+.1f} [{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}]" for r in plan.ratios]
+      vals = [_fmt_ci(per.get(_key(r)), "+.1f") for r in plan.ratios]
       lines.append(f"| {d} | {twin} | " + " | ".join(vals) + " |")
   for ratio in plan.ratios:
     lines += ["", f"Per task at ratio {ratio} (full cache: no compression):", "",
@@ -348,7 +344,7 @@ def _markdown(cell, c, regime, tasks, plan) -> list[str]:
       if k not in per:
         continue
       lines.append(f"| {d} | " + " | ".join(_fmt(per[k][t], ".1f") for t in tasks) +
-                   f" | {_fmt(cell['score'][d][k], '.1f')} |")
+                   f" | {_fmt(float(np.mean([per[k][t] for t in tasks])), '.1f')} |")
   if cell["coverage"]:
     lines += ["", f"Certificate of the randomized designs (delta {experiment.DELTA}; calls of "
               "every decode step up to the answer's end):", "",
@@ -390,10 +386,7 @@ def write(rows, out_dir: str, plan, *, n_kv_heads: int = 3,
   for name, cell in s["cells"].items():
     lines = {}
     for d, per in cell["score"].items():
-      if d == design_defaults.FULL:
-        lines[d] = (list(plan.ratios), [per[_key(experiment.FULL_RATIO)]] * len(plan.ratios))
-      else:
-        lines[d] = (list(plan.ratios), [per[_key(r)] for r in plan.ratios])
+      lines[d] = (list(plan.ratios), [per[_key(r)]["value"] for r in plan.ratios])
     if lines:
       panels[name.replace("/", " tokens, ")] = lines
   plots.plot_panels(panels, os.path.join(out_dir, "score.png"),

@@ -91,8 +91,8 @@ def _ruler(root: str, rel: str, title: str) -> list[str]:
             "the full cache is the reference row:", ""]
     body = []
     for d, per in cell["score"].items():
-      row = [per.get("0.0")] * len(ratios) if d == "full" else [per.get(r) for r in ratios]
-      body.append([d] + [fmt.num(x, ".1f") for x in row])
+      body.append([d] + [fmt.ci((v["value"], *v["ci"]), ".1f") if (v := per.get(r)) else "-"
+                         for r in ratios])
     out += fmt.table(["design"] + ratios, body)
     paired = cell.get("paired_vs_best_deterministic", {})
     if cell.get("best_deterministic"):
