@@ -87,7 +87,7 @@ DATA = {
     "build_test": ["BUILD", "setup.cfg", "scripts/gen_build.py"],
     "device_check_test": ["scripts/device_check.sh", "scripts/make_random_checkpoint.py"],
     "equal_memory_test": ["experiments/results/equal_memory/summary.json"] + _TINY + _VIM,
-    "exp_perplexity_test": _TINY,
+    "perplexity_test": _TINY,
     "experiment_scripts_test": _TINY,
     "generate_cli_test": _PROMPT + _TINY,
     "generate_test": _TINY,
@@ -116,7 +116,7 @@ DATA = {
 SIZES = {"kernels_test": "medium", "precision_test": "small", "montecarlo_test": "medium",
          "models_smollm2_designs_test": "large", "models_demo_test": "medium",
          "sharding_test": "large", "multiprocess_test": "large", "equal_memory_test": "medium",
-         "leaderboard_test": "medium", "exp_perplexity_test": "medium", "suite_test": "large",
+         "leaderboard_test": "medium", "perplexity_test": "medium", "suite_test": "large",
          "experiment_scripts_test": "large", "readme_test": "large"}
 
 HEADER = '''\

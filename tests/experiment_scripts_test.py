@@ -52,10 +52,10 @@ class ExperimentScriptsTest(absltest.TestCase):
   def test_analysis_scripts_share_and_resume_rows(self):
     out = self.create_tempdir().full_path
     expected = None
-    for module, title in (("exp_coverage", "# Certificate coverage"),
-                          ("exp_assumption2", "# Assumption-2 audit"),
-                          ("exp_failure", "# Failure prediction, attribution"),
-                          ("exp_regimes", "# Streaming vs question-aware")):
+    for module, title in (("coverage", "# Certificate coverage"),
+                          ("assumption2", "# Assumption-2 audit"),
+                          ("failure", "# Failure prediction, attribution"),
+                          ("regimes", "# Streaming vs question-aware")):
       stdout = self._run(module, f"--out={out}", *COMMON)
       self.assertIn(title, stdout)
       summary = open(os.path.join(out, "summary.md")).read()
@@ -72,12 +72,12 @@ class ExperimentScriptsTest(absltest.TestCase):
 
   def test_theorem1_and_overhead_scripts(self):
     out = self.create_tempdir().full_path
-    stdout = self._run("exp_theorem1", f"--out={out}", "--context_len=24", "--num_examples=1",
+    stdout = self._run("theorem1", f"--out={out}", "--context_len=24", "--num_examples=1",
                        "--designs=snapkv", "--budgets=0.5", "--n_draws=2")
     self.assertIn("Theorem 1", stdout)
     (row,) = results_io.read_rows(os.path.join(out, "theorem1_rows.jsonl"))
     self.assertTrue(row["kept_set_identical"] and row["tokens_identical"])
-    stdout = self._run("exp_overhead", f"--out={out}", "--context_len=24", "--num_examples=1",
+    stdout = self._run("overhead", f"--out={out}", "--context_len=24", "--num_examples=1",
                        "--n_steps=2", "--repeats=2", "--budgets=0.5")
     self.assertIn("Overhead per decode step", stdout)
     rows = results_io.read_rows(os.path.join(out, "overhead_rows.jsonl"))
@@ -86,7 +86,7 @@ class ExperimentScriptsTest(absltest.TestCase):
     self.assertIn("ratio_cert_vs_deterministic", open(os.path.join(out, "summary.md")).read())
     # A bad flag fails with the flag's name.
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "experiments.exp_theorem1", f"--out={out}",
+    proc = subprocess.run([sys.executable, "-m", "experiments.theorem1", f"--out={out}",
                            f"--model={self.model}", "--designs=full"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     self.assertNotEqual(proc.returncode, 0)
@@ -95,3 +95,17 @@ class ExperimentScriptsTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class OldNamesTest(absltest.TestCase):
+  """The scripts' old ``exp_`` names still run the renamed scripts (kept for a release)."""
+
+  def test_old_names_run_the_new_scripts(self):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               JAX_PLATFORMS="cpu")
+    for new, title in (("theorem1", "Experiment 1: permutation"),
+                       ("perplexity", "Streaming")):
+      proc = subprocess.run([sys.executable, "-m", f"experiments.exp_{new}", "--helpshort"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+      self.assertIn(title, proc.stdout, proc.stderr[-2000:])  # absl's help exits 1
+      self.assertIn(f"experiments/{new}.py:", proc.stdout)  # the new module's flags

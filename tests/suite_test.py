@@ -68,7 +68,7 @@ PLAN = dict(
                   n_sink=2, window=4),
     theorem1=None,  # tested on its own below (each design costs three compiles)
     overhead=None,
-    # the full-cache pass only (one compile); designs are tested in exp_perplexity_test
+    # the full-cache pass only (one compile); designs are tested in perplexity_test
     perplexity=dict(designs=("full",), budgets=(0.5,), context_len=24, chunk=8,
                     num_examples=2, n_runs=1),
     # One (design, regime): one compile; the study itself is tested in validity_test.

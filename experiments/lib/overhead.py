@@ -49,7 +49,7 @@ bootstrap interval over the calls, which misses drift between configurations
 Memory: the bytes of the caches as allocated (keys/values and per-slot
 metadata, ``models.memory.caches_bytes``).
 
-The command: ``python -m experiments.exp_overhead --out=/tmp/overhead``.
+The command: ``python -m experiments.overhead --out=/tmp/overhead``.
 """
 
 from __future__ import annotations

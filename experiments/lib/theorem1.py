@@ -21,7 +21,7 @@ that its radius is a statement over draws: P is the set one draw (draw 0)
 evicts, and the coverage at ``delta = 0.05`` over the other draws is reported
 for the original and for the perturbed values.
 
-The command: ``python -m experiments.exp_theorem1 --out=/tmp/thm1``.
+The command: ``python -m experiments.theorem1 --out=/tmp/thm1``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Streaming language-model loss under eviction (``python -m experiments.exp_perplexity``).
+"""Streaming language-model loss under eviction (``python -m experiments.perplexity``).
 
 :mod:`.core` (the jitted streaming pass), :mod:`.experiment` (segments, units,
 rows) and :mod:`.report` (the design x budget table).

@@ -271,7 +271,7 @@ def expected_row_count(designs, budgets, num_examples: int, n_runs: int) -> int:
 
 
 def plan_from_flags(fv) -> Plan:
-  """The checked :class:`Plan` of ``python -m experiments.exp_perplexity``'s flags."""
+  """The checked :class:`Plan` of ``python -m experiments.perplexity``'s flags."""
   try:
     budgets = tuple(float(b) for b in fv.budgets)
   except ValueError as err:
@@ -284,7 +284,7 @@ def plan_from_flags(fv) -> Plan:
 
 
 def run_from_flags(fv, log: Callable[[str], None] = print) -> Optional[dict]:
-  """``python -m experiments.exp_perplexity`` on its parsed flags ``fv``: rows, then
+  """``python -m experiments.perplexity`` on its parsed flags ``fv``: rows, then
   (when complete) the summary.
 
   Returns:

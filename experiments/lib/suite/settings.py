@@ -2,7 +2,7 @@
 accepts and the command-line flags that set them.
 
 :func:`define_common_flags` defines the flags the suite's scripts share
-(``exp_coverage``, ``exp_assumption2``, ``exp_failure``, ``exp_regimes``) and
+(``coverage``, ``assumption2``, ``failure``, ``regimes``) and
 :func:`settings_from_flags` turns their parsed values into checked
 :class:`Settings`; the rows themselves are collected by
 :func:`experiments.lib.suite.rows.collect`.

@@ -1,4 +1,4 @@
-"""Streaming loss under eviction (experiments/exp_perplexity.py) on the tiny Llama fixture.
+"""Streaming loss under eviction (experiments/perplexity.py) on the tiny Llama fixture.
 
 The model is ``tests/fixtures/tiny_llama`` (random weights, vocabulary 128)
 with a character-level stub tokenizer (a ``tokenizer.json`` written by the
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import exp_perplexity
+from experiments import perplexity
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib import results_io
@@ -129,7 +129,7 @@ class PerplexityTest(absltest.TestCase):
   def test_script_schema_resume_and_summary(self):
     out = self.create_tempdir().full_path
     fv = flags.FlagValues()
-    exp_perplexity.define_flags(fv)
+    perplexity.define_flags(fv)
     args = ["prog", f"--out={out}", f"--text={self.text_path}", f"--model={self.model_dir}",
             f"--context_len={CTX}", f"--chunk={CHUNK}", f"--num_examples={N_SEG}",
             f"--budgets={','.join(str(b) for b in BUDGETS)}", "--designs=full,poisson_tail",
