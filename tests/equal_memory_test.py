@@ -117,6 +117,16 @@ class CoverageIntervalTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "smoothed must hold one array per"):
       report.coverage([np.full((40, 1, 3), 0.5)], e, n_kv_heads=1, smoothed=w[:1])
 
+  def test_raw_coverage_without_calibration_segments(self):
+    """No calibration segments (``--n_calib=0``): raw coverage only, no scales."""
+    e = np.full((10, 1, 3), 0.5)
+    e[:3] = 2.0  # 9 of 30 calls missed
+    cell = report.coverage(None, [e], n_kv_heads=1)
+    self.assertAlmostEqual(cell["raw"], 0.7)
+    self.assertAlmostEqual(cell["raw_sharpness"], 2.0)  # 1 / 0.5 on the covered calls
+    self.assertNotIn("calibrated", cell)
+    self.assertNotIn("median_scale", cell)
+
   def test_scores_must_be_three_dimensional(self):
     with self.assertRaisesRegex(ValueError, "evals must be a list of"):
       report.coverage([np.ones((4, 1, 3))], np.ones((4, 3)), n_kv_heads=1)

@@ -76,22 +76,29 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0, smoothed=None) -> dic
   within a segment are dependent, so each coverage's 95% interval
   (``raw_ci``, ...) is a bootstrap over evaluation segments, the scales held
   fixed. ``smoothed``: the same calls' scores against the smoothed radius
-  (method, section 5), reported uncalibrated as ``smoothed``."""
-  per_segment, calib_parts = list(evals), list(calib)
+  (method, section 5), reported uncalibrated as ``smoothed``. ``calib`` None:
+  no calibration segments, raw (and smoothed) coverage only."""
+  per_segment, calib_parts = list(evals), list(calib or [])
   for name, parts in (("calib", calib_parts), ("evals", per_segment)):
     if any(np.ndim(p) != 3 for p in parts):
       raise ValueError(f"{name} must be a list of [calls, layers, heads] arrays, "
                        f"got ndims {[np.ndim(p) for p in parts]}")
-  calib, evals = np.concatenate(calib_parts), np.concatenate(per_segment)
+  evals = np.concatenate(per_segment)
   L, H = evals.shape[1:]
   group = H // n_kv_heads
-  # pooled: each head's quantile of all calibration calls, else the pooled quantile
-  scales = _head_quantiles(calib, n_kv_heads)
-  scales[np.isnan(scales)] = calibration.conformal_quantile(calib.ravel(), DELTA)
-  robust = _robust_scales(calib_parts, n_kv_heads)
-  per_call = {"raw": np.ones((1, L, H)),
-              "calibrated": np.repeat(scales, group, axis=1)[None],  # [1, L, H]
-              "robust": np.repeat(robust, group, axis=1)[None]}
+  per_call, scale_fields = {"raw": np.ones((1, L, H))}, {}
+  if calib_parts:
+    calib = np.concatenate(calib_parts)
+    # pooled: each head's quantile of all calibration calls, else the pooled quantile
+    scales = _head_quantiles(calib, n_kv_heads)
+    scales[np.isnan(scales)] = calibration.conformal_quantile(calib.ravel(), DELTA)
+    robust = _robust_scales(calib_parts, n_kv_heads)
+    per_call["calibrated"] = np.repeat(scales, group, axis=1)[None]  # [1, L, H]
+    per_call["robust"] = np.repeat(robust, group, axis=1)[None]
+    scale_fields = {"median_scale": float(np.median(scales)),
+                    "median_robust_scale": float(np.median(robust)),
+                    "infinite_scales": float(np.mean(np.isinf(scales))),
+                    "n_calib_calls": int(calib.size)}
   n_seg = np.asarray([e.size for e in per_segment], np.float64)
   out = {}
 
@@ -126,13 +133,9 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0, smoothed=None) -> dic
           # where the raw radius misses: the (layer, KV head)s that cover least
           "raw_worst_heads": [[int(i // n_kv_heads), int(i % n_kv_heads),
                                float(per_head.flat[i])] for i in worst],
-          "raw_heads_below": float(np.mean(per_head < 1.0 - DELTA)),
-          "median_scale": float(np.median(scales)),
-          "median_robust_scale": float(np.median(robust)),
-          "infinite_scales": float(np.mean(np.isinf(scales))),
+          "raw_heads_below": float(np.mean(per_head < 1.0 - DELTA)), **scale_fields,
           "unseen_deletions": float(np.mean(np.isinf(evals))),
-          "n_calls": int(evals.size), "n_calib_calls": int(calib.size),
-          "n_segments": len(per_segment)}
+          "n_calls": int(evals.size), "n_segments": len(per_segment)}
 
 
 def _head_quantiles(scores, n_kv_heads: int) -> np.ndarray:
@@ -260,7 +263,7 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
       for m in plan.memories:
         cal = _scores(out_dir, c, v, "calib", m, plan)
         evs = _scores(out_dir, c, v, "eval", m, plan)
-        if cal is not None and evs is not None:
+        if evs is not None and (cal is not None or plan.n_calib == 0):
           cell = coverage(cal, evs, n_kv_heads, seed=plan.seed,
                           smoothed=_scores(out_dir, c, v, "eval", m, plan, prefix="w"))
           stored.setdefault(str(c), {}).setdefault(v, {})[str(m)] = cell
@@ -310,8 +313,8 @@ def _markdown(ctx, c, plan) -> list[str]:
       cov = ctx["coverage"].get(v, {}).get(str(m))
       f = lambda x: "-" if x is None else f"{x:.2f}"
       raw = "-" if cov is None else f"{_cov(cov, 'raw')} ({f(cov['raw_sharpness'])})"
-      cal = "-" if cov is None else (f"{_cov(cov, 'calibrated')} "
-                                     f"({f(cov['calibrated_sharpness'])})")
+      cal = "-" if cov is None or "calibrated" not in cov else (
+          f"{_cov(cov, 'calibrated')} ({f(cov['calibrated_sharpness'])})")
       rob = "-" if cov is None or "robust" not in cov else (
           f"{_cov(cov, 'robust')} ({f(cov['robust_sharpness'])})")
       smooth = "-" if cov is None or "smoothed" not in cov else (
