@@ -117,3 +117,12 @@ def print_summary(summary, t0: float) -> None:
   else:
     print(summary["md"])
   print(f"wall time {time.time() - t0:.0f}s")
+
+
+def limit_units(todo, max_units, log):
+  """Yields ``todo``'s units, at most ``max_units`` (None: all), and says where it stopped."""
+  for n, unit in enumerate(todo):
+    if max_units is not None and n >= max_units:
+      log(f"stopping after {max_units} units (--max_units); rerun to resume")
+      return
+    yield unit

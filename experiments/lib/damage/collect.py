@@ -247,10 +247,7 @@ def collect(params, config, tok, plan: Plan, out: str, *, text: str, log=print,
   todo = [u for u in units if stale(u)]
   progress = results_io.Progress(len(units), len(units) - len(todo))
   log(f"damage: {len(todo)} of {len(units)} units to run; unit files in {out}/units")
-  for n_done, u in enumerate(todo):
-    if max_units is not None and n_done >= max_units:
-      log(f"stopping after {max_units} units (--max_units); rerun to resume")
-      break
+  for u in results_io.limit_units(todo, max_units, log):
     t0 = time.time()
     key = jax.random.fold_in(jax.random.PRNGKey(plan.seed), units.index(u))
     if u.startswith("text_"):

@@ -172,10 +172,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
   todo = [u for u in todo_all if not done(u)]
   progress = results_io.Progress(len(todo_all), len(todo_all) - len(todo))
   log(f"{len(todo)} of {len(todo_all)} units to run; rows in {results.path}")
-  for n_done, unit in enumerate(todo):
-    if plan.max_units is not None and n_done >= plan.max_units:
-      log(f"stopping after {plan.max_units} units (--max_units); rerun to resume")
-      break
+  for unit in results_io.limit_units(todo, plan.max_units, log):
     c, v, split, start = unit
     names, all_segs = segs[c]
     offset = 0 if split == "eval" else plan.n_eval

@@ -381,10 +381,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
   progress = results_io.Progress(len(todo_all), len(todo_all) - len(todo))
   log(f"{len(todo)} of {len(todo_all)} units to run; rows in {results.path}")
   group_id = None
-  for n_done, unit in enumerate(todo):
-    if plan.max_units is not None and n_done >= plan.max_units:
-      log(f"stopping after {plan.max_units} units (--max_units); rerun to resume")
-      break
+  for unit in results_io.limit_units(todo, plan.max_units, log):
     c, task, regime, start, name = unit
     if unit[:4] != group_id:  # a new batch of examples, with its own prefills
       group_id = unit[:4]

@@ -221,10 +221,7 @@ def run_perplexity(params, config, tok, text_path: str, out_dir: str, plan: Plan
   progress = results_io.Progress(len(units), len(units) - len(todo))
   log(f"{len(todo)} of {len(units)} units to run ({plan.num_examples} segments of "
       f"{plan.context_len} tokens from {os.path.basename(text_path)}); rows in {results.path}")
-  for n_done, unit in enumerate(todo):
-    if plan.max_units is not None and n_done >= plan.max_units:
-      log(f"stopping after {plan.max_units} units (--max_units); rerun to resume")
-      break
+  for unit in results_io.limit_units(todo, plan.max_units, log):
     d, run = unit
     batch = batch_of(unit)
     t0 = time.time()

@@ -269,10 +269,7 @@ def collect(params, config, tok, settings: settings_lib.Settings, out_dir: str, 
   todo = [u for u in units if missing(u)]
   progress = results_io.Progress(len(units), len(units) - len(todo))
   log(f"{len(todo)} of {len(units)} units to run; rows in {results.path}")
-  for n_done, unit in enumerate(todo):
-    if max_units is not None and n_done >= max_units:
-      log(f"stopping after {max_units} units (--max_units); rerun to resume")
-      break
+  for unit in results_io.limit_units(todo, max_units, log):
     regime, d, run = unit
     batch = batch_of(unit)
     key = jax.random.fold_in(jax.random.PRNGKey(settings.seed), run)

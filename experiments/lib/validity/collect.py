@@ -345,10 +345,7 @@ def collect(params, config, tok, plan: Plan, out_dir: str, *, text: str,
   progress = results_io.Progress(len(units), len(units) - len(todo))
   log(f"validity: {len(todo)} of {len(units)} units to run; unit files in {out_dir}/units")
   examples, shapes = {}, {}
-  for n_done, unit in enumerate(todo):
-    if plan.max_units is not None and n_done >= plan.max_units:
-      log(f"stopping after {plan.max_units} units (--max_units); rerun to resume")
-      break
+  for unit in results_io.limit_units(todo, plan.max_units, log):
     c, regime, d, s = unit
     group = (c, plan.pad_group_of(unit))
     if group not in examples:
