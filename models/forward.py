@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +59,15 @@ def allocation_args(params, config: LlamaConfig, allocation) -> dict:
 
 
 LAYER_LOOPS = ("scan", "unrolled")
+
+
+class Forwarded(NamedTuple):
+  """What :func:`forward_chunk` returns."""
+
+  logits: Array  # [batch, t, vocab] float32
+  caches: KVCache  # in the form given
+  stats: Optional[certified_attention.ChunkStats]  # fields [t, n_layers, batch, n_heads]
+  shadow: Optional[KVCache]  # the shadow with the chunk appended, or None
 
 
 def unstack_layers(params, config: LlamaConfig):
@@ -125,8 +134,7 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
       params and caches to ``"unrolled"`` where the calls repeat.
 
   Returns:
-    ``(logits [batch, t, vocab] float32, caches, ChunkStats or None, shadow)``,
-    ChunkStats fields ``[t, n_layers, batch, n_heads]``.
+    A :class:`Forwarded` ``(logits, caches, stats, shadow)``.
 
   Raises:
     ValueError: ``layer_loop`` not in ``LAYER_LOOPS``; unstacked params or
@@ -176,7 +184,7 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
                                          caches, shadow)
   if stats is not None:  # [n_layers, batch, n_heads, t] -> [t, n_layers, batch, n_heads]
     stats = jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, -1, 0), stats)
-  return model.apply(top, x, method=LlamaModel.head), caches, stats, shadow
+  return Forwarded(model.apply(top, x, method=LlamaModel.head), caches, stats, shadow)
 
 
 def _unrolled(config: LlamaConfig, cert_of, x, valid, layers, layer_flags, caches, shadow):
