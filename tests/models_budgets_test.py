@@ -80,20 +80,20 @@ class LayerBudgetsDecodeTest(absltest.TestCase):
     design = certkv_jax.designs.snapkv(4, window=2)  # its budget (4) is replaced per layer
     caches = self._prefilled(design)
     key = jax.random.PRNGKey(0)
-    out, _, info = _evict(design, caches, key, layer_budgets=(6, 3))
+    out, _, info, _ = _evict(design, caches, key, layer_budgets=(6, 3))
     n_valid = np.asarray(out.n_valid)  # [layers, batch, kv heads]
     np.testing.assert_array_equal(n_valid[0], 6)
     np.testing.assert_array_equal(n_valid[1], 3)
     np.testing.assert_array_equal(info.target[:, :, 0], [[6, 6], [3, 3]])
     # A uniform schedule equal to the design's own budget changes nothing.
-    same, _, _ = _evict(design, caches, key, layer_budgets=(4, 4))
-    plain, _, _ = _evict(design, caches, key)
+    same, _, _, _ = _evict(design, caches, key, layer_budgets=(4, 4))
+    plain, _, _, _ = _evict(design, caches, key)
     np.testing.assert_array_equal(same.pos, plain.pos)
     # Fractions per layer with a randomized design: Poisson keeps at most the
     # target floor(f n) and at least its certainty set.
     design = certkv_jax.designs.poisson_tail(
         0.5, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=1), overflow_prob=0.05)
-    out, _, info = _evict(design, self._prefilled(design), key, layer_budgets=(0.8, 0.3))
+    out, _, info, _ = _evict(design, self._prefilled(design), key, layer_budgets=(0.8, 0.3))
     np.testing.assert_array_equal(info.target[:, :, 0], [[8, 5], [3, 2]])
     n_valid = np.asarray(out.n_valid)
     self.assertTrue((n_valid <= np.asarray(info.target)).all())
