@@ -14,27 +14,16 @@ from absl import app
 from absl import flags
 
 from experiments.lib import model_loading
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 from experiments.lib.bench import prefill as bench_prefill
 
 FLAGS = flags.FLAGS
-_P = bench_prefill.Plan()
 
 flags.DEFINE_string("out", None, "Output directory.")
 flags.DEFINE_string("model", model_loading.DEFAULT_MODEL, "'smollm2' or a Hugging Face "
                     "safetensors directory with tokenizer.json.")
-flags.DEFINE_list("contexts", [str(c) for c in _P.contexts], "Prompt lengths (tokens).")
-flags.DEFINE_list("chunks", [str(c) for c in _P.chunks], "Chunk sizes of the chunked "
-                  "prefill (those shorter than a context are measured at it).")
-flags.DEFINE_integer("oneshot_max", _P.oneshot_max, "Largest context also measured "
-                     "one-shot (one-shot at 8k may exhaust memory).")
-flags.DEFINE_integer("batch", _P.batch, "Prompts per call.")
-flags.DEFINE_integer("repeats", _P.repeats, "Timed calls per configuration.")
-flags.DEFINE_float("max_seconds", _P.max_seconds, "No more timed calls of a configuration "
-                   "after this many seconds of them (at least one; 0: no limit).")
-flags.DEFINE_integer("seed", _P.seed, "Seed of the random prompts.")
-flags.DEFINE_float("child_timeout", _P.child_timeout, "Seconds a configuration's process "
-                   "may run (0: no limit).")
+plan_flags.define_flags(bench_prefill.Plan)
 flags.DEFINE_string("_child", None, "Internal: measure this JSON spec in this process and "
                     "print the row.")
 

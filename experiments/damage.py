@@ -20,11 +20,11 @@ from absl import flags
 from absl import logging
 
 from experiments.lib import model_loading
+from experiments.lib import plan_flags
 from experiments.lib.damage import collect as collect_lib
 from experiments.lib.damage import report as damage_report
 from experiments.lib.validity import collect as validity_collect
 
-_P = collect_lib.Plan()
 QUICK = collect_lib.QUICK
 STAGES = ("all", "collect", "train", "report")
 
@@ -32,19 +32,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output directory.", required=True)
 flags.DEFINE_string("model", model_loading.DEFAULT_MODEL, "'smollm2' or a Hugging Face "
                     "checkpoint directory.")
-flags.DEFINE_string("design", _P.design, "Randomized design (certkv_jax.registry).")
-flags.DEFINE_float("budget", _P.budget, "Budget: fraction in (0, 1) of the tokens seen.")
-flags.DEFINE_integer("context_len", _P.context_len, "Context length in tokens.")
-flags.DEFINE_integer("chunk", _P.chunk, "Streaming chunk (tokens per eviction).")
-flags.DEFINE_integer("n_steps", _P.n_steps, "Decode steps per task example.")
-flags.DEFINE_integer("text_segments", _P.text_segments, "Text segments (built-in text).")
-flags.DEFINE_integer("train_segments", _P.train_segments, "Segments the predictor is fitted "
-                     "on (the first ones); the rest are held out.")
-flags.DEFINE_list("settings", list(_P.settings), "Task settings: "
-                  f"{sorted(collect_lib.TASK_SETTINGS)}.")
-flags.DEFINE_integer("num_examples", _P.num_examples, "Examples per task setting.")
-flags.DEFINE_integer("max_batch", _P.max_batch, "Rows per generation call.")
-flags.DEFINE_integer("seed", _P.seed, "Seed of tasks and designs.")
+plan_flags.define_flags(collect_lib.Plan)
 flags.DEFINE_string("text", validity_collect.DEFAULT_TEXT, "Natural text file.")
 flags.DEFINE_enum("stage", "all", STAGES, "What to run.")
 flags.DEFINE_integer("max_units", -1, "Stop after this many units (-1: all); rerun resumes.")
@@ -53,13 +41,9 @@ flags.DEFINE_bool("quick", False, f"The reduced plan {QUICK} (flags not given ke
 
 def plan_from_flags(fv) -> collect_lib.Plan:
   """The checked :class:`Plan` of the flags (``--quick`` replaces the defaults)."""
-  names = ("design", "budget", "context_len", "chunk", "n_steps", "text_segments",
-           "train_segments", "settings", "num_examples", "max_batch", "seed")
-  kw = {k: fv[k].value for k in names}
-  if fv.quick:
-    kw.update({k: v for k, v in QUICK.items() if not fv[k].present})
-  kw["settings"] = tuple(kw["settings"])
-  return collect_lib.Plan(model=model_loading.model_name(fv.model), **kw).check()
+  quick = {k: v for k, v in QUICK.items() if not fv[k].present} if fv.quick else {}
+  return plan_flags.plan_from_flags(collect_lib.Plan, fv,
+                                    model=model_loading.model_name(fv.model), **quick)
 
 
 def main(argv):

@@ -25,6 +25,7 @@ from absl import app
 from absl import flags
 
 from experiments.lib import model_loading
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 from experiments.lib.equal_memory import experiment
 from experiments.lib.equal_memory import report
@@ -39,36 +40,12 @@ flags.DEFINE_string("sources", experiment.DEFAULT_SOURCES, "Comma-separated "
                     "in order (default: the Vim user manual shipped in experiments/data/vim, "
                     "natural English prose; the validity study at 4k-8k tokens reads its "
                     "editing.txt, no other study these files).")
-flags.DEFINE_list("context_lens", ["1024"], "Tokens per segment (BOS included).")
-flags.DEFINE_list("variants", list(experiment.DEFAULT_VARIANTS), "Design strings "
-                  "design[:setting=value...][+allocation[:setting=value...]] "
-                  "(certkv_jax.registry.parse, as generate and the leaderboard read them): "
-                  f"allocations {list(experiment.ALLOCATIONS)}; aliases "
-                  f"{list(experiment.ALIASES)}. The full cache always runs.")
-flags.DEFINE_list("memories", ["0.125", "0.25", "0.5"], "Kept bytes as fractions of the full "
-                  "cache's key/value bytes.")
-flags.DEFINE_integer("n_eval", 16, "Evaluation segments (the first files).")
-flags.DEFINE_integer("n_calib", 4, "Calibration segments (the next files), for the conformal "
-                     "scales only.")
-flags.DEFINE_integer("chunk", 64, "Tokens per streaming chunk (evict after each).")
-flags.DEFINE_integer("group", 8, "Segments per unit (one jitted call per memory x group).")
-flags.DEFINE_integer("seed", 0, "Seed of the randomized designs.")
-flags.DEFINE_integer("max_units", -1, "Stop after this many units (-1: all); rerun resumes.")
+plan_flags.define_flags(experiment.Plan)
 flags.DEFINE_integer("skip_sources", 0, "Leave out the first this many files of --sources "
                      "(a tuning run on files the default evaluation and calibration never "
                      "read: --skip_sources=20).", lower_bound=0)
-flags.DEFINE_bool("coverage", True, "Run the randomized variants with their certificate in "
-                  "evaluation mode (true error beside every radius: coverage); without it "
-                  "only the streaming loss is measured (the same losses, much faster).")
 flags.DEFINE_bool("report_only", False, "Write the report from the rows on file; run nothing "
                   "(variants without every row are listed as not run).")
-
-
-def _numbers(name: str, values, kind):
-  try:
-    return tuple(kind(v) for v in values)
-  except ValueError:
-    raise ValueError(f"--{name} entries must be {kind.__name__}s, got {values}") from None
 
 
 def plan_from_flags(fv) -> experiment.Plan:
@@ -81,12 +58,8 @@ def plan_from_flags(fv) -> experiment.Plan:
   if fv.skip_sources >= len(sources):
     raise ValueError(f"--skip_sources={fv.skip_sources} leaves none of the {len(sources)} "
                      f"files of --sources")
-  return experiment.Plan(
-      sources=sources[fv.skip_sources:], context_lens=_numbers("context_lens",
-                                                               fv.context_lens, int),
-      variants=tuple(fv.variants), memories=_numbers("memories", fv.memories, float),
-      n_eval=fv.n_eval, n_calib=fv.n_calib, chunk=fv.chunk, seed=fv.seed, group=fv.group,
-      max_units=None if fv.max_units < 0 else fv.max_units, coverage=fv.coverage).check()
+  return plan_flags.plan_from_flags(experiment.Plan, fv,
+                                    sources=sources[fv.skip_sources:])
 
 
 def main(argv):

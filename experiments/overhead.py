@@ -12,6 +12,7 @@ from absl import app
 from absl import flags
 
 from experiments.lib import model_loading
+from experiments.lib import plan_flags
 from experiments.lib import overhead
 
 FLAGS = flags.FLAGS
@@ -22,19 +23,13 @@ def define_flags():
   flags.DEFINE_string("model", model_loading.DEFAULT_MODEL, "'smollm2' or an HF checkpoint dir.")
   flags.DEFINE_string("task", "passkey", "Task of the prompts.")
   flags.DEFINE_integer("context_len", 256, "Context length (tokens).")
-  flags.DEFINE_list("budgets", ["0.25"], "Budget (the first entry is used).")
-  flags.DEFINE_string("deterministic", "snapkv", "The deterministic design.")
   flags.DEFINE_integer("num_examples", 1, "Batch size.")
-  flags.DEFINE_integer("n_steps", 16, "Decode steps per timed call.")
-  flags.DEFINE_integer("repeats", 5, "Timed calls.")
-  flags.DEFINE_integer("seed", 0, "Seed.")
+  plan_flags.define_flags(overhead.Plan)
 
 
 def main(argv):
   del argv
-  plan = overhead.Plan(model=FLAGS.model, budget=float(FLAGS.budgets[0]),
-                       deterministic=FLAGS.deterministic, n_steps=FLAGS.n_steps,
-                       repeats=FLAGS.repeats, seed=FLAGS.seed)
+  plan = plan_flags.plan_from_flags(overhead.Plan, model=FLAGS.model)
   print(overhead.run_and_report(plan, out=FLAGS.out, task=FLAGS.task,
                                 context_len=FLAGS.context_len,
                                 num_examples=FLAGS.num_examples))

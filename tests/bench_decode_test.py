@@ -13,8 +13,8 @@ import os
 import re
 import subprocess
 import sys
-import types
 
+from absl import flags
 from absl.testing import absltest
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ import certkv_jax
 from certkv_jax import cache as cache_lib
 from certkv_jax import memory as memory_lib
 from experiments.lib import model_loading
+from experiments.lib import plan_flags
 from experiments.lib.bench import decode as bench_decode
 from experiments.lib.bench import decode_report as bench_decode_report
 from tests import test_util
@@ -219,19 +220,21 @@ class PlanTest(absltest.TestCase):
                      (False, True))
 
   def test_flags_are_parsed_and_quick_keeps_the_flags_given(self):
-    fv = dict(designs=["h2o"], budgets=["0.5"], contexts=["64"], batches=["1"],
-              evict_every=["1", "8"], repeats=3,
-              certificate="with", capacity="compact", n_sink=4, window=16, seed=0,
-              max_seconds=0.0, quick=True, layer_loop=["unrolled"], plain_prefill=False,
-              dtype="float32")
-    getter = lambda name: types.SimpleNamespace(present=name == "designs")  # fv[name].present
-    plan = bench_decode.plan_from_flags(_Flags(fv, getter))
+    def parse(*argv):
+      fv = flags.FlagValues()
+      plan_flags.define_flags(bench_decode.Plan, fv)
+      flags.DEFINE_bool("quick", False, "Quick.", flag_values=fv)
+      fv(["bench_decode", *argv])
+      return bench_decode.plan_from_flags(fv)
+
+    plan = parse("--designs=h2o", "--quick", "--layer_loop=unrolled", "--noplain_prefill")
     self.assertEqual(plan.designs, ("h2o",))  # given: kept
     self.assertEqual((plan.layer_loop, plan.plain_prefill), (("unrolled",), False))
     self.assertEqual(plan.evict_every, bench_decode.QUICK["evict_every"])
     self.assertEqual(plan.contexts, bench_decode.QUICK["contexts"])  # not given: quick's
-    with self.assertRaisesRegex(ValueError, "--contexts must be ints"):
-      bench_decode.plan_from_flags(_Flags(dict(fv, contexts=["1k"], quick=False), getter))
+    self.assertEqual(parse("--contexts=64,128").contexts, (64, 128))
+    with self.assertRaisesRegex(ValueError, "--contexts entries must be ints"):
+      parse("--contexts=1k")
 
   def test_median_interval(self):
     three = bench_decode.median_interval([3.0, 1.0, 2.0])
@@ -346,19 +349,6 @@ class FloorTest(absltest.TestCase):
     report = bench_decode_report.render(results, summary)
     self.assertIn("| h2o+certificate [unrolled] | 0.25 | 0.50 [0.40, 0.60] / 1.10x |", report)
     self.assertIn("batch 1 n=64: 10.0", report)
-
-
-class _Flags:
-  """The two things ``plan_from_flags`` reads of absl's FlagValues."""
-
-  def __init__(self, values, getter):
-    self._values, self._getter = values, getter
-
-  def __getattr__(self, name):
-    return self._values[name]
-
-  def __getitem__(self, name):
-    return self._getter(name)
 
 
 class CompactTest(absltest.TestCase):

@@ -73,12 +73,12 @@ class ExperimentScriptsTest(absltest.TestCase):
   def test_theorem1_and_overhead_scripts(self):
     out = self.create_tempdir().full_path
     stdout = self._run("theorem1", f"--out={out}", "--context_len=24", "--num_examples=1",
-                       "--designs=snapkv", "--budgets=0.5", "--n_draws=2")
+                       "--designs=snapkv", "--budget=0.5", "--n_draws=2")
     self.assertIn("Theorem 1", stdout)
     (row,) = results_io.read_rows(os.path.join(out, "theorem1_rows.jsonl"))
     self.assertTrue(row["kept_set_identical"] and row["tokens_identical"])
     stdout = self._run("overhead", f"--out={out}", "--context_len=24", "--num_examples=1",
-                       "--n_steps=2", "--repeats=2", "--budgets=0.5")
+                       "--n_steps=2", "--repeats=2", "--budget=0.5")
     self.assertIn("Overhead per decode step", stdout)
     rows = results_io.read_rows(os.path.join(out, "overhead_rows.jsonl"))
     from experiments.lib import overhead  # pylint: disable=g-import-not-at-top

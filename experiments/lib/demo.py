@@ -52,9 +52,9 @@ from certkv_jax import certificate
 from certkv_jax import diagnostics
 from certkv_jax import eviction
 from certkv_jax import layer as layer_lib
+from experiments.lib import batching
 from experiments.lib import design_defaults
 from experiments.lib import results_io
-from experiments.lib.suite import rows as suite_rows
 from models import decode
 from models import forward
 from models import gguf_loader
@@ -220,7 +220,7 @@ def run_one(params, config, tok, examples, plan: Plan, design_name: str, budget:
       if design is not None:
         caches, state, _, shadow = eviction.evict_and_record(
             design, caches, shadow, jax.random.split(k)[1], budget=b)
-      return suite_rows.last_logits(logits, p_mask), caches, shadow, state
+      return batching.last_logits(logits, p_mask), caches, shadow, state
     n_prompt = int(p_mask.sum())
     full_tokens = prompt.shape[1] + N_STEPS
   else:
@@ -259,7 +259,7 @@ def run_one(params, config, tok, examples, plan: Plan, design_name: str, budget:
       logits, caches, _, shadow = forward.forward_chunk(
           p, config, qst, q_mask, caches,
           settings=layer_lib.Settings(design=design, certificate=False), shadow=shadow)
-      return suite_rows.last_logits(logits, q_mask), caches, shadow, state
+      return batching.last_logits(logits, q_mask), caches, shadow, state
     n_prompt = int(ctx_mask.sum() + q_mask.sum())
     full_tokens = n_chunks * chunk + qst.shape[1] + N_STEPS
 

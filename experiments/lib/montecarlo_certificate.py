@@ -21,6 +21,7 @@ import jax
 
 from certkv_jax import montecarlo
 from experiments.lib import design_defaults
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 
 
@@ -43,21 +44,27 @@ def _fractions(values, flag):
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What :func:`run_and_report` runs (the flags of ``experiments/montecarlo_certificate.py``).
-  ``budgets`` and ``deltas``: fractions in (0, 1) (strings or numbers)."""
+  """What :func:`run_and_report` runs (each setting a flag of
+  ``experiments/montecarlo_certificate.py``). ``budgets`` and ``deltas``: fractions in
+  (0, 1) (strings or numbers)."""
 
-  context_len: int = 512  # tokens in the synthetic context
-  head_dim: int = 16  # key and value dimension
-  budgets: tuple = (0.125, 0.25, 0.5)  # fractions of the context
-  deltas: tuple = (0.01, 0.05, 0.1, 0.2)  # certificate miss probabilities
-  designs: tuple = ("sink_window", "h2o", "tova", "snapkv", "key_norm", "uniform_random",
-                    "poisson_tail", "poisson_flat", "attention_proportional")
-  problems: tuple = ("gaussian", "spike")
-  regimes: tuple = ("question_aware", "streaming")
-  num_trials: int = 2000  # draws per randomized design
-  n_sink: int = design_defaults.N_SINK
-  window: int = design_defaults.WINDOW
-  seed: int = 0
+  context_len: int = plan_flags.setting(512, "Tokens in the synthetic context.")
+  head_dim: int = plan_flags.setting(16, "Key and value dimension.")
+  budgets: tuple = plan_flags.setting((0.125, 0.25, 0.5), "Budgets as fractions of the context.")
+  deltas: tuple = plan_flags.setting((0.01, 0.05, 0.1, 0.2), "Certificate miss probabilities.")
+  designs: tuple = plan_flags.setting(
+      ("sink_window", "h2o", "tova", "snapkv", "key_norm", "uniform_random", "poisson_tail",
+       "poisson_flat", "attention_proportional"), "Designs to run.")
+  problems: tuple = plan_flags.setting(
+      ("gaussian", "spike"), "gaussian: i.i.d. keys/values; spike: plus a few high-attention "
+      "outlier tokens.")
+  regimes: tuple = plan_flags.setting(
+      ("question_aware", "streaming"), "question_aware: the query's attention is known at "
+      "eviction; streaming: scores come from earlier queries only.")
+  num_trials: int = plan_flags.setting(2000, "Draws per randomized design.")
+  n_sink: int = plan_flags.setting(design_defaults.N_SINK, "Sink tokens kept by every design.")
+  window: int = plan_flags.setting(design_defaults.WINDOW, "Recent window kept by every design.")
+  seed: int = plan_flags.setting(0, "Seed of the problem and of the draws.")
 
 
 def run_and_report(plan: Plan, *, out: str) -> str:

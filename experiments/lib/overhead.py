@@ -71,13 +71,14 @@ from certkv_jax import certificate
 from certkv_jax import certified_attention
 from certkv_jax import eviction
 from certkv_jax import layer as layer_lib
+from experiments.lib import batching
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
+from experiments.lib import plan_flags
 from experiments.lib import plots
 from experiments.lib import results_io
 from experiments.lib import tasks
 from experiments.lib.stats import intervals
-from experiments.lib.suite import rows as suite_rows
 from models import forward
 from models import memory
 
@@ -144,11 +145,12 @@ class Plan:
   """What :func:`run_overhead` times (and the rows' keys)."""
 
   model: str = model_loading.DEFAULT_MODEL  # the name in rows (the command: the --model spec)
-  budget: float = 0.25
-  deterministic: str = "snapkv"  # the design of the ``deterministic`` configuration
-  n_steps: int = 16
-  repeats: int = 5
-  seed: int = 0
+  budget: float = plan_flags.setting(0.25, "Budget: the share of tokens kept.")
+  deterministic: str = plan_flags.setting(
+      "snapkv", "The design of the 'deterministic' configuration.")
+  n_steps: int = plan_flags.setting(16, "Decode steps per timed call.")
+  repeats: int = plan_flags.setting(5, "Timed calls.")
+  seed: int = plan_flags.setting(0, "Seed.")
   configs: tuple = ALL_CONFIGS  # a subset of ALL_CONFIGS
 
   def check(self) -> "Plan":
@@ -169,7 +171,7 @@ def run_overhead(params, config, examples, out_dir: str, plan: Plan, *,
   plan.check()
   budget, n_steps, seed = plan.budget, plan.n_steps, plan.seed
   results = results_io.JsonlResults(os.path.join(out_dir, "overhead_rows.jsonl"), KEY_FIELDS)
-  prompt, mask = suite_rows.pad_batch([e.context_ids + e.question_ids for e in examples])
+  prompt, mask = batching.pad_batch([e.context_ids + e.question_ids for e in examples])
   batch, plen = prompt.shape
   common = dict(model=plan.model, budget=float(budget), batch=batch, prompt_len=plen,
                 n_steps=n_steps, seed=seed)
@@ -185,7 +187,7 @@ def run_overhead(params, config, examples, out_dir: str, plan: Plan, *,
     logits, caches, _, _ = forward.forward_chunk(
         p, config, prompt, mask, caches_lib.init_caches(config, batch, full_cap),
         settings=layer_lib.Settings(certificate=False))
-    return suite_rows.last_logits(logits, mask), caches
+    return batching.last_logits(logits, mask), caches
 
   first, full_caches = prefill(params)
   progress = results_io.Progress(len(configs), len(configs) - len(todo))

@@ -40,11 +40,12 @@ from certkv_jax import certificate
 from certkv_jax import eviction
 from certkv_jax import layer as layer_lib
 from certkv_jax import registry
+from experiments.lib import batching
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 from experiments.lib import tasks
-from experiments.lib.suite import rows as suite_rows
 from models import decode
 from models import forward
 
@@ -75,14 +76,14 @@ def _rotate(caches, shadow, perturb, key):
 class Plan:
   """What :func:`run_theorem1` runs (and the rows' keys)."""
 
-  designs: tuple = ("snapkv", "h2o", "poisson_tail")
-  budget: float = 0.25
+  designs: tuple = plan_flags.setting(("snapkv", "h2o", "poisson_tail"), "Designs.")
+  budget: float = plan_flags.setting(0.25, "Budget: the share of tokens kept.")
   model: str = model_loading.DEFAULT_MODEL  # the name in rows (the command: the --model spec)
-  task: str = "passkey"
-  context_len: int = 192
-  seed: int = 0
-  n_draws: int = 4
-  n_steps: int = 8
+  task: str = plan_flags.setting("passkey", "Task of the prompts.")
+  context_len: int = plan_flags.setting(192, "Context length (tokens).")
+  seed: int = plan_flags.setting(0, "Seed.")
+  n_draws: int = plan_flags.setting(4, "Draws of the randomized designs.")
+  n_steps: int = plan_flags.setting(8, "Decode steps after the rotation.")
   n_sink: int = design_defaults.N_SINK
   window: int = design_defaults.WINDOW
 
@@ -99,7 +100,7 @@ def run_theorem1(params, config, examples, out_dir: str, plan: Plan, *,
   """Runs the experiment for every (design, example, draw) of ``plan`` not yet in
   ``out_dir``; returns the rows of ``plan``."""
   results = results_io.JsonlResults(os.path.join(out_dir, "theorem1_rows.jsonl"), KEY_FIELDS)
-  prompt, mask = suite_rows.pad_batch([e.context_ids + e.question_ids for e in examples])
+  prompt, mask = batching.pad_batch([e.context_ids + e.question_ids for e in examples])
   batch, plen = prompt.shape
   budget, n_steps = plan.budget, plan.n_steps
   common = dict(model=plan.model, task=plan.task, budget=float(budget), seed=plan.seed,
@@ -122,7 +123,7 @@ def run_theorem1(params, config, examples, out_dir: str, plan: Plan, *,
       logits, caches, _, shadow = forward.forward_chunk(
           p, config, prompt, mask, caches_lib.init_caches(config, batch, capacity),
           settings=layer_lib.Settings(design=design, certificate=False), shadow=shadow)
-      return suite_rows.last_logits(logits, mask), caches, shadow
+      return batching.last_logits(logits, mask), caches, shadow
 
     @jax.jit
     def evict(caches, shadow, key):

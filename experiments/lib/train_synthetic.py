@@ -34,6 +34,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 from models import llama
 from models.config import LlamaConfig
@@ -125,21 +126,21 @@ def make_train_step(config: LlamaConfig, optimizer, batch: int, n_pairs: int, n_
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """The task, model and optimisation of :func:`train` (the flags of the same names)."""
+  """The task, model and optimisation of :func:`train` (each setting a flag)."""
 
-  batch: int = 32  # sequences per step
-  n_pairs: int = 8  # key-value pairs per sequence
-  n_keys: int = 64  # key vocabulary size
-  n_values: int = 64  # value vocabulary size
-  layers: int = 2
-  hidden: int = 64
-  heads: int = 4
-  kv_heads: int = 2
-  lr: float = 3e-3  # peak learning rate (adamw, warmup-cosine)
-  weight_decay: float = 0.01
-  checkpoint_every: int = 200
-  log_every: int = 50
-  seed: int = 0
+  batch: int = plan_flags.setting(32, "Sequences per step.")
+  n_pairs: int = plan_flags.setting(8, "Key-value pairs per sequence.")
+  n_keys: int = plan_flags.setting(64, "Key vocabulary size.")
+  n_values: int = plan_flags.setting(64, "Value vocabulary size.")
+  layers: int = plan_flags.setting(2, "Decoder layers.")
+  hidden: int = plan_flags.setting(64, "Residual width.")
+  heads: int = plan_flags.setting(4, "Query heads.")
+  kv_heads: int = plan_flags.setting(2, "KV heads (GQA).")
+  lr: float = plan_flags.setting(3e-3, "Peak learning rate (adamw, warmup-cosine).")
+  weight_decay: float = plan_flags.setting(0.01, "adamw weight decay.")
+  checkpoint_every: int = plan_flags.setting(200, "Save a checkpoint every this many steps.")
+  log_every: int = plan_flags.setting(50, "Log and record the loss every this many steps.")
+  seed: int = plan_flags.setting(0, "Seed of the initialisation and of the data.")
   # Length of the learning-rate schedule (None: the run's steps); must be the same across
   # restarts for resumption to be exact.
   schedule_steps: int | None = None

@@ -33,6 +33,7 @@ from certkv_jax import layer as layer_lib
 from certkv_jax import registry
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
+from experiments.lib import plan_flags
 from experiments.lib.bench import decode_report as report_lib
 from experiments.lib.bench import flags
 from experiments.lib.bench.timing import LEVEL, WARMUP  # noqa: F401 (re-exported)
@@ -62,23 +63,38 @@ _STATIC_BUDGET = 0.5
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What to time (the command's flags)."""
+  """What to time (each setting a flag of ``experiments/bench_decode.py``)."""
 
-  designs: tuple = DESIGNS
-  budgets: tuple = BUDGETS
-  contexts: tuple = CONTEXTS
-  batches: tuple = BATCHES
-  evict_every: tuple = EVICT_EVERY
-  repeats: int = 11
-  certificate: str = "both"
-  capacity: str = "compact"
-  n_sink: int = design_defaults.N_SINK
-  window: int = design_defaults.WINDOW
-  seed: int = 0
-  max_seconds: float = 0.0
-  layer_loop: tuple = LAYER_LOOPS
-  plain_prefill: bool = True
-  dtype: str = model_loading.DEFAULT_DTYPE  # weights and caches (--dtype)
+  designs: tuple = plan_flags.setting(DESIGNS, "Designs (the full cache is always timed).")
+  budgets: tuple = plan_flags.setting(BUDGETS, "Budgets (fractions in (0, 1)).")
+  contexts: tuple = plan_flags.setting(CONTEXTS, "Context lengths (prompt tokens).")
+  batches: tuple = plan_flags.setting(BATCHES, "Batch sizes.")
+  evict_every: tuple = plan_flags.setting(
+      EVICT_EVERY, "Decode steps per eviction (1: after every step; k > 1: amortized "
+      "eviction into k slack slots, timed as calls of k steps, reported per step).")
+  repeats: int = plan_flags.setting(
+      11, "Timed calls per configuration (>= 6 for a 95% interval).")
+  certificate: str = plan_flags.setting(
+      "both", "Time the designs with the certificate statistics, without, or both.",
+      choices=CERTIFICATE)
+  capacity: str = plan_flags.setting(
+      "compact", "'compact': caches hold the kept tokens (a deployment); 'full': the "
+      "generate() layout, the prompt's capacity at every budget.", choices=CAPACITY)
+  n_sink: int = plan_flags.setting(design_defaults.N_SINK, "Sink tokens of every design.")
+  window: int = plan_flags.setting(design_defaults.WINDOW, "Recent window of every design.")
+  seed: int = plan_flags.setting(0, "Seed of the prompts and the eviction draws.")
+  max_seconds: float = plan_flags.setting(
+      0.0, "Start no new cell after this many seconds (0: no limit); the outputs then hold "
+      "the finished cells.")
+  layer_loop: tuple = plan_flags.setting(
+      LAYER_LOOPS, "Layer loops to time, interleaved: 'scan' (lax.scan over stacked weights "
+      "and caches) and/or 'unrolled' (per-layer weights and caches read in place); both: the "
+      "report gives their ratio.")
+  plain_prefill: bool = plan_flags.setting(
+      True, "Also time the plain one-shot forward beside the cached prefill (its dense "
+      "softmax grows with the square of the context: most of a 4k cell's time).")
+  dtype: str = plan_flags.setting(model_loading.DEFAULT_DTYPE, model_loading.DTYPE_HELP,
+                                  choices=model_loading.DTYPES)
 
   @property
   def certificate_modes(self) -> tuple:
@@ -144,16 +160,8 @@ class Plan:
 def plan_from_flags(fv) -> Plan:
   """The checked :class:`Plan` of the flags (``--quick`` replaces the defaults of the flags
   not given)."""
-  kw = dict(designs=tuple(fv.designs), budgets=flags.parse("budgets", fv.budgets, float),
-            contexts=flags.parse("contexts", fv.contexts, int),
-            batches=flags.parse("batches", fv.batches, int),
-            evict_every=flags.parse("evict_every", fv.evict_every, int), repeats=fv.repeats,
-            certificate=fv.certificate, capacity=fv.capacity, n_sink=fv.n_sink,
-            window=fv.window, seed=fv.seed, max_seconds=fv.max_seconds,
-            layer_loop=tuple(fv.layer_loop), plain_prefill=fv.plain_prefill, dtype=fv.dtype)
-  if fv.quick:
-    kw.update({k: v for k, v in QUICK.items() if not fv[k].present})
-  return Plan(**kw).check()
+  quick = {k: v for k, v in QUICK.items() if not fv[k].present} if fv.quick else {}
+  return plan_flags.plan_from_flags(Plan, fv, **quick)
 
 
 def _step_fn(config, design, certificate: bool, every: int = 1, steps: int = 1,

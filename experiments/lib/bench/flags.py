@@ -10,10 +10,3 @@ def check_int(flag, value, lo, hi=None):
     raise ValueError(f"--{flag} must be an int in [{lo}, {hi if hi is not None else 'inf'}], "
                      f"got {value!r}")
 
-
-def parse(flag, values, kind):
-  """``values`` converted by ``kind`` (a tuple), or ValueError naming ``--flag``."""
-  try:
-    return tuple(kind(v) for v in values)
-  except ValueError as err:
-    raise ValueError(f"--{flag} must be {kind.__name__}s, got {list(values)}") from err

@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 
 import certkv_jax
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 from experiments.lib.stats import intervals
 from pallas_kernels import offset_decode
@@ -394,23 +395,35 @@ def render(rows, device: str, plan) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What :func:`run_and_report` times (the flags of ``experiments/bench_kernels.py``).
+  """What :func:`run_and_report` times (each setting a flag of ``experiments/bench_kernels.py``).
 
   Fields left None take the backend's value in ``DEFAULTS`` (:meth:`resolve`).
   """
 
-  lengths: Optional[tuple] = None  # cache lengths
-  head_dims: Optional[tuple] = None
-  batch: Optional[int] = None  # rows of (sequence, KV head)
-  groups: int = 4  # query heads per KV head (GQA group)
-  dtype: str = "bfloat16"  # K/V/Q dtype
-  repeats: int = 7  # interleaved timed rounds
-  pallas: Optional[bool] = None  # the Pallas kernel too (None: on a GPU or TPU only)
-  splits: tuple = ()  # num_splits values of the kernel's sweep (beside the default)
-  iters: int = 0  # attention calls per timed loop (0: enough to read loop_bytes)
-  probe_mb: Optional[float] = None  # the read probe's buffer, MiB
+  lengths: Optional[tuple] = plan_flags.setting(
+      None, "Cache lengths (default: 4096,32768 on a GPU/TPU; 1024,4096,16384,32768 on CPU).")
+  head_dims: Optional[tuple] = plan_flags.setting(None, "Head dimensions (default 64,128).")
+  batch: Optional[int] = plan_flags.setting(
+      None, "Rows of (sequence, KV head) (default: 64 on a GPU/TPU, 8 on CPU).")
+  groups: int = plan_flags.setting(4, "Query heads per KV head (GQA group).")
+  dtype: str = plan_flags.setting("bfloat16", "K/V/Q dtype.", choices=("bfloat16", "float32"))
+  repeats: int = plan_flags.setting(7, "Timed repetitions (median reported).")
+  pallas: Optional[bool] = plan_flags.setting(
+      None, "Include the Pallas kernel (default: on GPU/TPU only; interpreted, slowly, on "
+      "CPU).")
+  splits: tuple = plan_flags.setting(
+      (), "num_splits values of the Pallas kernel to sweep, beside its default tiling (e.g. "
+      "1,2,4,8).")
+  iters: int = plan_flags.setting(
+      0, "Attention calls per timed loop (0: enough to read 8 GB on a GPU/TPU, 250 MB on "
+      "CPU).")
+  probe_mb: Optional[float] = plan_flags.setting(
+      None, "MiB of the read-bandwidth probe's buffer (default: 1024 on a GPU/TPU, 64 on "
+      "CPU).")
   loop_bytes: Optional[float] = None  # bytes a timed loop reads when iters is 0
-  max_seconds: float = 0.0  # start no new cell after this (0: no limit)
+  max_seconds: float = plan_flags.setting(
+      0.0, "Start no new cell after this many seconds (0: no limit); the outputs then hold "
+      "the finished cells.")
 
   def resolve(self) -> "Plan":
     """Defaults filled in for this backend, ints parsed, every size checked."""

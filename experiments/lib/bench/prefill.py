@@ -55,6 +55,7 @@ import sys
 import time
 from typing import Callable, Optional
 
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 from experiments.lib.bench import flags
 
@@ -69,16 +70,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What to measure (the command's flags)."""
+  """What to measure (each setting a flag of ``experiments/bench_prefill.py``)."""
 
-  contexts: tuple = CONTEXTS
-  chunks: tuple = CHUNKS
-  oneshot_max: int = 4096
-  batch: int = 1
-  repeats: int = 3
-  max_seconds: float = 0.0
-  seed: int = 0
-  child_timeout: float = 3600.0
+  contexts: tuple = plan_flags.setting(CONTEXTS, "Prompt lengths (tokens).")
+  chunks: tuple = plan_flags.setting(
+      CHUNKS, "Chunk sizes of the chunked prefill (those shorter than a context are "
+      "measured at it).")
+  oneshot_max: int = plan_flags.setting(
+      4096, "Largest context also measured one-shot (one-shot at 8k may exhaust memory).")
+  batch: int = plan_flags.setting(1, "Prompts per call.")
+  repeats: int = plan_flags.setting(3, "Timed calls per configuration.")
+  max_seconds: float = plan_flags.setting(
+      0.0, "No more timed calls of a configuration after this many seconds of them (at "
+      "least one; 0: no limit).")
+  seed: int = plan_flags.setting(0, "Seed of the random prompts.")
+  child_timeout: float = plan_flags.setting(
+      3600.0, "Seconds a configuration's process may run (0: no limit).")
 
   def check(self, max_positions: Optional[int] = None) -> "Plan":
     """Raises ValueError naming the flag and its allowed values; returns the plan."""
@@ -115,10 +122,7 @@ class Plan:
 
 def plan_from_flags(fv) -> Plan:
   """The checked :class:`Plan` of the flags."""
-  return Plan(contexts=flags.parse("contexts", fv.contexts, int),
-              chunks=flags.parse("chunks", fv.chunks, int), oneshot_max=fv.oneshot_max,
-              batch=fv.batch, repeats=fv.repeats, max_seconds=fv.max_seconds, seed=fv.seed,
-              child_timeout=fv.child_timeout).check()
+  return plan_flags.plan_from_flags(Plan, fv)
 
 
 # --- the child: one configuration ------------------------------------------------------------

@@ -36,12 +36,13 @@ import numpy as np
 
 from certkv_jax import certificate
 from certkv_jax import damage
+from experiments.lib import batching
 from experiments.lib import design_defaults
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 from experiments.lib import tasks as tasks_lib
 from experiments.lib.damage import tokens as damage_tokens
 from experiments.lib.streaming_loss.core import StreamConfig
-from experiments.lib.suite import rows as suite_rows
 from experiments.lib.validity import collect as validity_collect
 from certkv_jax.certified_attention import SIGNAL_FIELDS
 
@@ -68,23 +69,25 @@ QUICK = dict(context_len=256, chunk=32, text_segments=3, train_segments=2, num_e
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What the damage study runs (see the flags of ``experiments/damage.py``)."""
+  """What the damage study runs (each setting a flag of ``experiments/damage.py``)."""
 
   model: str = "smollm2"
-  design: str = "poisson_floor"
-  budget: float = 0.25
-  context_len: int = 1024
-  chunk: int = 128
+  design: str = plan_flags.setting("poisson_floor", "Randomized design (certkv_jax.registry).")
+  budget: float = plan_flags.setting(0.25, "Budget: fraction in (0, 1) of the tokens seen.")
+  context_len: int = plan_flags.setting(1024, "Context length in tokens.")
+  chunk: int = plan_flags.setting(128, "Streaming chunk (tokens per eviction).")
   n_sink: int = 4
   window: int = 16
-  n_steps: int = 10
+  n_steps: int = plan_flags.setting(10, "Decode steps per task example.")
   delta: float = 0.05
-  text_segments: int = 7
-  train_segments: int = 4
-  settings: tuple = tuple(TASK_SETTINGS)
-  num_examples: int = 16
-  max_batch: int = 8
-  seed: int = 0
+  text_segments: int = plan_flags.setting(7, "Text segments (built-in text).")
+  train_segments: int = plan_flags.setting(
+      4, "Segments the predictor is fitted on (the first ones); the rest are held out.")
+  settings: tuple = plan_flags.setting(tuple(TASK_SETTINGS),
+                                       f"Task settings: {sorted(TASK_SETTINGS)}.")
+  num_examples: int = plan_flags.setting(16, "Examples per task setting.")
+  max_batch: int = plan_flags.setting(8, "Rows per generation call.")
+  seed: int = plan_flags.setting(0, "Seed of tasks and designs.")
 
   def check(self) -> "Plan":
     ints = dict(context_len=(64, None), chunk=(1, None), n_sink=(0, None), window=(1, None),
@@ -176,14 +179,14 @@ def _generate(params, config, examples, design: str, plan: Plan, key, shape) -> 
   """Greedy streaming generation over ``examples`` in equal slices of ``max_batch``."""
   parts = []
   size = min(plan.max_batch, len(examples))
-  unit = suite_rows.UnitCall(design=design, regime="streaming", n_steps=plan.n_steps,
+  unit = batching.UnitCall(design=design, regime="streaming", n_steps=plan.n_steps,
                              chunk=plan.chunk, n_sink=plan.n_sink, window=plan.window,
                              shape=shape, max_budget=plan.budget, return_logits=True)
   for c, start in enumerate(range(0, len(examples), size)):
     idx = list(range(start, min(start + size, len(examples))))
     n_real = len(idx)
     idx += [idx[-1]] * (size - n_real)
-    gen = suite_rows.run_batch(params, config, [examples[i] for i in idx],
+    gen = batching.run_batch(params, config, [examples[i] for i in idx],
                                [plan.budget] * size, jax.random.fold_in(key, c), unit)
     part = {"tokens": np.asarray(gen.tokens)[:n_real],
             "logprobs": np.asarray(gen.logprobs)[:n_real],
@@ -205,7 +208,7 @@ def run_task_unit(params, config, tok, setting: str, plan: Plan, key) -> dict:
   task, kw = TASK_SETTINGS[setting]
   examples = tasks_lib.make_task(task, tok, plan.num_examples, plan.context_len, plan.seed,
                                  **kw)
-  shape = suite_rows.pad_shape(examples)
+  shape = batching.pad_shape(examples)
   full = _generate(params, config, examples, "full", plan, key, shape)
   arrays = {"full_correct": np.asarray([ex.score(tok.decode(t.tolist()))
                                         for ex, t in zip(examples, full["tokens"])]),

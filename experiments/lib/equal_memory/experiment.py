@@ -40,6 +40,7 @@ import numpy as np
 from certkv_jax import calibration
 from certkv_jax import memory
 from experiments.lib import design_defaults
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 from experiments.lib import variants
 from experiments.lib.streaming_loss import core as streaming_loss_core
@@ -93,18 +94,28 @@ class Plan:
   """What :func:`run` runs (validated by :meth:`check`; errors name the flag)."""
 
   sources: tuple
-  context_lens: tuple = (1024,)
-  variants: tuple = DEFAULT_VARIANTS
-  memories: tuple = (0.125, 0.25, 0.5)
-  n_eval: int = 16
-  n_calib: int = 4
-  chunk: int = 64
-  seed: int = 0
+  context_lens: tuple = plan_flags.setting((1024,), "Tokens per segment (BOS included).")
+  variants: tuple = plan_flags.setting(
+      DEFAULT_VARIANTS, "Design strings design[:setting=value...][+allocation[:setting="
+      "value...]] (certkv_jax.registry.parse, as generate and the leaderboard read them): "
+      f"allocations {list(ALLOCATIONS)}; aliases {list(ALIASES)}. The full cache always runs.")
+  memories: tuple = plan_flags.setting(
+      (0.125, 0.25, 0.5), "Kept bytes as fractions of the full cache's key/value bytes.")
+  n_eval: int = plan_flags.setting(16, "Evaluation segments (the first files).")
+  n_calib: int = plan_flags.setting(
+      4, "Calibration segments (the next files), for the conformal scales only.")
+  chunk: int = plan_flags.setting(64, "Tokens per streaming chunk (evict after each).")
+  seed: int = plan_flags.setting(0, "Seed of the randomized designs.")
   n_sink: int = design_defaults.N_SINK
   window: int = design_defaults.WINDOW
-  group: int = 8
-  max_units: Optional[int] = None
-  coverage: bool = True
+  group: int = plan_flags.setting(
+      8, "Segments per unit (one jitted call per memory x group).")
+  max_units: Optional[int] = plan_flags.setting(
+      None, "Stop after this many units (default: all); a rerun resumes.")
+  coverage: bool = plan_flags.setting(
+      True, "Run the randomized variants with their certificate in evaluation mode (true "
+      "error beside every radius: coverage); without it only the streaming loss is measured "
+      "(the same losses, much faster).")
 
   def check(self) -> "Plan":
     if not self.sources:

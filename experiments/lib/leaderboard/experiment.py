@@ -56,12 +56,13 @@ from certkv_jax import eviction
 from certkv_jax import layer as layer_lib
 from certkv_jax import memory
 from certkv_jax.caches import init_caches
+from experiments.lib import batching
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 from experiments.lib import ruler
 from experiments.lib import variants
-from experiments.lib.suite import rows as suite_rows
 from models import decode
 from models import precision
 from models.forward import allocation_args, forward_chunk
@@ -77,31 +78,60 @@ CALL_STEPS = 8  # decode steps per row whose per-call error and radius are kept
 QUESTION_PAD = 32  # questions are padded to a multiple of this (fewer compiles)
 
 
+def parse_tasks_at(entries) -> tuple:
+  """``--tasks_at`` entries ``CONTEXT:task+task...`` as ``((context, (task, ...)), ...)``."""
+  out = []
+  for e in entries:
+    c, sep, tasks = e.partition(":")
+    if not sep or not c.strip().isdigit() or not tasks:
+      raise ValueError(f"--tasks_at entries must be CONTEXT:task+task..., got {e!r}")
+    out.append((int(c), tuple(tasks.split("+"))))
+  return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What :func:`run` runs (validated by :meth:`check`; errors name the flag)."""
 
-  tasks: tuple = ruler.TASKS
-  context_lens: tuple = (4096,)
-  # (context_len, tasks) pairs: a subset of the tasks at that length (e.g. 8192)
-  tasks_at: tuple = ()
-  n_examples: int = 10
-  designs: tuple = design_defaults.names()
-  ratios: tuple = DEFAULT_RATIOS
-  regimes: tuple = REGIMES
-  chunk: int = 0
-  group: int = 1
-  seed: int = 0
+  tasks: tuple = plan_flags.setting(ruler.TASKS, "RULER tasks (experiments.lib.ruler.TASKS).")
+  context_lens: tuple = plan_flags.setting(
+      (4096,), "Tokens per example: prompt + RULER's generation budget.")
+  tasks_at: tuple = plan_flags.setting(
+      (), "CONTEXT:task+task...: only these tasks at that context length, e.g. "
+      "8192:niah_single_1+niah_multikey_1+vt.", parse=parse_tasks_at)
+  n_examples: int = plan_flags.setting(10, "Examples per task and context length.")
+  designs: tuple = plan_flags.setting(
+      design_defaults.names(), "Designs, or variants design[:setting=value][+allocation] "
+      "(experiments.lib.variants: adakv, cert, ...); the full cache always runs, as the "
+      "reference.")
+  ratios: tuple = plan_flags.setting(
+      DEFAULT_RATIOS, "Compression ratios: the share of the cache removed (budget = 1 - ratio).")
+  regimes: tuple = plan_flags.setting(
+      REGIMES, "streaming (question after the compressed context) and/or query_aware "
+      "(inside it).")
+  chunk: int = plan_flags.setting(
+      0, "Streaming: evict after every this many context tokens (0: the whole context at "
+      "once, as kvpress; one prefill for every design).")
+  group: int = plan_flags.setting(1, "Examples per batched call (each at every ratio).")
+  seed: int = plan_flags.setting(0, "Seed of the examples and the randomized designs.")
   n_sink: int = design_defaults.N_SINK
   window: int = design_defaults.WINDOW
-  haystack: Optional[str] = None  # a text file (None: ruler.DEFAULT_HAYSTACK)
-  max_new_tokens: Optional[int] = None  # None: RULER's tokens_to_generate per task
-  use_chat: bool = True
-  max_units: Optional[int] = None
-  # the ratio removes a share of the kept bytes (metadata included), not of the tokens
-  equal_memory: bool = False
-  coverage: bool = True  # randomized designs in evaluation mode (a shadow full cache)
-  dtype: str = model_loading.DEFAULT_DTYPE  # weights and KV caches (--dtype)
+  haystack: Optional[str] = plan_flags.setting(
+      None, "Text file for the essay haystack and word lists (default: "
+      "experiments/lib/ruler's DEFAULT_HAYSTACK).")
+  max_new_tokens: Optional[int] = plan_flags.setting(
+      None, "Tokens to generate (default: RULER's per task).")
+  use_chat: bool = plan_flags.setting(True, "Wrap prompts in the tokenizer's chat template.")
+  max_units: Optional[int] = plan_flags.setting(
+      None, "Stop after this many units (default: all); a rerun resumes.")
+  equal_memory: bool = plan_flags.setting(
+      False, "Ratios remove a share of the kept bytes (keys, values and per-slot metadata), "
+      "not of the tokens: designs at equal memory.")
+  coverage: bool = plan_flags.setting(
+      True, "Run randomized designs in evaluation mode (a shadow full cache: every decode "
+      "call's true error beside its radius).")
+  dtype: str = plan_flags.setting(model_loading.DEFAULT_DTYPE, model_loading.DTYPE_HELP,
+                                  choices=model_loading.DTYPES)
 
   def check(self) -> "Plan":
     if not self.tasks:
@@ -132,7 +162,7 @@ class Plan:
         raise ValueError(f"--tasks_at: {c}:{'+'.join(subset)} needs a context length of "
                          f"--context_lens and tasks of --tasks")
     if self.max_new_tokens is not None and self.max_new_tokens < 1:
-      raise ValueError(f"--max_new_tokens must be >= 1 (or 0: RULER's), got "
+      raise ValueError(f"--max_new_tokens must be >= 1 (unset: RULER's), got "
                        f"{self.max_new_tokens!r}")
     if self.haystack is not None and not os.path.isfile(self.haystack):
       raise ValueError(f"--haystack: no file {self.haystack!r}")
@@ -202,7 +232,7 @@ def prefill(params, tokens, mask, *, config, design, capacity: int):
   logits, caches, _, _ = forward_chunk(
       params, config, tokens, mask, caches,
       settings=layer_lib.Settings(design=design, certificate=False))
-  return suite_rows.last_logits(logits, mask), caches
+  return batching.last_logits(logits, mask), caches
 
 
 @functools.partial(jax.jit, static_argnames=("config", "gen"))
@@ -216,7 +246,7 @@ def answer(params, carry: decode.DecodeCarry, first_logits, question, question_m
                                               settings=layer_lib.Settings(certificate=False),
                                               shadow=carry.shadow)
     carry = carry._replace(caches=caches, shadow=shadow)
-    first_logits = suite_rows.last_logits(logits, question_mask)
+    first_logits = batching.last_logits(logits, question_mask)
   return decode.decode_from(params, carry, first_logits, config=config, gen=gen)
 
 
@@ -235,14 +265,14 @@ class _Batch:
     self.prefills = {}
     bound = context_len - n_steps  # RULER's sizing: prompt + n_steps <= context_len
     if regime == "query_aware":
-      self.prompt = suite_rows.pad_batch([e.context_ids + e.question_ids for e in examples],
+      self.prompt = batching.pad_batch([e.context_ids + e.question_ids for e in examples],
                                          bound)
       self.question = (None, None)
       self.capacity = bound + n_steps
     else:
-      self.prompt = suite_rows.pad_batch([e.context_ids for e in examples], bound)
+      self.prompt = batching.pad_batch([e.context_ids for e in examples], bound)
       longest = max(len(e.question_ids) for e in examples)
-      self.question = suite_rows.pad_batch([e.question_ids for e in examples],
+      self.question = batching.pad_batch([e.question_ids for e in examples],
                                            -(-longest // QUESTION_PAD) * QUESTION_PAD)
       self.capacity = bound + self.question[0].shape[1] + n_steps
 

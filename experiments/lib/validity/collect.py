@@ -34,11 +34,11 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
+from experiments.lib import batching
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib import results_io
 from experiments.lib import tasks as tasks_lib
-from experiments.lib.suite import rows as suite_rows
 
 TEXT = "text"  # the data-source name of natural-text examples
 # experiments/data/gpl-3.0.txt (this file is experiments/lib/validity/collect.py)
@@ -274,7 +274,7 @@ def run_unit(params, config, examples, design: str, regime: str, key, plan: Plan
   """A unit's per-call arrays ``[steps, layers, rows, heads]`` over its rows
   (every budget of ``plan`` x example), in equal-shape slices of ``plan.max_batch`` rows.
 
-  ``shape`` (:func:`experiments.lib.suite.rows.pad_shape` of every data source at
+  ``shape`` (:func:`experiments.lib.batching.pad_shape` of every data source at
   this context) pads all units of a context alike, so that the data sources of
   one (design, regime) share a compile.
   """
@@ -282,15 +282,15 @@ def run_unit(params, config, examples, design: str, regime: str, key, plan: Plan
   exs = [examples[i] for _, i in rows]
   row_b = [b for b, _ in rows]
   size = plan.max_batch or len(rows)
-  unit = suite_rows.UnitCall(design=design, regime=regime, n_steps=plan.n_steps,
+  unit = batching.UnitCall(design=design, regime=regime, n_steps=plan.n_steps,
                              chunk=plan.chunk, n_sink=plan.n_sink, window=plan.window,
-                             shape=shape or suite_rows.pad_shape(exs), max_budget=max(row_b))
+                             shape=shape or batching.pad_shape(exs), max_budget=max(row_b))
   parts = []
   for c, start in enumerate(range(0, len(rows), size)):
     idx = list(range(start, min(start + size, len(rows))))
     n_real = len(idx)
     idx += [idx[-1]] * (min(size, len(rows)) - n_real)  # equal shapes: one compile
-    gen = suite_rows.run_batch(params, config, [exs[i] for i in idx], [row_b[i] for i in idx],
+    gen = batching.run_batch(params, config, [exs[i] for i in idx], [row_b[i] for i in idx],
                                key if c == 0 else jax.random.fold_in(key, c), unit)
     parts.append(_gen_arrays(gen, n_real))
   out = {k: np.concatenate([p[k] for p in parts], axis=0 if k in ("tokens", "logprobs") else 2)
@@ -350,7 +350,7 @@ def collect(params, config, tok, plan: Plan, out_dir: str, *, text: str,
     group = (c, plan.pad_group_of(unit))
     if group not in examples:
       examples[group] = make_examples(tok, plan, c, text, text_source, data=group[1])
-      shapes[group] = suite_rows.pad_shape([e for v in examples[group].values() for e in v])
+      shapes[group] = batching.pad_shape([e for v in examples[group].values() for e in v])
     exs = examples[group][s]
     key = jax.random.fold_in(jax.random.PRNGKey(plan.seed), _unit_seed(unit))
     t0 = time.time()
