@@ -3,7 +3,7 @@ r"""Side-by-side demo: deterministic vs randomized eviction on SmolLM2, with the
 A seeded pass-key task on SmolLM2-135M-Instruct; every (design, budget) runs
 in evaluation mode and reports accuracy, the true attention error, the
 certificate's coverage and sharpness, memory and tokens/s
-(:mod:`experiments.lib.demo`).
+(:mod:`experiments.lib.demo.experiment`).
 
   python -m experiments.demo_smollm2 --out=/tmp/demo
 
@@ -13,7 +13,7 @@ Rows go to ``--out/rows.jsonl`` atomically as they finish; a rerun skips them.
 from absl import app
 from absl import flags
 
-from experiments.lib import demo
+from experiments.lib.demo import experiment as demo
 from experiments.lib import design_defaults
 
 FLAGS = flags.FLAGS

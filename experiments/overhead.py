@@ -2,7 +2,7 @@ r"""Experiment 7: time and memory per decode step.
 
 Times the full cache, a deterministic design, ``poisson_tail`` without and
 with the certificate, and the certificate subsampled by layer and by KV head
-(:mod:`experiments.lib.overhead`, :data:`~experiments.lib.overhead.TIMED_CONFIGS`).
+(:mod:`experiments.lib.overhead.experiment`, :data:`~experiments.lib.overhead.experiment.TIMED_CONFIGS`).
 Writes ``--out/overhead_rows.jsonl``, ``summary.md`` and ``overhead.png``.
 
   python -m experiments.overhead --out=/tmp/overhead
@@ -13,7 +13,7 @@ from absl import flags
 
 from experiments.lib import model_loading
 from experiments.lib import plan_flags
-from experiments.lib import overhead
+from experiments.lib.overhead import experiment as overhead
 
 FLAGS = flags.FLAGS
 

@@ -2,7 +2,7 @@ r"""Experiment 1: permutation / rotation (Theorem 1) on a real model's cache.
 
 Rotates the values of the evicted tokens and evicts again with the same key:
 what each design keeps, decodes and certifies is compared before and after
-(:mod:`experiments.lib.theorem1`). Writes ``--out/theorem1_rows.jsonl`` and
+(:mod:`experiments.lib.theorem1.experiment`). Writes ``--out/theorem1_rows.jsonl`` and
 ``summary.md``.
 
   python -m experiments.theorem1 --out=/tmp/thm1
@@ -13,7 +13,7 @@ from absl import flags
 
 from experiments.lib import model_loading
 from experiments.lib import plan_flags
-from experiments.lib import theorem1
+from experiments.lib.theorem1 import experiment as theorem1
 
 FLAGS = flags.FLAGS
 

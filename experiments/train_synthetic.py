@@ -2,7 +2,7 @@ r"""Trains a small Llama-family model from scratch on synthetic key-value retrie
 
 A controlled testbed for the eviction designs: the model learns to answer a
 key-value lookup; the whole training state is checkpointed with orbax and a
-rerun with the same ``--out`` resumes exactly (:mod:`experiments.lib.train_synthetic`).
+rerun with the same ``--out`` resumes exactly (:mod:`experiments.lib.train_synthetic.experiment`).
 The loss curve goes to ``--out/loss.jsonl``.
 
   python -m experiments.train_synthetic --out=/tmp/kv_train --steps=2000
@@ -12,7 +12,7 @@ from absl import app
 from absl import flags
 
 from experiments.lib import plan_flags
-from experiments.lib import train_synthetic
+from experiments.lib.train_synthetic import experiment as train_synthetic
 
 FLAGS = flags.FLAGS
 

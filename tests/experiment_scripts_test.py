@@ -81,7 +81,7 @@ class ExperimentScriptsTest(absltest.TestCase):
                        "--n_steps=2", "--repeats=2", "--budget=0.5")
     self.assertIn("Overhead per decode step", stdout)
     rows = results_io.read_rows(os.path.join(out, "overhead_rows.jsonl"))
-    from experiments.lib import overhead  # pylint: disable=g-import-not-at-top
+    from experiments.lib.overhead import experiment as overhead  # pylint: disable=g-import-not-at-top
     self.assertEqual([r["config"] for r in rows], list(overhead.ALL_CONFIGS))
     self.assertIn("ratio_cert_vs_deterministic", open(os.path.join(out, "summary.md")).read())
     # A bad flag fails with the flag's name.

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.lib import demo
+from experiments.lib.demo import experiment as demo
 from experiments.lib import results_io
 from models import gguf_loader
 from models import llama

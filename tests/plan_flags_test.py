@@ -99,7 +99,10 @@ class ScriptsTest(absltest.TestCase):
   """The converted scripts define one flag per setting of their Plan."""
 
   def test_every_setting_is_a_flag(self):
-    from experiments.lib import montecarlo_certificate, overhead, theorem1, train_synthetic  # pylint: disable=g-import-not-at-top,g-multiple-import
+    from experiments.lib.montecarlo_certificate import experiment as montecarlo_certificate  # pylint: disable=g-import-not-at-top
+    from experiments.lib.overhead import experiment as overhead  # pylint: disable=g-import-not-at-top
+    from experiments.lib.theorem1 import experiment as theorem1  # pylint: disable=g-import-not-at-top
+    from experiments.lib.train_synthetic import experiment as train_synthetic  # pylint: disable=g-import-not-at-top
     from experiments.lib.leaderboard import experiment as leaderboard  # pylint: disable=g-import-not-at-top
     from experiments.lib.equal_memory import experiment as equal_memory  # pylint: disable=g-import-not-at-top
     from experiments.lib.bench import decode as bench_decode  # pylint: disable=g-import-not-at-top

@@ -16,11 +16,11 @@ import pytest
 
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
-from experiments.lib import overhead
+from experiments.lib.overhead import experiment as overhead
 from experiments.lib import results_io
 from experiments.lib import stats
 from experiments.lib import tasks
-from experiments.lib import theorem1
+from experiments.lib.theorem1 import experiment as theorem1
 from experiments.lib.analyses import assumption2
 from experiments.lib.analyses import common
 from experiments.lib.analyses import coverage

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments.lib import results_io
-from experiments.lib import train_synthetic
+from experiments.lib.train_synthetic import experiment as train_synthetic
 
 # One learning-rate schedule: one compile for all tests.
 SMALL = train_synthetic.Settings(batch=16, n_pairs=4, n_keys=16, n_values=16, layers=2,

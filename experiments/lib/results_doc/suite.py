@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from experiments.lib import overhead as overhead_lib
+from experiments.lib.overhead import experiment as overhead_lib
 from experiments.lib.results_doc import markdown as fmt
 from experiments.lib.suite import report as suite_report
 
@@ -283,7 +283,7 @@ def overhead_long(root: str) -> list[str]:
   out += fmt.source([f"{rel}/overhead_rows.jsonl", f"{rel}/summary.md"],
                     fmt.command(root, f"{rel}/summary.md"))
   out += [f"{_overhead_setup(rows)}; ratios recomputed from the rows "
-          "(`experiments.lib.overhead.summarize`):", ""]
+          "(`experiments.lib.overhead.experiment.summarize`):", ""]
   out += _overhead_table(rows, s)
   full, cert = by["full"], by["randomized+certificate"]
   vs_rand = s["ratio_cert_vs_randomized"]

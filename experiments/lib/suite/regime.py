@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from experiments.lib import overhead as overhead_lib
+from experiments.lib.overhead import experiment as overhead_lib
 from experiments.lib import results_io
 
 # This file is experiments/lib/suite/regime.py.

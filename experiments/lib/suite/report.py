@@ -24,7 +24,7 @@ import platform
 from typing import Callable, Optional, Sequence
 
 from experiments.lib import model_loading
-from experiments.lib import overhead as overhead_lib
+from experiments.lib.overhead import experiment as overhead_lib
 from experiments.lib import results_io
 from experiments.lib.analyses import common
 from experiments.lib.suite import regime

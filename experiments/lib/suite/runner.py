@@ -55,10 +55,10 @@ from typing import Optional
 from experiments.lib import design_defaults
 from experiments.lib import loaders
 from experiments.lib import model_loading
-from experiments.lib import overhead
+from experiments.lib.overhead import experiment as overhead
 from experiments.lib import results_io
 from experiments.lib import tasks as tasks_lib
-from experiments.lib import theorem1
+from experiments.lib.theorem1 import experiment as theorem1
 from experiments.lib.analyses import assumption2
 from experiments.lib.analyses import coverage
 from experiments.lib.analyses import failures

@@ -1,0 +1,1 @@
+"""Time and memory per decode step (``python -m experiments.overhead``): :mod:`.experiment`."""
