@@ -69,7 +69,8 @@ class EvictionDesign:
   The last ``observation_window`` queries of each prompt chunk replace ``obs``;
   a design whose scores read ``obs`` refuses a window of 0. ``min_tail`` keeps a
   sampled tail when the budget is below the certainty set, at the price of up
-  to ``min_tail`` tokens over budget (method, section 3).
+  to ``min_tail`` tokens over budget; ``spill`` instead lets the window join the tail
+  there, so that no token leaves with ``pi = 0`` (method, section 3, "Certified twins").
   """
 
   name: str
@@ -79,6 +80,7 @@ class EvictionDesign:
   fold: str = "sum"
   observation_window: int = 0
   min_tail: int = 0
+  spill: bool = False
 
   def __post_init__(self):
     if self.fold not in FOLDS:
@@ -113,7 +115,8 @@ class EvictionDesign:
   def hparams(self) -> dict:
     return {"name": self.name, "budget": self.budget, "certain": self.certain,
             "tail": self.tail, "fold": self.fold,
-            "observation_window": self.observation_window, "min_tail": self.min_tail}
+            "observation_window": self.observation_window, "min_tail": self.min_tail,
+            "spill": self.spill}
 
   def init(self, cache: KVCache) -> DesignState:
     """Checks the cache against the design and returns a fresh state."""
@@ -146,6 +149,13 @@ class EvictionDesign:
     target = self.budget.target(cache)
     if self.min_tail:  # never fewer than min_tail tail slots beside the certainty set
       target = jnp.maximum(target, n_certain + self.min_tail)
+    over_budget = n_certain > target
+    if self.spill:  # no slot left for the tail: keep as many, the window's by the tail rule
+      tight = target <= n_certain
+      target = jnp.maximum(target, n_certain)
+      certain = jnp.where(tight, dataclasses.replace(self.certain, window=0)(cache) & valid,
+                          certain)
+      n_certain = jnp.sum(certain).astype(jnp.int32)
     triggered = cache.n_valid > target
     slots = jnp.maximum(target - n_certain, 0)
     tail = valid & ~certain
@@ -170,7 +180,7 @@ class EvictionDesign:
         rounds=state.rounds + t,
         n_redraws=state.n_redraws + t * choice.n_redraws,
         n_dropped=state.n_dropped + t * choice.n_dropped,
-        n_over_budget=state.n_over_budget + t * (n_certain > target).astype(jnp.int32),
+        n_over_budget=state.n_over_budget + t * over_budget.astype(jnp.int32),
     )
     return new_cache, new_state, info
 
@@ -207,11 +217,12 @@ TWIN_EPS = 0.05
 
 
 def certified(design: EvictionDesign, *, top_share: float = TWIN_SHARE,
-              eps: float = TWIN_EPS) -> EvictionDesign:
+              eps: float = TWIN_EPS, spill: bool = True) -> EvictionDesign:
   """The certified twin ``<name>_cert`` of a deterministic (top-k) design (method, section 3).
 
   ``top_share`` of the tail slots go by the design's own score with certainty;
-  the rest are priority-sampled by that score, with Hajek offsets.
+  the rest are priority-sampled by that score, with Hajek offsets. ``spill``: where
+  the budget leaves no tail slot, the window joins the tail (:class:`EvictionDesign`).
 
   Raises:
     TypeError unless ``design`` has a :class:`TopK` tail; ValueError unless
@@ -223,9 +234,11 @@ def certified(design: EvictionDesign, *, top_share: float = TWIN_SHARE,
   if isinstance(top_share, bool) or not isinstance(top_share, (int, float)) or not (
       0.0 <= top_share < 1.0):
     raise ValueError(f"top_share must be a float in [0, 1), got {top_share!r}")
+  if spill not in (True, False):  # 0 / 1 from a design string
+    raise ValueError(f"spill must be a bool (or 0 / 1), got {spill!r}")
   tail = PriorityTail(score=scores.TailShifted(design.tail.score), eps=eps,
                       heavy_share=top_share)
-  return dataclasses.replace(design, tail=tail, name=f"{design.name}_cert")
+  return dataclasses.replace(design, tail=tail, name=f"{design.name}_cert", spill=bool(spill))
 
 
 # --------------------------------------------------------------------------- factories

@@ -67,14 +67,15 @@ TWIN_SUFFIX = "_cert"
 
 
 def _twin(factory):
-  """The factory of ``factory``'s certified twin (:func:`designs.certified`), with ``top_share``."""
+  """The factory of ``factory``'s certified twin (:func:`designs.certified`), with
+  ``top_share`` and ``spill``."""
 
-  def twin(budget, *, top_share: float = designs.TWIN_SHARE, **settings):
-    return designs.certified(factory(budget, **settings), top_share=top_share)
+  def twin(budget, *, top_share: float = designs.TWIN_SHARE, spill: bool = True, **settings):
+    return designs.certified(factory(budget, **settings), top_share=top_share, spill=spill)
   params = list(inspect.signature(factory).parameters.values())
   at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
-  params.insert(at, inspect.Parameter("top_share", inspect.Parameter.KEYWORD_ONLY,
-                                      default=designs.TWIN_SHARE))
+  for name, default in (("spill", True), ("top_share", designs.TWIN_SHARE)):
+    params.insert(at, inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default))
   twin.__signature__ = inspect.Signature(params)
   return twin
 

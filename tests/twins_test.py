@@ -121,11 +121,54 @@ class TwinTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "already registered"):
       registry.register("first_value_cert", factory)
 
+  def test_spill_when_the_budget_cannot_hold_the_certainty_set(self):
+    # A budget of 4 tokens (10% of 40) against 2 sinks + a 4-token window: the deterministic design
+    # keeps the 6 certain tokens and drops the rest with pi = 0. The twin keeps 6 as
+    # well (equal memory), the sinks certain and 4 others by its tail rule over the
+    # window and the tail together (2 by rank, 2 sampled), so every token it drops had
+    # pi > 0; spill=0 keeps the old behaviour.
+    c = _cache()
+    det = _evict(registry.make("h2o", 0.1, n_sink=N_SINK, window=WINDOW), c,
+                 jax.random.PRNGKey(0))[2]
+    pos = np.asarray(c.pos)
+    certain = np.asarray(c.valid) & ((pos < N_SINK) | (pos >= N - WINDOW))
+    np.testing.assert_array_equal(np.asarray(det.kept), certain)
+    old = _evict(registry.make("h2o_cert:spill=0", 0.1, n_sink=N_SINK, window=WINDOW), c,
+                 jax.random.PRNGKey(0))[2]
+    np.testing.assert_array_equal(np.asarray(old.kept), certain)
+    self.assertEqual(float(np.asarray(old.pi)[np.asarray(old.evicted)].max()), 0.0)
+    twin = registry.make("h2o_cert", 0.1, n_sink=N_SINK, window=WINDOW)
+    acc = np.where(np.asarray(c.valid) & (pos >= N_SINK), np.asarray(c.acc), -np.inf)
+    best = np.argsort(-acc)[:2]  # the two highest accumulated attention, sinks aside
+    for seed in range(10):
+      new, state, info = _evict(twin, c, jax.random.PRNGKey(seed))
+      kept, pi = np.asarray(info.kept), np.asarray(info.pi)
+      self.assertEqual(int(kept.sum()), N_SINK + WINDOW)
+      self.assertTrue(kept[np.asarray(c.valid) & (pos < N_SINK)].all() and kept[best].all())
+      np.testing.assert_array_equal(pi[best], 1.0)
+      gone = np.asarray(info.evicted)
+      self.assertEqual(int(gone.sum()), N - N_SINK - WINDOW)
+      self.assertGreater(float(pi[gone].min()), 0.0)  # no deletion outside the sample
+      sampled = kept & (pos >= N_SINK) & (pi < 1.0)
+      self.assertEqual(int(sampled.sum()), 2)
+      np.testing.assert_allclose(np.asarray(new.log_pi)[sampled], np.log(pi[sampled]),
+                                 rtol=1e-6)
+      self.assertEqual(int(state.n_over_budget), 1)  # over the nominal budget, as h2o
+    # Within budget spill changes nothing.
+    for seed in range(3):
+      a = _evict(registry.make("h2o_cert", BUDGET, n_sink=N_SINK, window=WINDOW), c,
+                 jax.random.PRNGKey(seed))[2]
+      b = _evict(registry.make("h2o_cert:spill=0", BUDGET, n_sink=N_SINK, window=WINDOW),
+                 c, jax.random.PRNGKey(seed))[2]
+      np.testing.assert_array_equal(np.asarray(a.kept), np.asarray(b.kept))
+
   def test_errors(self):
     with self.assertRaisesRegex(TypeError, "deterministic top-k design"):
       designs.certified(registry.make("poisson_tail", BUDGET))
     with self.assertRaisesRegex(ValueError, "top_share must be a float in \\[0, 1\\)"):
       designs.certified(registry.make("h2o", BUDGET), top_share=1.0)
+    with self.assertRaisesRegex(ValueError, "spill must be a bool"):
+      designs.certified(registry.make("h2o", BUDGET), spill=2)
     with self.assertRaisesRegex(ValueError, "unknown design 'poisson_tail_cert'"):
       registry.make("poisson_tail_cert", BUDGET)
 
