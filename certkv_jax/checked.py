@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from certkv_jax import _checks
-from certkv_jax import attention
-from certkv_jax import cache as cache_lib
+from certkv_jax import _validate
+from certkv_jax.attention import offset
 from certkv_jax import certificate
+from certkv_jax.kv import cache as cache_lib
 
 Array = jax.Array
 
@@ -43,14 +43,14 @@ def check_attention_inputs(q, k, v, log_pi, mask, *, allow_empty_rows: bool = Fa
   """
   q, k, log_pi, mask = (jnp.asarray(x) for x in (q, k, log_pi, mask))
   v = None if v is None else jnp.asarray(v)
-  attention._check_shapes(q, k, v, log_pi, mask)  # pylint: disable=protected-access
-  n_q = _checks.nonfinite_count(q)
+  offset._check_shapes(q, k, v, log_pi, mask)  # pylint: disable=protected-access
+  n_q = _validate.nonfinite_count(q)
   checkify.check(n_q == 0, "q has {n} NaN/inf entries; q must be finite everywhere", n=n_q)
   arrays = (("k", k, 1), ("log_pi", log_pi, 0))
   if v is not None:
     arrays = (("k", k, 1), ("v", v, 1), ("log_pi", log_pi, 0))
   for name, x, value_axes in arrays:
-    n_bad = _checks.nonfinite_count(x, mask, value_axes)
+    n_bad = _validate.nonfinite_count(x, mask, value_axes)
     checkify.check(n_bad == 0, f"{name} has {{n}} NaN/inf entries on valid slots (mask True); "
                    f"{name} must be finite there", n=n_bad)
   lp = jnp.where(mask, log_pi.astype(jnp.float32), 0.0)
@@ -84,7 +84,7 @@ def check_no_overflow(caches, name: str = "cache") -> None:
 
 
 def checked_offset_attention(q, k, v, log_pi, mask, *, allow_empty_rows: bool = False,
-                             **kwargs) -> attention.OffsetAttentionResult:
+                             **kwargs) -> offset.OffsetAttentionResult:
   """``certkv_jax.offset_attention`` with :func:`check_attention_inputs`; same result, bit for bit.
 
   A given ``value_sqnorm`` is checked too: finite and >= 0 on valid slots.
@@ -92,20 +92,20 @@ def checked_offset_attention(q, k, v, log_pi, mask, *, allow_empty_rows: bool = 
   check_attention_inputs(q, k, v, log_pi, mask, allow_empty_rows=allow_empty_rows)
   if kwargs.get("value_sqnorm") is not None:
     sq = jnp.asarray(kwargs["value_sqnorm"])
-    n_bad = _checks.nonfinite_count(sq, mask)
+    n_bad = _validate.nonfinite_count(sq, mask)
     checkify.check(n_bad == 0, "value_sqnorm has {n} NaN/inf entries on valid slots (mask "
                    "True); it must be finite there", n=n_bad)
     n_neg = jnp.sum(jnp.asarray(mask) & (sq < 0), dtype=jnp.int32)
     checkify.check(n_neg == 0, "value_sqnorm must be >= 0 (a squared norm) on every valid "
                    "slot; found {n} entries < 0", n=n_neg)
-  return attention.offset_attention(q, k, v, log_pi, mask, **kwargs)
+  return offset.offset_attention(q, k, v, log_pi, mask, **kwargs)
 
 
 def checked_attention_probs(q, k, log_pi, mask, *, allow_empty_rows: bool = False,
                             scale: Optional[float] = None) -> Array:
   """``certkv_jax.attention_probs`` with :func:`check_attention_inputs` (no ``v``)."""
   check_attention_inputs(q, k, None, log_pi, mask, allow_empty_rows=allow_empty_rows)
-  return attention.attention_probs(q, k, log_pi, mask, scale=scale)
+  return offset.attention_probs(q, k, log_pi, mask, scale=scale)
 
 
 def checked_certificate_radius(result, delta, form: str = "bernstein") -> Array:
@@ -124,7 +124,7 @@ def checked_radius_from_stats(var_hat, range_hat, delta, form: str = "bernstein"
 
 
 def checked_append(cache: cache_lib.KVCache, k_new, v_new, new_valid=None) -> cache_lib.KVCache:
-  """``certkv_jax.cache.append`` that fails (checkify) if the cache ever dropped a token."""
+  """``certkv_jax.kv.cache.append`` that fails (checkify) if the cache ever dropped a token."""
   new = cache_lib.append(cache, k_new, v_new, new_valid)
   check_no_overflow(new)
   return new

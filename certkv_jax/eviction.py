@@ -13,13 +13,13 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from certkv_jax import distributed
-from certkv_jax import distributed_eviction
-from certkv_jax.cache import KVCache
-from certkv_jax import budgets as budgets_lib
-from certkv_jax import cache as cache_lib
-from certkv_jax import caches as caches_lib
-from certkv_jax.caches import over_heads
+from certkv_jax.designs import budgets as budgets_lib
+from certkv_jax.kv import cache as cache_lib
+from certkv_jax.kv.cache import KVCache
+from certkv_jax.kv import caches as caches_lib
+from certkv_jax.kv.caches import over_heads
+from certkv_jax.kv import distributed
+from certkv_jax.kv import distributed_eviction
 
 
 class Evicted(NamedTuple):
@@ -52,7 +52,7 @@ def evict(design, caches: KVCache, key, *, state=None, layer_budgets=None, budge
       all floats (fractions), replacing the design's.
     budget: optional, may be traced: a fraction in (0, 1], scalar or ``[batch]``,
       replacing the design's in every layer (one program for every budget).
-    allocation: optional, static: a per-head allocation (``certkv_jax.allocation``;
+    allocation: optional, static: a per-head allocation (``certkv_jax.designs.allocation``;
       not on sequence-sharded caches), with ``gains`` [n_layers, n_kv_heads] if it needs them.
 
   Returns an :class:`Evicted` (``shadow`` None).

@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from certkv_jax import cache as cache_lib
-from certkv_jax import caches as caches_lib
-from certkv_jax import certified_attention
-from certkv_jax.cache import KVCache
-from certkv_jax.certified_attention import ChunkStats
+from certkv_jax.attention import certified
+from certkv_jax.attention.certified import ChunkStats
+from certkv_jax.kv import cache as cache_lib
+from certkv_jax.kv.cache import KVCache
+from certkv_jax.kv import caches as caches_lib
 
 Array = jax.Array
 
@@ -34,7 +34,7 @@ class Settings:
   ``design``: the ``EvictionDesign`` whose statistics are folded, or None.
   ``observe``: the chunk is a prompt whose last ``design.observation_window`` real queries
   form the window; decode steps pass False. ``certificate``: True; False (``stats`` None);
-  in ``models.forward`` also a ``certified_attention.Subsample``. ``scale``: the logit
+  in ``models.forward`` also a ``certified.Subsample``. ``scale``: the logit
   scale (None: ``1/sqrt(head_dim)``). ``checked``: raise on overflow through
   ``checkify.check`` (eager calls raise; under ``jit`` wrap in ``checkify.checkify``).
   """
@@ -173,7 +173,7 @@ def _attend_appended(q, cache, shadow, pos, valid, settings: Settings):
   layer_flag, heads = certificate if isinstance(certificate, tuple) else (None, None)
   certificate = certificate is not False
   with jax.named_scope("attention_statistics"):
-    out, stats, probs = certified_attention.attend(
+    out, stats, probs = certified.attend(
         qg, cache, shadow, pos, certificate=certificate, with_probs=design is not None,
         layer_flag=layer_flag, heads=heads)  # out [b, h_kv, g, t, d]
   if stats is not None:  # [b, h_kv, g, t] -> [b, n_heads, t]

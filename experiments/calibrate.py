@@ -6,10 +6,10 @@ every decode call), fits the calibration and saves it with orbax to
 ``--out/calibration``, with the model, design, budgets, regimes and data it
 was made for; applying it to anything else is an error naming the field.
 
-``--scheme=binned`` (default; :mod:`certkv_jax.robust_calibration`): per
+``--scheme=binned`` (default; :mod:`certkv_jax.calibration.robust`): per
 regime, budget and delta, bins of the raw radius, each with the largest of the
 per-source conformal scales -- give it several sources (``--data``).
-``--scheme=per_head`` (:mod:`certkv_jax.calibration_store`): one scale per
+``--scheme=per_head`` (:mod:`certkv_jax.calibration.store`): one scale per
 (budget, delta, layer, KV head), all sources pooled. Unit files go to
 ``--out/units`` (a rerun resumes).
 
@@ -18,7 +18,7 @@ per-source conformal scales -- give it several sources (``--data``).
 
 The artifact records the range of prompt tokens (context + question) of the
 calls it was fitted on and its sources; applying it outside that range is
-refused or warned about (:meth:`certkv_jax.robust_calibration.BinnedCalibration.radius`).
+refused or warned about (:meth:`certkv_jax.calibration.robust.BinnedCalibration.radius`).
 
 ``--from_units`` fits from the unit files already in ``--out/units`` (e.g. a
 validity study's) without loading the model or running anything: the units of
@@ -38,8 +38,8 @@ from absl import logging
 import numpy as np
 from absl import flags
 
-from certkv_jax import calibration_store
-from certkv_jax import robust_calibration
+from certkv_jax.calibration import robust
+from certkv_jax.calibration import store
 from experiments.lib import model_loading
 from experiments.lib.validity import calls as calls_lib
 from experiments.lib.validity import collect as collect_lib
@@ -54,7 +54,7 @@ flags.DEFINE_string("design", "poisson_tail", "The randomized design to calibrat
 flags.DEFINE_list("data", ["text", "passkey", "kv_retrieval", "variable_tracking"],
                   "Calibration data: 'text' and/or task names.")
 flags.DEFINE_enum("scheme", "binned", ["binned", "per_head"], "Calibration scheme.")
-flags.DEFINE_integer("n_bins", robust_calibration.DEFAULT_BINS, "Radius bins (binned).")
+flags.DEFINE_integer("n_bins", robust.DEFAULT_BINS, "Radius bins (binned).")
 flags.DEFINE_list("regimes", list(_P.regimes), "Regimes pooled in the calibration.")
 flags.DEFINE_list("budgets", [str(b) for b in _P.budgets], "Budgets (fractions in (0, 1)).")
 flags.DEFINE_list("deltas", [str(d) for d in calls_lib.DELTAS], "Miss probabilities.")
@@ -117,10 +117,10 @@ def main(argv):
             budgets=budgets, deltas=deltas)
   if FLAGS.scheme == "binned":
     calib = calls_lib.fit_binned(calls, n_bins=FLAGS.n_bins, **kw)
-    robust_calibration.save(target, calib, overwrite=FLAGS.overwrite)
+    robust.save(target, calib, overwrite=FLAGS.overwrite)
   else:
     calib = calls_lib.fit_fold(calls, **kw)
-    calibration_store.save(target, calib, overwrite=FLAGS.overwrite)
+    store.save(target, calib, overwrite=FLAGS.overwrite)
   finite = calib.scales[np.isfinite(calib.scales)]
   where = (f"{calib.fitted_on()}" if FLAGS.scheme == "binned"
            else f"sources {', '.join(plan.data)}")

@@ -7,7 +7,7 @@ r"""From attention radius to output damage: attribution, gating and per-token da
 Collects resumable units (``experiments.lib.damage.collect``: text segments
 streamed through the full and the evicted model, and task settings generated
 with the full cache and twice with the design), fits the learned damage
-predictor (``certkv_jax.damage_predictor``) on the training text segments and
+predictor (``certkv_jax.calibration.damage_predictor``) on the training text segments and
 saves it with orbax under ``OUT/predictor``, then writes ``OUT/summary.json``,
 ``OUT/report.md`` and plots (``experiments.lib.damage.report``). Stages:
 ``collect``, ``train`` (fit and save the predictor from collected units),

@@ -1,7 +1,7 @@
 r"""Eviction designs compared at equal memory: streaming loss and the certificate.
 
 Every variant (design + per-head allocation) keeps the same key, value and
-metadata bytes (``certkv_jax.memory``); natural-text segments (one per source
+metadata bytes (``certkv_jax.kv.memory``); natural-text segments (one per source
 file) stream through the model, evicted after every chunk; the NLL increase
 over the full cache is paired by segment against the best deterministic
 design with uniform budgets, and the randomized variants' raw and calibrated
@@ -10,7 +10,7 @@ design with uniform budgets, and the randomized variants' raw and calibrated
 ``--out/report.md``, ``summary.json`` and ``delta_nll.png`` are written
 (:mod:`experiments.lib.equal_memory`). The default sources are the Vim user
 manual shipped in ``experiments/data/vim`` (its README gives source and licence).
-Variants are design strings of ``certkv_jax.registry.parse``, as in ``generate``
+Variants are design strings of ``certkv_jax.designs.registry.parse``, as in ``generate``
 and the leaderboard. A bad flag ends in one line naming it.
 
   python -m experiments.equal_memory --out=/tmp/eqm --context_lens=1024 \

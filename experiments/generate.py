@@ -44,7 +44,7 @@ def define_flags():
                       f"Eviction design: {', '.join(generate.design_names())} ('full': none); "
                       "a name may carry settings and a per-head allocation, "
                       "design[:setting=value...][+allocation[:setting=value...]] "
-                      "(certkv_jax.registry.parse), e.g. "
+                      "(certkv_jax.designs.registry.parse), e.g. "
                       "priority_focus:diffuse_weight=0.3:focus_share=0.95+cert:min_share=0.95.")
   flags.DEFINE_float("budget", 0.25, "Fraction in (0, 1] of the tokens seen that is kept.")
   flags.DEFINE_integer("max_new_tokens", 64, "Decode steps; the answer stops at end-of-turn.")

@@ -20,7 +20,7 @@ from models import precision
 from models import prefill
 from models import rope
 from models import tokenizer
-from certkv_jax.budgets import pyramid_budgets
+from certkv_jax.designs.budgets import pyramid_budgets
 from models.config import LlamaConfig
 from models.decode import forward_chunk
 from models.decode import generate

@@ -2,17 +2,17 @@
 
 The pieces, one module each:
 
-* ``certkv_jax.caches`` -- the stacked caches, one :class:`certkv_jax.KVCache` per
+* ``certkv_jax.kv.caches`` -- the stacked caches, one :class:`certkv_jax.KVCache` per
   (layer, batch row, KV head), leaves ``[n_layers, batch, n_kv_heads, ...]``.
 * ``models.generation`` -- :class:`GenerationConfig` (what to generate) and
   :class:`Generation` (what comes back), re-exported here.
 * ``models.forward`` -- :func:`forward_chunk`: a chunk of tokens through the
   model; every layer appends to its caches, attends and, with a design, folds
   the attention probabilities into the slot statistics.
-* ``certkv_jax.certified_attention`` -- a layer's attention with its certificate
+* ``certkv_jax.attention.certified`` -- a layer's attention with its certificate
   statistics (subsampled by layer / KV head; the truth in evaluation mode).
 * ``certkv_jax.eviction`` -- :func:`evict`: the design on every cache.
-* ``certkv_jax.budgets`` -- the one place budgets are checked and resolved.
+* ``certkv_jax.designs.budgets`` -- the one place budgets are checked and resolved.
 
 This module holds the two jitted regimes, both with a ``lax.scan`` greedy
 decode loop (no recompilation per token) over ragged, right-padded batches:
@@ -24,10 +24,10 @@ decode loop (no recompilation per token) over ragged, right-padded batches:
   question is prefilled and the answer decoded.
 
 The ``design`` argument takes one path: its budget arguments are checked once
-(``certkv_jax.budgets.check_generation_budgets``, before the jitted call), the
+(``certkv_jax.designs.budgets.check_generation_budgets``, before the jitted call), the
 design folds every chunk's statistics (``forward_chunk``), and every eviction
 is ``certkv_jax.eviction.evict``, which resolves the budget into each cache's
-target (``certkv_jax.budgets.eviction_targets``) and applies the design.
+target (``certkv_jax.designs.budgets.eviction_targets``) and applies the design.
 """
 
 from __future__ import annotations
@@ -39,17 +39,17 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from certkv_jax import budgets as budgets_lib
-from certkv_jax import caches as caches_lib
+from certkv_jax.designs import budgets as budgets_lib
+from certkv_jax.kv.cache import KVCache
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer as layer_lib
-from certkv_jax.cache import KVCache
 from models import inputs
-from certkv_jax.budgets import check_budget
-from certkv_jax.caches import init_caches
-from certkv_jax.certified_attention import ChunkStats
-from certkv_jax.certified_attention import SIGNAL_FIELDS
-from certkv_jax.certified_attention import Subsample
-from certkv_jax.certified_attention import check_certificate_subsample
+from certkv_jax.attention.certified import check_certificate_subsample
+from certkv_jax.attention.certified import ChunkStats
+from certkv_jax.attention.certified import SIGNAL_FIELDS
+from certkv_jax.attention.certified import Subsample
+from certkv_jax.designs.budgets import check_budget
+from certkv_jax.kv.caches import init_caches
 from models.config import LlamaConfig
 from certkv_jax.eviction import evict
 from certkv_jax.eviction import evict_and_record
@@ -274,7 +274,7 @@ def _pair(pair, name: str):
 
 
 def _sized(gen: GenerationConfig, given: dict) -> GenerationConfig:
-  """``gen`` with its capacity set by ``certkv_jax.budgets.capacity`` when None."""
+  """``gen`` with its capacity set by ``certkv_jax.designs.budgets.capacity`` when None."""
   if gen.capacity is not None:
     return gen
   budget = given.get("budget")

@@ -14,11 +14,11 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from certkv_jax import allocation as allocation_lib
-from certkv_jax import caches as caches_lib
-from certkv_jax import certified_attention
+from certkv_jax.attention import certified
+from certkv_jax.designs import allocation as allocation_lib
+from certkv_jax.kv.cache import KVCache
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer
-from certkv_jax.cache import KVCache
 from models.config import LlamaConfig
 from models import llama
 from models.llama import Block
@@ -66,7 +66,7 @@ class Forwarded(NamedTuple):
 
   logits: Array  # [batch, t, vocab] float32
   caches: KVCache  # in the form given
-  stats: Optional[certified_attention.ChunkStats]  # fields [t, n_layers, batch, n_heads]
+  stats: Optional[certified.ChunkStats]  # fields [t, n_layers, batch, n_heads]
   shadow: Optional[KVCache]  # the shadow with the chunk appended, or None
 
 
@@ -120,12 +120,12 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
     config: the model config.
     tokens: [batch, t] int token ids.
     valid: [batch, t] bool, False on (right) padding (no slot, no position).
-    caches: from ``certkv_jax.caches.init_caches``, stacked or per layer
+    caches: from ``certkv_jax.kv.caches.init_caches``, stacked or per layer
       (``"unrolled"`` only); returned in the same form.
     settings: ``layer.Settings``: the design whose ``update`` folds the chunk's
       attention into the slot statistics, ``observe`` (a prompt chunk; decode
       steps pass False) and the certificate: True, False (the same softmax,
-      ``None`` stats) or ``certified_attention.Subsample(layers, heads)`` (the
+      ``None`` stats) or ``certified.Subsample(layers, heads)`` (the
       others report NaN; the logits do not change). Its ``scale`` must be None
       (the model's own).
     shadow: evaluation mode: never-evicted caches receiving the same keys and
@@ -145,11 +145,11 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
     raise ValueError(f"settings.scale must be None here (the model's 1/sqrt(head_dim)), got "
                      f"{settings.scale!r}")
   certificate = settings.certificate
-  sub = certificate if isinstance(certificate, certified_attention.Subsample) else None
+  sub = certificate if isinstance(certificate, certified.Subsample) else None
   certificate_layers, certificate_heads = (None, None) if sub is None else (sub.layers,
                                                                             sub.heads)
   certificate = bool(certificate)
-  layer_flags = certified_attention.check_certificate_subsample(
+  layer_flags = certified.check_certificate_subsample(
       config, certificate, certificate_layers, certificate_heads)
 
   def cert_of(flag):  # attend's settings for one layer

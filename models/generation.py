@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple, Optional
 
 import jax
 
-from certkv_jax.cache import KVCache
+from certkv_jax.kv.cache import KVCache
 
 Array = jax.Array
 
@@ -27,7 +27,7 @@ class GenerationConfig:
   return_logits: bool = False  # also return every step's logits
   evaluate: bool = False  # a never-evicted shadow cache: true errors and Assumption-2 audit
   layer_budgets: Optional[tuple] = None  # one budget per layer (all ints or all floats)
-  allocation: object = None  # a per-head certkv_jax.allocation applied at every eviction
+  allocation: object = None  # a per-head certkv_jax.designs.allocation applied at every eviction
   certificate_layers: Optional[tuple] = None  # certified layers (None = all; the rest NaN)
   certificate_heads: Optional[tuple] = None  # certified KV heads (None = all; the rest NaN)
   on_token: Optional[Callable] = None  # host on_token(step, tokens), an ordered callback
@@ -65,7 +65,7 @@ class Generation(NamedTuple):
   ratio: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] R
   tail_m: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] m = sum_T pi_i
   tail_n: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads] |T|
-  # Warning signals (evaluation mode; certkv_jax.signals):
+  # Warning signals (evaluation mode; certkv_jax.certificate.signals):
   ess: Optional[Array] = None  # [n_steps, n_layers, batch, n_heads]
   max_tail_weight: Optional[Array] = None
   range_ratio: Optional[Array] = None

@@ -13,7 +13,7 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import _checks
+from certkv_jax import _validate
 from models.config import LlamaConfig
 
 
@@ -29,7 +29,7 @@ def check_tokens(tokens, *, config: Optional[LlamaConfig] = None, name: str = "t
     raise ValueError(f"{name} is empty (length 0, shape {shape}); a prompt needs >= 1 token")
   if config is None:
     return
-  ids = _checks.concrete_array(tokens)
+  ids = _validate.concrete_array(tokens)
   if ids is None:
     return
   bad = (ids < 0) | (ids >= config.vocab_size)
@@ -68,7 +68,7 @@ def check_prompt(tokens, mask, *, config: Optional[LlamaConfig], n_steps: int,
                      f"{jnp.result_type(mask)} {jnp.shape(mask)}")
   if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral) or n_steps < 1:
     raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
-  m = _checks.concrete_array(mask)
+  m = _validate.concrete_array(mask)
   if m is not None:
     empty = ~m.any(axis=1)
     if empty.any() and not allow_empty_rows:
@@ -83,7 +83,7 @@ def check_prompt(tokens, mask, *, config: Optional[LlamaConfig], n_steps: int,
   if max_positions is None and config is not None:
     max_positions = config.max_positions
   if max_positions is not None:
-    max_positions = _checks.check_positive_int("max_positions", max_positions)
+    max_positions = _validate.check_positive_int("max_positions", max_positions)
     longest = shape[1] if m is None else int(m.sum(axis=1).max())
     if longest + n_steps > max_positions:
       what = "padded length" if m is None else "longest row"

@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from certkv_jax import _checks
+from certkv_jax import _validate
 from models import inputs
 from models import precision
 from models import rope
@@ -226,7 +226,7 @@ class LlamaModel(nn.Module):
 def init_params(config: LlamaConfig, key, seq: int = 8):
   """Random parameters ``{"params": ...}``; ``seq`` (int >= 1) is the length of the
   dummy prompt traced, which they do not depend on."""
-  seq = _checks.check_positive_int("seq", seq)
+  seq = _validate.check_positive_int("seq", seq)
   return LlamaModel(config).init(key, jnp.zeros((1, seq), jnp.int32))
 
 

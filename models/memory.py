@@ -1,6 +1,6 @@
 """Memory of a run's caches (key/value payload and per-slot metadata) vs. the full cache.
 
-Caches are fixed-capacity buffers, so their bytes (``certkv_jax.cache.cache_bytes``)
+Caches are fixed-capacity buffers, so their bytes (``certkv_jax.kv.cache.cache_bytes``)
 are set by the capacity, not by the slots in use.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from certkv_jax import cache as cache_lib
-from certkv_jax.cache import KVCache
+from certkv_jax.kv import cache as cache_lib
+from certkv_jax.kv.cache import KVCache
 from models import decode
 from models.config import LlamaConfig
 

@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from certkv_jax import caches as caches_lib
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer as layer_lib
 from models import forward
 from models import precision

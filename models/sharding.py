@@ -1,6 +1,6 @@
 """Sharded models: Megatron parameter shardings, direct-to-device loading, sharded decoding.
 
-On a mesh from :func:`certkv_jax.distributed.make_mesh` (axes data, model, seq):
+On a mesh from :func:`certkv_jax.kv.distributed.make_mesh` (axes data, model, seq):
 
 * **parameters** (:func:`param_specs`): Megatron-style over ``model``. The
   q/k/v projections and the MLP's gate/up are column-sharded (by whole heads,
@@ -18,7 +18,7 @@ On a mesh from :func:`certkv_jax.distributed.make_mesh` (axes data, model, seq):
 * **decoding** (:func:`generate`, :func:`generate_streaming`): places the
   inputs and runs ``models.decode``'s jitted functions under
   ``jax.set_mesh(mesh)``, where the caches are sharded batch -> data, KV
-  heads -> model, slots -> seq (``certkv_jax.distributed``).
+  heads -> model, slots -> seq (``certkv_jax.kv.distributed``).
 
 A mesh axis that does not divide what it shards (heads, KV heads, ffn width,
 batch, capacity) is a ValueError naming the axis and the size.
@@ -35,10 +35,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from certkv_jax import distributed
-from certkv_jax.distributed import DATA
-from certkv_jax.distributed import MODEL
-from certkv_jax.distributed import SEQ
+from certkv_jax.kv import distributed
+from certkv_jax.kv.distributed import DATA
+from certkv_jax.kv.distributed import MODEL
+from certkv_jax.kv.distributed import SEQ
 from models import decode
 from models import gguf_loader
 from models import hf_loader
@@ -119,7 +119,7 @@ def place_params(config: LlamaConfig, mesh, read: Reader) -> dict:
 
   Args:
     config: the model config.
-    mesh: a mesh from ``certkv_jax.distributed.make_mesh``.
+    mesh: a mesh from ``certkv_jax.kv.distributed.make_mesh``.
     read: ``read(path, layer, index) -> np.ndarray``: the block ``index`` (a
       tuple of slices, in ``models.llama``'s ``[in, out]`` layout) of the
       tensor at ``path`` (e.g. ``("q_proj", "kernel")``) of layer ``layer``
@@ -324,7 +324,7 @@ def generate(mesh, params, tokens, mask, key, *, config: LlamaConfig,
   """``models.decode.generate`` on ``mesh``: same arguments and result.
 
   ``gen`` is a ``models.decode.GenerationConfig``; a ``gen.capacity`` of None
-  is sized here as ``models.decode`` sizes it (``certkv_jax.budgets.capacity``),
+  is sized here as ``models.decode`` sizes it (``certkv_jax.designs.budgets.capacity``),
   and the mesh's ``seq`` axis must divide the capacity. ``budget`` is passed
   through (traced, as in ``models.decode.generate``). Params not yet on
   ``mesh`` are placed with :func:`shard_params`; tokens and mask are split

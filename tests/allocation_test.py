@@ -1,4 +1,4 @@
-"""Per-head allocations (``certkv_jax.allocation``) and the memory accounting (``memory``).
+"""Per-head allocations (``certkv_jax.designs.allocation``) and the memory accounting (``memory``).
 
 Each allocation turns equal per-head targets into unequal ones: AdaKV and
 CertificateTargeted keep the pool's total, TargetRadius follows a radius,
@@ -19,16 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from certkv_jax import allocation
-from certkv_jax import budgets
-from certkv_jax import cache as cache_lib
-from certkv_jax import caches as caches_lib
 from certkv_jax import designs
+from certkv_jax.designs import allocation
+from certkv_jax.designs import budgets
+from certkv_jax.designs import registry
+from certkv_jax.designs import sampling
 from certkv_jax import eviction
-from certkv_jax import memory
-from certkv_jax import registry
-from certkv_jax import sampling
-from certkv_jax.caches import over_heads
+from certkv_jax.kv import cache as cache_lib
+from certkv_jax.kv import caches as caches_lib
+from certkv_jax.kv.caches import over_heads
+from certkv_jax.kv import memory
 from models import decode
 from tests import test_util
 

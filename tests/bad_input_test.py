@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 import certkv_jax
-from certkv_jax import _checks
-from certkv_jax import attention
-from certkv_jax import cache as cache_lib
+from certkv_jax import _validate
+from certkv_jax.attention import offset
 from certkv_jax import certificate
 from certkv_jax import checked
 from certkv_jax import designs
-from certkv_jax import caches as caches_lib
+from certkv_jax.kv import cache as cache_lib
+from certkv_jax.kv import caches as caches_lib
 from models import decode
 from models import inputs
 from models import llama
@@ -96,9 +96,9 @@ class EagerAttentionTest(parameterized.TestCase):
   def test_nonfinite_count_broadcasts_the_mask(self):
     # Keys shared by 2 query rows: slot 4 counts only if some row's mask reads it.
     k = jnp.ones((N, D)).at[0, 1].set(np.nan).at[4].set(np.nan)
-    self.assertEqual(int(_checks.nonfinite_count(k, jnp.array([MASK, MASK]), 1)), 1)
+    self.assertEqual(int(_validate.nonfinite_count(k, jnp.array([MASK, MASK]), 1)), 1)
     mask = jnp.array([MASK, ~MASK])
-    self.assertEqual(int(_checks.nonfinite_count(k, mask, 1)), 1 + D)
+    self.assertEqual(int(_validate.nonfinite_count(k, mask, 1)), 1 + D)
     with self.assertRaisesRegex(ValueError, r"^k has 5 NaN/inf"):
       certkv_jax.offset_attention(jnp.ones((2, D)), k, jnp.ones((N, DV)), jnp.zeros(N), mask)
 
@@ -162,7 +162,7 @@ class CheckedAttentionTest(parameterized.TestCase):
     # The eager value checks add nothing to the traced program: it is the same
     # program with them removed.
     jaxpr = str(jax.make_jaxpr(certkv_jax.offset_attention)(**args))
-    with mock.patch.object(attention, "_check_values", lambda *a: None):
+    with mock.patch.object(offset, "_check_values", lambda *a: None):
       self.assertEqual(jaxpr, str(jax.make_jaxpr(certkv_jax.offset_attention)(**args)))
     cache = certkv_jax.init_cache(4, D)
     new = (jnp.ones((2, D)), jnp.ones((2, D)))

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import certkv_jax
-from certkv_jax import cache as cache_lib
-from certkv_jax import memory as memory_lib
+from certkv_jax.kv import cache as cache_lib
+from certkv_jax.kv import memory as memory_lib
 from experiments.lib import model_loading
 from experiments.lib import plan_flags
 from experiments.lib.bench import decode as bench_decode
@@ -176,7 +176,7 @@ class CommandTest(absltest.TestCase):
     self.assertEqual(set(summary["matvec_floor_multiple"]), {"32"})
     self.assertIn("Matrix-vector floor", report)
     # The full cache's attention alone: its keys' and values' bytes, over their floor.
-    caches = certkv_jax.caches.init_caches(config, 1, 32 + plan.n_calls * plan.steps_per_call)
+    caches = certkv_jax.kv.caches.init_caches(config, 1, 32 + plan.n_calls * plan.steps_per_call)
     self.assertEqual(bw["attention_bytes"], caches.k.nbytes + caches.v.nbytes)
     self.assertGreaterEqual(bw["attention_floor_multiple"], FLOOR_TOLERANCE)
     self.assertEqual(set(summary["attention_floor_multiple"]), {"32"})
@@ -282,7 +282,7 @@ class FloorTest(absltest.TestCase):
   def test_attention_probe_is_the_full_caches_softmax_attention(self):
     config = test_util.tiny_config()
     rng = np.random.default_rng(1)
-    caches = certkv_jax.caches.init_caches(config, 2, 6)
+    caches = certkv_jax.kv.caches.init_caches(config, 2, 6)
     n_valid = 4  # slots 4 and 5 empty: masked out
     k = rng.normal(size=caches.k.shape).astype(np.float32)
     v = rng.normal(size=caches.v.shape).astype(np.float32)

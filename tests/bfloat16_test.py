@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from certkv_jax import caches as caches_lib
 from certkv_jax import certificate
-from certkv_jax import registry
+from certkv_jax.designs import registry
+from certkv_jax.kv import caches as caches_lib
 from experiments.lib import model_loading
 from experiments.lib.bench import decode as bench_decode
 from experiments.lib.leaderboard import experiment as leaderboard

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import cache as cache_lib
-from certkv_jax import caches as caches_lib
+from certkv_jax.designs import registry
 from certkv_jax import eviction
-from certkv_jax import registry
+from certkv_jax.kv import cache as cache_lib
+from certkv_jax.kv import caches as caches_lib
 
 
 def _filled(n=10, cap=16, d=4, key=0):

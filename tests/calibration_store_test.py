@@ -13,7 +13,7 @@ from absl.testing import parameterized
 import numpy as np
 
 from certkv_jax import calibration
-from certkv_jax import calibration_store
+from certkv_jax.calibration import store
 from certkv_jax import certificate
 from tests import test_util
 
@@ -37,12 +37,12 @@ def _calls(seed=0, per_group=30):
   lay, hd, bud = np.array(lay), np.array(hd), np.array(bud)
   var_hat = rng.exponential(0.01, lay.size)
   range_hat = rng.exponential(0.05, lay.size)
-  radii = calibration_store.bernstein_radii(var_hat, range_hat, DELTAS)  # [n_deltas, n_calls]
+  radii = store.bernstein_radii(var_hat, range_hat, DELTAS)  # [n_deltas, n_calls]
   errors = radii[0] * rng.exponential(1.0 + lay + 0.3 * hd)
   return errors, radii, lay, hd, bud
 
 
-OTHER = calibration_store.Provenance("other", "poisson_tail", ("streaming",), ("passkey",))
+OTHER = store.Provenance("other", "poisson_tail", ("streaming",), ("passkey",))
 
 
 def _fit(**kw):
@@ -51,10 +51,10 @@ def _fit(**kw):
 
 def _fit_calls(errors, radii, lay, hd, bud, **kw):
   args = dict(deltas=DELTAS, budgets=BUDGETS, shape=(L, H),
-              provenance=calibration_store.Provenance(
+              provenance=store.Provenance(
                   META["model"], META["design"], ("streaming",), ("passkey", "agent_memory")))
-  calls = calibration_store.GroupCalls(errors, radii, lay, hd, bud)
-  return calibration_store.fit(calls, **{**args, **kw})
+  calls = store.GroupCalls(errors, radii, lay, hd, bud)
+  return store.fit(calls, **{**args, **kw})
 
 
 class FitTest(parameterized.TestCase):
@@ -83,7 +83,7 @@ class FitTest(parameterized.TestCase):
     self.assertEqual(cal.format_version, 1)
 
   def test_bernstein_radii_is_radius_from_stats(self):
-    r = calibration_store.bernstein_radii([0.04, 0.01], [0.1, 0.2], (0.05, 0.2))
+    r = store.bernstein_radii([0.04, 0.01], [0.1, 0.2], (0.05, 0.2))
     for j, delta in enumerate((0.05, 0.2)):
       np.testing.assert_array_equal(
           r[j], np.asarray(certificate.radius_from_stats(np.array([0.04, 0.01]),
@@ -92,7 +92,7 @@ class FitTest(parameterized.TestCase):
   def test_fit_bad_inputs(self):
     errors, radii, lay, hd, bud = _calls()
     base = dict(deltas=DELTAS, budgets=BUDGETS, shape=(L, H),
-                provenance=calibration_store.Provenance(META["model"], META["design"], ("s",),
+                provenance=store.Provenance(META["model"], META["design"], ("s",),
                                                         ("t",)))
     with self.assertRaisesRegex(ValueError, r"budgets_per_call must each be one of budgets"):
       _fit_calls(errors, radii, lay, hd, np.where(bud == 0.25, 0.3, bud), **base)
@@ -113,8 +113,8 @@ class StoreTest(parameterized.TestCase):
   def test_round_trip(self):
     cal = _fit()
     path = os.path.join(test_util.temp_dir(self, "calibration_store_test-"), "cal")
-    self.assertEqual(calibration_store.save(path, cal), path)
-    back = calibration_store.load(path)
+    self.assertEqual(store.save(path, cal), path)
+    back = store.load(path)
     for name in ("scales", "n_calls", "fell_back"):
       np.testing.assert_array_equal(getattr(back, name), getattr(cal, name), err_msg=name)
       self.assertEqual(getattr(back, name).dtype, getattr(cal, name).dtype, name)
@@ -129,32 +129,32 @@ class StoreTest(parameterized.TestCase):
     cal = _fit(min_calls=10_000)  # every group falls back to a pooled quantile
     scales = np.array(cal.scales)
     scales[0, 0, 0, 0] = math.inf
-    cal = calibration_store.Calibration(**{**cal.__dict__, "scales": scales})
+    cal = store.Calibration(**{**cal.__dict__, "scales": scales})
     path = os.path.join(test_util.temp_dir(self, "calibration_store_test-"), "cal")
-    calibration_store.save(path, cal)
-    self.assertEqual(calibration_store.load(path).scales[0, 0, 0, 0], math.inf)
+    store.save(path, cal)
+    self.assertEqual(store.load(path).scales[0, 0, 0, 0], math.inf)
 
   def test_overwrite(self):
     path = os.path.join(test_util.temp_dir(self, "calibration_store_test-"), "cal")
-    calibration_store.save(path, _fit())
+    store.save(path, _fit())
     with self.assertRaisesRegex(FileExistsError, "overwrite=True"):
-      calibration_store.save(path, _fit(provenance=OTHER))
-    self.assertEqual(calibration_store.load(path).model, META["model"])
-    calibration_store.save(path, _fit(provenance=OTHER), overwrite=True)
-    self.assertEqual(calibration_store.load(path).model, "other")
+      store.save(path, _fit(provenance=OTHER))
+    self.assertEqual(store.load(path).model, META["model"])
+    store.save(path, _fit(provenance=OTHER), overwrite=True)
+    self.assertEqual(store.load(path).model, "other")
     self.assertEqual(os.listdir(os.path.dirname(path)), ["cal"])
 
   def test_load_errors(self):
     tmp = test_util.temp_dir(self, "calibration_store_test-")
     with self.assertRaisesRegex(FileNotFoundError, "no calibration at"):
-      calibration_store.load(os.path.join(tmp, "missing"))
+      store.load(os.path.join(tmp, "missing"))
     os.makedirs(os.path.join(tmp, "empty"))
     with self.assertRaisesRegex(ValueError, "not a certkv_jax calibration"):
-      calibration_store.load(os.path.join(tmp, "empty"))
+      store.load(os.path.join(tmp, "empty"))
 
   def test_unknown_format_version(self):
     path = os.path.join(test_util.temp_dir(self, "calibration_store_test-"), "cal")
-    calibration_store.save(path, _fit())
+    store.save(path, _fit())
     meta_file = os.path.join(path, "metadata", "metadata")
     with open(meta_file, encoding="utf-8") as f:
       meta = json.load(f)
@@ -163,9 +163,9 @@ class StoreTest(parameterized.TestCase):
       json.dump(meta, f)
     with self.assertRaisesRegex(ValueError, "format_version: .* has version 2; this code reads "
                                 "version 1"):
-      calibration_store.load(path)
+      store.load(path)
     with self.assertRaisesRegex(ValueError, "format_version"):
-      calibration_store.Calibration(**{**_fit().__dict__, "format_version": 2})
+      store.Calibration(**{**_fit().__dict__, "format_version": 2})
 
 
 class ScaleForTest(parameterized.TestCase):
@@ -223,7 +223,7 @@ class ScaleForTest(parameterized.TestCase):
     ]
     for change, pattern in cases:
       with self.subTest(pattern=pattern), self.assertRaisesRegex(ValueError, pattern):
-        calibration_store.Calibration(**{**fields, **change})
+        store.Calibration(**{**fields, **change})
     with self.assertRaises(Exception):  # frozen
       self.cal.model = "x"
     with self.assertRaisesRegex(ValueError, "read-only"):

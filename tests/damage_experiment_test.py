@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from certkv_jax import damage_predictor
+from certkv_jax.calibration import damage_predictor
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib.damage import collect as damage_collect
@@ -68,7 +68,7 @@ class TokenDamageTest(absltest.TestCase):
     # The tiny model's own W_o: for random per-head errors of norm r, the brute-force
     # ||e_h W_o^h|| never exceeds ||W_o^h||_2 r (to float32 rounding), and the RMS gain is
     # never above the spectral one.
-    from certkv_jax import damage  # pylint: disable=g-import-not-at-top
+    from certkv_jax.certificate import damage  # pylint: disable=g-import-not-at-top
     c = self.config
     norms = damage_collect.head_norms(self.params, c)
     w_o = self.params["params"]["layers"]["o_proj"]["kernel"]

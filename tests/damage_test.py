@@ -1,5 +1,5 @@
-"""Output damage: the W_o projection bound (certkv_jax.damage) and the learned
-predictor (certkv_jax.damage_predictor).
+"""Output damage: the W_o projection bound (certkv_jax.certificate.damage) and the learned
+predictor (certkv_jax.calibration.damage_predictor).
 
 The bound is checked against brute force on random output projections of a
 tiny model shape; float32 rounding of sums over <= 16 terms is ~1e-6
@@ -15,8 +15,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
-from certkv_jax import damage
-from certkv_jax import damage_predictor
+from certkv_jax.calibration import damage_predictor
+from certkv_jax.certificate import damage
 from tests import test_util
 
 L, H, HD, HIDDEN = 2, 3, 4, 16  # tiny model: layers, query heads, head_dim, hidden

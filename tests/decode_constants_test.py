@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from certkv_jax import caches as caches_lib
 from certkv_jax import eviction
+from certkv_jax.kv import caches as caches_lib
 from experiments.lib import design_defaults
 from experiments.lib.bench import constants
 from experiments.lib.bench import decode as bench_decode

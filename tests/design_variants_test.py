@@ -10,13 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import certkv_jax
-from certkv_jax import cache as cache_lib
-from certkv_jax import design_parts
+from certkv_jax.certificate import diagnostics
 from certkv_jax import designs
-from certkv_jax import registry
-from certkv_jax import diagnostics
-from certkv_jax import sampling
-from certkv_jax import scores
+from certkv_jax.designs import parts
+from certkv_jax.designs import registry
+from certkv_jax.designs import sampling
+from certkv_jax.designs import scores
+from certkv_jax.kv import cache as cache_lib
 
 N, CAP, D, G = 48, 56, 8, 3  # tokens, capacity, head dim, query heads per KV head
 N_HIST, N_WIN = 4, 2  # history queries, observation-window queries
@@ -209,7 +209,7 @@ class FocusBlendTest(parameterized.TestCase):
     c = _cache(design)
     _, _, info = _evict(design, c, jax.random.PRNGKey(0))
     tail = c.valid & ~info.certain
-    got = design_parts._tail_score(design.tail, c, tail)
+    got = parts._tail_score(design.tail, c, tail)
     want, _, _ = self._numpy(c, tail, design.tail.score)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-8)
 
@@ -326,10 +326,10 @@ class FocusedShareTest(parameterized.TestCase):
 
   def test_needs_a_window_score_and_a_slot_to_sample(self):
     with self.assertRaisesRegex(ValueError, "focus_share needs a score with a window"):
-      design_parts.PriorityTail(focus_share=0.5)
+      parts.PriorityTail(focus_share=0.5)
     fb = scores.FocusBlend()
     with self.assertRaisesRegex(ValueError, "heavy_share \\+ focus_share must be below 1"):
-      design_parts.PriorityTail(score=fb, heavy_share=0.5, focus_share=0.5)
+      parts.PriorityTail(score=fb, heavy_share=0.5, focus_share=0.5)
 
 
 class DefensiveScoreTest(parameterized.TestCase):

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import certkv_jax
-from certkv_jax import cache as cache_lib
 from certkv_jax import designs
-from certkv_jax import registry
-from certkv_jax import scores
+from certkv_jax.designs import registry
+from certkv_jax.designs import scores
+from certkv_jax.kv import cache as cache_lib
 
 N, CAP, D = 64, 80, 8
 
@@ -247,7 +247,7 @@ class DesignTest(parameterized.TestCase):
              (10, 0.05): 4.74356662}
     for (slots, p), m in table.items():
       self.assertAlmostEqual(_chernoff_m(slots, p) / m, 1.0, places=6)
-      got = float(certkv_jax.sampling.expected_tail_count(slots, p))
+      got = float(certkv_jax.designs.sampling.expected_tail_count(slots, p))
       self.assertAlmostEqual(got / m, 1.0, places=5, msg=(slots, p, got, m))
       # At m the Chernoff bound is p; a Poisson count of mean m exceeds the
       # slots with probability at most p (exact Poisson tail, numpy).
@@ -255,7 +255,7 @@ class DesignTest(parameterized.TestCase):
       self.assertAlmostEqual(-m + c * (1 + math.log(m / c)), math.log(p), places=4)
       tail = 1.0 - sum(math.exp(-m) * m**j / math.factorial(j) for j in range(c))
       self.assertLessEqual(tail, p)
-    self.assertEqual(float(certkv_jax.sampling.expected_tail_count(0, 1e-3)), 0.0)
+    self.assertEqual(float(certkv_jax.designs.sampling.expected_tail_count(0, 1e-3)), 0.0)
 
   def test_poisson_tail_probabilities_by_hand(self):
     # Budget 6 with sink {0} and window {10, 11}: 3 tail slots, m = 0.28070

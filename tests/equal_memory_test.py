@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from certkv_jax import memory
+from certkv_jax.kv import memory
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib import results_io

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import certkv_jax
-from certkv_jax import caches as caches_lib
+from certkv_jax.designs import registry
 from certkv_jax import eviction
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer
-from certkv_jax import registry
 from examples.gpt2 import model as gpt2
 
 CONFIG = gpt2.GPT2Config(vocab_size=97, n_positions=128, hidden=32, n_layers=2, n_heads=4)

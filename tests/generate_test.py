@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from certkv_jax import registry
+from certkv_jax.designs import registry
 from experiments.lib import model_loading
 from models.text import answer_text
 from models.text import certificate as generate_certificate
@@ -361,9 +361,9 @@ class CalibrationTest(absltest.TestCase):
   @absltest.skipUnless(os.path.isdir(generate_certificate.DEFAULT_CALIBRATION),
                        "the committed calibration artifact is not in this checkout")
   def test_shipped_calibration_records_its_range_and_sources(self):
-    from certkv_jax import robust_calibration  # pylint: disable=g-import-not-at-top
+    from certkv_jax.calibration import robust  # pylint: disable=g-import-not-at-top
     from experiments.lib.validity import collect as validity_collect  # pylint: disable=g-import-not-at-top
-    cal = robust_calibration.load(generate_certificate.DEFAULT_CALIBRATION)
+    cal = robust.load(generate_certificate.DEFAULT_CALIBRATION)
     self.assertEqual(cal.format_version, 2)
     self.assertEqual(cal.data, ("agent_memory", "kv_retrieval", "multi_needle", "passkey",
                                 "text", "variable_tracking"))
@@ -391,9 +391,9 @@ class CalibrationTest(absltest.TestCase):
   @absltest.skipUnless(os.path.isdir(os.path.join(os.path.dirname(
       generate_certificate.DEFAULT_CALIBRATION), "units")), "no committed validity units")
   def test_shipped_calibration_refits_bit_for_bit_from_its_units(self):
-    from certkv_jax import robust_calibration  # pylint: disable=g-import-not-at-top
+    from certkv_jax.calibration import robust  # pylint: disable=g-import-not-at-top
     from experiments.lib.validity import calls as validity_calls  # pylint: disable=g-import-not-at-top
-    shipped = robust_calibration.load(generate_certificate.DEFAULT_CALIBRATION)
+    shipped = robust.load(generate_certificate.DEFAULT_CALIBRATION)
     units = os.path.join(os.path.dirname(generate_certificate.DEFAULT_CALIBRATION), "units")
     paths = [os.path.join(units, n) for n in sorted(os.listdir(units))
              if n.startswith("c1024_") and "_poisson_tail_" in n]

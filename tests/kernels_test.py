@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import certkv_jax
-from certkv_jax import certified_attention
+from certkv_jax.attention import certified
 from pallas_kernels import offset_decode as od
 from tests import test_util
 
@@ -280,9 +280,9 @@ class DefaultsTest(parameterized.TestCase):
 
   def _attend_primitives(self, t):
     b, h, g, cap, d = 1, 2, 3, 256, 64
-    cache = certkv_jax.caches.init_caches(certkv_jax.caches.CacheSpec(1, h, d), b, cap)
+    cache = certkv_jax.kv.caches.init_caches(certkv_jax.kv.caches.CacheSpec(1, h, d), b, cap)
     cache = jax.tree_util.tree_map(lambda a: a[0], cache)
-    fn = lambda qg, cache: certified_attention.attend(
+    fn = lambda qg, cache: certified.attend(
         qg, cache, None, jnp.zeros((b, t), jnp.int32), certificate=True, with_probs=False)
     return _primitives(jax.make_jaxpr(fn)(jnp.ones((b, h, g, t, d)), cache).jaxpr)
 

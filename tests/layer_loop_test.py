@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import certkv_jax
-from certkv_jax import caches as caches_lib
 from certkv_jax import eviction
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer as layer_lib
 from models import decode
 from models import forward

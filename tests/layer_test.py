@@ -8,10 +8,10 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import caches as caches_lib
+from certkv_jax.designs import registry
 from certkv_jax import eviction
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer
-from certkv_jax import registry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import certkv_jax
-from certkv_jax import cache as cache_lib
-from certkv_jax import budgets
+from certkv_jax.designs import budgets
+from certkv_jax.kv import cache as cache_lib
 from certkv_jax import layer as layer_lib
 from models import decode
 from models import hf_loader
@@ -166,7 +166,7 @@ class MemorySummaryTest(absltest.TestCase):
       self.assertEqual(s["metadata_bytes"], n_caches * (25 * cap + per_cache))
       self.assertEqual(s["full_metadata_bytes"], n_caches * (25 * full_tokens + per_cache))
       self.assertEqual(s["total_bytes"], s["kv_bytes"] + s["metadata_bytes"])
-      # The same as certkv_jax.cache.cache_bytes per cache, summed.
+      # The same as certkv_jax.kv.cache.cache_bytes per cache, summed.
       one = cache_lib.cache_bytes(jax.tree_util.tree_map(lambda x: x[0, 0, 0], caches))
       self.assertEqual(s["kv_bytes"], n_caches * one["kv"])
       self.assertEqual(s["metadata_bytes"], n_caches * one["metadata"])

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import certkv_jax
-from certkv_jax import budgets
+from certkv_jax.attention.certified import Subsample
+from certkv_jax.designs import budgets
 from certkv_jax import layer as layer_lib
-from certkv_jax.certified_attention import Subsample
 from models import decode
 from tests import test_util
 from models import llama
@@ -164,7 +164,7 @@ class DecodeTest(absltest.TestCase):
         self.params, (self.tokens, self.mask), (question, np.ones((2, 2), bool)),
         jax.random.PRNGKey(0), config=self.config, gen=gen.replace(design=design)).caches
     snap = run(certkv_jax.designs.snapkv(4, window=1, pool_size=1, observation_window=2))
-    flat = run(certkv_jax.designs.top_k(4, certkv_jax.scores.Uniform(), window=1))
+    flat = run(certkv_jax.designs.top_k(4, certkv_jax.designs.scores.Uniform(), window=1))
     kept = lambda c: np.sort(np.where(np.asarray(c.valid), np.asarray(c.pos), -1), axis=-1)
     self.assertTrue((kept(snap) != kept(flat)).any(), "SnapKV kept what a flat score keeps")
     self.assertGreater(float(jnp.max(snap.obs)), 0.0)
@@ -189,13 +189,13 @@ class DecodeTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "observation_window >= 1"):
       certkv_jax.designs.snapkv(0.5, window=0)
     with self.assertRaisesRegex(ValueError, "observation_window >= 1"):
-      certkv_jax.designs.top_k(0.5, certkv_jax.scores.ValueAware(
-          certkv_jax.scores.WindowAttention()))
+      certkv_jax.designs.top_k(0.5, certkv_jax.designs.scores.ValueAware(
+          certkv_jax.designs.scores.WindowAttention()))
     with self.assertRaisesRegex(ValueError, "observation_window must be an int"):
       certkv_jax.designs.snapkv(0.5, observation_window=-1)
     self.assertEqual(certkv_jax.designs.snapkv(0.5, window=8).observation_window, 8)
     self.assertEqual(certkv_jax.designs.h2o(0.5, window=8).observation_window, 0)
-    envelope = certkv_jax.registry.make("poisson_envelope", 0.5, n_sink=4, window=16)
+    envelope = certkv_jax.designs.registry.make("poisson_envelope", 0.5, n_sink=4, window=16)
     self.assertEqual(envelope.observation_window, 16)
 
   @pytest.mark.slow  # 56 s cold on the 2-core CI machine (2026-12-01)

@@ -123,13 +123,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import allocation
 from certkv_jax import designs
+from certkv_jax.designs import allocation
+from certkv_jax.designs import keydiff
+from certkv_jax.designs import registry
+from certkv_jax.designs import scores
 from certkv_jax import eviction
-from certkv_jax import keydiff
 from certkv_jax import layer as layer_lib
-from certkv_jax import registry
-from certkv_jax import scores
 from models import decode
 from models import hf_loader
 

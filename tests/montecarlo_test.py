@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from certkv_jax import attention
+from certkv_jax.certificate import diagnostics
+from certkv_jax.certificate import montecarlo
 from certkv_jax import designs
-from certkv_jax import diagnostics
-from certkv_jax import montecarlo
-from certkv_jax import scores
+from certkv_jax.designs import scores
 
 N_TRIALS = 4000
 BUDGET = 96  # of 256 tokens
@@ -90,7 +90,7 @@ class HajekTest(absltest.TestCase):
     # linearisation drops (O(1/m) at m ~ 50). Measured: 0.977 (SE 0.006).
     self.assertLess(abs(ratio - 1.0), 4 * se + 0.05, (ratio, se))
     # V_hat also estimates the oracle linearised variance V of method, section 4,
-    # here computed in numpy from the problem (not with certkv_jax.diagnostics):
+    # here computed in numpy from the problem (not with certkv_jax.certificate.diagnostics):
     # 4 SEs of mean(V_hat) plus the same 5% for the plug-ins N_hat, o_hat.
     # Measured: mean V_hat 0.1536, V 0.1561, SE 0.0016.
     v_lin = _linearized_variance_np(problem, pi)

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax._src import source_info_util  # the user frame of an equation
 
 import certkv_jax
-from certkv_jax import certified_attention
-from certkv_jax.cache import KVCache
+from certkv_jax.attention import certified
+from certkv_jax.kv.cache import KVCache
 from pallas_kernels import offset_decode as od
 from tests import test_util
 
@@ -109,13 +109,13 @@ class XlaPathPrecisionTest(parameterized.TestCase):
                          dtype=(jnp.float32, jnp.bfloat16))
   def test_layer_attention(self, certificate, evaluation, dtype):
     b, h, g, t, cap, d = 1, 2, 3, 1, 32, 64
-    cache = certkv_jax.caches.init_caches(certkv_jax.caches.CacheSpec(1, h, d), b, cap, dtype)
+    cache = certkv_jax.kv.caches.init_caches(certkv_jax.kv.caches.CacheSpec(1, h, d), b, cap, dtype)
     cache = jax.tree_util.tree_map(lambda a: a[0], cache)
     cache = cache._replace(valid=cache.valid.at[:, :, :20].set(True),
                            pos=cache.pos.at[:, :, :20].set(jnp.arange(20)))
     shadow = cache if evaluation else None
     qg = jnp.ones((b, h, g, t, d), dtype)
-    fn = lambda qg, cache, shadow: certified_attention.attend(
+    fn = lambda qg, cache, shadow: certified.attend(
         qg, cache, shadow, jnp.full((b, t), 20, jnp.int32), certificate=certificate,
         with_probs=True)
     self.assertIsInstance(cache, KVCache)

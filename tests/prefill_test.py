@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import caches as caches_lib
+from certkv_jax.designs import registry
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer as layer_lib
-from certkv_jax import registry
 from models import forward
 from models import prefill as prefill_lib
 from tests import test_util

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from certkv_jax import attention
-from certkv_jax import cache as cache_lib
+from certkv_jax.certificate import montecarlo
 from certkv_jax import designs
-from certkv_jax import montecarlo
-from certkv_jax import sampling
+from certkv_jax.designs import sampling
+from certkv_jax.kv import cache as cache_lib
 
 Z = 4.5  # two-sided normal tail 6.8e-6 per statistic
 

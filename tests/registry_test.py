@@ -1,4 +1,4 @@
-"""One name for a design everywhere: ``certkv_jax.registry.parse`` reads every design
+"""One name for a design everywhere: ``certkv_jax.designs.registry.parse`` reads every design
 string, and the registry, the experiments' variants, the leaderboard, the equal-memory
 comparison and ``generate`` accept the same strings (settings and allocations
 included) with the same errors."""
@@ -8,9 +8,9 @@ import dataclasses
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from certkv_jax import allocation as allocation_lib
 from certkv_jax import designs
-from certkv_jax import registry
+from certkv_jax.designs import allocation as allocation_lib
+from certkv_jax.designs import registry
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib import variants

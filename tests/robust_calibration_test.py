@@ -1,4 +1,4 @@
-"""certkv_jax.robust_calibration: radius-binned, source-robust conformal scales.
+"""certkv_jax.calibration.robust: radius-binned, source-robust conformal scales.
 
 Synthetic calls with a known law: the error is ``radius * |N(0, sigma^2)|``
 with ``sigma`` depending on the source and on the radius bin, so that the
@@ -14,8 +14,7 @@ from absl.testing import absltest
 import numpy as np
 from scipy import stats as sp_stats
 
-from certkv_jax import robust_calibration as rc
-
+from certkv_jax.calibration import robust as rc
 DELTA = 0.05
 Z = sp_stats.norm.ppf(1 - DELTA / 2)  # |N(0,1)| quantile at 1 - delta
 
@@ -174,14 +173,14 @@ class BinnedCalibrationTest(absltest.TestCase):
       rc.BinnedCalibration(**{**cal.__dict__, "context_range": (1200, 1100)})
 
   def test_old_format_is_refused_with_how_to_refit(self):
-    from certkv_jax import calibration_store  # pylint: disable=g-import-not-at-top
+    from certkv_jax.calibration import store  # pylint: disable=g-import-not-at-top
     cal = self._fit()
     meta = cal.metadata()
     del meta["context_range"]
     meta["format_version"] = 1
     with tempfile.TemporaryDirectory() as d:
       path = os.path.join(d, "v1")
-      calibration_store.write_checkpoint(
+      store.write_checkpoint(
           path, {"scales": cal.scales, "edges": cal.edges, "n_calls": cal.n_calls}, meta)
       with self.assertRaisesRegex(ValueError, r"format_version: .* has version 1; this code "
                                   r"reads version 2\. .*context lengths.*--from_units"):
@@ -217,12 +216,12 @@ class BinnedCalibrationTest(absltest.TestCase):
              regimes=("streaming",), budgets=(0.125,), deltas=(0.05,), model="m", design="d")
 
   def test_load_rejects_other_artifacts(self):
-    from certkv_jax import calibration_store  # pylint: disable=g-import-not-at-top
+    from certkv_jax.calibration import store  # pylint: disable=g-import-not-at-top
     with tempfile.TemporaryDirectory() as d:
       with self.assertRaises(FileNotFoundError):
         rc.load(os.path.join(d, "missing"))
       path = os.path.join(d, "percall")
-      calibration_store.write_checkpoint(path, {"x": np.zeros(2)},
+      store.write_checkpoint(path, {"x": np.zeros(2)},
                                          {"kind": "something else", "format_version": 1})
       with self.assertRaisesRegex(ValueError, "robust_calibration"):
         rc.load(path)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import certkv_jax
-from certkv_jax import sampling
+from certkv_jax.designs import sampling
 
 
 def _np_inclusion(score, m, eps):

@@ -40,7 +40,7 @@ import pytest
 
 import certkv_jax
 from certkv_jax import designs
-from certkv_jax import distributed
+from certkv_jax.kv import distributed
 from models import decode
 from models import gguf_loader
 from models import llama
@@ -122,7 +122,7 @@ def _random_caches(seed, lead=(2, 2, 4), cap=16, d=8):
 
 
 class _SquaredKeySum:
-  """A score ``certkv_jax.distributed`` does not know, reading whole keys
+  """A score ``certkv_jax.kv.distributed`` does not know, reading whole keys
   (``reads``): eviction gathers keys and values whole. (Its values can then
   differ from one device's in the last bit -- the reduction is compiled for
   other shapes -- which moves a Poisson probability by an ulp; with a top-k

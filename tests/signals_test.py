@@ -1,4 +1,4 @@
-"""Online warning signals from the kept set (certkv_jax.signals).
+"""Online warning signals from the kept set (certkv_jax.certificate.signals).
 
 All comparisons are deterministic (seeded inputs, no Monte Carlo): the
 tolerances only absorb float32 rounding of sums over <= 32 slots (relative
@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 import certkv_jax
-from certkv_jax import signals
+from certkv_jax.certificate import signals
 
 
 N, D, DV = 24, 8, 6  # one shape everywhere: each new shape is an XLA compile

@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from certkv_jax import cache as cache_lib
 from certkv_jax import designs
+from certkv_jax.designs import registry
+from certkv_jax.designs import sampling
+from certkv_jax.kv import cache as cache_lib
 from certkv_jax import layer as layer_lib
-from certkv_jax import registry
-from certkv_jax import sampling
 from models import decode
 from models import hf_loader
 

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import certkv_jax
+from certkv_jax.certificate import diagnostics
+from certkv_jax.certificate import montecarlo
 from certkv_jax import designs
-from certkv_jax import diagnostics
-from certkv_jax import montecarlo
-from certkv_jax import registry
+from certkv_jax.designs import registry
 
 BUDGET = 64
 

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import certkv_jax
-from certkv_jax import cache as cache_lib
 from certkv_jax import designs
-from certkv_jax import registry
+from certkv_jax.designs import registry
+from certkv_jax.kv import cache as cache_lib
 
 N, CAP, D = 40, 48, 8
 BUDGET, N_SINK, WINDOW = 16, 2, 4

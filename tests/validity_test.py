@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from certkv_jax import robust_calibration
-from certkv_jax import signals as signals_lib
+from certkv_jax.calibration import robust
+from certkv_jax.certificate import signals as signals_lib
 from experiments.lib import model_loading
 from experiments.lib.validity import calls as validity_calls
 from experiments.lib.validity import collect as validity_collect
@@ -176,7 +176,7 @@ class ValidityEndToEndTest(absltest.TestCase):
     self.assertEqual([c["coverage"] for c in summary["cells"]],
                      [c["coverage"] for c in on_disk["cells"]])
     self.assertTrue(os.path.exists(os.path.join(out, "report.md")))
-    calib = robust_calibration.load(os.path.join(out, "calibration"))
+    calib = robust.load(os.path.join(out, "calibration"))
     self.assertEqual(calib.design, "poisson_tail")
     self.assertEqual(calib.data, ("passkey", "text"))
     with self.assertRaisesRegex(ValueError, "design"):
@@ -216,7 +216,7 @@ class ValidityEndToEndTest(absltest.TestCase):
     calls = validity_calls.load_calls(
         [validity_collect.unit_path(out2, u) for u in _plan(
             data=("text", "variable_tracking"), context_lens=(80,)).units()])
-    cal = robust_calibration.load(artifact)
+    cal = robust.load(artifact)
     r = validity_calls.binned_radii(calls, cal, 0.05, (0.25, 0.5))
     for c in t["cells"]:
       m = ((calls["regime"] == c["regime"]) & (calls["data"] == c["data"])
@@ -269,7 +269,7 @@ class CalibrateCommandTest(absltest.TestCase):
                           check=False)
     self.assertEqual(done.returncode, 0, done.stderr[-3000:])
     self.assertIn("binned calibration of poisson_tail", done.stdout)
-    cal = robust_calibration.load(os.path.join(out, "calibration"))
+    cal = robust.load(os.path.join(out, "calibration"))
     self.assertEqual(cal.data, ("passkey", "text"))
     self.assertEqual(cal.scales.shape, (1, 1, 1, 2))
     again = subprocess.run(cmd, cwd=test_util.ROOT, capture_output=True, text=True,
@@ -289,7 +289,7 @@ class CalibrateCommandTest(absltest.TestCase):
          "--budgets=0.5", "--deltas=0.05", "--context_len=48", "--n_bins=2", "--overwrite"],
         cwd=test_util.ROOT, capture_output=True, text=True, timeout=600, check=False)
     self.assertEqual(refit.returncode, 0, refit.stderr[-3000:])
-    back = robust_calibration.load(os.path.join(out, "calibration"))
+    back = robust.load(os.path.join(out, "calibration"))
     np.testing.assert_array_equal(back.scales, cal.scales)
     self.assertEqual(back.context_range, cal.context_range)
 

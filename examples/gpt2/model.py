@@ -3,7 +3,7 @@
 Written independently of ``models/llama.py`` to show what a model of one's own
 needs to use the eviction designs: its attention layer computes q, k, v as
 usual and calls :func:`certkv_jax.layer.attend` with its layer's slice of the
-caches (``certkv_jax.caches``); the learned position embedding reads
+caches (``certkv_jax.kv.caches``); the learned position embedding reads
 :func:`certkv_jax.layer.positions`, which continue from the tokens each cache
 has seen, kept or evicted. Between calls :func:`certkv_jax.eviction.evict`
 applies the design, and ``certkv_jax.certificate_radius`` turns each call's
@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 import certkv_jax
-from certkv_jax import caches as caches_lib
 from certkv_jax import eviction
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer
 
 
@@ -33,7 +33,7 @@ class GPT2Config:
   """Sizes of the model (frozen and hashable: a static argument of ``jax.jit``).
 
   Any object with ``n_layers``, ``n_kv_heads`` and ``head_dim`` sizes the
-  caches (``certkv_jax.caches.init_caches``); this one has them.
+  caches (``certkv_jax.kv.caches.init_caches``); this one has them.
   """
 
   vocab_size: int = 97
@@ -111,7 +111,7 @@ def forward(params, config: GPT2Config, tokens, valid, caches, *,
     config: the model's sizes.
     tokens: [b, t] int token ids.
     valid: [b, t] bool, False on right padding.
-    caches: ``certkv_jax.caches.init_caches(config, b, capacity)`` or the
+    caches: ``certkv_jax.kv.caches.init_caches(config, b, capacity)`` or the
       caches of the previous call, leaves ``[n_layers, b, n_heads, cap, ...]``.
       They must have room for the chunk: evict before appending (under ``jit``
       a token that finds no free slot is dropped and counted in each layer's
@@ -154,7 +154,7 @@ def generate(params, config: GPT2Config, tokens, key, *, design, n_steps: int, c
   Args:
     tokens: [b, t] prompt token ids (no padding).
     key: PRNG key of the randomized designs' draws.
-    design: an eviction design, e.g. ``certkv_jax.registry.make("poisson_tail", 0.5)``.
+    design: an eviction design, e.g. ``certkv_jax.designs.registry.make("poisson_tail", 0.5)``.
     n_steps: tokens to generate.
     capacity: cache slots; at least the prompt length, and the design's
       budget plus one (the token appended before each eviction).

@@ -2,7 +2,7 @@
 ``bench_*``, ...) are thin absl mains that parse their flags and call one function here.
 
 * inputs: ``tasks``, ``loaders``, ``scoring``, ``prompts``; the model: ``model_loading``;
-  the designs' shared settings over ``certkv_jax.registry``: ``design_defaults``;
+  the designs' shared settings over ``certkv_jax.designs.registry``: ``design_defaults``;
 * the suite (method, section 8): ``suite/`` (``settings``: what runs, and the flags
   the suite's scripts share; ``rows``: row collection; ``report``: ``report.md``;
   ``runner``: ``run_all``'s plans and run), ``analyses/`` (one module per analysis);

@@ -13,7 +13,7 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import budgets
+from certkv_jax.designs import budgets
 from experiments.lib import design_defaults
 from models import decode
 
@@ -62,7 +62,7 @@ class UnitCall:
     max_budget: the unit's largest budget (None: each call's largest): the
       static design's budget and the one that sizes the caches.
     return_logits: also return each step's logits.
-    capacity: cache slots; None sizes them with ``certkv_jax.budgets.capacity``.
+    capacity: cache slots; None sizes them with ``certkv_jax.designs.budgets.capacity``.
   """
 
   design: str
@@ -83,7 +83,7 @@ def run_batch(params, config, examples, row_budgets, key, unit: UnitCall) -> dec
   each step's logits if ``unit.return_logits``).
 
   ``unit.shape`` and ``unit.max_budget`` fix the padded shapes, the static
-  design and the caches' capacity (``certkv_jax.budgets.capacity`` at the
+  design and the caches' capacity (``certkv_jax.designs.budgets.capacity`` at the
   largest budget), so that every slice of one unit shares a compile.
   """
   shape = unit.shape or pad_shape(examples)

@@ -1,13 +1,13 @@
 """The experiments' shared design settings, over the one registry of designs.
 
 Every experiment builds its designs here: :func:`make_design` is
-``certkv_jax.registry.make`` with the sink and recent-window sizes the
+``certkv_jax.designs.registry.make`` with the sink and recent-window sizes the
 experiments share (:data:`N_SINK`, :data:`WINDOW`; ``snapkv`` and
 ``poisson_envelope`` also take the window as their observation window), and
 :data:`FULL` names the reference that evicts nothing. The names an
 experiment accepts come from the registry (:func:`names`), so a design added
 there is known everywhere; a name may carry the design's own settings
-(``"priority_focus:diffuse_weight=0.3"``, parsed by ``certkv_jax.registry.parse``;
+(``"priority_focus:diffuse_weight=0.3"``, parsed by ``certkv_jax.designs.registry.parse``;
 per-head allocations: :mod:`experiments.lib.variants`)::
 
     design = make_design("snapkv", 0.25)          # snapkv with 4 sinks, window 16
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from certkv_jax import registry
-from certkv_jax.designs import EvictionDesign
+from certkv_jax.designs.framework import EvictionDesign
+from certkv_jax.designs import registry
 
 N_SINK = 4  # sink tokens every design keeps
 WINDOW = 16  # recent tokens every design keeps (snapkv / poisson_envelope: observation window)

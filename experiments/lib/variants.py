@@ -3,7 +3,7 @@ r"""Variants: a registered design, its settings and a per-head allocation, by na
 ``"design[:setting=value...][+allocation[:setting=value...]]"`` names a design
 of the registry with the budgets of one allocation (uniform, AdaKV,
 certificate-targeted, PyramidKV's layer schedule). The strings are parsed by
-the one parser, ``certkv_jax.registry.parse`` (it lives in the core so that
+the one parser, ``certkv_jax.designs.registry.parse`` (it lives in the core so that
 ``models.text.generate`` reads them too); this module adds the experiments'
 shared sink and window sizes (``experiments.lib.design_defaults``) and the
 equal-memory budget. The equal-memory comparison, the leaderboard and
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from certkv_jax import memory
-from certkv_jax import registry
+from certkv_jax.designs import registry
+from certkv_jax.kv import memory
 from experiments.lib import design_defaults
 
 # The registry's tables, re-exported (the names the experiments' flags list).

@@ -14,8 +14,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from certkv_jax.calibration import robust
 from certkv_jax import designs
-from certkv_jax import robust_calibration
 
 # The validity study's settings, which the shipped calibration was fitted with.
 N_SINK = 4
@@ -107,7 +107,7 @@ def calibrated(raw, run: Run, *, calibration: Optional[str], context_tokens: int
   ``context_tokens`` (a positive int, else ValueError) lie in the fitted context
   range; outside it the note starts with "WARNING:" and must be shown.
   ``raw``: [...] radii at ``run.delta``; ``calibration``: a
-  :mod:`certkv_jax.robust_calibration` artifact path (method, section 10) or None.
+  :mod:`certkv_jax.calibration.robust` artifact path (method, section 10) or None.
   """
   if calibration is None:
     return None, "not requested (no calibration path)", None
@@ -128,7 +128,7 @@ def calibrated(raw, run: Run, *, calibration: Optional[str], context_tokens: int
   if used != fitted:
     return None, (f"the calibration was fitted with {fitted}, this run uses {used}"), None
   try:
-    cal = robust_calibration.load(calibration)
+    cal = robust.load(calibration)
     out = cal.radius(raw, model=run.model_name, design=run.design_name, regime=run.regime,
                      budget=float(run.budget), delta=float(run.delta),
                      context_len=int(context_tokens), outside_range="warn")

@@ -12,7 +12,7 @@ which bounds ``||o_hat - o||`` of that call (one head's attention output with
 the evicted cache vs the full cache) with probability about ``1 - delta``,
 approximately and only where Assumption 2 holds (method, sections 5-6). Where
 the shipped calibration (``experiments/results/validity/calibration``,
-:mod:`certkv_jax.robust_calibration`, method, section 10) was made for the
+:mod:`certkv_jax.calibration.robust`, method, section 10) was made for the
 model, design, regime, budget and delta, the calibrated radius is returned
 too; otherwise the reason it is not.
 
@@ -21,7 +21,7 @@ Regimes (method, sections 3 and 8):
 * ``question_aware`` (``models.decode.generate``): the whole prompt is
   prefilled, the design evicts once down to ``budget`` (designs that score
   with an observation window, snapkv and poisson_envelope, take the prompt's
-  last ``window`` queries: ``certkv_jax.registry``), then the answer
+  last ``window`` queries: ``certkv_jax.designs.registry``), then the answer
   is decoded.
 * ``streaming`` (``models.decode.generate_streaming``): the prompt is split
   into a context and a question. The context is fed in ``chunk``-token chunks,
@@ -44,7 +44,7 @@ Deterministic designs (and ``uniform_random``, which has no Hajek offset) have
 ``V_hat = b_hat = 0``: their radius is 0 by construction and is no certificate
 (Theorem 1, method, section 2); ``"full"`` evicts nothing and has no error.
 
-The caches hold what a run appends (``certkv_jax.budgets.capacity``). What the
+The caches hold what a run appends (``certkv_jax.designs.budgets.capacity``). What the
 radii mean (summary, certificate status, calibration) is in
 :mod:`models.text.certificate`; the command's input and printout
 (``python -m experiments.generate``) in :mod:`models.text.report`.
@@ -61,9 +61,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import budgets
 from certkv_jax import certificate
-from certkv_jax import registry
+from certkv_jax.designs import budgets
+from certkv_jax.designs import registry
 from models import decode
 from models.text import answer_text
 from models.text import certificate as generate_certificate
@@ -82,9 +82,9 @@ DEFAULT_CALIBRATION = generate_certificate.DEFAULT_CALIBRATION
 
 def design_names() -> tuple:
   """Every design name :func:`generate_text` accepts: ``"full"`` and the names of
-  ``certkv_jax.registry``; each may carry settings and a per-head allocation
+  ``certkv_jax.designs.registry``; each may carry settings and a per-head allocation
   (``"priority_focus:diffuse_weight=0.3+cert:min_share=0.95"``,
-  ``certkv_jax.registry.parse``)."""
+  ``certkv_jax.designs.registry.parse``)."""
   return (FULL,) + registry.names()
 
 
@@ -93,7 +93,7 @@ class TextSettings:
   """How :func:`generate_text` generates (the flags of ``python -m experiments.generate``).
 
   Attributes:
-    design: ``"full"`` (no eviction) or a ``certkv_jax.registry`` name.
+    design: ``"full"`` (no eviction) or a ``certkv_jax.designs.registry`` name.
     budget: fraction in (0, 1] of the tokens seen that eviction keeps.
     max_new_tokens: decode steps (>= 1); the answer is cut at the first stop id.
     regime: ``"question_aware"`` or ``"streaming"`` (module docstring).
@@ -229,7 +229,7 @@ class RunInfo(NamedTuple):
 
   Attributes:
     design, budget, regime, delta, seed: the settings (``budget`` 1.0 for "full").
-    capacity: cache slots per (layer, KV head) (``certkv_jax.budgets.capacity``).
+    capacity: cache slots per (layer, KV head) (``certkv_jax.designs.budgets.capacity``).
     chunk: streaming context chunk, or None.
     n_dropped: tokens that found no cache slot (0 when capacity is right).
     generate_seconds: wall time of the generate call that produced the result.

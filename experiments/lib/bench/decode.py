@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import cache as cache_lib
-from certkv_jax import caches as caches_lib
+from certkv_jax.designs import registry
 from certkv_jax import eviction
+from certkv_jax.kv import cache as cache_lib
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer as layer_lib
-from certkv_jax import registry
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib import plan_flags

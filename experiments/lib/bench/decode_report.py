@@ -196,7 +196,7 @@ def render(results: dict, summary: dict) -> str:
         "caches read in place (`forward_chunk(layer_loop=...)`). Headline tables: "
         f"{headline_loop(results)}.",
         "- Floor: a step's bytes (every weight; per cache, its capacity in slots of "
-        "`certkv_jax.memory.slot_bytes(design, head_dim)`: key, value and the design's "
+        "`certkv_jax.kv.memory.slot_bytes(design, head_dim)`: key, value and the design's "
         "metadata) over this machine's streaming-read bandwidth, measured in the same "
         "round-robin (a jitted `jnp.sum` of a float32 buffer of the full cache's step "
         "bytes). Floor multiple: median of the per-round ratios of step time to floor; "

@@ -9,11 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from certkv_jax import caches as caches_lib
-from certkv_jax import certified_attention
-from certkv_jax import memory as memory_lib
-
-
+from certkv_jax.attention import certified
+from certkv_jax.kv import caches as caches_lib
+from certkv_jax.kv import memory as memory_lib
 def weight_bytes(params, config) -> int:
   """Bytes of weights a decode step reads: every parameter, but of an untied
   embedding only one row per token (the tied one is the output projection too)."""
@@ -26,7 +24,7 @@ def weight_bytes(params, config) -> int:
 
 def floor_bytes(params, config, design, capacity: int, batch: int, dtype=jnp.float32) -> int:
   """A decode step's floor bytes: :func:`weight_bytes` plus ``capacity`` slots of
-  ``certkv_jax.memory.slot_bytes(design, head_dim)`` in each of the
+  ``certkv_jax.kv.memory.slot_bytes(design, head_dim)`` in each of the
   ``n_layers x batch x n_kv_heads`` caches (``design`` None: the full cache, keys and
   values only)."""
   caches = config.n_layers * batch * config.n_kv_heads
@@ -74,7 +72,7 @@ def matvec_bytes(per_layer_params, config) -> int:
 
 def _attention_fn():
   """A jitted attention of one query per head over every layer's caches, as the
-  full cache's decode step attends (``certkv_jax.certified_attention.attend``
+  full cache's decode step attends (``certkv_jax.attention.certified.attend``
   without the certificate) with nothing else: what this backend's attention
   attains against its floor, the caches' key and value bytes
   (:func:`attention_bytes`). Each layer's output is the next layer's query, so
@@ -83,7 +81,7 @@ def _attention_fn():
   def attention(per_layer_caches, qg, positions):
     total = jnp.float32(0.0)
     for cache in per_layer_caches:
-      out, _, _ = certified_attention.attend(qg, cache, None, positions, certificate=False,
+      out, _, _ = certified.attend(qg, cache, None, positions, certificate=False,
                                              with_probs=False)
       qg = out.astype(qg.dtype)  # [batch, n_kv_heads, group, 1, head_dim], as qg
       total += jnp.sum(out)
@@ -104,5 +102,5 @@ def attention_inputs(caches, config, context: int, key):
 
 def attention_bytes(caches) -> int:
   """Bytes of the attention's floor: the keys and values of stacked ``caches``
-  (the full cache's slot bytes, ``certkv_jax.memory.slot_bytes(None, head_dim)``)."""
+  (the full cache's slot bytes, ``certkv_jax.kv.memory.slot_bytes(None, head_dim)``)."""
   return int(caches.k.nbytes) + int(caches.v.nbytes)

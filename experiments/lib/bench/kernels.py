@@ -13,7 +13,7 @@ fractions, not absolute times), for each cache length and head dim:
   ``KVCache.v_sq``);
 * ``stats_stored_exact``: the same with the exact range term, which then
   takes its distances from the stored norms and one matmul (the model's
-  decode path: ``certkv_jax.certified_attention`` uses the exact range);
+  decode path: ``certkv_jax.attention.certified`` uses the exact range);
 * ``stats_bound`` / ``stats_exact``: the same statistics recomputing the
   norms from the values (one more pass over them), with the one-pass range
   bound / the exact range term;

@@ -170,7 +170,7 @@ def _prefill_fn(mode: str, config, context: int, chunk: Optional[int]):
   import functools  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from certkv_jax import caches as caches_lib  # pylint: disable=g-import-not-at-top
+  from certkv_jax.kv import caches as caches_lib  # pylint: disable=g-import-not-at-top
   from certkv_jax import layer as layer_lib  # pylint: disable=g-import-not-at-top
   from models import forward  # pylint: disable=g-import-not-at-top
   from models import prefill  # pylint: disable=g-import-not-at-top

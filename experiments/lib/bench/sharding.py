@@ -38,7 +38,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from certkv_jax import distributed
+from certkv_jax.kv import distributed
 from experiments.lib import design_defaults
 from experiments.lib import results_io
 from models import decode

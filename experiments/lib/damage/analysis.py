@@ -24,10 +24,10 @@ from typing import Optional
 
 import numpy as np
 
-from certkv_jax import damage_predictor
+from certkv_jax.calibration import damage_predictor
 from experiments.lib.damage import collect as collect_lib
 
-# Warning signals used as features: every signal of certkv_jax.signals except
+# Warning signals used as features: every signal of certkv_jax.certificate.signals except
 # range_ratio = b_hat / sqrt(V_hat), which is infinite where V_hat = 0.
 FEATURE_SIGNALS = ("tail_mass", "r_hat", "entropy", "ess", "max_tail_weight")
 LOG_FLOOR = 1e-6  # added before every log (KL, radii, signals): their scale is >= 1e-4

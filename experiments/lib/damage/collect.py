@@ -18,7 +18,7 @@ matches the plan is recomputed):
   radius per (layer, head) and the head-mean signals per layer.
 
 The head projection norms ``||W_o^h||`` of the model (spectral and RMS,
-``certkv_jax.damage``) are written to ``OUT/norms.npz``.
+``certkv_jax.certificate.damage``) are written to ``OUT/norms.npz``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from certkv_jax import certificate
-from certkv_jax import damage
+from certkv_jax.certificate import damage
 from experiments.lib import batching
 from experiments.lib import design_defaults
 from experiments.lib import plan_flags
@@ -44,7 +44,7 @@ from experiments.lib import tasks as tasks_lib
 from experiments.lib.damage import tokens as damage_tokens
 from experiments.lib.streaming_loss.core import StreamConfig
 from experiments.lib.validity import collect as validity_collect
-from certkv_jax.certified_attention import SIGNAL_FIELDS
+from certkv_jax.attention.certified import SIGNAL_FIELDS
 
 FORMAT_VERSION = 1
 # Task settings: name -> (task, options). Each family has an easier and a harder
@@ -72,7 +72,7 @@ class Plan:
   """What the damage study runs (each setting a flag of ``experiments/damage.py``)."""
 
   model: str = "smollm2"
-  design: str = plan_flags.setting("poisson_floor", "Randomized design (certkv_jax.registry).")
+  design: str = plan_flags.setting("poisson_floor", "Randomized design (certkv_jax.designs.registry).")
   budget: float = plan_flags.setting(0.25, "Budget: fraction in (0, 1) of the tokens seen.")
   context_len: int = plan_flags.setting(1024, "Context length in tokens.")
   chunk: int = plan_flags.setting(128, "Streaming chunk (tokens per eviction).")

@@ -21,7 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from certkv_jax import damage_predictor
+from certkv_jax.calibration import damage_predictor
 from experiments.lib import plots
 from experiments.lib import results_io
 from experiments.lib.damage import analysis as an

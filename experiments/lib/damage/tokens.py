@@ -8,7 +8,7 @@ audit). For every position it returns the true change of the next-token
 distribution, ``KL(p_full || p_evicted)``, and the increase of the next
 token's negative log-likelihood, next to what is known online: each (layer,
 query head)'s certificate radius and the warning signals of
-:mod:`certkv_jax.signals`, and the evicted model's own predictive entropy (the
+:mod:`certkv_jax.certificate.signals`, and the evicted model's own predictive entropy (the
 confidence baseline). Both copies read the same tokens (teacher forcing), so
 the comparison is defined at every position.
 """
@@ -22,12 +22,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from certkv_jax import budgets
-from certkv_jax import caches as caches_lib
+from certkv_jax.attention.certified import SIGNAL_FIELDS
 from certkv_jax import certificate
+from certkv_jax.designs import budgets
 from certkv_jax import eviction
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer as layer_lib
-from certkv_jax.certified_attention import SIGNAL_FIELDS
 from experiments.lib.streaming_loss.core import StreamConfig
 from experiments.lib.streaming_loss.core import chunked_targets
 from models import forward

@@ -46,11 +46,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import budgets as budgets_lib
-from certkv_jax import caches as caches_lib
 from certkv_jax import certificate
-from certkv_jax import diagnostics
+from certkv_jax.certificate import diagnostics
+from certkv_jax.designs import budgets as budgets_lib
 from certkv_jax import eviction
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer as layer_lib
 from experiments.lib import batching
 from experiments.lib import design_defaults
@@ -190,7 +190,7 @@ def run_one(params, config, tok, examples, plan: Plan, design_name: str, budget:
   traced ``budget`` argument of ``models.decode``, so that the compiled
   programs (kept in ``compiled``, keyed by design, regime and capacity) serve
   every budget of a design whose caches have the same capacity
-  (``certkv_jax.budgets.capacity``: in the question-aware regime the prompt,
+  (``certkv_jax.designs.budgets.capacity``: in the question-aware regime the prompt,
   whatever the budget, unless the kept tokens plus the answer exceed it).
   """
   regime, delta, seed, chunk = plan.regime, plan.delta, plan.seed, plan.chunk

@@ -3,7 +3,7 @@ r"""Designs compared at equal memory: streaming loss, coverage, kept bytes.
 Every variant (a registered design with an allocation: uniform, ``adakv``,
 ``cert``, or PyramidKV's layer schedule) runs at the same memory: kept key,
 value and per-slot metadata bytes equal to a fraction of the full cache's key
-and value bytes (``certkv_jax.memory.token_fraction``; a design that stores
+and value bytes (``certkv_jax.kv.memory.token_fraction``; a design that stores
 more metadata per slot keeps fewer tokens). Each text segment streams through
 the model in chunks, evicted after every chunk
 (:func:`experiments.lib.streaming_loss.core.streaming_nll`), and each token's
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from certkv_jax import calibration
-from certkv_jax import memory
+from certkv_jax.kv import memory
 from experiments.lib import design_defaults
 from experiments.lib import plan_flags
 from experiments.lib import results_io
@@ -97,7 +97,7 @@ class Plan:
   context_lens: tuple = plan_flags.setting((1024,), "Tokens per segment (BOS included).")
   variants: tuple = plan_flags.setting(
       DEFAULT_VARIANTS, "Design strings design[:setting=value...][+allocation[:setting="
-      "value...]] (certkv_jax.registry.parse, as generate and the leaderboard read them): "
+      "value...]] (certkv_jax.designs.registry.parse, as generate and the leaderboard read them): "
       f"allocations {list(ALLOCATIONS)}; aliases {list(ALIASES)}. The full cache always runs.")
   memories: tuple = plan_flags.setting(
       (0.125, 0.25, 0.5), "Kept bytes as fractions of the full cache's key/value bytes.")

@@ -53,9 +53,9 @@ import numpy as np
 from certkv_jax import calibration
 from certkv_jax import certificate
 from certkv_jax import eviction
+from certkv_jax.kv.caches import init_caches
+from certkv_jax.kv import memory
 from certkv_jax import layer as layer_lib
-from certkv_jax import memory
-from certkv_jax.caches import init_caches
 from experiments.lib import batching
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
@@ -217,7 +217,7 @@ def token_budgets(plan: Plan, design, allocation, ratios, head_dim: int) -> list
   """The token budget of each ratio: ``1 - ratio`` (kvpress's convention), or with
   ``plan.equal_memory`` the token fraction whose kept key, value and metadata
   bytes are ``1 - ratio`` of the full cache's key and value bytes
-  (``certkv_jax.memory.token_fraction``)."""
+  (``certkv_jax.kv.memory.token_fraction``)."""
   if design is None or not plan.equal_memory:
     return [1.0 - r for r in ratios]
   return [memory.token_fraction(1.0 - r, design, head_dim, allocation=allocation)

@@ -34,7 +34,7 @@ matplotlib.use("Agg")
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 from certkv_jax import calibration
-from certkv_jax import robust_calibration
+from certkv_jax.calibration import robust
 from experiments.lib import design_defaults
 from experiments.lib import plots
 from experiments.lib import results_io
@@ -160,7 +160,7 @@ def _shipped(calls, plan, cell: Cell, rows, model) -> dict:
 def _shipped_design(path: str) -> Optional[str]:
   """The design a calibration artifact was fitted for (None: unreadable)."""
   try:
-    return robust_calibration.load(path).design
+    return robust.load(path).design
   except (OSError, ValueError):
     return None
 
@@ -290,7 +290,7 @@ _RATIO_TEXT = {
            "= 1 - ratio of the tokens seen).",
     True: "Compression ratio = the share of the full cache's key/value bytes removed, at "
           "equal memory: a design's kept keys, values and per-slot metadata "
-          "(`certkv_jax.memory`) hold 1 - ratio of the full cache's key/value bytes. "
+          "(`certkv_jax.kv.memory`) hold 1 - ratio of the full cache's key/value bytes. "
           "Designs are `design[+allocation]` variants (`experiments/lib/variants.py`)."}
 _REGIME_TEXT = {"streaming": "question after the compressed context (kvpress's default)",
                 "query_aware": "question inside the compressed context (query_aware)"}

@@ -19,7 +19,7 @@ import time
 from absl import logging
 import jax
 
-from certkv_jax import montecarlo
+from certkv_jax.certificate import montecarlo
 from experiments.lib import design_defaults
 from experiments.lib import plan_flags
 from experiments.lib import results_io

@@ -14,15 +14,15 @@ rotated by r; ms/step is the median over rounds):
   per-call variance and range statistics and the per-step radius sum.
 
 The evicted caches are compacted to the capacity a deployment would allocate
-(``certkv_jax.budgets.capacity(..., compacted=True)``: the kept tokens,
-gathered to the front by ``certkv_jax.cache.compact``, plus the decoded
+(``certkv_jax.designs.budgets.capacity(..., compacted=True)``: the kept tokens,
+gathered to the front by ``certkv_jax.kv.cache.compact``, plus the decoded
 ones). The caches come from one prefill
 without design statistics, evicted by each design (its scores are then
 uninformative): what is kept does not change the cost of a step, only the
 capacity and the design's per-step work do.
 
 * ``randomized+certificate/layers``: the certificate on every 4th layer only
-  (``certified_attention.Subsample(layers=...)``; the other layers skip the second-order sums via a
+  (``certified.Subsample(layers=...)``; the other layers skip the second-order sums via a
   ``lax.cond`` in the layer scan);
 * ``randomized+certificate/heads``: the certificate on the first KV head's
   query heads only (``Subsample(heads=...)``);
@@ -64,12 +64,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import budgets
-from certkv_jax import cache as cache_lib
-from certkv_jax import caches as caches_lib
+from certkv_jax.attention import certified
 from certkv_jax import certificate
-from certkv_jax import certified_attention
+from certkv_jax.designs import budgets
 from certkv_jax import eviction
+from certkv_jax.kv import cache as cache_lib
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer as layer_lib
 from experiments.lib import batching
 from experiments.lib import design_defaults
@@ -205,7 +205,7 @@ def run_overhead(params, config, examples, out_dir: str, plan: Plan, *,
       # to the front, plus the decoded ones (no prefill in this cache).
       small_cap = budgets.capacity(design, lengths, compacted=True)
       caches = cache_lib.compact(caches, small_cap)
-    certify = (certified_attention.Subsample(cert_layers, cert_heads) if with_cert
+    certify = (certified.Subsample(cert_layers, cert_heads) if with_cert
                else False)
 
     def steps(p, first_logits, caches, design=design, certify=certify, with_cert=with_cert,

@@ -71,7 +71,7 @@ def validity(root: str) -> list[str]:
           f"{' / '.join(f'{c:,}' for c in plan['context_lens'])} tokens; {plan['n_steps']} "
           f"decode steps; collection {d['collection_seconds']:,.0f} s. Coverage of the true "
           f"attention error at delta {delta}; sharpness = median r / ||e|| over covered calls. "
-          "Calibrated = the shipped scheme (`certkv_jax.robust_calibration`: per regime, "
+          "Calibrated = the shipped scheme (`certkv_jax.calibration.robust`: per regime, "
           "budget and delta, radius bins, the largest per-source split-conformal scale), "
           "each source scored by the calibration fitted on the other sources "
           f"(leave-one-source-out). `{default}`, by context:", ""]
@@ -370,7 +370,7 @@ def damage(root: str) -> list[str]:
   out += [f"{plan['model']}, `{plan['design']}` at {fmt.pct(plan['budget'])}, streaming "
           f"({plan['chunk']}-token chunks), {plan['context_len']:,}-token contexts; the radius "
           "is carried to the residual stream through each head's slice of the output "
-          "projection (`certkv_jax.damage`) and a small learned predictor maps it to log KL; "
+          "projection (`certkv_jax.certificate.damage`) and a small learned predictor maps it to log KL; "
           f"fitted on {plan['train_segments']} of {plan['text_segments']} text segments, tested "
           f"on the others and on every task ({plan['num_examples']} examples each of "
           f"{', '.join(plan['settings'])}; full-cache accuracy "

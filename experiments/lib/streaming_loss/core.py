@@ -49,10 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import budgets
-from certkv_jax import caches as caches_lib
 from certkv_jax import certificate
+from certkv_jax.designs import budgets
 from certkv_jax import eviction
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer as layer_lib
 from experiments.lib import stats
 from experiments.lib.suite import settings as suite_settings
@@ -75,10 +75,10 @@ class StreamConfig:
       window (SnapKV: the window before each eviction).
     capacity: cache slots per (layer, row, KV head): the kept tokens plus one
       chunk; without a design, the whole sequence. None sizes them with
-      ``certkv_jax.budgets.capacity`` from the design and the budget. Tokens
+      ``certkv_jax.designs.budgets.capacity`` from the design and the budget. Tokens
       that find no slot are counted in ``n_dropped``.
     delta: miss probability of the per-call radius, in (0, 1).
-    allocation: optional per-head allocation (``certkv_jax.allocation``),
+    allocation: optional per-head allocation (``certkv_jax.designs.allocation``),
       applied at every eviction; capacities are sized for its largest target.
     evaluate: evaluation mode: a never-evicted shadow cache gives every
       attention call's true error beside its radius (``StreamingNLL.calls``).
@@ -99,7 +99,7 @@ class StreamConfig:
   smooth_window: int = SMOOTH_WINDOW
 
   def sized(self, n: int, budget=None, config=None) -> "StreamConfig":
-    """This config with its capacity set (``certkv_jax.budgets.capacity`` for ``n``
+    """This config with its capacity set (``certkv_jax.designs.budgets.capacity`` for ``n``
     tokens at the largest of ``budget``; with an allocation, for its largest
     per-head target under ``config``'s heads and layers) where it is None."""
     if self.capacity is not None:

@@ -34,12 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import budgets
-from certkv_jax import caches as caches_lib
 from certkv_jax import certificate
+from certkv_jax.designs import budgets
+from certkv_jax.designs import registry
 from certkv_jax import eviction
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer as layer_lib
-from certkv_jax import registry
 from experiments.lib import batching
 from experiments.lib import design_defaults
 from experiments.lib import model_loading

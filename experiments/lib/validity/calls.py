@@ -3,7 +3,7 @@
 :func:`load_calls` turns the unit files of :mod:`experiments.lib.validity.collect`
 into one flat table (numpy columns, one entry per decode call: step, layer,
 row, query head), :func:`fit_fold` fits a split-conformal
-:class:`certkv_jax.calibration_store.Calibration` on the calls of some data
+:class:`certkv_jax.calibration.store.Calibration` on the calls of some data
 sources, and :func:`radii` gives the raw or calibrated radius of every call.
 
 Calibration folds (method, section 10): a calibration is fitted on the calls
@@ -20,9 +20,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from certkv_jax import calibration
-from certkv_jax import calibration_store
+from certkv_jax.calibration import robust
+from certkv_jax.calibration import store
 from certkv_jax import certificate
-from certkv_jax import robust_calibration
 from experiments.lib.validity import collect as collect_lib
 
 DELTAS = (0.01, 0.05, 0.1)
@@ -137,7 +137,7 @@ def smoothed_radii(calls: Calls, delta: float) -> np.ndarray:
 def fit_fold(calls: Calls, *, design: str, data: Sequence[str], context_len: int,
              budgets: Sequence[float], deltas: Sequence[float] = DELTAS,
              regimes: Optional[Sequence[str]] = None,
-             fallback: str = "layer") -> calibration_store.Calibration:
+             fallback: str = "layer") -> store.Calibration:
   """A calibration of ``design`` fitted on the calls of ``data`` at ``context_len``.
 
   One scale per (budget, delta, layer, KV head), from the calls of both
@@ -151,15 +151,15 @@ def fit_fold(calls: Calls, *, design: str, data: Sequence[str], context_len: int
     raise ValueError(f"no calls of design {design!r} on data {list(data)} at context "
                      f"{context_len} to calibrate on")
   radii = np.stack([raw_radii(fit_calls, d) for d in deltas])
-  group_calls = calibration_store.GroupCalls(fit_calls["true_error"], radii, fit_calls["layer"],
+  group_calls = store.GroupCalls(fit_calls["true_error"], radii, fit_calls["layer"],
                                              fit_calls["kv_head"], fit_calls["budget"])
-  return calibration_store.fit(
+  return store.fit(
       group_calls, deltas=deltas, budgets=budgets, shape=(calls.n_layers, calls.n_kv_heads),
-      provenance=calibration_store.Provenance(calls.model, design, regimes, tuple(data)),
+      provenance=store.Provenance(calls.model, design, regimes, tuple(data)),
       fallback=fallback)
 
 
-def calibrated_radii(calls: Calls, calib: calibration_store.Calibration, delta: float,
+def calibrated_radii(calls: Calls, calib: store.Calibration, delta: float,
                      budgets: Sequence[float]) -> np.ndarray:
   """``scale[budget, delta, layer, kv_head] * raw radius`` of every call (all of one design)."""
   out = np.empty(len(calls), np.float64)
@@ -177,10 +177,10 @@ def calibrated_radii(calls: Calls, calib: calibration_store.Calibration, delta: 
 
 def fit_binned(calls: Calls, *, design: str, data: Sequence[str], context_len: int,
                budgets: Sequence[float], deltas: Sequence[float] = DELTAS,
-               n_bins: int = robust_calibration.DEFAULT_BINS
-               ) -> robust_calibration.BinnedCalibration:
+               n_bins: int = robust.DEFAULT_BINS
+               ) -> robust.BinnedCalibration:
   """The source-robust, radius-binned calibration of ``design`` fitted on ``data``
-  (:mod:`certkv_jax.robust_calibration`): per regime, budget and delta, the max over
+  (:mod:`certkv_jax.calibration.robust`): per regime, budget and delta, the max over
   the data sources of each source's conformal quantile in each radius bin. It records
   the range of its calls' prompt tokens (``n_prompt``: context + question)."""
   sel = calls.where(design=design, data=tuple(data), context_len=context_len)
@@ -190,14 +190,14 @@ def fit_binned(calls: Calls, *, design: str, data: Sequence[str], context_len: i
                      f"{context_len} to calibrate on")
   regimes = tuple(sorted(np.unique(c["regime"]).tolist()))
   radii = np.stack([raw_radii(c, d) for d in deltas])
-  fit_calls = robust_calibration.FitCalls(
+  fit_calls = robust.FitCalls(
       c["true_error"], radii, regimes_per_call=c["regime"], budgets_per_call=c["budget"],
       sources_per_call=c["data"], context_tokens_per_call=c["n_prompt"])
-  return robust_calibration.fit(fit_calls, regimes=regimes, budgets=budgets, deltas=deltas,
+  return robust.fit(fit_calls, regimes=regimes, budgets=budgets, deltas=deltas,
                                 model=calls.model, design=design, n_bins=n_bins)
 
 
-def binned_radii(calls: Calls, cal: robust_calibration.BinnedCalibration, delta: float,
+def binned_radii(calls: Calls, cal: robust.BinnedCalibration, delta: float,
                  budgets: Sequence[float]) -> np.ndarray:
   """The binned calibration's radius of every call (all of ``cal.design``); NaN for
   calls of a regime the calibration was not made for. The context length is not

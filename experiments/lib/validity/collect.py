@@ -5,7 +5,7 @@ The validity study asks where the certificate holds: for every decode call
 certificate's statistics (``V_hat``, ``b_hat``), the true error from the
 shadow full cache, the Assumption-2 audit (``R``, ``m``, ``|T|``) and the
 online warning signals computed from the kept set alone
-(:mod:`certkv_jax.signals`). Unlike the suite's rows, which keep a small sample
+(:mod:`certkv_jax.certificate.signals`). Unlike the suite's rows, which keep a small sample
 of calls, every call is kept: the split-conformal calibration
 (:mod:`certkv_jax.calibration`) needs them all.
 

@@ -6,7 +6,7 @@ on natural text and on the retrieval tasks and tests each on the other
 (:mod:`experiments.lib.validity.calls`), and writes ``DIR/report.md``,
 ``DIR/summary.json``, plots, and the default calibration artifact
 (``DIR/calibration``, fitted on text, loadable with
-:func:`certkv_jax.calibration_store.load`).
+:func:`certkv_jax.calibration.store.load`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from certkv_jax import robust_calibration
+from certkv_jax.calibration import robust
 from experiments.lib.validity import calls as calls_lib
 from experiments.lib.validity import collect as collect_lib
 from experiments.lib.validity import report as report_lib
@@ -115,7 +115,7 @@ def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
   sources = tuple(np.unique(calls["data"]).tolist())
   default_calib = calls_lib.fit_binned(calls, design=default_design, data=sources,
                                        context_len=calib_context, budgets=plan.budgets)
-  robust_calibration.save(os.path.join(os.path.abspath(out_dir), ARTIFACT), default_calib,
+  robust.save(os.path.join(os.path.abspath(out_dir), ARTIFACT), default_calib,
                           overwrite=True)
   long_ctx = [c for c in plan.all_context_lens if c >= 1024]
   min_context = min(long_ctx) if long_ctx else min(plan.all_context_lens)
@@ -130,7 +130,7 @@ def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
   summary = dict(
       default=dict(design=default_design, radius="calibrated",
                    scheme="source-robust radius-binned split conformal "
-                          "(certkv_jax.robust_calibration)",
+                          "(certkv_jax.calibration.robust)",
                    calibrated_on=list(default_calib.data),
                    context_range=list(default_calib.context_range), artifact=ARTIFACT,
                    held_out_estimate="leave-one-source-out"),
@@ -165,7 +165,7 @@ def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
             "over covered calls.", ""] + by_context_lines(summary["by_context"]) + [""]
   transfer = plan.transfer
   if transfer:
-    cal = robust_calibration.load(transfer)
+    cal = robust.load(transfer)
     t_cells = transfer_cells(calls, cal, plan.budgets)
     summary["transfer"] = dict(artifact=transfer, design=cal.design, data=list(cal.data),
                                context_range=list(cal.context_range), cells=t_cells,
@@ -190,7 +190,7 @@ def analyse(paths, out_dir: str, plan: collect_lib.Plan, *, default_design: str,
   return summary
 
 
-def transfer_cells(calls: calls_lib.Calls, cal: robust_calibration.BinnedCalibration,
+def transfer_cells(calls: calls_lib.Calls, cal: robust.BinnedCalibration,
                    budgets) -> list[dict]:
   """Cells of ``cal.design`` scored by a calibration fitted in another study (another
   context length, text or task set): the shift a user makes who fits once and applies
@@ -384,7 +384,7 @@ def _report_lines(summary, calls, cells, alt_cells, default_design, default_cali
            ""]
   lines += ["## Headline", ""] + headline_lines(summary)
   lines += [f"Default certified setting: `{default_design}` + the calibration in "
-            f"`{ARTIFACT}/` (`certkv_jax.robust_calibration.load`): per regime, budget and "
+            f"`{ARTIFACT}/` (`certkv_jax.calibration.robust.load`): per regime, budget and "
             f"delta, {default_calib.n_bins} bins of the raw radius, and in each bin the "
             "largest of the per-source split-conformal scales, fitted at context "
             f"{calib_context} on every data source ({', '.join(default_calib.data)}; prompts of "

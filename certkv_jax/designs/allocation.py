@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import damage
-from certkv_jax import sampling
-from certkv_jax.cache import KVCache
-from certkv_jax.caches import over_heads
+from certkv_jax.certificate import damage
+from certkv_jax.designs import sampling
+from certkv_jax.kv.cache import KVCache
+from certkv_jax.kv.caches import over_heads
 
 Array = jax.Array
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from certkv_jax import _checks
+from certkv_jax import _validate
 
 Array = jax.Array
 
@@ -48,9 +48,9 @@ class KVCache(NamedTuple):
 def init_cache(capacity: int, head_dim: int, value_dim: int | None = None,
                dtype=jnp.float32) -> KVCache:
   """An empty cache of ``capacity`` slots for one head."""
-  capacity = _checks.check_positive_int("capacity", capacity)
-  head_dim = _checks.check_positive_int("head_dim", head_dim)
-  value_dim = head_dim if value_dim is None else _checks.check_positive_int(
+  capacity = _validate.check_positive_int("capacity", capacity)
+  head_dim = _validate.check_positive_int("head_dim", head_dim)
+  value_dim = head_dim if value_dim is None else _validate.check_positive_int(
       "value_dim", value_dim)
   zeros = jnp.zeros((capacity,), jnp.float32)
   return KVCache(
@@ -94,7 +94,7 @@ def append(cache: KVCache, k_new, v_new, new_valid=None) -> KVCache:
   if new_valid.shape != (t,) or new_valid.dtype != jnp.bool_:
     raise ValueError(f"new_valid must be bool [{t}], got {new_valid.dtype} {new_valid.shape}")
   slots = slot_assignment(cache.valid, new_valid)
-  if (_checks.is_concrete(slots.n_new) and _checks.is_concrete(slots.n_free)
+  if (_validate.is_concrete(slots.n_new) and _validate.is_concrete(slots.n_free)
       and int(slots.n_new) > int(slots.n_free)):
     n_new, n_free = int(slots.n_new), int(slots.n_free)
     raise ValueError(f"append of {n_new} tokens needs free slots, but the cache (capacity "
@@ -116,7 +116,7 @@ class SlotAssignment(NamedTuple):
 def slot_assignment(valid, new_valid) -> SlotAssignment:
   """The slots :func:`append` fills: free slots in slot order, real tokens in order.
 
-  Split from the write so a sequence-sharded cache (``certkv_jax.distributed``)
+  Split from the write so a sequence-sharded cache (``certkv_jax.kv.distributed``)
   places tokens exactly as one device would. ``valid`` [cap], ``new_valid`` [t].
   """
   if new_valid.shape[-1] > 1:
@@ -342,7 +342,7 @@ def compact(cache: KVCache, capacity: int) -> KVCache:
   cap = cache.valid.shape[-1]
   if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
     raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
-  if _checks.is_concrete(cache.valid):
+  if _validate.is_concrete(cache.valid):
     kept = int(jnp.max(jnp.sum(cache.valid, axis=-1)))
     if kept > capacity:
       raise ValueError(f"capacity ({capacity}): a cache keeps {kept} tokens, more than the "

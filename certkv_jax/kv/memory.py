@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import _checks
+from certkv_jax import _validate
 
 STAT_FIELDS = ("acc", "last", "obs")
 BASE_BYTES = 4 + 1  # pos (int32) + valid
@@ -31,8 +31,8 @@ def metadata_bytes(design, allocation=None) -> int:
 def slot_bytes(design, head_dim: int, value_dim: int | None = None, dtype=jnp.float32,
                allocation=None) -> int:
   """Bytes one kept token costs in one KV head: key + value + metadata."""
-  head_dim = _checks.check_positive_int("head_dim", head_dim)
-  value_dim = head_dim if value_dim is None else _checks.check_positive_int("value_dim",
+  head_dim = _validate.check_positive_int("head_dim", head_dim)
+  value_dim = head_dim if value_dim is None else _validate.check_positive_int("value_dim",
                                                                             value_dim)
   kv = (head_dim + value_dim) * np.dtype(dtype).itemsize
   return kv + metadata_bytes(design, allocation)

@@ -18,15 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import _checks
-from certkv_jax import designs
+from certkv_jax import _validate
+from certkv_jax.designs import framework
+from certkv_jax.designs import parts
 
 Array = jax.Array
 LayerBudgets = tuple  # tuple[int, ...] or tuple[float, ...], one entry per layer
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class TracedBudget(designs.Budget):
+class TracedBudget(parts.Budget):
   """A budget whose target is an int32 array (possibly traced), not static.
 
   Trace-only; :func:`check_layer_budgets` replaces ``EvictionDesign.init``'s capacity check.
@@ -43,7 +44,7 @@ class TracedBudget(designs.Budget):
     return jnp.asarray(self.value, jnp.int32)
 
 
-def with_target(design: designs.EvictionDesign, target) -> designs.EvictionDesign:
+def with_target(design: framework.EvictionDesign, target) -> framework.EvictionDesign:
   """``design`` with its budget replaced by the int32 ``target`` (tokens kept)."""
   return dataclasses.replace(design, budget=TracedBudget(value=target))
 
@@ -63,7 +64,7 @@ def check_layer_budgets(layer_budgets: Sequence[Union[int, float]], n_layers: in
   if all(isinstance(x, int) and not isinstance(x, bool) for x in b):
     for x in b:
       if x == 1:
-        raise ValueError(f"layer_budgets {b}: {designs.AMBIGUOUS_ONE}")
+        raise ValueError(f"layer_budgets {b}: {parts.AMBIGUOUS_ONE}")
       if x < 1:
         raise ValueError(f"layer_budgets token counts must be >= 1, got {b}")
       if capacity is not None and x > capacity:
@@ -90,8 +91,8 @@ def check_budget(budget, batch: Optional[int] = None):
       hasattr(budget, "dtype") and jnp.issubdtype(budget.dtype, jnp.integer)):
     raise ValueError(f"budget here is a fraction of the tokens seen (a float in (0, 1]), got "
                      f"an int ({budget!r}): write it as a float (1.0 keeps everything); a "
-                     "token count goes in the design (e.g. designs.poisson_tail("
-                     "budget=designs.Budget(tokens=n))) or in layer_budgets")
+                     "token count goes in the design (e.g. framework.poisson_tail("
+                     "budget=parts.Budget(tokens=n))) or in layer_budgets")
   b = jnp.asarray(budget, jnp.float32)
   if b.ndim > 1 or (b.ndim == 1 and batch is not None and b.shape[0] != batch):
     raise ValueError(f"budget must be a scalar fraction or one per batch row ([{batch}]), "
@@ -211,9 +212,9 @@ class Lengths:
 
   def __post_init__(self):
     for name in ("n_context", "n_question", "n_steps"):
-      _checks.check_nonneg_int(name, getattr(self, name))
+      _validate.check_nonneg_int(name, getattr(self, name))
     if self.chunk is not None:
-      _checks.check_positive_int("chunk", self.chunk)
+      _validate.check_positive_int("chunk", self.chunk)
 
 
 def capacity(design, lengths: Lengths, *, budget=None, layer_budgets=None,
@@ -244,7 +245,7 @@ def capacity(design, lengths: Lengths, *, budget=None, layer_budgets=None,
   n_prompt = n_context + (n_question if chunk is None else 0)
 
   def kept_after(x):
-    # The targets' own floor (designs.Budget.target, float32 with a 1e-6 guard),
+    # The targets' own floor (parts.Budget.target, float32 with a 1e-6 guard),
     # with a wider guard so that float64 is never below it.
     return x if isinstance(x, int) else int(math.floor(x * n_prompt * (1.0 + 2e-6)))
 

@@ -11,8 +11,8 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from certkv_jax import designs
-from certkv_jax.cache import KVCache
+from certkv_jax.designs import framework
+from certkv_jax.kv.cache import KVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,5 +32,5 @@ class KeyDiff:
 
 def keydiff(budget, *, n_sink: int = 0, window: int = 0, value_aware: bool = False):
   """KeyDiff: sinks + recent window + the keys least similar to the mean key."""
-  return designs.top_k(budget, KeyDiff(), n_sink=n_sink, window=window,
+  return framework.top_k(budget, KeyDiff(), n_sink=n_sink, window=window,
                        value_aware=value_aware, name="keydiff")

@@ -1,13 +1,13 @@
 """A small learned map from per-step features to output damage (method, section 11).
 
-How much of each layer's attention damage (:mod:`certkv_jax.damage`) reaches
+How much of each layer's attention damage (:mod:`certkv_jax.certificate.damage`) reaches
 the next-token distribution depends on the rest of the network; a
 :class:`DamagePredictor` learns that step from evaluation-mode rows of
 features and a target such as ``log KL(p_full || p_evicted)``. It is linear
 or has one hidden layer, fitted full-batch by AdamW on standardized data; the
 held-out rows only pick the step, so evaluate on seeds and texts kept apart
 (split by sequence). Saved as an orbax directory (as
-:mod:`certkv_jax.calibration_store`); :func:`load` refuses a predictor made
+:mod:`certkv_jax.calibration.store`); :func:`load` refuses a predictor made
 for other features, model, design, budget or target.
 """
 
@@ -26,13 +26,13 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from certkv_jax import _checks
-from certkv_jax import calibration_store
+from certkv_jax import _validate
+from certkv_jax.calibration import store
 
 Array = jax.Array
 
 FORMAT_VERSION = 1
-KIND = "certkv_jax.damage_predictor"
+KIND = "certkv_jax.damage_predictor"  # the artifact format name, kept from before the move
 ACTIVATIONS = ("tanh", "gelu")
 MIN_ROWS = 10
 
@@ -125,7 +125,7 @@ def _check_x(spec: PredictorSpec, x) -> Array:
   if x.ndim != 2 or x.shape[1] != spec.n_features:
     raise ValueError(f"x must have shape [n, {spec.n_features}] (features "
                      f"{spec.feature_names}), got {x.shape}")
-  _checks.check_finite("x", x)
+  _validate.check_finite("x", x)
   return x.astype(jnp.float32)
 
 
@@ -160,17 +160,17 @@ class DamagePredictor:
       arr = jnp.asarray(self.params[name], jnp.float32)
       if arr.shape != shape:
         raise ValueError(f"params[{name!r}] must have shape {shape}, got {arr.shape}")
-      _checks.check_finite(f"params[{name!r}]", arr)
+      _validate.check_finite(f"params[{name!r}]", arr)
       params[name] = arr
     for name in ("x_std", "y_std"):
-      _checks.check_in_range(f"params[{name!r}]", params[name], 0.0, math.inf, lo_open=True)
+      _validate.check_in_range(f"params[{name!r}]", params[name], 0.0, math.inf, lo_open=True)
     object.__setattr__(self, "params", params)
     for name in ("train_loss", "val_loss"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= 0:
         raise ValueError(f"{name} must be a float >= 0, got {v!r}")
       object.__setattr__(self, name, float(v))
-    object.__setattr__(self, "best_step", _checks.check_nonneg_int("best_step", self.best_step))
+    object.__setattr__(self, "best_step", _validate.check_nonneg_int("best_step", self.best_step))
 
   def predict(self, x) -> Array:
     """Predicted target ``[n]`` (float32) for raw features ``x`` [n, n_features].
@@ -259,20 +259,20 @@ def fit(spec: PredictorSpec, x, y, *, seed: int = 0, steps: int = 2000,
   y = np.asarray(y, np.float64)
   if y.shape != (n,):
     raise ValueError(f"y must have shape [n={n}] like x, got {y.shape}")
-  _checks.check_finite("x", x)
-  _checks.check_finite("y", y)
+  _validate.check_finite("x", x)
+  _validate.check_finite("y", y)
   if n < MIN_ROWS:
     raise ValueError(f"x must have at least {MIN_ROWS} rows, got {n}")
-  seed = _checks.check_nonneg_int("seed", seed)
-  steps = _checks.check_positive_int("steps", steps)
+  seed = _validate.check_nonneg_int("seed", seed)
+  steps = _validate.check_positive_int("steps", steps)
   for name, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay),
                       ("val_fraction", val_fraction)):
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
       raise ValueError(f"{name} must be a float, got {value!r}")
-  _checks.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True,
+  _validate.check_in_range("learning_rate", learning_rate, 0.0, math.inf, lo_open=True,
                          hi_open=True)
-  _checks.check_in_range("weight_decay", weight_decay, 0.0, math.inf, hi_open=True)
-  _checks.check_in_range("val_fraction", val_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
+  _validate.check_in_range("weight_decay", weight_decay, 0.0, math.inf, hi_open=True)
+  _validate.check_in_range("val_fraction", val_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
   n_val = int(round(val_fraction * n))
   if n_val < 1 or n - n_val < 2:
     raise ValueError(f"val_fraction={val_fraction} leaves {n_val} validation and "
@@ -312,7 +312,7 @@ def save(predictor: DamagePredictor, directory, *, overwrite: bool = False) -> s
   meta = {"kind": KIND, "format_version": FORMAT_VERSION, "spec": predictor.spec.to_json(),
           "train_loss": predictor.train_loss, "val_loss": predictor.val_loss,
           "best_step": predictor.best_step}
-  return calibration_store.write_checkpoint(directory, arrays, meta, overwrite=overwrite)
+  return store.write_checkpoint(directory, arrays, meta, overwrite=overwrite)
 
 
 def load(directory, *, expect_features: Optional[Sequence[str]] = None,

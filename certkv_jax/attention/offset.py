@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import _checks
+from certkv_jax import _validate
 from pallas_kernels import reference
 
 Array = jax.Array
@@ -94,13 +94,13 @@ def _check_shapes(q, k, v, log_pi, mask):
 
 def _check_values(q, k, v, log_pi, mask) -> None:
   """Eager value checks (method, section 9, "Bad input"); skipped for tracers."""
-  _checks.check_finite_where("q", q)
-  _checks.check_finite_where("k", k, mask, value_axes=1)
+  _validate.check_finite_where("q", q)
+  _validate.check_finite_where("k", k, mask, value_axes=1)
   if v is not None:
-    _checks.check_finite_where("v", v, mask, value_axes=1)
-  _checks.check_finite_where("log_pi", log_pi, mask)
-  lp = _checks.concrete_array(log_pi)
-  mk = _checks.concrete_array(mask)
+    _validate.check_finite_where("v", v, mask, value_axes=1)
+  _validate.check_finite_where("log_pi", log_pi, mask)
+  lp = _validate.concrete_array(log_pi)
+  mk = _validate.concrete_array(mask)
   if lp is not None and mk is not None:
     lpb, mkb = np.broadcast_arrays(lp.astype(np.float64), mk.astype(bool))
     lp_valid = lpb[mkb]
@@ -225,7 +225,7 @@ def _check_sqnorm(value_sqnorm, v, mask):
                                                                         kv_lead):
     raise ValueError(f"value_sqnorm.ref must be [..., dv={v.shape[-1]}] with leading dims "
                      f"that broadcast to those of v and mask {tuple(kv_lead)}, got {ref.shape}")
-  _checks.check_finite_where("value_sqnorm.ref", ref)
+  _validate.check_finite_where("value_sqnorm.ref", ref)
   n = v.shape[-2]
   if value_sqnorm.ndim < 1 or value_sqnorm.shape[-1] != n:
     raise ValueError(f"value_sqnorm must have n={n} slots on its last axis, got "
@@ -235,9 +235,9 @@ def _check_sqnorm(value_sqnorm, v, mask):
   if not _broadcasts_to(value_sqnorm.shape[:-1], kv_lead):
     raise ValueError(f"value_sqnorm's leading dims {value_sqnorm.shape[:-1]} must broadcast "
                      f"to those of v and mask {tuple(kv_lead)}")
-  _checks.check_finite_where("value_sqnorm", value_sqnorm, mask)
-  sq = _checks.concrete_array(value_sqnorm)
-  mk = _checks.concrete_array(mask)
+  _validate.check_finite_where("value_sqnorm", value_sqnorm, mask)
+  sq = _validate.concrete_array(value_sqnorm)
+  mk = _validate.concrete_array(mask)
   if sq is not None and mk is not None:
     sqb, mkb = np.broadcast_arrays(sq.astype(np.float64), mk.astype(bool))
     if sqb[mkb].size and not (sqb[mkb] >= 0).all():

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from certkv_jax import _checks
+from certkv_jax import _validate
 
 Array = jax.Array
 
@@ -85,7 +85,7 @@ def _check_delta(delta):
     if not (0.0 < delta < 1.0) or not math.isfinite(delta):
       raise ValueError(f"delta must be in (0, 1), got {delta!r}")
   else:
-    _checks.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+    _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
 
 
 def radius_from_stats(var_hat, range_hat, delta, form: str = "bernstein") -> Array:
@@ -125,7 +125,7 @@ def anytime_delta(delta: float, step) -> Array:
   """
   _check_delta(delta)
   step = jnp.asarray(step)
-  s = _checks.concrete_array(step)
+  s = _validate.concrete_array(step)
   if s is not None and (s < 1).any():
     raise ValueError(f"step must be >= 1 (1-based decode step), got min {s.min()}")
   t = step.astype(jnp.float32)
@@ -155,7 +155,7 @@ def subsample_mask(key, shape, n_keep: int) -> Array:
   """A uniformly random set of ``n_keep`` calls, for a cheaper :func:`subsampled_sum`."""
   shape = tuple(shape)
   total = math.prod(shape)
-  _checks.check_positive_int("n_keep", n_keep)
+  _validate.check_positive_int("n_keep", n_keep)
   if n_keep > total:
     raise ValueError(f"n_keep must be <= {total} (the number of calls), got {n_keep}")
   prio = jax.random.uniform(key, (total,))
@@ -176,7 +176,7 @@ def subsampled_sum(radii, mask) -> Array:
 
 def moving_window(per_step, window: int = 6, how: str = "mean") -> Array:
   """Causal moving ``how`` ("mean", "sum" or "max") of ``window`` >= 1 decode steps (axis 0)."""
-  _checks.check_positive_int("window", window)
+  _validate.check_positive_int("window", window)
   if how not in ("mean", "sum", "max"):
     raise ValueError(f"how must be 'mean', 'sum' or 'max', got {how!r}")
   x = jnp.asarray(per_step, jnp.float32)

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from certkv_jax import _checks
-from certkv_jax import calibration
+from certkv_jax import _validate
+from certkv_jax.calibration import conformal
 from certkv_jax import certificate
 
 Array = jax.Array
@@ -175,7 +175,7 @@ class Calibration:
     scales = self.scale_for(model=model, design=design, budget=budget, delta=delta,
                             n_layers=radii.shape[-2], n_kv_heads=radii.shape[-1])
     groups = np.arange(scales.size).reshape(scales.shape)  # [n_layers, n_kv_heads]
-    return calibration.apply_scales(radii, groups, scales.ravel())
+    return conformal.apply_scales(radii, groups, scales.ravel())
 
   def metadata(self) -> dict:
     """The JSON-able fields (everything but the arrays), as stored on disk."""
@@ -338,8 +338,8 @@ def fit(calls: GroupCalls, *, deltas: Sequence[float], budgets: Sequence[float],
     raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
   deltas = _float_tuple("deltas", deltas, 0.0, 1.0, True)
   budgets = _float_tuple("budgets", budgets, 0.0, math.inf, True)
-  n_layers = _checks.check_positive_int("n_layers", n_layers)
-  n_kv_heads = _checks.check_positive_int("n_kv_heads", n_kv_heads)
+  n_layers = _validate.check_positive_int("n_layers", n_layers)
+  n_kv_heads = _validate.check_positive_int("n_kv_heads", n_kv_heads)
   e = np.asarray(errors, np.float64)
   if e.ndim != 1:
     raise ValueError(f"errors must be 1-D [n_calls], got shape {e.shape}")
@@ -348,8 +348,8 @@ def fit(calls: GroupCalls, *, deltas: Sequence[float], budgets: Sequence[float],
   if r.shape != (len(deltas), n):
     raise ValueError(f"radii must have shape [n_deltas={len(deltas)}, n_calls={n}], got "
                      f"{r.shape}")
-  lay = calibration.check_groups("layers", layers, n_layers, "n_layers")
-  hd = calibration.check_groups("heads", heads, n_kv_heads, "n_kv_heads")
+  lay = conformal.check_groups("layers", layers, n_layers, "n_layers")
+  hd = conformal.check_groups("heads", heads, n_kv_heads, "n_kv_heads")
   bpc = np.asarray(budgets_per_call, np.float64)
   for name, arr in (("layers", lay), ("heads", hd), ("budgets_per_call", bpc)):
     if arr.shape != (n,):
@@ -371,7 +371,7 @@ def fit(calls: GroupCalls, *, deltas: Sequence[float], budgets: Sequence[float],
     if not sel.any():
       raise ValueError(f"budgets: no calibration calls for budget {budget}")
     for d, delta in enumerate(deltas):
-      fitted = calibration.fit_scales(e[sel], r[d, sel], groups[sel], n_layers * n_kv_heads,
+      fitted = conformal.fit_scales(e[sel], r[d, sel], groups[sel], n_layers * n_kv_heads,
                                       delta, min_calls=min_calls, fallback_groups=coarse)
       scales[b, d] = fitted.scales.reshape(n_layers, n_kv_heads)
       n_calls[b, d] = fitted.n_calls.reshape(n_layers, n_kv_heads)

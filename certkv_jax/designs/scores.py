@@ -15,8 +15,8 @@ from typing import ClassVar, Protocol
 
 import jax.numpy as jnp
 
-from certkv_jax import _checks
-from certkv_jax.cache import KVCache
+from certkv_jax import _validate
+from certkv_jax.kv.cache import KVCache
 
 # What a score may read of a cache: the slot statistics folded from attention
 # (``acc`` accumulated, ``last`` latest query, ``obs`` observation window),
@@ -55,7 +55,7 @@ class WindowAttention:
   reads: ClassVar[frozenset] = frozenset({"obs", "pos"})
 
   def __post_init__(self):
-    _checks.check_positive_int("pool_size", self.pool_size)
+    _validate.check_positive_int("pool_size", self.pool_size)
     if self.pool_size % 2 == 0:
       raise ValueError(f"pool_size must be odd (centred window), got {self.pool_size}")
 
@@ -149,7 +149,7 @@ class Defensive:
   def __call__(self, cache: KVCache):
     valid = cache.valid
     b = jnp.where(valid, jnp.asarray(self.base(cache), jnp.float32), 0.0)
-    b_conc = _checks.concrete_array(b)
+    b_conc = _validate.concrete_array(b)
     if b_conc is not None and (b_conc < 0).any():
       raise ValueError(f"Defensive needs a non-negative base score; {self.base} gave "
                        f"min {b_conc.min()} on the valid slots")

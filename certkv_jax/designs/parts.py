@@ -14,10 +14,10 @@ from typing import NamedTuple, Optional, Protocol, Union
 import jax
 import jax.numpy as jnp
 
-from certkv_jax import _checks
-from certkv_jax import sampling
-from certkv_jax import scores
-from certkv_jax.cache import KVCache
+from certkv_jax import _validate
+from certkv_jax.designs import sampling
+from certkv_jax.designs import scores
+from certkv_jax.kv.cache import KVCache
 
 Array = jax.Array
 
@@ -34,7 +34,7 @@ class Budget:
     if (self.tokens is None) == (self.fraction is None):
       raise ValueError("budget needs exactly one of tokens or fraction")
     if self.tokens is not None:
-      _checks.check_positive_int("budget", self.tokens)
+      _validate.check_positive_int("budget", self.tokens)
     else:
       f = self.fraction
       if isinstance(f, bool) or not isinstance(f, float) or not (0.0 < f <= 1.0):
@@ -95,7 +95,7 @@ class CertaintySet:
 
   def __post_init__(self):
     for name in ("n_sink", "window", "heavy"):
-      _checks.check_nonneg_int(name, getattr(self, name))
+      _validate.check_nonneg_int(name, getattr(self, name))
 
   @property
   def size(self) -> int:
@@ -140,9 +140,9 @@ def _tail_score(rule, cache, tail) -> Array:
   on = getattr(rule.score, "on", None)  # a score normalised over the candidates
   raw = on(cache, tail) if on is not None else rule.score(cache)
   s = jnp.where(tail, raw.astype(jnp.float32), 0.0)
-  s_conc = _checks.concrete_array(s)
+  s_conc = _validate.concrete_array(s)
   if s_conc is not None:
-    _checks.check_finite("score", s_conc)
+    _validate.check_finite("score", s_conc)
     if (s_conc < 0).any():
       raise ValueError(f"{type(rule).__name__} needs a non-negative score; {rule.score} gave "
                        f"min {s_conc.min()} on the tail")
@@ -209,7 +209,7 @@ class PoissonTail:
     sampling.check_eps(self.eps)
     if not (isinstance(self.overflow_prob, float) and 0.0 < self.overflow_prob < 1.0):
       raise ValueError(f"overflow_prob must be a float in (0, 1), got {self.overflow_prob!r}")
-    _checks.check_nonneg_int("max_redraws", self.max_redraws)
+    _validate.check_nonneg_int("max_redraws", self.max_redraws)
 
   def select(self, cache, tail, slots, key) -> TailChoice:
     s_tail = _tail_score(self, cache, tail)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import _checks
+from certkv_jax import _validate
 from pallas_kernels import reference
 
 Array = jax.Array
@@ -62,7 +62,7 @@ def _check(p, pi, mask, v, o_hat, lead_ndim=None):
   except ValueError as err:
     raise ValueError(f"leading dims must broadcast: p {p.shape}, pi {pi.shape}, mask "
                      f"{mask.shape}, v {v.shape}, o_hat {o_hat.shape}") from err
-  pc, pic, mc = (_checks.concrete_array(x) for x in (p, pi, mask))
+  pc, pic, mc = (_validate.concrete_array(x) for x in (p, pi, mask))
   if pc is not None and pic is not None and mc is not None:
     pc, pic, mc = np.broadcast_arrays(pc.astype(np.float64), pic.astype(np.float64), mc)
     if not np.all((pc[mc] >= 0) & (pc[mc] <= 1)):

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from certkv_jax import _checks
+from certkv_jax import _validate
 
 Array = jax.Array
 
@@ -59,14 +59,14 @@ def inclusion_probabilities(score, m, eps: float = 1e-6, mask=None) -> Array:
   except ValueError as err:
     raise ValueError(f"m shape {m.shape} must broadcast against score's leading "
                      f"dims {score.shape[:-1]}") from err
-  s_np, mask_np, m_np = (_checks.concrete_array(x) for x in (score, mask, m))
+  s_np, mask_np, m_np = (_validate.concrete_array(x) for x in (score, mask, m))
   if s_np is not None and mask_np is not None:
     vals = s_np.astype("float64")[mask_np]
-    _checks.check_finite("score", vals)
+    _validate.check_finite("score", vals)
     if vals.size and (vals < 0).any():
       raise ValueError(f"score must be >= 0 on the tail, found min {vals.min()}")
   if m_np is not None:
-    _checks.check_in_range("m", m_np, 0.0, math.inf, lo_open=True, hi_open=True)
+    _validate.check_in_range("m", m_np, 0.0, math.inf, lo_open=True, hi_open=True)
     if mask_np is not None:
       n_t = mask_np.sum(axis=-1)
       if (m_np < eps * n_t - 1e-6 * n_t).any():

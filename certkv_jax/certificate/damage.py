@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import _checks
+from certkv_jax import _validate
 
 Array = jax.Array
 
@@ -27,13 +27,13 @@ def _as_float(x) -> Array:
 
 def _head_slices(name: str, w_o, n_heads: int, head_dim: int) -> Array:
   """[..., n_heads * head_dim, hidden] -> [..., n_heads, head_dim, hidden]."""
-  n_heads = _checks.check_positive_int("n_heads", n_heads)
-  head_dim = _checks.check_positive_int("head_dim", head_dim)
+  n_heads = _validate.check_positive_int("n_heads", n_heads)
+  head_dim = _validate.check_positive_int("head_dim", head_dim)
   w_o = _as_float(w_o)
   if w_o.ndim < 2 or w_o.shape[-2] != n_heads * head_dim:
     raise ValueError(f"{name} must have shape [..., n_heads*head_dim={n_heads * head_dim}, "
                      f"hidden], got {w_o.shape}")
-  _checks.check_finite(name, w_o)
+  _validate.check_finite(name, w_o)
   return w_o.reshape(w_o.shape[:-2] + (n_heads, head_dim, w_o.shape[-1]))
 
 
@@ -59,9 +59,9 @@ def _check_norms_radius(radius: Array, norms: Array) -> None:
   if radius.ndim < 2 or radius.shape[-2:] != norms.shape:
     raise ValueError(f"radius must have shape [..., n_layers={norms.shape[0]}, "
                      f"n_heads={norms.shape[1]}] like norms, got {radius.shape}")
-  _checks.check_finite("norms", norms)
-  _checks.check_in_range("norms", norms, 0.0, np.inf)
-  r = _checks.concrete_array(radius)
+  _validate.check_finite("norms", norms)
+  _validate.check_in_range("norms", norms, 0.0, np.inf)
+  r = _validate.concrete_array(radius)
   if r is not None:
     r = r.astype(np.float64)
     bad = ~np.isnan(r) & ~(r >= 0)

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from certkv_jax import attention
-from certkv_jax import cache as cache_lib
-from certkv_jax import certificate
-from certkv_jax import diagnostics
+from certkv_jax.certificate import diagnostics
+from certkv_jax.certificate import radius
+from certkv_jax.kv import cache as cache_lib
 
 Array = jax.Array
 
@@ -147,7 +147,7 @@ def summarize(o, trials: Trial, deltas=(0.05, 0.2), form: str = "bernstein") -> 
   err = np.asarray(trials.error, np.float64)
   cov, shp = {}, {}
   for delta in deltas:
-    r = np.asarray(certificate.radius_from_stats(trials.var_hat, trials.range_hat, delta, form))
+    r = np.asarray(radius.radius_from_stats(trials.var_hat, trials.range_hat, delta, form))
     cov[delta] = diagnostics.coverage(err, r)
     shp[delta] = diagnostics.sharpness(err, r)
   mse = float(np.mean(err**2))

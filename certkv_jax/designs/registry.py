@@ -17,32 +17,32 @@ import dataclasses
 import inspect
 from typing import Callable, Optional, Union
 
-from certkv_jax import allocation as allocation_lib
-from certkv_jax import designs
-from certkv_jax import keydiff
-from certkv_jax.designs import EvictionDesign
+from certkv_jax.designs import allocation as allocation_lib
+from certkv_jax.designs import framework
+from certkv_jax.designs.framework import EvictionDesign
+from certkv_jax.designs import keydiff
 
 SHARED = ("n_sink", "window")
 FULL = "full"  # no eviction: the reference (no registered design)
 
 _FACTORIES: dict[str, Callable[..., EvictionDesign]] = {
-    "sink_window": designs.sink_window,
-    "h2o": designs.h2o,
-    "tova": designs.tova,
-    "snapkv": designs.snapkv,
-    "key_norm": designs.key_norm,
+    "sink_window": framework.sink_window,
+    "h2o": framework.h2o,
+    "tova": framework.tova,
+    "snapkv": framework.snapkv,
+    "key_norm": framework.key_norm,
     "keydiff": keydiff.keydiff,
-    "uniform_random": designs.uniform_random,
-    "poisson_tail": designs.poisson_tail,
-    "poisson_flat": designs.poisson_flat,
-    "attention_proportional": designs.attention_proportional,
-    "poisson_defensive": designs.poisson_defensive,
-    "poisson_envelope": designs.poisson_envelope,
-    "poisson_floor": designs.poisson_floor,
-    "priority_tail": designs.priority_tail,
-    "priority_floor": designs.priority_floor,
-    "priority_blend": designs.priority_blend,
-    "priority_focus": designs.priority_focus,
+    "uniform_random": framework.uniform_random,
+    "poisson_tail": framework.poisson_tail,
+    "poisson_flat": framework.poisson_flat,
+    "attention_proportional": framework.attention_proportional,
+    "poisson_defensive": framework.poisson_defensive,
+    "poisson_envelope": framework.poisson_envelope,
+    "poisson_floor": framework.poisson_floor,
+    "priority_tail": framework.priority_tail,
+    "priority_floor": framework.priority_floor,
+    "priority_blend": framework.priority_blend,
+    "priority_focus": framework.priority_focus,
 }
 
 # A budget that any design accepts, to read a design's static properties.
@@ -67,14 +67,14 @@ TWIN_SUFFIX = "_cert"
 
 
 def _twin(factory):
-  """The factory of ``factory``'s certified twin (:func:`designs.certified`), with
+  """The factory of ``factory``'s certified twin (:func:`framework.certified`), with
   ``top_share`` and ``spill``."""
 
-  def twin(budget, *, top_share: float = designs.TWIN_SHARE, spill: bool = True, **settings):
-    return designs.certified(factory(budget, **settings), top_share=top_share, spill=spill)
+  def twin(budget, *, top_share: float = framework.TWIN_SHARE, spill: bool = True, **settings):
+    return framework.certified(factory(budget, **settings), top_share=top_share, spill=spill)
   params = list(inspect.signature(factory).parameters.values())
   at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
-  for name, default in (("spill", True), ("top_share", designs.TWIN_SHARE)):
+  for name, default in (("spill", True), ("top_share", framework.TWIN_SHARE)):
     params.insert(at, inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default))
   twin.__signature__ = inspect.Signature(params)
   return twin

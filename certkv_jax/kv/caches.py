@@ -1,7 +1,7 @@
 """A model's caches: one :class:`certkv_jax.KVCache` per (layer, batch row, KV head).
 
 Stacked, leaves ``[n_layers, batch, n_kv_heads, ...]``, or a tuple per layer
-(:func:`unstack`); :func:`over_heads` lifts ``certkv_jax.cache`` over the heads.
+(:func:`unstack`); :func:`over_heads` lifts ``certkv_jax.kv.cache`` over the heads.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 
 import certkv_jax
-from certkv_jax import cache as cache_lib
-from certkv_jax import distributed
-from certkv_jax.cache import KVCache
+from certkv_jax.kv import cache as cache_lib
+from certkv_jax.kv.cache import KVCache
+from certkv_jax.kv import distributed
 
 
 def over_heads(fn):

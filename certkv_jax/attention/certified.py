@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import certkv_jax
-from certkv_jax import diagnostics
-from certkv_jax import distributed
-from certkv_jax.cache import KVCache
+from certkv_jax.certificate import diagnostics
+from certkv_jax.kv.cache import KVCache
+from certkv_jax.kv import distributed
 from pallas_kernels.reference import StoredNorms
 
 Array = jax.Array
@@ -39,7 +39,7 @@ class ChunkStats(NamedTuple):
   ratio: Optional[Array] = None  # [t, n_layers, batch, n_heads] R = m max_T a_i/(pi_i sum a)
   tail_m: Optional[Array] = None  # [t, n_layers, batch, n_heads] m = sum_T pi_i
   tail_n: Optional[Array] = None  # [t, n_layers, batch, n_heads] |T| (tokens with 0<pi<1)
-  # Warning signals of the kept set (method, section 10; certkv_jax.signals):
+  # Warning signals of the kept set (method, section 10; certkv_jax.certificate.signals):
   ess: Optional[Array] = None  # 1 / sum_S p_i^2
   max_tail_weight: Optional[Array] = None  # max over kept tail of (1 - pi_i) p_i
   range_ratio: Optional[Array] = None  # b_hat / sqrt(V_hat)
@@ -103,7 +103,7 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
            with_probs: bool, layer_flag=None, heads: Optional[tuple] = None):
   """Attention of one layer's grouped queries over its caches.
 
-  On sequence-sharded caches (``certkv_jax.distributed``) the per-device
+  On sequence-sharded caches (``certkv_jax.kv.distributed``) the per-device
   partials merge by the split-K combine, and the certificate cannot be
   subsampled (ValueError).
 
@@ -155,7 +155,7 @@ def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, h
                        ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
   if shadow is not None:  # evaluation mode: the warning signals beside the truth
     probs = certkv_jax.attention_probs(qg, _slots(cache.k), _slots(cache.log_pi), mask)
-    sig = certkv_jax.signals.signals_batched(
+    sig = certkv_jax.certificate.signals.signals_batched(
         probs, _slots(jnp.exp(cache.log_pi)), mask, _slots(cache.v.astype(jnp.float32)),
         res.out.astype(jnp.float32))
     stats = stats._replace(**{k: getattr(sig, k) for k in SIGNAL_FIELDS})

@@ -23,9 +23,9 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from certkv_jax import _checks
-from certkv_jax import cache as cache_lib
-from certkv_jax.cache import KVCache
+from certkv_jax import _validate
+from certkv_jax.kv import cache as cache_lib
+from certkv_jax.kv.cache import KVCache
 from pallas_kernels import reference
 
 Array = jax.Array
@@ -50,7 +50,7 @@ def make_mesh(data: int = 1, model: int = 1, seq: int = 1, devices=None) -> jax.
   """
   sizes = {DATA: data, MODEL: model, SEQ: seq}
   for name, n in sizes.items():
-    _checks.check_positive_int(f"mesh axis {name!r}", n)
+    _validate.check_positive_int(f"mesh axis {name!r}", n)
   devices = list(jax.devices() if devices is None else devices)
   n = data * model * seq
   if n > len(devices):
@@ -64,7 +64,7 @@ def axis_size(mesh, axis: str) -> int:
   """Size of ``axis`` in ``mesh`` (concrete or abstract)."""
   if axis not in mesh.axis_names:
     raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.axis_names)} "
-                     f"(make it with certkv_jax.distributed.make_mesh)")
+                     f"(make it with certkv_jax.kv.distributed.make_mesh)")
   return int(dict(mesh.shape)[axis])
 
 
@@ -82,7 +82,7 @@ def check_mesh(mesh) -> None:
   missing = [a for a in AXES if a not in mesh.axis_names]
   if missing:
     raise ValueError(f"mesh needs the axes {AXES}; missing {missing} (axes: "
-                     f"{tuple(mesh.axis_names)}); make it with certkv_jax.distributed.make_mesh")
+                     f"{tuple(mesh.axis_names)}); make it with certkv_jax.kv.distributed.make_mesh")
 
 
 def cache_mesh():
@@ -97,7 +97,7 @@ def _require_mesh(mesh):
   mesh = cache_mesh() if mesh is None else mesh
   if mesh is None:
     raise ValueError("no mesh: pass mesh= or call under `with jax.set_mesh(mesh):` with a "
-                     "mesh from certkv_jax.distributed.make_mesh")
+                     "mesh from certkv_jax.kv.distributed.make_mesh")
   check_mesh(mesh)
   return mesh
 

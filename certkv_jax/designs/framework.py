@@ -16,20 +16,17 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from certkv_jax import cache as cache_lib
-from certkv_jax import scores
-from certkv_jax.cache import KVCache
-# The building blocks, part of this module's public API (designs.CertaintySet, ...).
-from certkv_jax.design_parts import AMBIGUOUS_ONE  # pylint: disable=unused-import  # noqa: F401
-from certkv_jax.design_parts import as_budget
-from certkv_jax.design_parts import Budget
-from certkv_jax.design_parts import CertaintySet  # pylint: disable=unused-import
-from certkv_jax.design_parts import PoissonTail  # pylint: disable=unused-import
-from certkv_jax.design_parts import PriorityTail
-from certkv_jax.design_parts import TailChoice  # pylint: disable=unused-import
-from certkv_jax.design_parts import TailRule
-from certkv_jax.design_parts import TopK
-from certkv_jax.design_parts import UniformTail  # pylint: disable=unused-import
+from certkv_jax.designs.parts import as_budget
+from certkv_jax.designs.parts import Budget
+from certkv_jax.designs.parts import CertaintySet
+from certkv_jax.designs.parts import PoissonTail
+from certkv_jax.designs.parts import PriorityTail
+from certkv_jax.designs.parts import TailRule
+from certkv_jax.designs.parts import TopK
+from certkv_jax.designs.parts import UniformTail
+from certkv_jax.designs import scores
+from certkv_jax.kv import cache as cache_lib
+from certkv_jax.kv.cache import KVCache
 
 Array = jax.Array
 

@@ -20,12 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import _checks
-from certkv_jax import calibration
-from certkv_jax import calibration_store as store
-
+from certkv_jax import _validate
+from certkv_jax.calibration import conformal
+from certkv_jax.calibration import store
 Array = jax.Array
-KIND = "certkv_jax.robust_calibration"
+KIND = "certkv_jax.robust_calibration"  # the artifact format name, kept from before the move
 FORMAT_VERSION = 2
 OUTSIDE_RANGE = ("raise", "warn")
 DEFAULT_BINS = 8
@@ -33,7 +32,7 @@ DEFAULT_BINS = 8
 
 def bin_edges(radii, n_bins: int) -> np.ndarray:
   """[n_bins - 1] interior edges: quantiles of ``radii`` at ``k / n_bins``."""
-  n_bins = _checks.check_positive_int("n_bins", n_bins)
+  n_bins = _validate.check_positive_int("n_bins", n_bins)
   r = np.asarray(radii, np.float64).ravel()
   if r.size == 0 or not np.all(np.isfinite(r)):
     raise ValueError(f"radii must be finite and non-empty, got {r.size} values")
@@ -62,8 +61,8 @@ def robust_scales(errors, radii, sources, edges, delta: float) -> tuple[np.ndarr
   counts = np.zeros((names.size, n_bins), np.int64)
   for i, name in enumerate(names):
     sel = labels == name
-    fit = calibration.fit_scales(e[sel], r[sel], bins[sel], n_bins, delta,
-                                 min_calls=calibration.min_finite_calls(delta))
+    fit = conformal.fit_scales(e[sel], r[sel], bins[sel], n_bins, delta,
+                                 min_calls=conformal.min_finite_calls(delta))
     counts[i] = fit.n_calls
     own = np.where(fit.fell_back, -np.inf, fit.scales)  # too few calls: no say
     scales = np.maximum(scales, own)
@@ -200,7 +199,7 @@ class BinnedCalibration:
     out = 0.0
     for j, weight in b:  # a fitted budget, or a log-linear mix of its two neighbours
       bins = jnp.searchsorted(jnp.asarray(self.edges[i, j, d]), raw, side="right")
-      out = out + weight * calibration.apply_scales(raw, bins.astype(jnp.int32),
+      out = out + weight * conformal.apply_scales(raw, bins.astype(jnp.int32),
                                                     self.scales[i, j, d])
     return out
 

@@ -4,7 +4,7 @@ The score of a call is ``s = ||e|| / r``; a group's calibrated radius is
 ``q_g * r`` with ``q_g`` the ``ceil((n_g + 1)(1 - delta))``-th smallest of its
 ``n_g`` calibration scores. Coverage is at least ``1 - delta``, marginally and
 only for calls exchangeable with the calibration ones (hence
-:mod:`certkv_jax.calibration_store`'s checks). ``r = 0`` scores 0 when
+:mod:`certkv_jax.calibration.store`'s checks). ``r = 0`` scores 0 when
 ``||e|| = 0``, else ``+inf``; an infinite scale gives an infinite radius. Small
 groups borrow a coarser group's (or the pooled) quantile.
 """
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import _checks
-from certkv_jax import diagnostics
+from certkv_jax import _validate
+from certkv_jax.certificate import diagnostics
 
 Array = jax.Array
 
@@ -57,7 +57,7 @@ def _check_delta(delta) -> float:
 
 def conformal_rank(n: int, delta: float) -> int:
   """``ceil((n + 1)(1 - delta))``, the conformal quantile's rank (above ``n``: ``+inf``)."""
-  n = _checks.check_nonneg_int("n", n)
+  n = _validate.check_nonneg_int("n", n)
   delta = _check_delta(delta)
   x = (n + 1) * (1.0 - delta)
   nearest = round(x)
@@ -191,7 +191,7 @@ def fit_scales(
     ``n_groups``/``min_calls`` < 1; an incomplete ``fallback_groups``.
   """
   delta = _check_delta(delta)
-  n_groups = _checks.check_positive_int("n_groups", n_groups)
+  n_groups = _validate.check_positive_int("n_groups", n_groups)
   s = conformity_scores(errors, radii)
   g = check_groups("groups", groups, n_groups)
   if g.size != s.size:
@@ -199,7 +199,7 @@ def fit_scales(
                      f"groups for {s.size} calls")
   if min_calls is None:
     min_calls = min_finite_calls(delta)
-  min_calls = _checks.check_positive_int("min_calls", min_calls)
+  min_calls = _validate.check_positive_int("min_calls", min_calls)
   coarse = None if fallback_groups is None else _fallback_map(fallback_groups, n_groups)
 
   n_calls = np.bincount(g, minlength=n_groups).astype(np.int64)  # [n_groups]
@@ -246,10 +246,10 @@ def apply_scales(radii, groups, scales) -> Array:
   except ValueError as err:
     raise ValueError(f"radii {radii.shape} and groups {groups.shape} must broadcast") from err
   for name, x in (("radii", radii), ("scales", scales)):
-    arr = _checks.concrete_array(x)
+    arr = _validate.concrete_array(x)
     if arr is not None:
       _check_nonneg(name, np.asarray(arr, np.float64).ravel(), allow_inf=True)
-  g = _checks.concrete_array(groups)
+  g = _validate.concrete_array(groups)
   if g is not None:
     bad = (g < 0) | (g >= scales.shape[0])
     if bad.any():
@@ -262,7 +262,7 @@ def apply_scales(radii, groups, scales) -> Array:
 def coverage_and_sharpness(errors, radii) -> tuple[float, float]:
   """Coverage ``mean(||e|| <= r)`` and sharpness, median ``r / ||e||`` over covered ``||e|| > 0``.
 
-  As :func:`certkv_jax.diagnostics.coverage` and ``sharpness``; NaN sharpness if none.
+  As :func:`certkv_jax.certificate.diagnostics.coverage` and ``sharpness``; NaN sharpness if none.
   """
   e = np.asarray(errors, np.float64)
   r = np.asarray(radii, np.float64)

@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from certkv_jax import distributed
-from certkv_jax.cache import KVCache
-from certkv_jax.distributed import DATA
-from certkv_jax.distributed import MODEL
-from certkv_jax.distributed import SEQ
+from certkv_jax.kv.cache import KVCache
+from certkv_jax.kv import distributed
+from certkv_jax.kv.distributed import DATA
+from certkv_jax.kv.distributed import MODEL
+from certkv_jax.kv.distributed import SEQ
 
 
 # What a score may read beyond the gathered metadata (log_pi, pos, valid, acc, last, obs).
