@@ -2,7 +2,7 @@
 # Device check: the GPU-only checks in one run of under 8 minutes on one H200, needing nothing
 # but the repository (random-weight checkpoints of real shapes are written to a scratch dir).
 #   OUT=/tmp/device_out bash scripts/device_check.sh      (--help: the parts, their time limits)
-# Parts: random checkpoints; tests/kernels_test.py::KernelTest (compiled Pallas kernels) and the
+# Parts: random checkpoints; tests/pallas_kernels/offset_decode_test.py::KernelTest (compiled Pallas kernels) and the
 # XLA-path fast-tier tests, concurrently; then alone: python -m experiments.bench_kernels
 # (bandwidth, split sweep), python -m experiments.bench_decode at 8,192 tokens (135M, 1B shapes).
 # At most 7 files land in $OUT (parts.json, *.xml, bench_kernels.*, decode.md, one .tar.gz).
@@ -16,9 +16,9 @@ PYTHON="${PYTHON:-python3}"
 TINY="${DEVICE_CHECK_ALLOW_CPU:-0}"
 ONLY="${ONLY:-}"  # comma-separated part-name prefixes to run (default: all)
 export PYTHONUNBUFFERED=1
-FAST_A="tests/designs_test.py"
-FAST_B="tests/attention_test.py tests/certificate_test.py tests/montecarlo_test.py"
-FAST_C="tests/examples_gpt2_test.py tests/sampling_test.py tests/priority_sampling_test.py"
+FAST_A="tests/certkv_jax/designs/framework_test.py"
+FAST_B="tests/certkv_jax/attention/offset_test.py tests/certkv_jax/certificate/radius_test.py tests/certkv_jax/certificate/montecarlo_test.py"
+FAST_C="tests/examples/gpt2_test.py tests/certkv_jax/designs/sampling_test.py tests/certkv_jax/designs/priority_sampling_test.py"
 CKPT_ARGS=()
 BK_ARGS=(--lengths=32768 --head_dims=128 --batch=64 --groups=4 --dtype=bfloat16
          --repeats=7 --splits=1,4)
@@ -36,7 +36,7 @@ DECODE_DTYPES="${DECODE_DTYPES:-bfloat16}"  # float32,bfloat16 adds the float32 
 # batch (BATCH_135M=1,8) adds about one decode limit. A timed-out benchmark that wrote its
 # finished cells is "partial". Each limit can be set from the environment (L_FAST=200 ...).
 if [[ "$TINY" == 1 ]]; then
-  FAST_A="tests/priority_sampling_test.py" FAST_B="tests/sampling_test.py" FAST_C=""
+  FAST_A="tests/certkv_jax/designs/priority_sampling_test.py" FAST_B="tests/certkv_jax/designs/sampling_test.py" FAST_C=""
   CKPT_ARGS=(--layers=2 --vocab=512)
   BK_ARGS=(--lengths=256 --head_dims=16 --batch=2 --repeats=2 --iters=2 --probe_mb=4
            --splits=1,2)
@@ -65,7 +65,7 @@ written as it finishes; a failing part does not stop the later ones but makes th
   ckpt_135m      ${L_CKPT_135M}s   random-weight HF checkpoint of SmolLM2-135M's shape (scratch
                        dir), loaded back by models.hf_loader
   ckpt_1b        ${L_CKPT_1B}s   the same of a Llama-3.2-1B-like shape (5 GB; decode parts load it)
-  kernel_tests   ${L_KERNEL_TESTS}s  tests/kernels_test.py::KernelTest, compiled kernels (junit xml)
+  kernel_tests   ${L_KERNEL_TESTS}s  tests/pallas_kernels/offset_decode_test.py::KernelTest, compiled kernels (junit xml)
   fast_tier_a/b/c ${L_FAST}s each  XLA-path fast-tier tests, -m "not slow" (junit xml, merged):
                  $FAST_A
                  $FAST_B
@@ -272,7 +272,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 ) &
 if want kernel_tests; then
   part kernel_tests "$L_KERNEL_TESTS" "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
-    tests/kernels_test.py::KernelTest --junitxml="$WORK/junit/kernel_tests.xml" &
+    tests/pallas_kernels/offset_decode_test.py::KernelTest --junitxml="$WORK/junit/kernel_tests.xml" &
 fi
 FAST_GROUPS=()
 for g in a b c; do

@@ -4,8 +4,8 @@
     python scripts/gen_build.py --check   # exit 1, one line, when BUILD is stale
 
 Every Python file belongs to the first target of ``LIBRARIES`` whose prefix it
-matches; ``experiments/<name>.py`` is the binary ``<name>``; ``tests/<name>_test.py``
-the test ``<name>_test``. A target's deps are the targets of the local modules
+matches; ``experiments/<name>.py`` is the binary ``<name>``; ``tests/<dir>/<name>_test.py``
+the test ``<dir>_<name>_test``. A target's deps are the targets of the local modules
 its files import and the distributions of the third-party ones, so they cannot
 drift from the code; data files and test sizes are the tables below.
 """
@@ -58,7 +58,7 @@ LIBRARIES = (
     ("experiments_damage", ("experiments/lib/damage/",)),
     ("experiments_validity", ("experiments/lib/validity/",)),
     ("experiments_results_doc", ("experiments/lib/results_doc/",)),
-    ("test_util", ("tests/conftest.py", "tests/test_util.py")),
+    ("test_util", ("tests/",)),  # conftest.py and test_util.py (tests/**/*_test.py are tests)
 )
 TESTONLY = ("test_util",)
 
@@ -81,44 +81,46 @@ DATA = {
     "experiments_suite_runner": _GPL,
     "experiments_results_doc": _RESULTS,
     "generate": _PROMPT,
-    "amortized_eviction_test": _TINY_REF_JSON,
-    "bench_decode_test": ["scripts/device_check.sh"] + _TINY,
-    "bench_prefill_test": _TINY,
-    "bfloat16_test": _PROMPT + _GPL,
+    "models_decode_amortized_test": _TINY_REF_JSON,
+    "experiments_bench_decode_test": ["scripts/device_check.sh"] + _TINY,
+    "experiments_bench_prefill_test": _TINY,
+    "models_bfloat16_test": _PROMPT + _GPL,
     "build_test": ["BUILD", "setup.cfg", "scripts/gen_build.py"],
-    "device_check_test": ["scripts/device_check.sh", "scripts/make_random_checkpoint.py"],
-    "equal_memory_test": ["experiments/results/equal_memory/summary.json"] + _TINY + _VIM,
-    "perplexity_test": _TINY,
-    "experiment_scripts_test": _TINY,
-    "generate_cli_test": _PROMPT + _TINY,
-    "generate_test": _TINY,
-    "layer_loop_test": _TINY_REF,
-    "leaderboard_test": _GPL + _TINY,
-    "models_budgets_test": _TINY_REF,
+    "scripts_device_check_test": ["scripts/device_check.sh", "scripts/make_random_checkpoint.py"],
+    "experiments_equal_memory_test": ["experiments/results/equal_memory/summary.json"] + _TINY + _VIM,
+    "experiments_perplexity_test": _TINY,
+    "experiments_scripts_test": _TINY,
+    "models_text_generate_cli_test": _PROMPT + _TINY,
+    "models_text_generate_test": _TINY,
+    "models_forward_layer_loop_test": _TINY_REF,
+    "experiments_leaderboard_test": _GPL + _TINY,
+    "models_layer_budgets_test": _TINY_REF,
     "models_decode_test": _TINY_REF_JSON,
     "models_hf_parity_test": _TINY_REF_JSON + ["glob:tests/fixtures/tiny_qwen2/*"],
     "models_kvpress_parity_test": ["glob:tests/fixtures/kvpress/*"] + _TINY,
     "models_smollm2_test": ["glob:tests/fixtures/smollm2_reference/*"],
     "readme_test": ["README.md", "docs/guide.md"] + _GPL,
-    "registry_test": _TINY,
-    "results_doc_test": ["docs/results.md"] + _RESULTS,
-    "ruler_test": _GPL,
-    "sort_free_test": _TINY,
-    "suite_report_test": ["experiments/results/equal_memory/summary.json",
-                          "experiments/results/equal_memory_tasks/summary.json",
-                          "experiments/results/leaderboard/summary.json",
-                          "experiments/results/leaderboard_8k/summary.json",
-                          "experiments/results/overhead_long/overhead_rows.jsonl",
-                          "experiments/results/suite_quick/report.md",
-                          "experiments/results/validity/summary.json",
-                          "experiments/results/validity_long/summary.json"],
-    "suite_test": _TINY,
+    "certkv_jax_designs_registry_test": _TINY,
+    "experiments_results_doc_test": ["docs/results.md"] + _RESULTS,
+    "experiments_ruler_test": _GPL,
+    "certkv_jax_designs_sort_free_test": _TINY,
+    "experiments_suite_report_test": ["experiments/results/equal_memory/summary.json",
+                                      "experiments/results/equal_memory_tasks/summary.json",
+                                      "experiments/results/leaderboard/summary.json",
+                                      "experiments/results/leaderboard_8k/summary.json",
+                                      "experiments/results/overhead_long/overhead_rows.jsonl",
+                                      "experiments/results/suite_quick/report.md",
+                                      "experiments/results/validity/summary.json",
+                                      "experiments/results/validity_long/summary.json"],
+    "experiments_suite_test": _TINY,
 }
-SIZES = {"kernels_test": "medium", "precision_test": "small", "montecarlo_test": "medium",
-         "models_smollm2_designs_test": "large", "models_demo_test": "medium",
-         "sharding_test": "large", "multiprocess_test": "large", "equal_memory_test": "medium",
-         "leaderboard_test": "medium", "perplexity_test": "medium", "suite_test": "large",
-         "experiment_scripts_test": "large", "readme_test": "large"}
+SIZES = {"pallas_kernels_offset_decode_test": "medium", "pallas_kernels_precision_test": "small",
+         "certkv_jax_certificate_montecarlo_test": "medium", "models_smollm2_designs_test": "large",
+         "experiments_demo_test": "medium", "models_sharding_test": "large",
+         "models_multiprocess_test": "large", "experiments_equal_memory_test": "medium",
+         "experiments_leaderboard_test": "medium", "experiments_perplexity_test": "medium",
+         "experiments_suite_test": "large", "experiments_scripts_test": "large",
+         "readme_test": "large"}
 
 HEADER = '''\
 # Generated by scripts/gen_build.py from the imports; do not edit by hand
@@ -149,7 +151,7 @@ def python_files(root=ROOT):
 def owner(path: str) -> tuple:
   """``(target, kind)`` of a file; ValueError when no rule places it."""
   if path.startswith("tests/") and path.endswith("_test.py"):
-    return os.path.basename(path)[:-3], "py_test"
+    return path[len("tests/"):-3].replace("/", "_"), "py_test"
   if path.startswith("experiments/") and path.count("/") == 1 and path != "experiments/__init__.py":
     return os.path.basename(path)[:-3], "py_binary"
   for name, prefixes in LIBRARIES:

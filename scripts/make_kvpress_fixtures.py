@@ -9,7 +9,7 @@ Made with: torch 2.13.0+cpu, kvpress 0.5.5, transformers 5.2.0 (kvpress 0.5.5
 requires ``transformers>=4.56,<5.3``; 5.2.0 is the newest allowed), Python
 3.11. The exact versions are also written to ``tests/fixtures/kvpress/reference.json``.
 torch, transformers and kvpress are used ONLY here; the parity test
-(tests/models_kvpress_parity_test.py) reads the fixture with numpy.
+(tests/models/kvpress_parity_test.py) reads the fixture with numpy.
 
 What it does: loads the tiny random Llama checkpoint of tests/fixtures/tiny_llama
 (made by scripts/make_hf_fixtures.py) in float32 with eager attention (kvpress's

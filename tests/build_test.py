@@ -182,7 +182,7 @@ class BuildTest(absltest.TestCase):
   def test_tests_are_py_test_targets(self):
     for path in _python_files():
       if path.startswith("tests/") and path.endswith("_test.py"):
-        name = os.path.basename(path)[:-3]
+        name = path[len("tests/"):-3].replace("/", "_")
         self.assertEqual(self.targets[name]["kind"], "py_test", path)
         self.assertEqual(self.targets[name]["srcs"], [path])
 

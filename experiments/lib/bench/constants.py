@@ -23,7 +23,7 @@ are. Sub-jaxprs of other higher-order primitives (``jit``, ``custom_jvp``,
 
 It lives beside the benchmark because its use is there: a decode step that
 holds such an array compiles slowly (the check is cheap, a trace, no compile);
-``tests/decode_constants_test.py`` holds the decode steps to it.
+``tests/models/decode_constants_test.py`` holds the decode steps to it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ over 16 queries; ``poisson_envelope``: their maximum). So the prompt is
 prefilled once per distinct :func:`stats_key` (three with the registered
 designs), each design evicts its own copy, and the full cache reuses any.
 The result equals the design's own ``generate`` / ``generate_streaming``
-call with the whole context as one chunk (``tests/leaderboard_test.py``).
+call with the whole context as one chunk (``tests/experiments/leaderboard_test.py``).
 Decoding folds nothing (no eviction during decoding), so it runs without the
 design and compiles once for every design.
 

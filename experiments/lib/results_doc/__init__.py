@@ -4,7 +4,7 @@
 ``report.json``, ``perplexity.json``, rows files, and the command lines recorded in
 ``COMMAND.md`` / ``report.md``) and returns the document. Every number in it is read or
 computed from those files at render time, so the document cannot drift from the runs it
-reports; ``tests/results_doc_test.py`` checks that the committed ``docs/results.md`` equals
+reports; ``tests/experiments/results_doc_test.py`` checks that the committed ``docs/results.md`` equals
 ``render`` of the committed summaries. Verdicts are printed as stored in ``report.json``.
 The sections live by subject in :mod:`.studies`, :mod:`.comparisons`, :mod:`.suite` and
 :mod:`.benchmarks`; formatting and reading in :mod:`.markdown`.

@@ -5,8 +5,15 @@ import ast
 import pathlib
 import unittest
 
-CORE = pathlib.Path(__file__).resolve().parent.parent / "certkv_jax"
+CORE = pathlib.Path(__file__).resolve().parents[2] / "certkv_jax"
 SUBPACKAGES = ("attention", "calibration", "certificate", "designs", "kv")
+TESTS = CORE.parent / "tests" / "certkv_jax"
+# Core modules whose tests run a model or a mesh and live beside those: module -> test file.
+TESTED_ELSEWHERE = {
+    "attention/certified": "tests/pallas_kernels/offset_decode_test.py",
+    "kv/distributed": "tests/models/sharding_test.py",
+    "kv/distributed_eviction": "tests/models/sharding_test.py",
+}
 
 
 def _tree(path):
@@ -46,6 +53,23 @@ class LayoutTest(unittest.TestCase):
             if node.module == f"certkv_jax.{pkg}":
               self.assertLessEqual(set(names), siblings,
                                    "a name from the package's re-exports, not a sibling module")
+
+  def test_every_core_module_has_its_test_file(self):
+    for path in sorted(CORE.rglob("*.py")):
+      module = str(path.relative_to(CORE).with_suffix(""))
+      if path.stem.startswith("_"):  # __init__ and the private checks
+        continue
+      with self.subTest(module=module):
+        if module in TESTED_ELSEWHERE:
+          self.assertTrue((CORE.parent / TESTED_ELSEWHERE[module]).exists())
+        else:
+          self.assertTrue((TESTS / f"{module}_test.py").exists(),
+                          f"tests/certkv_jax/{module}_test.py is missing")
+
+  def test_test_file_names_are_unique(self):
+    # pytest imports test files by basename (no __init__.py under tests/).
+    names = [p.name for p in (CORE.parent / "tests").rglob("*_test.py")]
+    self.assertEqual(sorted(n for n in set(names) if names.count(n) > 1), [])
 
   def test_no_flat_module_left_behind(self):
     # The top level holds the verbs a model calls and the private checks only.

@@ -392,7 +392,7 @@ class DeviceScriptTest(absltest.TestCase):
     self.assertBetween(len(header), 5, 10)
     self.assertIn("set -euo pipefail", text)
     self.assertIn('OUT="${OUT:-./device_out}"', text)
-    for part in ("tests/kernels_test.py::KernelTest", "-m experiments.bench_kernels",
+    for part in ("tests/pallas_kernels/offset_decode_test.py::KernelTest", "-m experiments.bench_kernels",
                  "-m experiments.bench_decode"):
       self.assertIn(part, text)
 

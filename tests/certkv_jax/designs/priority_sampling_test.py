@@ -362,7 +362,7 @@ class CoverageTest(absltest.TestCase):
       vhat = np.asarray(trials.var_hat, np.float64)
       ratio = vhat.mean() / err2.mean()
       # E[V_hat] / E||e||^2: 4.5 delta-method SEs plus 5% for the terms the
-      # linearisation drops (as tests/montecarlo_test.py). Measured: 0.969, 0.996.
+      # linearisation drops (as tests/certkv_jax/certificate/montecarlo_test.py). Measured: 0.969, 0.996.
       self.assertLess(abs(ratio - 1.0), Z * _ratio_se(vhat, err2) + 0.05, ratio)
 
 

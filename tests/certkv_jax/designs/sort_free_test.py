@@ -27,7 +27,7 @@ from certkv_jax import layer as layer_lib
 from models import decode
 from models import hf_loader
 
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tiny_llama")
+FIXTURE = os.path.join(os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0], "tests", "fixtures", "tiny_llama")
 CAP = 40
 
 

@@ -67,7 +67,7 @@ def _np_stats(q, k, v, off, lengths):
 
 
 # Tolerances per input dtype (``_check``). The kernel states the precision of
-# every product (tests/precision_test.py): float32 inputs multiply in IEEE
+# every product (tests/pallas_kernels/precision_test.py): float32 inputs multiply in IEEE
 # float32, bfloat16 inputs multiply exactly (an 8-bit mantissa product fits
 # float32's 24) and accumulate in float32, and the references read the same
 # values. Both dtypes thus differ from the float32 reference only by float32

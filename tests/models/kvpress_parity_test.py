@@ -133,7 +133,7 @@ from certkv_jax import layer as layer_lib
 from models import decode
 from models import hf_loader
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+FIXTURES = os.path.join(os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0], "tests", "fixtures")
 RATIOS = (0.5, 0.75)
 SNAPKV_WINDOW = 16
 SNAPKV_KERNEL = 5

@@ -20,7 +20,7 @@ from models import decode
 from models import gguf_loader
 from models import llama
 
-REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures",
+REFERENCE = os.path.join(os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0], "tests", "fixtures",
                          "smollm2_reference")
 
 # A fixed English paragraph (plain expository prose, written for this test).

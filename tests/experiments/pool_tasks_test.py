@@ -15,7 +15,7 @@ from absl.testing import absltest
 
 from experiments.lib.leaderboard import pooled
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0]  # the repository
 
 
 def _row(design, seed, task, example, score, ratio=0.75):

@@ -29,7 +29,7 @@ import pytest
 
 from tests import test_util
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0]  # the repository
 N_PROCESSES = 2
 DEVICES_PER_PROCESS = 2
 TIMEOUT_S = 300

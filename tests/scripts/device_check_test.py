@@ -54,9 +54,9 @@ class ScriptTest(absltest.TestCase):
   def test_help_names_every_part_and_limit(self):
     done = _script(None, "--help")
     self.assertEqual(done.returncode, 0, done.stderr)
-    for part in PARTS + ("fast_tier_a/b/c", "tests/kernels_test.py::KernelTest",
+    for part in PARTS + ("fast_tier_a/b/c", "tests/pallas_kernels/offset_decode_test.py::KernelTest",
                          "-m experiments.bench_kernels", "-m experiments.bench_decode",
-                         "--splits=", "--contexts=8192", "tests/priority_sampling_test.py"):
+                         "--splits=", "--contexts=8192", "tests/certkv_jax/designs/priority_sampling_test.py"):
       self.assertIn(part, done.stdout)
     self.assertRegex(done.stdout, r"bench_kernels +\d+s")
     bad = _script(None, "--bogus")

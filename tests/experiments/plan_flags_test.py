@@ -11,7 +11,7 @@ from absl.testing import absltest
 
 from experiments.lib import plan_flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0]  # the repository
 
 
 def _pairs(entries):

@@ -21,7 +21,7 @@ from models import hf_loader
 from models import llama
 from models import rope
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+FIXTURES = os.path.join(os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0], "tests", "fixtures")
 
 
 @functools.lru_cache(maxsize=None)
