@@ -64,7 +64,7 @@ def _worker(process_id: int, port: int, out_path: str) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
                              num_processes=N_PROCESSES, process_id=process_id)
-  from certkv_jax import distributed  # pylint: disable=import-outside-toplevel
+  from certkv_jax.kv import distributed  # pylint: disable=import-outside-toplevel
   from models import sharding  # pylint: disable=import-outside-toplevel
   assert jax.process_count() == N_PROCESSES and jax.device_count() == 4, jax.devices()
   # Interleave processes so that the seq axis (last) crosses them: [p0, p1] per model index.
