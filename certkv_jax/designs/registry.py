@@ -64,6 +64,8 @@ OBSERVATION_WINDOW = 16
 
 
 TWIN_SUFFIX = "_cert"
+# The settings a twin adds to its design's, with their defaults.
+TWIN_SETTINGS = (("spill", True), ("top_share", framework.TWIN_SHARE))
 
 
 def _twin(factory):
@@ -74,7 +76,7 @@ def _twin(factory):
     return framework.certified(factory(budget, **settings), top_share=top_share, spill=spill)
   params = list(inspect.signature(factory).parameters.values())
   at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
-  for name, default in (("spill", True), ("top_share", framework.TWIN_SHARE)):
+  for name, default in TWIN_SETTINGS:
     params.insert(at, inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default))
   twin.__signature__ = inspect.Signature(params)
   return twin

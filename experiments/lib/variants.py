@@ -78,11 +78,12 @@ def is_randomized(variant: str) -> bool:
 
 def twin_base(variant: str) -> Optional[str]:
   """The deterministic variant a certified twin (``<design>_cert``, with any
-  ``top_share``) is paired with: the same design string without the suffix and
-  ``top_share``, the same allocation; None for a variant that is no twin."""
+  ``top_share`` or ``spill``) is paired with: the same design string without the suffix
+  and the twin's own settings, the same allocation; None for a variant that is no twin."""
   design, plus, allocation = variant.partition("+")
   name, *settings = design.split(":")
   if not name.endswith(registry.TWIN_SUFFIX):
     return None
-  kept = [s for s in settings if not s.startswith("top_share=")]
+  own = tuple(f"{name}=" for name, _ in registry.TWIN_SETTINGS)
+  kept = [s for s in settings if not s.startswith(own)]
   return ":".join([name[:-len(registry.TWIN_SUFFIX)]] + kept) + plus + allocation

@@ -19,6 +19,7 @@ import pytest
 from certkv_jax.kv import memory
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
+from experiments.lib import variants
 from experiments.lib.leaderboard import experiment
 from experiments.lib.leaderboard import report
 from models import decode
@@ -279,6 +280,11 @@ class PlanTest(absltest.TestCase):
     self.assertEqual((p["n"], p["twin"]), (6, "snapkv_cert"))
     self.assertLess(p["ci"][0], 0.0)
     self.assertGreater(p["ci"][1], 0.0)
+
+  def test_twin_base_drops_the_twin_settings_only(self):
+    self.assertEqual(variants.twin_base("snapkv_cert:top_share=0.5:spill=1"), "snapkv")
+    self.assertEqual(variants.twin_base("h2o_cert:window=8:spill=0+adakv"), "h2o:window=8+adakv")
+    self.assertIsNone(variants.twin_base("priority_floor+cert"))
 
   def test_checks(self):
     for kw, msg in ((dict(tasks=("qa_1",)), "SQuAD"), (dict(designs=("nope",)), "--designs"),
