@@ -39,6 +39,7 @@ import numpy as np
 from experiments.lib import design_defaults
 from experiments.lib import loaders
 from experiments.lib import model_loading
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 from experiments.lib.streaming_loss import core as streaming_loss_core
 from experiments.lib.streaming_loss import report as streaming_loss_report
@@ -88,38 +89,33 @@ def units_of(designs: Sequence[str], n_runs: int) -> list[tuple[str, int]]:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What :func:`run_perplexity` runs. Validated by :meth:`check` (errors name the flag).
+  """What :func:`run_perplexity` runs; each setting is a flag of ``python -m
+  experiments.perplexity``. Validated by :meth:`check` (errors name the flag). Run ``r``
+  of a randomized design draws with ``fold_in(PRNGKey(seed), r)``; the draws depend on
+  ``max_batch``'s grouping."""
 
-  Attributes:
-    model: the model name recorded in rows.
-    designs: names of ``experiments.lib.design_defaults.names()``; 'full' (the
-      reference) always runs, listed or not.
-    budgets: fractions in (0, 1] of the tokens seen.
-    context_len: tokens per segment (BOS included).
-    chunk: tokens per streaming chunk (< context_len).
-    num_examples: segments (consecutive, non-overlapping).
-    seed: seed of the randomized designs' draws (run ``r`` uses
-      ``fold_in(PRNGKey(seed), r)``).
-    n_runs: independent runs of each randomized design.
-    n_sink, window: the designs' certainty set (sinks, recent window; also
-      SnapKV's observation window).
-    max_units: stop after running this many units (None: all); a rerun resumes.
-    max_batch: at most this many batch rows per call (None: a unit's whole
-      batch, budgets x segments); the draws depend on the grouping.
-  """
-
-  model: str = model_loading.DEFAULT_MODEL
-  designs: tuple = ("full", "snapkv", "poisson_tail")
-  budgets: tuple = (0.125, 0.25, 0.5)
-  context_len: int = 512
-  chunk: int = 64
-  num_examples: int = 4
-  seed: int = 0
-  n_runs: int = 2
-  n_sink: int = design_defaults.N_SINK
-  window: int = design_defaults.WINDOW
-  max_units: Optional[int] = None
-  max_batch: Optional[int] = None
+  model: str = model_loading.DEFAULT_MODEL  # recorded in rows; --model names the checkpoint
+  designs: tuple = plan_flags.setting(
+      ("full", "snapkv", "poisson_tail"),
+      f"Designs, from {', '.join(design_defaults.names())} ('full' = no eviction, the "
+      "reference; always run).")
+  budgets: tuple = plan_flags.setting((0.125, 0.25, 0.5), "Budgets: fractions in (0, 1] of "
+                                      "the tokens seen.")
+  context_len: int = plan_flags.setting(512, "Tokens per segment (BOS included).")
+  chunk: int = plan_flags.setting(64, "Tokens per streaming chunk; the design evicts after "
+                                  "each chunk.")
+  num_examples: int = plan_flags.setting(4, "Non-overlapping segments of the tokenized text.")
+  seed: int = plan_flags.setting(0, "Seed of the randomized designs.")
+  n_runs: int = plan_flags.setting(2, "Independent runs of each randomized design.")
+  n_sink: int = plan_flags.setting(design_defaults.N_SINK, "Sink tokens every design keeps.")
+  window: int = plan_flags.setting(design_defaults.WINDOW, "Recent tokens every design keeps "
+                                   "(and SnapKV's observation window).")
+  max_units: Optional[int] = plan_flags.setting(
+      None, "Stop after this many units (batched calls) this run (unset: all); a rerun "
+      "resumes.")
+  max_batch: Optional[int] = plan_flags.setting(
+      None, "At most this many rows per call (unset: a unit's whole batch, budgets x "
+      "segments).")
 
   def check(self) -> "Plan":
     """Validates the plan; errors name the flag. Returns it with float budgets."""
@@ -269,15 +265,7 @@ def expected_row_count(designs, budgets, num_examples: int, n_runs: int) -> int:
 
 def plan_from_flags(fv) -> Plan:
   """The checked :class:`Plan` of ``python -m experiments.perplexity``'s flags."""
-  try:
-    budgets = tuple(float(b) for b in fv.budgets)
-  except ValueError as err:
-    raise ValueError(f"--budgets must be numbers, got {fv.budgets}") from err
-  return Plan(model=fv.model, designs=tuple(fv.designs), budgets=budgets,
-              context_len=fv.context_len, chunk=fv.chunk, num_examples=fv.num_examples,
-              seed=fv.seed, n_runs=fv.n_runs, n_sink=fv.n_sink, window=fv.window,
-              max_units=None if fv.max_units < 0 else fv.max_units,
-              max_batch=fv.max_batch or None).check()
+  return plan_flags.plan_from_flags(Plan, fv, model=fv.model)
 
 
 def run_from_flags(fv, log: Callable[[str], None] = print) -> Optional[dict]:
