@@ -67,7 +67,8 @@ class EvictionDesign:
   a design whose scores read ``obs`` refuses a window of 0. ``min_tail`` keeps a
   sampled tail when the budget is below the certainty set, at the price of up
   to ``min_tail`` tokens over budget; ``spill`` instead lets the window join the tail
-  there, so that no token leaves with ``pi = 0`` (method, section 3, "Certified twins").
+  there, so that no token leaves with ``pi = 0`` (method, section 3, "Spill"): its
+  ``spill_slots`` oldest slots (0: all of it), the rest of the window staying certain.
   """
 
   name: str
@@ -78,12 +79,15 @@ class EvictionDesign:
   observation_window: int = 0
   min_tail: int = 0
   spill: bool = False
+  spill_slots: int = 0
 
   def __post_init__(self):
     if self.fold not in FOLDS:
       raise ValueError(f"fold must be one of {sorted(FOLDS)}, got {self.fold!r}")
-    if isinstance(self.min_tail, bool) or not isinstance(self.min_tail, int) or self.min_tail < 0:
-      raise ValueError(f"min_tail must be an int >= 0, got {self.min_tail!r}")
+    for name in ("min_tail", "spill_slots"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {v!r}")
     w = self.observation_window
     if isinstance(w, bool) or not isinstance(w, int) or w < 0:
       raise ValueError(f"observation_window must be an int >= 0, got {w!r}")
@@ -113,7 +117,7 @@ class EvictionDesign:
     return {"name": self.name, "budget": self.budget, "certain": self.certain,
             "tail": self.tail, "fold": self.fold,
             "observation_window": self.observation_window, "min_tail": self.min_tail,
-            "spill": self.spill}
+            "spill": self.spill, "spill_slots": self.spill_slots}
 
   def init(self, cache: KVCache) -> DesignState:
     """Checks the cache against the design and returns a fresh state."""
@@ -150,7 +154,8 @@ class EvictionDesign:
     if self.spill:  # no slot left for the tail: keep as many, the window's by the tail rule
       tight = target <= n_certain
       target = jnp.maximum(target, n_certain)
-      certain = jnp.where(tight, dataclasses.replace(self.certain, window=0)(cache) & valid,
+      window = max(self.certain.window - self.spill_slots, 0) if self.spill_slots else 0
+      certain = jnp.where(tight, dataclasses.replace(self.certain, window=window)(cache) & valid,
                           certain)
       n_certain = jnp.sum(certain).astype(jnp.int32)
     triggered = cache.n_valid > target
@@ -214,12 +219,13 @@ TWIN_EPS = 0.05
 
 
 def certified(design: EvictionDesign, *, top_share: float = TWIN_SHARE,
-              eps: float = TWIN_EPS, spill: bool = True) -> EvictionDesign:
+              eps: float = TWIN_EPS, spill: bool = True, spill_slots: int = 0) -> EvictionDesign:
   """The certified twin ``<name>_cert`` of a deterministic (top-k) design (method, section 3).
 
   ``top_share`` of the tail slots go by the design's own score with certainty;
   the rest are priority-sampled by that score, with Hajek offsets. ``spill``: where
-  the budget leaves no tail slot, the window joins the tail (:class:`EvictionDesign`).
+  the budget leaves no tail slot, the window (its ``spill_slots`` oldest slots; 0: all)
+  joins the tail (:class:`EvictionDesign`).
 
   Raises:
     TypeError unless ``design`` has a :class:`TopK` tail; ValueError unless
@@ -235,7 +241,8 @@ def certified(design: EvictionDesign, *, top_share: float = TWIN_SHARE,
     raise ValueError(f"spill must be a bool (or 0 / 1), got {spill!r}")
   tail = PriorityTail(score=scores.TailShifted(design.tail.score), eps=eps,
                       heavy_share=top_share)
-  return dataclasses.replace(design, tail=tail, name=f"{design.name}_cert", spill=bool(spill))
+  return dataclasses.replace(design, tail=tail, name=f"{design.name}_cert", spill=bool(spill),
+                             spill_slots=spill_slots)
 
 
 # --------------------------------------------------------------------------- factories

@@ -65,15 +65,18 @@ OBSERVATION_WINDOW = 16
 
 TWIN_SUFFIX = "_cert"
 # The settings a twin adds to its design's, with their defaults.
-TWIN_SETTINGS = (("spill", True), ("top_share", framework.TWIN_SHARE))
+TWIN_SETTINGS = (("spill", True), ("spill_slots", 0),
+                 ("top_share", framework.TWIN_SHARE))
 
 
 def _twin(factory):
   """The factory of ``factory``'s certified twin (:func:`framework.certified`), with
-  ``top_share`` and ``spill``."""
+  ``top_share``, ``spill`` and ``spill_slots``."""
 
-  def twin(budget, *, top_share: float = framework.TWIN_SHARE, spill: bool = True, **settings):
-    return framework.certified(factory(budget, **settings), top_share=top_share, spill=spill)
+  def twin(budget, *, top_share: float = framework.TWIN_SHARE, spill: bool = True,
+           spill_slots: int = 0, **settings):
+    return framework.certified(factory(budget, **settings), top_share=top_share, spill=spill,
+                               spill_slots=spill_slots)
   params = list(inspect.signature(factory).parameters.values())
   at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
   for name, default in TWIN_SETTINGS:

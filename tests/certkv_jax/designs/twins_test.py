@@ -162,6 +162,25 @@ class TwinTest(absltest.TestCase):
                  c, jax.random.PRNGKey(seed))[2]
       np.testing.assert_array_equal(np.asarray(a.kept), np.asarray(b.kept))
 
+  def test_spill_slots_keep_the_most_recent_tokens(self):
+    # The same tight budget with spill_slots=2: the 2 newest tokens stay certain, and
+    # the 2 oldest window slots join the tail (1 by rank, 1 sampled), so the twin still
+    # keeps 6 and every token it drops had pi > 0.
+    c = _cache()
+    pos = np.asarray(c.pos)
+    twin = registry.make("h2o_cert:spill_slots=2", 0.1, n_sink=N_SINK, window=WINDOW)
+    newest = np.asarray(c.valid) & (pos >= N - 2)
+    for seed in range(10):
+      _, _, info = _evict(twin, c, jax.random.PRNGKey(seed))
+      kept, pi, gone = np.asarray(info.kept), np.asarray(info.pi), np.asarray(info.evicted)
+      self.assertEqual(int(kept.sum()), N_SINK + WINDOW)
+      self.assertTrue(kept[newest].all() and kept[np.asarray(c.valid) & (pos < N_SINK)].all())
+      np.testing.assert_array_equal(pi[newest], 1.0)
+      self.assertGreater(float(pi[gone].min()), 0.0)
+      self.assertEqual(int((kept & (pi < 1.0)).sum()), 1)  # one sampled slot
+    with self.assertRaisesRegex(ValueError, "spill_slots must be an int >= 0"):
+      designs.certified(registry.make("h2o", BUDGET), spill_slots=-1)
+
   def test_errors(self):
     with self.assertRaisesRegex(TypeError, "deterministic top-k design"):
       designs.certified(registry.make("poisson_tail", BUDGET))
