@@ -10,8 +10,9 @@ from absl import flags
 from absl.testing import absltest
 
 from experiments.lib import plan_flags
+from tests import test_util
 
-ROOT = os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0]  # the repository
+ROOT = test_util.ROOT
 
 
 def _pairs(entries):

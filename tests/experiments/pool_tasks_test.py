@@ -14,8 +14,9 @@ import tempfile
 from absl.testing import absltest
 
 from experiments.lib.leaderboard import pooled
+from tests import test_util
 
-ROOT = os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0]  # the repository
+ROOT = test_util.ROOT
 
 
 def _row(design, seed, task, example, score, ratio=0.75):

@@ -23,7 +23,7 @@ from tests import test_util
 # Child processes (each imports jax and compiles its script): end to end, slow tier.
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0]  # the repository
+ROOT = test_util.ROOT
 COMMON = ["--task=passkey,agent_memory", "--num_examples=2", "--context_len=24",
           "--budgets=0.5", "--designs=full,poisson_tail", "--n_runs=2", "--n_steps=3"]
 

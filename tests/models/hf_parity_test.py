@@ -20,8 +20,9 @@ import numpy as np
 from models import hf_loader
 from models import llama
 from models import rope
+from tests import test_util
 
-FIXTURES = os.path.join(os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0], "tests", "fixtures")
+FIXTURES = test_util.FIXTURES
 
 
 @functools.lru_cache(maxsize=None)

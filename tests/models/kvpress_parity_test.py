@@ -132,8 +132,9 @@ from certkv_jax import eviction
 from certkv_jax import layer as layer_lib
 from models import decode
 from models import hf_loader
+from tests import test_util
 
-FIXTURES = os.path.join(os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0], "tests", "fixtures")
+FIXTURES = test_util.FIXTURES
 RATIOS = (0.5, 0.75)
 SNAPKV_WINDOW = 16
 SNAPKV_KERNEL = 5

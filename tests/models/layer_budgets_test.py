@@ -18,7 +18,7 @@ from models import hf_loader
 from tests import test_util
 from models import memory
 
-FIXTURE = os.path.join(os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0], "tests", "fixtures", "tiny_llama")
+FIXTURE = test_util.TINY_LLAMA
 N_STEPS = 3
 _evict = jax.jit(decode.evict, static_argnames=("layer_budgets",))
 

@@ -29,7 +29,7 @@ import pytest
 
 from tests import test_util
 
-ROOT = os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0]  # the repository
+ROOT = test_util.ROOT
 N_PROCESSES = 2
 DEVICES_PER_PROCESS = 2
 TIMEOUT_S = 300

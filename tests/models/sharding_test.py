@@ -48,7 +48,7 @@ from models import sharding
 from models.config import LlamaConfig
 from tests import test_util
 
-ROOT = os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0]  # the repository
+ROOT = test_util.ROOT
 CHILD_ENV = "CERTKV_SHARDING_CHILD"
 N_DEVICES = 12
 CHILD_TIMEOUT_S = 900

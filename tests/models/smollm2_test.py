@@ -19,8 +19,9 @@ import pytest
 from models import decode
 from models import gguf_loader
 from models import llama
+from tests import test_util
 
-REFERENCE = os.path.join(os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0], "tests", "fixtures",
+REFERENCE = os.path.join(test_util.FIXTURES,
                          "smollm2_reference")
 
 # A fixed English paragraph (plain expository prose, written for this test).

@@ -26,8 +26,9 @@ from certkv_jax.kv import cache as cache_lib
 from certkv_jax import layer as layer_lib
 from models import decode
 from models import hf_loader
+from tests import test_util
 
-FIXTURE = os.path.join(os.path.abspath(__file__).rsplit(os.sep + "tests" + os.sep, 1)[0], "tests", "fixtures", "tiny_llama")
+FIXTURE = test_util.TINY_LLAMA
 CAP = 40
 
 
