@@ -41,32 +41,21 @@ from absl import flags
 from certkv_jax.calibration import robust
 from certkv_jax.calibration import store
 from experiments.lib import model_loading
+from experiments.lib import plan_flags
+from experiments.lib.validity import calibrate as calibrate_lib
 from experiments.lib.validity import calls as calls_lib
 from experiments.lib.validity import collect as collect_lib
 
 FLAGS = flags.FLAGS
-_P = collect_lib.Plan()
 
 flags.DEFINE_string("out", None, "Output directory (units/, calibration/).", required=True)
 flags.DEFINE_string("model", model_loading.DEFAULT_MODEL, "'smollm2' or a Hugging Face "
                     "safetensors directory with tokenizer.json.")
-flags.DEFINE_string("design", "poisson_tail", "The randomized design to calibrate.")
-flags.DEFINE_list("data", ["text", "passkey", "kv_retrieval", "variable_tracking"],
-                  "Calibration data: 'text' and/or task names.")
-flags.DEFINE_enum("scheme", "binned", ["binned", "per_head"], "Calibration scheme.")
-flags.DEFINE_integer("n_bins", robust.DEFAULT_BINS, "Radius bins (binned).")
-flags.DEFINE_list("regimes", list(_P.regimes), "Regimes pooled in the calibration.")
-flags.DEFINE_list("budgets", [str(b) for b in _P.budgets], "Budgets (fractions in (0, 1)).")
-flags.DEFINE_list("deltas", [str(d) for d in calls_lib.DELTAS], "Miss probabilities.")
-flags.DEFINE_integer("context_len", 1024, "Context length in tokens.")
-flags.DEFINE_integer("num_examples", _P.num_examples, "Examples per data source.")
-flags.DEFINE_integer("n_steps", _P.n_steps, "Decode steps per example.")
-flags.DEFINE_integer("seed", 1, "Seed (use another than the evaluation's).")
-flags.DEFINE_integer("max_batch", 0, "Rows per call (0: a unit's whole batch).")
 flags.DEFINE_string("text", collect_lib.DEFAULT_TEXT, "Natural text file for 'text'.")
 flags.DEFINE_bool("overwrite", False, "Replace an existing --out/calibration.")
 flags.DEFINE_bool("from_units", False, "Fit from the unit files in --out/units (no model, "
                   "no collection): those of --design, --regimes, --data at --context_len.")
+plan_flags.define_flags(calibrate_lib.Plan)
 
 
 def _existing_units(out: str, design: str, regimes, data, context_len: int) -> list:
@@ -89,23 +78,13 @@ def _existing_units(out: str, design: str, regimes, data, context_len: int) -> l
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every step of a save at INFO
-  try:
-    budgets = tuple(float(b) for b in FLAGS.budgets)
-    deltas = tuple(float(d) for d in FLAGS.deltas)
-  except ValueError as err:
-    raise ValueError(f"--budgets and --deltas must be numbers: {err}") from err
-  plan = collect_lib.Plan(designs=(FLAGS.design,), regimes=tuple(FLAGS.regimes),
-                          budgets=budgets, data=tuple(FLAGS.data),
-                          context_lens=(FLAGS.context_len,), num_examples=FLAGS.num_examples,
-                          n_steps=FLAGS.n_steps, seed=FLAGS.seed, max_batch=FLAGS.max_batch,
-                          model=model_loading.model_name(FLAGS.model),
-                          question_aware_only=()).check()
+  cal = plan_flags.plan_from_flags(calibrate_lib.Plan, FLAGS)
+  plan = cal.collect_plan(model_loading.model_name(FLAGS.model))
   target = os.path.join(os.path.abspath(FLAGS.out), "calibration")
   if os.path.exists(target) and not FLAGS.overwrite:
     raise ValueError(f"--out: {target} exists; pass --overwrite to replace it")
   if FLAGS.from_units:
-    paths = _existing_units(FLAGS.out, FLAGS.design, plan.regimes, plan.data,
-                            FLAGS.context_len)
+    paths = _existing_units(FLAGS.out, cal.design, cal.regimes, cal.data, cal.context_len)
   else:
     params, config, tok = model_loading.load_model(FLAGS.model)
     with open(FLAGS.text, encoding="utf-8") as f:
@@ -113,18 +92,18 @@ def main(argv):
     paths = collect_lib.collect(params, config, tok, plan, FLAGS.out, text=text,
                                 text_source=FLAGS.text)
   calls = calls_lib.load_calls(paths)
-  kw = dict(design=FLAGS.design, data=plan.data, context_len=FLAGS.context_len,
-            budgets=budgets, deltas=deltas)
-  if FLAGS.scheme == "binned":
-    calib = calls_lib.fit_binned(calls, n_bins=FLAGS.n_bins, **kw)
+  kw = dict(design=cal.design, data=cal.data, context_len=cal.context_len,
+            budgets=cal.budgets, deltas=cal.deltas)
+  if cal.scheme == "binned":
+    calib = calls_lib.fit_binned(calls, n_bins=cal.n_bins, **kw)
     robust.save(target, calib, overwrite=FLAGS.overwrite)
   else:
     calib = calls_lib.fit_fold(calls, **kw)
     store.save(target, calib, overwrite=FLAGS.overwrite)
   finite = calib.scales[np.isfinite(calib.scales)]
-  where = (f"{calib.fitted_on()}" if FLAGS.scheme == "binned"
-           else f"sources {', '.join(plan.data)}")
-  print(f"{FLAGS.scheme} calibration of {FLAGS.design} on {where} "
+  where = (f"{calib.fitted_on()}" if cal.scheme == "binned"
+           else f"sources {', '.join(cal.data)}")
+  print(f"{cal.scheme} calibration of {cal.design} on {where} "
         f"({len(calls)} calls) saved to {target}: scales median "
         f"{float(np.median(finite)) if finite.size else float('nan'):.3f}, max "
         f"{float(calib.scales.max()):.3f}, {100 * float(np.mean(np.isinf(calib.scales))):.1f}% "

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+from absl import flags
 from absl.testing import absltest
 import jax
 import numpy as np
@@ -128,6 +129,82 @@ class SignalsInGenerationTest(absltest.TestCase):
                                 capacity=48))
     self.assertIsNone(plain.ess)  # normal mode computes no signals
     np.testing.assert_array_equal(plain.tokens, gen.tokens)
+
+
+class FlagsTest(absltest.TestCase):
+  """``python -m experiments.validity``'s flags give the Plan the hand-written flags did
+  (the expected Plans were printed by the code before the flags came from the Plan; its
+  max_batch=0 is now unset, None)."""
+
+  def _plan(self, *argv):
+    from experiments import validity  # pylint: disable=g-import-not-at-top
+    fv = flags.FlagValues()
+    validity.define_flags(fv)
+    fv(["validity", "--out=/tmp/x", *argv])
+    return validity.plan_from_flags(fv)
+
+  def test_quick_with_structured_entries(self):
+    plan = self._plan("--quick", "--examples_at=256:2", "--designs_at=256:poisson_tail",
+                      "--groups_at=256:kv_retrieval+multi_needle:poisson_tail", "--n_steps=3")
+    self.assertEqual(plan, validity_collect.Plan(
+        designs=("poisson_tail", "poisson_defensive"), data=("text", "passkey"),
+        context_lens=(256,), num_examples=3, n_steps=3, model="smollm2",
+        examples_at=((256, 2),), designs_at=((256, ("poisson_tail",)),),
+        groups_at=((256, ("kv_retrieval", "multi_needle"), ("poisson_tail",)),)))
+
+  def test_the_long_study_command(self):
+    plan = self._plan(
+        "--context_lens=4096,8000", "--designs=poisson_tail,poisson_floor",
+        "--data=text,passkey,multi_needle", "--num_examples=2", "--examples_at=8000:1",
+        "--designs_at=4096:poisson_tail,8000:poisson_tail", "--data_at=8000:text+passkey",
+        "--groups_at=4096:text:poisson_floor", "--calib_context=4096",
+        "--default_design=poisson_tail", "--max_batch=1", "--max_units=5",
+        "--transfer_calibration=experiments/results/validity/calibration", "--budgets=0.25,0.5")
+    self.assertEqual(plan, validity_collect.Plan(
+        designs=("poisson_tail", "poisson_floor"), budgets=(0.25, 0.5),
+        data=("text", "passkey", "multi_needle"), context_lens=(4096, 8000), num_examples=2,
+        model="smollm2", max_batch=1, examples_at=((8000, 1),),
+        designs_at=((4096, ("poisson_tail",)), (8000, ("poisson_tail",))),
+        data_at=((8000, ("text", "passkey")),), groups_at=((4096, ("text",), ("poisson_floor",)),),
+        max_units=5, default_design="poisson_tail", calib_context=4096,
+        transfer="experiments/results/validity/calibration"))
+
+  def test_defaults(self):
+    self.assertEqual(self._plan(), validity_collect.Plan())
+    self.assertIsNone(validity_collect.Plan().max_batch)
+
+  def test_bad_entries_name_the_flag_and_form(self):
+    for arg, msg in (("--examples_at=x", "--examples_at entries must be CONTEXT:N, got 'x'"),
+                     ("--examples_at=a:2", "--examples_at entries must be CONTEXT:N"),
+                     ("--designs_at=1024", "--designs_at entries must be CONTEXT:A\\+B"),
+                     ("--data_at=x:text", "--data_at entries must be CONTEXT:A\\+B"),
+                     ("--groups_at=1024:text", "--groups_at entries must be CONTEXT:DATA1"),
+                     ("--max_batch=0", "--max_batch must be an int >= 1 or unset")):
+      with self.subTest(arg=arg):
+        with self.assertRaisesRegex(ValueError, msg):
+          self._plan(arg)
+
+  def test_unset_max_batch_keeps_the_fingerprint_of_0(self):
+    """Committed unit files were fingerprinted with max_batch=0 (the value printed by the
+    code before max_batch was Optional)."""
+    unit = (64, "streaming", "poisson_tail", "passkey")
+    self.assertEqual(validity_collect.unit_fingerprint(_plan(), unit, "sha"), "536bc5639d130386")
+    self.assertEqual(validity_collect.unit_fingerprint(_plan(max_batch=3), unit, "sha"),
+                     "2e0cd3c25a966ee9")
+
+  def test_calibrate_plan_is_the_collect_plan_of_its_flags(self):
+    from experiments.lib.validity import calibrate as calibrate_lib  # pylint: disable=g-import-not-at-top
+    from experiments.lib import plan_flags  # pylint: disable=g-import-not-at-top
+    fv = flags.FlagValues()
+    plan_flags.define_flags(calibrate_lib.Plan, fv)
+    fv(["calibrate", "--data=text,passkey", "--regimes=question_aware", "--budgets=0.5",
+        "--deltas=0.05", "--context_len=48", "--num_examples=2", "--n_steps=2", "--n_bins=2"])
+    cal = plan_flags.plan_from_flags(calibrate_lib.Plan, fv)
+    self.assertEqual((cal.deltas, cal.n_bins, cal.scheme, cal.seed), ((0.05,), 2, "binned", 1))
+    self.assertEqual(cal.collect_plan("tiny"), validity_collect.Plan(
+        designs=("poisson_tail",), regimes=("question_aware",), budgets=(0.5,),
+        data=("text", "passkey"), context_lens=(48,), num_examples=2, n_steps=2, seed=1,
+        model="tiny", question_aware_only=()))
 
 
 class ValidityEndToEndTest(absltest.TestCase):

@@ -37,6 +37,7 @@ import numpy as np
 from experiments.lib import batching
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 from experiments.lib import tasks as tasks_lib
 
@@ -52,45 +53,98 @@ SIGNAL_FIELDS = ("ess", "max_tail_weight", "range_ratio", "entropy", "r_hat", "t
 FORMAT_VERSION = 1
 
 
+def _int(name: str, form: str, entry: str, text: str) -> int:
+  try:
+    return int(text)
+  except ValueError:
+    raise ValueError(f"--{name} entries must be {form}, got {entry!r} ({text!r} is not an "
+                     "int)") from None
+
+
+def parse_examples_at(entries) -> tuple:
+  """``["2048:2"]`` -> ``((2048, 2),)``."""
+  out = []
+  for e in entries:
+    parts = e.split(":")
+    if len(parts) != 2:
+      raise ValueError(f"--examples_at entries must be CONTEXT:N, got {e!r}")
+    out.append(tuple(_int("examples_at", "CONTEXT:N", e, p) for p in parts))
+  return tuple(out)
+
+
+def _parse_subsets(name: str):
+  """The parser of ``--designs_at`` / ``--data_at``: ``["2048:a+b"]`` -> ``((2048, ("a",
+  "b")),)``."""
+  def parse(entries) -> tuple:
+    out = []
+    for e in entries:
+      c, sep, rest = e.partition(":")
+      if not sep or not rest:
+        raise ValueError(f"--{name} entries must be CONTEXT:A+B, got {e!r}")
+      out.append((_int(name, "CONTEXT:A+B", e, c), tuple(rest.split("+"))))
+    return tuple(out)
+  return parse
+
+
+def parse_groups_at(entries) -> tuple:
+  """``["1024:passkey+text:poisson_tail"]`` -> ``((1024, ("passkey", "text"),
+  ("poisson_tail",)),)``."""
+  form = "CONTEXT:DATA1+DATA2:DESIGN1+DESIGN2"
+  out = []
+  for e in entries:
+    parts = e.split(":")
+    if len(parts) != 3 or not all(parts):
+      raise ValueError(f"--groups_at entries must be {form}, got {e!r}")
+    out.append((_int("groups_at", form, e, parts[0]), tuple(parts[1].split("+")),
+                tuple(parts[2].split("+"))))
+  return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What :func:`collect` runs. Validated by :meth:`check`."""
+  """What :func:`collect` runs; each setting is a flag of ``python -m experiments.validity``.
+  Validated by :meth:`check` (errors name the flag). ``max_units``, ``default_design``,
+  ``calib_context`` and ``transfer`` say how :mod:`experiments.lib.validity.run` runs and
+  analyses the units; they are not part of any unit's fingerprint."""
 
-  designs: tuple = ("poisson_tail", "poisson_defensive", "poisson_envelope",
-                    "attention_proportional")
-  regimes: tuple = REGIMES
-  budgets: tuple = (0.125, 0.25, 0.5)
-  data: tuple = (TEXT, "passkey", "kv_retrieval", "variable_tracking")
-  context_lens: tuple = (1024,)
-  num_examples: int = 6
-  n_steps: int = 8
+  designs: tuple = plan_flags.setting(
+      ("poisson_tail", "poisson_defensive", "poisson_envelope", "attention_proportional"),
+      "Randomized designs.")
+  regimes: tuple = plan_flags.setting(REGIMES, "Regimes.")
+  budgets: tuple = plan_flags.setting((0.125, 0.25, 0.5), "Budgets (fractions in (0, 1)).")
+  data: tuple = plan_flags.setting((TEXT, "passkey", "kv_retrieval", "variable_tracking"),
+                                   "Data sources: 'text' and/or task names.")
+  context_lens: tuple = plan_flags.setting((1024,), "Context lengths.")
+  num_examples: int = plan_flags.setting(6, "Examples per data source.")
+  n_steps: int = plan_flags.setting(8, "Decode steps per example.")
   question_len: int = 16  # text examples: continuation tokens given as the "question"
   n_sink: int = design_defaults.N_SINK
   window: int = design_defaults.WINDOW
   chunk: int = 64
-  seed: int = 0
-  model: str = model_loading.DEFAULT_MODEL
-  max_batch: int = 0  # rows per call (0: a unit's whole batch)
+  seed: int = plan_flags.setting(0, "Seed of tasks and designs.")
+  model: str = model_loading.DEFAULT_MODEL  # recorded; --model names the checkpoint
+  max_batch: Optional[int] = plan_flags.setting(
+      None, "Rows per call (unset: a unit's whole batch).")
   question_aware_only: tuple = ("attention_proportional",)
-  # Per context length, as (context, value) pairs: fewer examples, or a subset of the
-  # designs / data sources at long contexts, e.g. examples_at=((2048, 2),).
-  examples_at: tuple = ()
-  designs_at: tuple = ()
-  data_at: tuple = ()
-  # Further units at a context, as (context, data sources, designs) triples: a *pad
-  # group* whose examples are padded among themselves, so that adding data sources to a
-  # finished run leaves its units (and their fingerprints) valid. Any design and data
-  # source may be named, e.g. groups_at=((1024, ("multi_needle",), ("poisson_tail",)),).
-  groups_at: tuple = ()
-  # How experiments.lib.validity.run runs and analyses the units (not part of any unit's
-  # fingerprint): stop after this many units (None: all; a rerun resumes), the design of
-  # the default calibrated radius, the context it is calibrated at (None: the longest
-  # context <= 1024, else the shortest), and a calibration artifact from another study
-  # to score on these calls too (None: none).
-  max_units: Optional[int] = None
-  default_design: str = "poisson_tail"
-  calib_context: Optional[int] = None
-  transfer: Optional[str] = None
+  examples_at: tuple = plan_flags.setting(
+      (), "Fewer examples at some contexts: CONTEXT:N entries.", parse=parse_examples_at)
+  designs_at: tuple = plan_flags.setting(
+      (), "A subset of designs at some contexts: CONTEXT:D1+D2.",
+      parse=_parse_subsets("designs_at"))
+  data_at: tuple = plan_flags.setting(
+      (), "A subset of data sources at some contexts: CONTEXT:S1+S2.",
+      parse=_parse_subsets("data_at"))
+  groups_at: tuple = plan_flags.setting(
+      (), "Further units padded among themselves (so that adding them keeps a finished "
+      "run's units): CONTEXT:DATA1+DATA2:DESIGN1+DESIGN2.", parse=parse_groups_at)
+  max_units: Optional[int] = plan_flags.setting(
+      None, "Stop after this many units (unset: all); rerun resumes.")
+  default_design: str = plan_flags.setting("poisson_tail",
+                                           "Design of the default certified setting.")
+  calib_context: Optional[int] = plan_flags.setting(
+      None, "Context length the calibrations are fitted at (unset: the largest planned "
+      "context <= 1024, else the shortest).")
+  transfer: Optional[str] = None  # --transfer_calibration: another study's artifact
 
   def check(self) -> "Plan":
     if self.transfer is not None and (not isinstance(self.transfer, str) or not self.transfer):
@@ -116,10 +170,13 @@ class Plan:
                          f"got {c!r}")
     for name, v, lo in (("num_examples", self.num_examples, 1), ("n_steps", self.n_steps, 1),
                         ("question_len", self.question_len, 1), ("chunk", self.chunk, 1),
-                        ("n_sink", self.n_sink, 0), ("window", self.window, 0),
-                        ("max_batch", self.max_batch, 0)):
+                        ("n_sink", self.n_sink, 0), ("window", self.window, 0)):
       if not isinstance(v, int) or v < lo:
         raise ValueError(f"--{name} must be an int >= {lo}, got {v!r}")
+    for name, v, lo in (("max_batch", self.max_batch, 1), ("max_units", self.max_units, 0),
+                        ("calib_context", self.calib_context, 1)):
+      if v is not None and (not isinstance(v, int) or v < lo):
+        raise ValueError(f"--{name} must be an int >= {lo} or unset, got {v!r}")
     for c, n in self.examples_at:
       if c not in self.all_context_lens or not isinstance(n, int) or n < 1:
         raise ValueError(f"examples_at: ({c}, {n}) must name a planned context length and "
@@ -256,7 +313,8 @@ def unit_fingerprint(plan: Plan, unit, text_sha: str) -> str:
       data=list(plan.pad_group_of(unit)), budgets=list(plan.budgets),
       n_steps=plan.n_steps, question_len=plan.question_len, n_sink=plan.n_sink,
       window=plan.window, chunk=plan.chunk, seed=plan.seed, model=plan.model,
-      max_batch=plan.max_batch, text=text_sha, version=FORMAT_VERSION), sort_keys=True)
+      max_batch=plan.max_batch or 0,  # unset hashes as 0 did, keeping committed units
+      text=text_sha, version=FORMAT_VERSION), sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
