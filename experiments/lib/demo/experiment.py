@@ -54,6 +54,7 @@ from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer as layer_lib
 from experiments.lib import batching
 from experiments.lib import design_defaults
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 from models import decode
 from models import forward
@@ -76,18 +77,26 @@ REGIMES = ("question_aware", "streaming")
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What the demo runs (the flags of ``experiments/demo_smollm2.py``)."""
+  """What the demo runs; each setting is a flag of ``python -m experiments.demo_smollm2``."""
 
-  designs: tuple = ("snapkv", "poisson_tail")  # names of design_defaults.names(); ("all",)
-  budgets: tuple = (0.125, 0.25, 0.5)
-  regime: str = "question_aware"  # a regime of REGIMES, or "both" (question_aware first)
-  context_len: int = 256
-  num_examples: int = 4
-  delta: float = 0.05
-  seed: int = 0
-  n_sink: int = design_defaults.N_SINK
-  window: int = design_defaults.WINDOW
-  chunk: int = 64
+  designs: tuple = plan_flags.setting(
+      ("snapkv", "poisson_tail"),
+      f"Designs, from {', '.join(design_defaults.names())}; 'full' keeps everything (the "
+      "reference); 'all' = every one of them.")
+  budgets: tuple = plan_flags.setting((0.125, 0.25, 0.5),
+                                      "Budgets, fractions of the tokens seen.")
+  regime: str = plan_flags.setting("question_aware", "Eviction regime; 'both' runs "
+                                   "question_aware then streaming.",
+                                   choices=REGIMES + ("both",))
+  context_len: int = plan_flags.setting(256, "Filler tokens around the pass key "
+                                        "(approximately).")
+  num_examples: int = plan_flags.setting(4, "Examples (one batch).")
+  delta: float = plan_flags.setting(0.05, "Certificate miss probability.")
+  seed: int = plan_flags.setting(0, "Seed of the task and of the randomized designs.")
+  n_sink: int = plan_flags.setting(design_defaults.N_SINK, "Sink tokens kept by every design.")
+  window: int = plan_flags.setting(design_defaults.WINDOW, "Recent window / observation "
+                                   "window kept by every design.")
+  chunk: int = plan_flags.setting(64, "Streaming: context tokens per chunk.")
 
   @property
   def design_names(self) -> tuple:
