@@ -33,39 +33,19 @@ if __name__ == "__main__":
 from absl import app
 from absl import flags
 
+from experiments.lib import plan_flags
 from experiments.lib.bench import sharding as bench_sharding
-from models.config import LlamaConfig
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("fake_devices", 0, "Fake CPU devices (0: the real devices).", lower_bound=0)
-flags.DEFINE_list("meshes", ["1x1x1", "8x1x1", "2x4x1", "1x2x4", "1x1x8"],
-                  "Mesh shapes data x model x seq.")
-flags.DEFINE_integer("n_layers", 4, "Decoder layers.", lower_bound=1)
-flags.DEFINE_integer("hidden", 256, "Residual width.", lower_bound=1)
-flags.DEFINE_integer("n_heads", 8, "Query heads.", lower_bound=1)
-flags.DEFINE_integer("n_kv_heads", 8, "KV heads.", lower_bound=1)
-flags.DEFINE_integer("head_dim", 32, "Head dimension.", lower_bound=2)
-flags.DEFINE_integer("ffn_dim", 512, "MLP width.", lower_bound=1)
-flags.DEFINE_integer("vocab", 512, "Vocabulary size.", lower_bound=2)
-flags.DEFINE_integer("batch", 8, "Prompts.", lower_bound=1)
-flags.DEFINE_integer("prompt_len", 192, "Prompt tokens.", lower_bound=1)
-flags.DEFINE_integer("capacity", 256, "Cache slots per (layer, row, KV head).", lower_bound=1)
-flags.DEFINE_integer("n_steps", 8, "Decode steps.", lower_bound=1)
-flags.DEFINE_string("design", "poisson_tail", "Design name (certkv_jax.designs.registry).")
-flags.DEFINE_float("budget", 0.5, "Budget fraction.", lower_bound=0.0, upper_bound=1.0)
-flags.DEFINE_integer("repeats", 3, "Timed repetitions (median).", lower_bound=1)
 flags.DEFINE_string("out", None, "Markdown summary path (JSONL rows beside it, resumable).")
+plan_flags.define_flags(bench_sharding.Plan)
+plan_flags.define_flags(bench_sharding.Model)
 
 
 def main(argv):
   del argv
-  config = LlamaConfig(vocab_size=FLAGS.vocab, hidden=FLAGS.hidden, n_layers=FLAGS.n_layers,
-                       n_heads=FLAGS.n_heads, n_kv_heads=FLAGS.n_kv_heads,
-                       head_dim=FLAGS.head_dim, ffn_dim=FLAGS.ffn_dim)
-  plan = bench_sharding.Plan(meshes=tuple(FLAGS.meshes), batch=FLAGS.batch,
-                             prompt_len=FLAGS.prompt_len, capacity=FLAGS.capacity,
-                             n_steps=FLAGS.n_steps, design=FLAGS.design, budget=FLAGS.budget,
-                             repeats=FLAGS.repeats, fake_devices=FLAGS.fake_devices)
+  plan = plan_flags.plan_from_flags(bench_sharding.Plan)
+  config = plan_flags.plan_from_flags(bench_sharding.Model).config()
   bench_sharding.run_and_report(plan, config, out=FLAGS.out)
 
 

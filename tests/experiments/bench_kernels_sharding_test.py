@@ -121,6 +121,16 @@ class BenchShardingTest(absltest.TestCase):
       self._run([f"1x1x{n}"])
     with self.assertRaisesRegex(ValueError, "--prompt_len"):
       self._run(["1x1x1"], prompt_len=25)
+    with self.assertRaisesRegex(ValueError, "--batch must be >= 1"):
+      bench_sharding.Plan(batch=0).check()
+    with self.assertRaisesRegex(ValueError, "--head_dim must be >= 2"):
+      bench_sharding.Model(head_dim=1).check()
+
+  def test_model_flags_give_the_scripts_config(self):
+    """The defaults of the script's hand-written model flags, before they came from Model."""
+    self.assertEqual(bench_sharding.Model().config(),
+                     LlamaConfig(vocab_size=512, hidden=256, n_layers=4, n_heads=8,
+                                 n_kv_heads=8, head_dim=32, ffn_dim=512))
 
 
 if __name__ == "__main__":

@@ -112,6 +112,7 @@ class ScriptsTest(absltest.TestCase):
     from experiments.lib.streaming_loss import experiment as perplexity  # pylint: disable=g-import-not-at-top
     from experiments.lib.validity import calibrate, collect as validity  # pylint: disable=g-import-not-at-top,g-multiple-import
     from experiments.lib.demo import experiment as demo  # pylint: disable=g-import-not-at-top
+    from experiments.lib.bench import sharding as bench_sharding  # pylint: disable=g-import-not-at-top
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     for script, plan in (("leaderboard", leaderboard.Plan), ("theorem1", theorem1.Plan),
                          ("overhead", overhead.Plan),
@@ -122,7 +123,9 @@ class ScriptsTest(absltest.TestCase):
                          ("bench_kernels", bench_kernels.Plan),
                          ("bench_prefill", bench_prefill.Plan),
                          ("perplexity", perplexity.Plan), ("validity", validity.Plan),
-                         ("calibrate", calibrate.Plan), ("demo_smollm2", demo.Plan)):
+                         ("calibrate", calibrate.Plan), ("demo_smollm2", demo.Plan),
+                         ("bench_sharding", bench_sharding.Plan),
+                         ("bench_sharding", bench_sharding.Model)):
       names = [f.name for f in plan_flags.flag_fields(plan)]
       self.assertNotEmpty(names)
       proc = subprocess.run([sys.executable, "-m", f"experiments.{script}", "--helpshort"],

@@ -40,6 +40,7 @@ import numpy as np
 
 from certkv_jax.kv import distributed
 from experiments.lib import design_defaults
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 from models import decode
 from models import llama
@@ -141,19 +142,64 @@ def render(rows, device, setup) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _check_bounds(bounds) -> None:
+  for name, v, lo in bounds:
+    if v < lo:
+      raise ValueError(f"--{name} must be >= {lo}, got {v}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What :func:`run_and_report` measures (the flags of ``experiments/bench_sharding.py``)."""
+  """What :func:`run_and_report` measures; each setting is a flag of ``python -m
+  experiments.bench_sharding``."""
 
-  meshes: tuple = ("1x1x1", "8x1x1", "2x4x1", "1x2x4", "1x1x8")  # data x model x seq
-  batch: int = 8  # prompts
-  prompt_len: int = 192
-  capacity: int = 256  # cache slots per (layer, row, KV head)
-  n_steps: int = 8
-  design: str = "poisson_tail"  # a name of design_defaults.names() other than 'full'
-  budget: float = 0.5
-  repeats: int = 3  # timed calls (median)
-  fake_devices: int = 0  # fake CPU devices the process was started with (0: real ones)
+  meshes: tuple = plan_flags.setting(("1x1x1", "8x1x1", "2x4x1", "1x2x4", "1x1x8"),
+                                     "Mesh shapes data x model x seq.")
+  batch: int = plan_flags.setting(8, "Prompts.")
+  prompt_len: int = plan_flags.setting(192, "Prompt tokens.")
+  capacity: int = plan_flags.setting(256, "Cache slots per (layer, row, KV head).")
+  n_steps: int = plan_flags.setting(8, "Decode steps.")
+  design: str = plan_flags.setting("poisson_tail", "Design name "
+                                   "(certkv_jax.designs.registry).")
+  budget: float = plan_flags.setting(0.5, "Budget fraction.")
+  repeats: int = plan_flags.setting(3, "Timed repetitions (median).")
+  fake_devices: int = plan_flags.setting(0, "Fake CPU devices (0: the real devices); read "
+                                         "before jax starts.")
+
+  def check(self) -> "Plan":
+    _check_bounds((("batch", self.batch, 1), ("prompt_len", self.prompt_len, 1),
+                   ("capacity", self.capacity, 1), ("n_steps", self.n_steps, 1),
+                   ("repeats", self.repeats, 1), ("fake_devices", self.fake_devices, 0),
+                   ("budget", self.budget, 0.0)))
+    if self.budget > 1.0:
+      raise ValueError(f"--budget must be <= 1, got {self.budget}")
+    return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """The random Llama-family model's shape; each setting is a flag of ``python -m
+  experiments.bench_sharding``."""
+
+  n_layers: int = plan_flags.setting(4, "Decoder layers.")
+  hidden: int = plan_flags.setting(256, "Residual width.")
+  n_heads: int = plan_flags.setting(8, "Query heads.")
+  n_kv_heads: int = plan_flags.setting(8, "KV heads.")
+  head_dim: int = plan_flags.setting(32, "Head dimension.")
+  ffn_dim: int = plan_flags.setting(512, "MLP width.")
+  vocab: int = plan_flags.setting(512, "Vocabulary size.")
+
+  def check(self) -> "Model":
+    _check_bounds((("n_layers", self.n_layers, 1), ("hidden", self.hidden, 1),
+                   ("n_heads", self.n_heads, 1), ("n_kv_heads", self.n_kv_heads, 1),
+                   ("head_dim", self.head_dim, 2), ("ffn_dim", self.ffn_dim, 1),
+                   ("vocab", self.vocab, 2)))
+    return self
+
+  def config(self) -> LlamaConfig:
+    return LlamaConfig(vocab_size=self.vocab, hidden=self.hidden, n_layers=self.n_layers,
+                       n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                       head_dim=self.head_dim, ffn_dim=self.ffn_dim)
 
 
 def run_and_report(plan: Plan, config: LlamaConfig, *, out=None) -> list[dict]:
