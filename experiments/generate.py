@@ -26,6 +26,7 @@ from absl import app
 from absl import flags
 
 from experiments.lib import model_loading
+from experiments.lib import plan_flags
 from experiments.lib import results_io
 from models.text import generate
 from models.text import report as generate_report
@@ -34,49 +35,24 @@ FLAGS = flags.FLAGS
 
 
 def define_flags():
-  """The command-line flags; defined only when run as a script, so that
-  importing this module (tests, other scripts) defines no flags."""
+  """The command-line flags (the prompt, model, trace and dtype, then one per field of
+  ``models.text.generate.TextSettings``, chat on by default); defined only when run as a
+  script, so that importing this module (tests, other scripts) defines no flags."""
   flags.DEFINE_string("prompt", None, "The prompt text (or --prompt_file).")
   flags.DEFINE_string("prompt_file", None, "A UTF-8 file holding the prompt (or --prompt).")
   flags.DEFINE_string("model", model_loading.DEFAULT_MODEL,
                       "'smollm2' or a Hugging Face safetensors directory with tokenizer.json.")
-  flags.DEFINE_string("design", "poisson_tail",
-                      f"Eviction design: {', '.join(generate.design_names())} ('full': none); "
-                      "a name may carry settings and a per-head allocation, "
-                      "design[:setting=value...][+allocation[:setting=value...]] "
-                      "(certkv_jax.designs.registry.parse), e.g. "
-                      "priority_focus:diffuse_weight=0.3:focus_share=0.95+cert:min_share=0.95.")
-  flags.DEFINE_float("budget", 0.25, "Fraction in (0, 1] of the tokens seen that is kept.")
-  flags.DEFINE_integer("max_new_tokens", 64, "Decode steps; the answer stops at end-of-turn.")
-  flags.DEFINE_enum("regime", "question_aware", list(generate.REGIMES),
-                    "question_aware: prefill the prompt, evict once, decode. streaming: the "
-                    "prompt's last line (or --question_tokens) is the question, the rest the "
-                    "context, fed in --chunk-token chunks and evicted before the question.")
-  flags.DEFINE_float("delta", 0.05, "Certificate miss probability, in (0, 1).")
-  flags.DEFINE_integer("seed", 0, "Seed of the randomized designs.")
-  flags.DEFINE_bool("chat", True, "Wrap the prompt in the model's chat template (if it has "
-                    "one); --nochat feeds the text as it is.")
-  flags.DEFINE_integer("question_tokens", 0, "Streaming: the question is the prompt's last "
-                       "this many tokens (0: its last line).")
-  flags.DEFINE_integer("chunk", generate.CHUNK, "Streaming: context tokens per chunk.")
-  flags.DEFINE_integer("n_sink", generate.N_SINK, "Sink tokens kept by every design.")
-  flags.DEFINE_integer("window", generate.WINDOW, "Recent / observation window of the designs.")
   flags.DEFINE_string("profile_dir", None, "Write a jax.profiler trace of one generate call "
                       "(after a warm-up call) to this directory.")
-  flags.DEFINE_bool("evaluate", False, "Evaluation mode: a shadow full cache gives the true "
-                    "error of every call next to its radius.")
   model_loading.define_dtype_flag()
+  plan_flags.define_flags(generate.TextSettings, defaults={"chat": True})
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; pass the text with --prompt")
   results_io.quiet_library_logs(FLAGS)
-  settings = generate.TextSettings(
-      design=FLAGS.design, budget=FLAGS.budget, max_new_tokens=FLAGS.max_new_tokens,
-      regime=FLAGS.regime, delta=FLAGS.delta, seed=FLAGS.seed, evaluate=FLAGS.evaluate,
-      chat=FLAGS.chat, question_tokens=FLAGS.question_tokens, chunk=FLAGS.chunk,
-      n_sink=FLAGS.n_sink, window=FLAGS.window)
+  settings = plan_flags.plan_from_flags(generate.TextSettings, FLAGS)
   try:  # argument errors before the model is loaded
     prompt = generate_report.read_prompt(FLAGS.prompt, FLAGS.prompt_file)
     generate.check_arguments(prompt, settings)

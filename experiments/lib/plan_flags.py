@@ -66,22 +66,29 @@ def _item_type(field) -> type:
   return type(items[0]) if items else str
 
 
-def define_flags(plan_cls, flag_values: flags.FlagValues = flags.FLAGS, *, skip=()) -> None:
+def define_flags(plan_cls, flag_values: flags.FlagValues = flags.FLAGS, *, skip=(),
+                 defaults=None) -> None:
   """Defines ``--<field>`` for every :func:`setting` field of ``plan_cls`` not in ``skip``,
-  as the calling module's flags (so that its ``--help`` lists them)."""
+  as the calling module's flags (so that its ``--help`` lists them); ``defaults`` maps
+  field names to the command line's default where it differs from the field's."""
   caller = sys._getframe(1).f_globals.get("__name__")  # pylint: disable=protected-access
-  for f in flag_fields(plan_cls):
+  fields = flag_fields(plan_cls)
+  defaults = dict(defaults or {})
+  unknown = sorted(set(defaults) - {f.name for f in fields})
+  if unknown:
+    raise ValueError(f"defaults: {unknown} are not settings of {plan_cls.__name__}")
+  for f in fields:
     if f.name in skip:
       continue
     kind, _ = _kind(plan_cls, f)
-    meta, default = f.metadata, f.default
+    meta, default = f.metadata, defaults.get(f.name, f.default)
     kw = dict(flag_values=flag_values,
               module_name=sys.argv[0] if caller == "__main__" else caller)
     if kind is tuple:
       items = None if default is None else [
-          str(x) if meta["parse"] is None else x for x in default]
+          str(x) if meta.get("parse") is None else x for x in default]
       flags.DEFINE_list(f.name, items, meta["help"], **kw)
-    elif meta["choices"] is not None:
+    elif meta.get("choices") is not None:
       flags.DEFINE_enum(f.name, default, list(meta["choices"]), meta["help"], **kw)
     else:
       define = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer,
@@ -101,7 +108,7 @@ def plan_from_flags(plan_cls, flag_values: flags.FlagValues = flags.FLAGS, *, sk
     kind, _ = _kind(plan_cls, f)
     if raw is None:  # an Optional field left unset
       values[f.name] = None
-    elif f.metadata["parse"] is not None:
+    elif f.metadata.get("parse") is not None:
       values[f.name] = f.metadata["parse"](raw)
     elif kind is tuple:
       item = _item_type(f)

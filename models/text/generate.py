@@ -80,6 +80,12 @@ CHUNK = generate_certificate.CHUNK
 DEFAULT_CALIBRATION = generate_certificate.DEFAULT_CALIBRATION
 
 
+def _setting(default, help_text: str, choices=None):
+  """A field that is also a flag of ``experiments.generate`` (``experiments.lib.plan_flags``
+  reads this metadata)."""
+  return dataclasses.field(default=default, metadata={"help": help_text, "choices": choices})
+
+
 def design_names() -> tuple:
   """Every design name :func:`generate_text` accepts: ``"full"`` and the names of
   ``certkv_jax.designs.registry``; each may carry settings and a per-head allocation
@@ -90,39 +96,36 @@ def design_names() -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class TextSettings:
-  """How :func:`generate_text` generates (the flags of ``python -m experiments.generate``).
+  """How :func:`generate_text` generates. Each field with a ``help`` is a flag of
+  ``python -m experiments.generate`` (``experiments.lib.plan_flags``); ``calibration``:
+  the artifact's path (None looks nothing up); ``stops``: ids that end the answer (None:
+  ``answer_text.stop_ids`` of the tokenizer)."""
 
-  Attributes:
-    design: ``"full"`` (no eviction) or a ``certkv_jax.designs.registry`` name.
-    budget: fraction in (0, 1] of the tokens seen that eviction keeps.
-    max_new_tokens: decode steps (>= 1); the answer is cut at the first stop id.
-    regime: ``"question_aware"`` or ``"streaming"`` (module docstring).
-    delta: the certificate's miss probability, in (0, 1).
-    seed: PRNG seed of the randomized designs.
-    evaluate: evaluation mode: a shadow full cache gives every call's true
-      error ``||o_hat - o||`` (``GenerationConfig(evaluate=True)``).
-    chat: wrap the prompt in the tokenizer's chat template, if it has one
-      (``chat_applied`` says whether it did).
-    question_tokens: streaming only: the question is the prompt's last this
-      many tokens (0: its last line; module docstring).
-    chunk: streaming context chunk (capped at the context length).
-    n_sink, window: the designs' sink tokens and recent / observation window.
-    calibration: path of the calibration artifact; None looks nothing up.
-    stops: ids that end the answer (None: ``answer_text.stop_ids`` of the tokenizer).
-  """
-
-  design: str = "poisson_tail"
-  budget: float = 0.25
-  max_new_tokens: int = 64
-  regime: str = "question_aware"
-  delta: float = 0.05
-  seed: int = 0
-  evaluate: bool = False
-  chat: bool = False
-  question_tokens: int = 0
-  chunk: int = CHUNK
-  n_sink: int = N_SINK
-  window: int = WINDOW
+  design: str = _setting(
+      "poisson_tail", f"Eviction design: {', '.join(design_names())} ('full': none); a name "
+      "may carry settings and a per-head allocation, "
+      "design[:setting=value...][+allocation[:setting=value...]] "
+      "(certkv_jax.designs.registry.parse), e.g. "
+      "priority_focus:diffuse_weight=0.3:focus_share=0.95+cert:min_share=0.95.")
+  budget: float = _setting(0.25, "Fraction in (0, 1] of the tokens seen that is kept.")
+  max_new_tokens: int = _setting(64, "Decode steps; the answer stops at end-of-turn.")
+  regime: str = _setting(
+      "question_aware", "question_aware: prefill the prompt, evict once, decode. streaming: "
+      "the prompt's last line (or --question_tokens) is the question, the rest the context, "
+      "fed in --chunk-token chunks and evicted before the question.", choices=REGIMES)
+  delta: float = _setting(0.05, "Certificate miss probability, in (0, 1).")
+  seed: int = _setting(0, "Seed of the randomized designs.")
+  evaluate: bool = _setting(False, "Evaluation mode: a shadow full cache gives the true "
+                            "error of every call next to its radius.")
+  chat: bool = _setting(False, "Wrap the prompt in the model's chat template (if it has "
+                        "one; chat_applied says whether it did); --nochat feeds the text as "
+                        "it is.")
+  question_tokens: int = _setting(0, "Streaming: the question is the prompt's last this "
+                                  "many tokens (0: its last line).")
+  chunk: int = _setting(CHUNK, "Streaming: context tokens per chunk (capped at the "
+                        "context length).")
+  n_sink: int = _setting(N_SINK, "Sink tokens kept by every design.")
+  window: int = _setting(WINDOW, "Recent / observation window of the designs.")
   calibration: Optional[str] = DEFAULT_CALIBRATION
   stops: Optional[tuple] = None
 

@@ -82,6 +82,21 @@ class PlanFlagsTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "--steps must be >= 1"):  # the Plan's check
       plan_flags.plan_from_flags(_Plan, self._parse("--steps=0"))
 
+  def test_cli_defaults_and_plain_metadata(self):
+    @dataclasses.dataclass(frozen=True)
+    class Plain:  # a settings class that cannot import plan_flags (models/)
+      chat: bool = dataclasses.field(default=False, metadata={"help": "Chat."})
+      n: int = dataclasses.field(default=2, metadata={"help": "N.", "choices": None})
+      kept: Optional[str] = None
+
+    fv = flags.FlagValues()
+    plan_flags.define_flags(Plain, fv, defaults={"chat": True})
+    fv(["prog", "--n=5"])
+    self.assertEqual(plan_flags.plan_from_flags(Plain, fv), Plain(chat=True, n=5))
+    self.assertNotIn("kept", fv)
+    with self.assertRaisesRegex(ValueError, r"defaults: \['nope'\] are not settings of Plain"):
+      plan_flags.define_flags(Plain, flags.FlagValues(), defaults={"nope": 1})
+
   def test_bad_declarations(self):
     with self.assertRaisesRegex(ValueError, "help"):
       plan_flags.setting(1, "")
@@ -110,6 +125,7 @@ class ScriptsTest(absltest.TestCase):
     from experiments.lib.damage import collect as damage  # pylint: disable=g-import-not-at-top
     from experiments.lib.bench import kernels as bench_kernels, prefill as bench_prefill  # pylint: disable=g-import-not-at-top,g-multiple-import
     from experiments.lib.streaming_loss import experiment as perplexity  # pylint: disable=g-import-not-at-top
+    from models.text import generate  # pylint: disable=g-import-not-at-top
     from experiments.lib.validity import calibrate, collect as validity  # pylint: disable=g-import-not-at-top,g-multiple-import
     from experiments.lib.demo import experiment as demo  # pylint: disable=g-import-not-at-top
     from experiments.lib.bench import sharding as bench_sharding  # pylint: disable=g-import-not-at-top
@@ -122,7 +138,8 @@ class ScriptsTest(absltest.TestCase):
                          ("bench_decode", bench_decode.Plan), ("damage", damage.Plan),
                          ("bench_kernels", bench_kernels.Plan),
                          ("bench_prefill", bench_prefill.Plan),
-                         ("perplexity", perplexity.Plan), ("validity", validity.Plan),
+                         ("perplexity", perplexity.Plan), ("generate", generate.TextSettings),
+                         ("validity", validity.Plan),
                          ("calibrate", calibrate.Plan), ("demo_smollm2", demo.Plan),
                          ("bench_sharding", bench_sharding.Plan),
                          ("bench_sharding", bench_sharding.Model)):
