@@ -247,6 +247,12 @@ def offset_logits(q, k, log_pi, mask, scale):
   return l[..., 0, :]
 
 
+def probabilities(l, lse, valid):
+  """``p_i = exp(l_i - lse)`` [..., g, n] on valid slots, 0 elsewhere (an empty row: all 0)."""
+  lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  return jnp.where(valid, jnp.exp(l - lse_safe[..., None]), 0.0)
+
+
 def exact_range(l, v, w, valid, out, lse, sqnorm=None):
   """``max_i w_i p_i ||v_i - out||`` over valid slots (rows [..., g]).
 
@@ -256,8 +262,7 @@ def exact_range(l, v, w, valid, out, lse, sqnorm=None):
     sqnorm: optional :class:`StoredNorms`: the distances then come from one
       matmul over the values instead of a ``[g, n, dv]`` pass (method, section 4).
   """
-  lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-  p = jnp.where(valid, jnp.exp(l - lse_safe[..., None]), 0.0)
+  p = probabilities(l, lse, valid)
   w = jnp.where(valid, w, 0.0)
   if sqnorm is None:
     dev = jnp.linalg.norm(v.astype(jnp.float32)[..., None, :, :] - out[..., :, None, :],
@@ -282,6 +287,7 @@ class Reference(NamedTuple):
   lse: Array  # [...]
   var_hat: Array  # [...]
   range_hat: Array  # [...]
+  probs: Optional[Array] = None  # [..., n] float32 p_i (0 on invalid slots), when asked for
 
 
 def offset_attention_reference(
@@ -314,11 +320,14 @@ class ReferenceConfig:
       that size (the kernel's algorithm).
     range_mode: "exact" (b_hat, method, section 5) or "bound" (one-pass bound).
     with_stats: False computes the offset attention alone (statistics zero).
+    with_probs: also return the probabilities ``p_i`` from the same logits, so a
+      design's fold needs no second pass over the keys (one block only).
   """
 
   block_size: Optional[int] = None
   range_mode: str = "exact"
   with_stats: bool = True
+  with_probs: bool = False
 
 
 def grouped_reference(
@@ -357,6 +366,9 @@ def grouped_reference(
     raise ValueError(f"range_mode must be 'exact' or 'bound', got {range_mode!r}")
   if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
     raise ValueError(f"block_size must be a positive int or None, got {block_size}")
+  if config.with_probs and block_size is not None and block_size < k.shape[-2]:
+    raise ValueError(f"with_probs needs one block (block_size None or >= n={k.shape[-2]}), "
+                     f"got block_size {block_size}")
   g, d, n, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
   if scale is None:
     scale = 1.0 / math.sqrt(d)
@@ -390,7 +402,8 @@ def grouped_reference(
       rng = fin.range_bound
     else:
       rng = exact_range(l, v, w, valid, fin.out, fin.lse, given_sq)
-    return Reference(fin.out, fin.lse, fin.var_hat, rng)
+    probs = probabilities(l, fin.lse, valid) if config.with_probs else None
+    return Reference(fin.out, fin.lse, fin.var_hat, rng, probs)
   bs = block_size
   carry = empty_partials(rows, dv)
   blocks = [slice(b * bs, min((b + 1) * bs, n)) for b in range(-(-n // bs))]

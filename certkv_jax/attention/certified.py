@@ -131,6 +131,8 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
       stats = _truth_stats(qg, res.out, shadow, positions,
                            ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
     return res.out, stats, res.probs
+  if certificate and layer_flag is None and heads is None:  # one pass gives the probabilities
+    return _certified_heads(qg, cache, shadow, positions, None, with_probs=with_probs)
   probs = None
   if with_probs or not certificate:
     probs = certkv_jax.attention_probs(qg, _slots(cache.k), _slots(cache.log_pi),
@@ -141,25 +143,26 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
   return out, stats, probs
 
 
-def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, heads):
+def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, heads, *,
+                     with_probs: bool = False):
   """Offset attention with statistics on the static KV heads ``heads`` only:
-  ``(out [b, h, g, t, d], stats)``."""
+  ``(out [b, h, g, t, d], stats, probs)``, ``probs`` from the same logits or None."""
   take = lambda a: a[:, heads] if heads is not None else a
   qg, cache = take(qg), jax.tree_util.tree_map(take, cache)
   shadow = None if shadow is None else jax.tree_util.tree_map(take, shadow)
   mask = _mask(cache, positions)
   res = certkv_jax.offset_attention(
       qg, _slots(cache.k), _slots(cache.v), _slots(cache.log_pi), mask,
-      value_sqnorm=StoredNorms(_slots(cache.v_sq), _slots(cache.v_ref)))  # out [b, h, g, t, d]
+      value_sqnorm=StoredNorms(_slots(cache.v_sq), _slots(cache.v_ref)),
+      with_probs=with_probs or shadow is not None)  # out [b, h, g, t, d]
   stats = _truth_stats(qg, res.out, shadow, positions,
                        ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
   if shadow is not None:  # evaluation mode: the warning signals beside the truth
-    probs = certkv_jax.attention_probs(qg, _slots(cache.k), _slots(cache.log_pi), mask)
     sig = certkv_jax.certificate.signals.signals_batched(
-        probs, _slots(jnp.exp(cache.log_pi)), mask, _slots(cache.v.astype(jnp.float32)),
+        res.probs, _slots(jnp.exp(cache.log_pi)), mask, _slots(cache.v.astype(jnp.float32)),
         res.out.astype(jnp.float32))
     stats = stats._replace(**{k: getattr(sig, k) for k in SIGNAL_FIELDS})
-  return res.out, stats
+  return res.out, stats, res.probs if with_probs else None
 
 
 def _truth_stats(qg, out, shadow: Optional[KVCache], positions, stats: ChunkStats) -> ChunkStats:
@@ -219,7 +222,7 @@ def _subsampled(qg, cache, shadow, positions, probs, layer_flag, heads: Optional
   rest = None if heads is None else tuple(h for h in range(n_kv) if h not in heads)
 
   def certified():
-    out, stats = _certified_heads(qg, cache, shadow, positions, heads)
+    out, stats, _ = _certified_heads(qg, cache, shadow, positions, heads)
     out = out.astype(jnp.float32)  # as the plain branch's
     if heads is None:
       return out, stats
@@ -235,8 +238,6 @@ def _subsampled(qg, cache, shadow, positions, probs, layer_flag, heads: Optional
   def plain():
     return _plain_heads(qg, cache, positions, probs, None), _nan_stats(shape, evaluation)
 
-  if layer_flag is None and heads is None:  # the unsubsampled certificate
-    return _certified_heads(qg, cache, shadow, positions, None)
   if layer_flag is None:
     return certified()
   return jax.lax.cond(layer_flag, certified, plain)

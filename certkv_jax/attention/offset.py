@@ -50,12 +50,15 @@ class OffsetAttentionResult(NamedTuple):
     lse: [...] float32 log-normaliser; -inf for a row with no valid slot.
     var_hat: [...] float32 ``V_hat``.
     range_hat: [...] float32 ``b_hat``.
+    probs: [..., n] float32 attention probabilities ``p_i`` (0 on invalid
+      slots), with ``with_probs=True`` only: what a design folds.
   """
 
   out: Array
   lse: Array
   var_hat: Array
   range_hat: Array
+  probs: Optional[Array] = None
 
 
 def _check_shapes(q, k, v, log_pi, mask):
@@ -119,6 +122,7 @@ def offset_attention(
     scale: Optional[float] = None,
     config: AttentionConfig = AttentionConfig(),
     value_sqnorm=None,
+    with_probs: bool = False,
 ) -> OffsetAttentionResult:
   """Attention over kept slots with Hajek offsets and certificate statistics.
 
@@ -141,6 +145,9 @@ def offset_attention(
       ``sq = ||v_i - ref||^2`` (a cache's ``v_sq``, ``v_ref``), or [..., n]
       ``||v_i||^2``. The "xla" path then skips a pass over the values (method,
       section 4, "Stored value norms"); "pallas" does not take them.
+    with_probs: also return the probabilities: on the "xla" path from the
+      same logits (no second pass over the keys), on "pallas" from
+      :func:`attention_probs`.
 
   Returns:
     OffsetAttentionResult. A row with no valid slot gives out 0, lse -inf,
@@ -187,13 +194,19 @@ def offset_attention(
             block_sizes=block_sizes, interpret=jax.default_backend() not in ("gpu", "tpu"),
             range_mode=range_mode))
   else:
+    one_block = block_size is None or block_size >= k.shape[-2]
     res = reference.grouped_reference(
         gq, gk, gv, glp, gmask, scale=scale,
-        config=reference.ReferenceConfig(block_size=block_size, range_mode=range_mode),
+        config=reference.ReferenceConfig(block_size=block_size, range_mode=range_mode,
+                                         with_probs=with_probs and one_block),
         value_sqnorm=gsq)
   ref = back(res)
+  probs = ref.probs
+  if with_probs and probs is None:  # the kernel or key blocks: a pass of their own
+    probs = attention_probs(q, k, log_pi, mask, scale=scale)
   out_dtype = jnp.result_type(q.dtype, v.dtype)
-  return OffsetAttentionResult(ref.out.astype(out_dtype), ref.lse, ref.var_hat, ref.range_hat)
+  return OffsetAttentionResult(ref.out.astype(out_dtype), ref.lse, ref.var_hat, ref.range_hat,
+                               probs)
 
 
 def _auto(k, v, log_pi, mask, block_size, block_sizes) -> str:
@@ -287,8 +300,9 @@ def _grouped_layout(q, k, v, log_pi, mask, value_sqnorm=None):
     return jnp.transpose(x, inverse + list(range(r, x.ndim)))
 
   def back(res):
+    probs = None if res.probs is None else unflatten(res.probs, (n,))
     return reference.Reference(unflatten(res.out, (dv,)), unflatten(res.lse, ()),
-                               unflatten(res.var_hat, ()), unflatten(res.range_hat, ()))
+                               unflatten(res.var_hat, ()), unflatten(res.range_hat, ()), probs)
 
   gsq = None  # the stored norms travel like log_pi, their reference like a value
   if value_sqnorm is not None:

@@ -130,6 +130,34 @@ class LayerTest(absltest.TestCase):
     off = layer.Settings(certificate=False)
     self.assertIsNone(layer.stack_stats([layer.attend(q, k, v, cache, settings=off).stats]))
 
+  def test_a_design_with_the_certificate_reads_the_keys_once(self):
+    # The fold's probabilities come from the certificate's own logits: a design adds no
+    # product over the cache (on a GPU, each one is a pass over the keys or values).
+    cap = 37  # a slot count no other axis has
+
+    def products_over_the_cache(settings):
+      cache = caches_lib.layer(caches_lib.init_caches(SIZES, B, cap), 0)
+      jaxpr = jax.make_jaxpr(lambda c: layer.attend(*_qkv(jax.random.PRNGKey(0)), c,
+                                                    settings=settings))(cache)
+      return sum(1 for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"
+                 and any(cap in v.aval.shape for v in e.invars))
+
+    snapkv = registry.make("snapkv", 0.5, n_sink=1, window=2)
+    plain = products_over_the_cache(layer.Settings())
+    self.assertGreater(plain, 0)
+    self.assertEqual(products_over_the_cache(layer.Settings(snapkv)), plain)
+
+
+def _equations(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs nested in it."""
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for sub in p if isinstance(p, (list, tuple)) else (p,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _equations(inner)
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -171,8 +171,8 @@ class KernelTest(parameterized.TestCase):
         backend=backend, interpret=self.INTERPRET, block_sizes=od.BlockSizes(bk, 1)))
     many = od.offset_decode_attention(q, k, v, off, config=od.KernelConfig(
         backend=backend, interpret=self.INTERPRET, block_sizes=od.BlockSizes(bk, 4)))
-    for a, b in zip(one, many):
-      np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    jax.tree_util.tree_map(  # every field the kernel returns (probs: None in both)
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), one, many)
 
   def test_range_bound_mode(self):
     q, k, v, off = _inputs(2, 4, 200, 64, seed=6)
@@ -210,10 +210,10 @@ class KernelTest(parameterized.TestCase):
     log_pi = -jax.random.exponential(ks[3], (b, h_kv, 1, n))
     mask = jax.random.bernoulli(ks[4], 0.8, (b, h_kv, 1, n))
     impl = lambda name: certkv_jax.attention.AttentionConfig(implementation=name)
-    xla = certkv_jax.offset_attention(q, k, v, log_pi, mask, config=impl("xla"))
-    pal = certkv_jax.offset_attention(q, k, v, log_pi, mask, config=impl("pallas"))
-    auto = certkv_jax.offset_attention(q, k, v, log_pi, mask, config=impl("auto"))
-    for a, p, u in zip(xla, pal, auto):
+    run = lambda name: certkv_jax.offset_attention(q, k, v, log_pi, mask, config=impl(name),
+                                                   with_probs=True)
+    xla, pal, auto = run("xla"), run("pallas"), run("auto")
+    for a, p, u in zip(xla, pal, auto):  # out, lse, var_hat, range_hat, probs
       np.testing.assert_allclose(a, p, rtol=1e-4, atol=1e-5)
       np.testing.assert_allclose(a, u, rtol=1e-4, atol=1e-5)
     self.assertEqual(pal.out.shape, (b, h_kv, g, d))
