@@ -33,15 +33,16 @@ class Settings:
 
   ``design``: the ``EvictionDesign`` whose statistics are folded, or None.
   ``observe``: the chunk is a prompt whose last ``design.observation_window`` real queries
-  form the window; decode steps pass False. ``certificate``: True; False (``stats`` None);
-  in ``models.forward`` also a ``certified.Subsample``. ``scale``: the logit
-  scale (None: ``1/sqrt(head_dim)``). ``checked``: raise on overflow through
-  ``checkify.check`` (eager calls raise; under ``jit`` wrap in ``checkify.checkify``).
+  form the window; decode steps pass False. ``certificate``: a ``certified.Subsample``
+  (the layers and KV heads certified, the others NaN) or None (``stats`` None); True
+  and False are kept as ``Subsample()`` and None. ``scale``: the logit scale (None:
+  ``1/sqrt(head_dim)``). ``checked``: raise on overflow through ``checkify.check``
+  (eager calls raise; under ``jit`` wrap in ``checkify.checkify``).
   """
 
   design: Any = None
   observe: bool = True
-  certificate: Any = True
+  certificate: Optional[certified.Subsample] = certified.Subsample()
   scale: Optional[float] = None
   checked: bool = False
 
@@ -49,6 +50,7 @@ class Settings:
     if self.scale is not None and not (isinstance(self.scale, (int, float))
                                        and math.isfinite(self.scale) and self.scale > 0):
       raise ValueError(f"scale must be a finite number > 0 or None, got {self.scale!r}")
+    object.__setattr__(self, "certificate", certified.as_subsample(self.certificate))
 
 
 class Attended(NamedTuple):
@@ -85,7 +87,7 @@ def stack_stats(per_layer: Sequence[Optional[ChunkStats]]) -> Optional[ChunkStat
 
 
 def attend(q, k, v, cache: KVCache, *, valid=None, shadow: Optional[KVCache] = None,
-           settings: Settings = Settings()) -> Attended:
+           settings: Settings = Settings(), layer: Optional[int] = None) -> Attended:
   """Appends a chunk to one layer's caches and attends over them.
 
   Args:
@@ -94,10 +96,11 @@ def attend(q, k, v, cache: KVCache, *, valid=None, shadow: Optional[KVCache] = N
     cache: this layer's caches, leaves ``[batch, n_kv_heads, cap, ...]``.
     valid: [batch, t] bool, False on right padding; None = all real.
     shadow: evaluation only: the layer's :func:`shadow_caches` (truth, audit).
-    settings: the design, observe, certificate and scale (:class:`Settings`); a
-      ``certificate`` here is True, False or ``(layer_flag, heads)``: a traced bool
-      switching the layer off and a static tuple of KV heads (the rest NaN).
+    settings: the design, observe, certificate and scale (:class:`Settings`).
+    layer: this layer's index in the model (int or traced), which a certificate's
+      layer subsample (``settings.certificate.layers``) needs.
   """
+  layer_flag = _layer_flag(settings, layer)
   valid, new_kv = _new_tokens(q, k, v, valid)
   pos = positions(cache, valid)
   dropped = cache.n_dropped
@@ -107,7 +110,7 @@ def attend(q, k, v, cache: KVCache, *, valid=None, shadow: Optional[KVCache] = N
       shadow = caches_lib.over_heads(cache_lib.append)(shadow, *new_kv)
   overflow = jnp.max(cache.n_dropped - dropped, axis=1)
   _check_overflow(settings, overflow)
-  out, cache, stats = _attend_appended(q, cache, shadow, pos, valid, settings)
+  out, cache, stats = _attend_appended(q, cache, shadow, pos, valid, settings, layer_flag)
   return Attended(out, cache, shadow, stats, pos, overflow)
 
 
@@ -117,6 +120,7 @@ def attend_layer(q, k, v, caches: KVCache, i, slots: caches_lib.ChunkSlots, *,
   leaves ``[n_layers, batch, n_kv_heads, cap, ...]``, ``slots`` from ``caches.reserve``
   (its ``new_valid`` gives the padding); ``shadow``: None or ``(shadow caches, their
   slots)``. Returns :class:`Attended` with all layers' caches and shadow."""
+  layer_flag = _layer_flag(settings, i)
   valid = slots.new_valid[:, 0]
   _, (k_new, v_new, _) = _new_tokens(q, k, v, valid)
   shadow, shadow_slots = (None, None) if shadow is None else shadow
@@ -129,10 +133,24 @@ def attend_layer(q, k, v, caches: KVCache, i, slots: caches_lib.ChunkSlots, *,
   _check_overflow(settings, overflow)
   shadow_cache = None if shadow is None else caches_lib.layer(shadow, i)
   out, folded, stats = _attend_appended(q, cache, shadow_cache, slots.positions, valid,
-                                        settings)
+                                        settings, layer_flag)
   if settings.design is not None:  # a design folds statistics only: keys and values stay put
     caches = caches_lib.with_layer(caches, i, folded, fields=cache_lib.STATISTICS)
   return Attended(out, caches, shadow, stats, slots.positions, overflow)
+
+
+def _layer_flag(settings: Settings, layer):
+  """Whether ``layer`` is in the certificate's layer subsample: None (no subsample),
+  a Python bool (an int layer) or a traced bool."""
+  sub = settings.certificate
+  if sub is None or sub.layers is None:
+    return None
+  if layer is None:
+    raise ValueError(f"settings.certificate.layers={sub.layers} needs the layer's index: "
+                     "pass layer= to attend")
+  if isinstance(layer, int):
+    return layer in sub.layers
+  return jnp.isin(layer, jnp.asarray(sub.layers, jnp.int32))
 
 
 def _overflow(slots: caches_lib.ChunkSlots, i, capacity: int) -> Array:
@@ -162,20 +180,19 @@ def _new_tokens(q, k, v, valid):
                  jnp.repeat(valid[:, None], n_kv, axis=1))
 
 
-def _attend_appended(q, cache, shadow, pos, valid, settings: Settings):
-  """Attends over caches holding the chunk, then folds: ``(out [b, t, h, d], cache, stats)``."""
+def _attend_appended(q, cache, shadow, pos, valid, settings: Settings, layer_flag=None):
+  """Attends over caches holding the chunk, then folds: ``(out [b, t, h, d], cache, stats)``;
+  ``layer_flag``: :func:`_layer_flag`."""
   b, t, n_heads, d = q.shape
-  design, certificate = settings.design, settings.certificate
+  design, sub = settings.design, settings.certificate
   if settings.scale is not None:  # the kernels scale by 1/sqrt(d)
     q = q * jnp.asarray(settings.scale * math.sqrt(d), q.dtype)
   n_kv = cache.k.shape[1]
   qg = q.reshape(b, t, n_kv, n_heads // n_kv, d).transpose(0, 2, 3, 1, 4)
-  layer_flag, heads = certificate if isinstance(certificate, tuple) else (None, None)
-  certificate = certificate is not False
   with jax.named_scope("attention_statistics"):
     out, stats, probs = certified.attend(
-        qg, cache, shadow, pos, certificate=certificate, with_probs=design is not None,
-        layer_flag=layer_flag, heads=heads)  # out [b, h_kv, g, t, d]
+        qg, cache, shadow, pos, certificate=sub is not None, with_probs=design is not None,
+        layer_flag=layer_flag, heads=None if sub is None else sub.heads)  # [b, h_kv, g, t, d]
   if stats is not None:  # [b, h_kv, g, t] -> [b, n_heads, t]
     stats = jax.tree_util.tree_map(lambda a: a.reshape(b, n_heads, t), stats)
   if design is not None:

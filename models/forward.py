@@ -7,7 +7,6 @@ each layer's slice; ``"unrolled"`` reads per-layer buffers in place.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple, Optional
 
@@ -124,10 +123,10 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
       (``"unrolled"`` only); returned in the same form.
     settings: ``layer.Settings``: the design whose ``update`` folds the chunk's
       attention into the slot statistics, ``observe`` (a prompt chunk; decode
-      steps pass False) and the certificate: True, False (the same softmax,
-      ``None`` stats) or ``certified.Subsample(layers, heads)`` (the
-      others report NaN; the logits do not change). Its ``scale`` must be None
-      (the model's own).
+      steps pass False) and the certificate: a ``certified.Subsample(layers,
+      heads)`` (True: all; the others report NaN; the logits do not change) or
+      None (the same softmax, ``None`` stats). Its ``scale`` must be None (the
+      model's own).
     shadow: evaluation mode: never-evicted caches receiving the same keys and
       values; the stats then include the true error.
     layer_loop: ``"scan"`` or ``"unrolled"`` (module docstring); pass unstacked
@@ -144,19 +143,9 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
   if settings.scale is not None:
     raise ValueError(f"settings.scale must be None here (the model's 1/sqrt(head_dim)), got "
                      f"{settings.scale!r}")
-  certificate = settings.certificate
-  sub = certificate if isinstance(certificate, certified.Subsample) else None
-  certificate_layers, certificate_heads = (None, None) if sub is None else (sub.layers,
-                                                                            sub.heads)
-  certificate = bool(certificate)
-  layer_flags = certified.check_certificate_subsample(
-      config, certificate, certificate_layers, certificate_heads)
-
-  def cert_of(flag):  # attend's settings for one layer
-    if certificate and (flag is not None or certificate_heads is not None):
-      return dataclasses.replace(settings, certificate=(flag, certificate_heads))  # subsample
-    return dataclasses.replace(settings, certificate=certificate)
-
+  sub = settings.certificate
+  if sub is not None:
+    certified.check_certificate_subsample(config, True, sub.layers, sub.heads)
   model = LlamaModel(config)
   top = {"params": {k: v for k, v in params["params"].items() if k != "layers"}}
   x = model.apply(top, tokens, method=LlamaModel.embed_tokens)
@@ -169,25 +158,23 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
 
     def body(carry, xs):
       x, caches, shadow = carry
-      layer_params, flag, i = xs
+      layer_params, i = xs
       paired = None if shadow is None else (shadow, shadow_slots)
-      x, caches, stats, shadow = _layer_stacked(config, cert_of(flag), x, layer_params,
+      x, caches, stats, shadow = _layer_stacked(config, settings, x, layer_params,
                                                 caches, paired, i, slots)
       return (x, caches, shadow), stats
 
     # Caches in the carry are updated in place (scanned ones would be copied).
     (x, caches, shadow), stats = jax.lax.scan(
-        body, (x, caches, shadow),
-        (layers, layer_flags, jnp.arange(config.n_layers, dtype=jnp.int32)))
+        body, (x, caches, shadow), (layers, jnp.arange(config.n_layers, dtype=jnp.int32)))
   else:
-    x, caches, stats, shadow = _unrolled(config, cert_of, x, valid, layers, layer_flags,
-                                         caches, shadow)
+    x, caches, stats, shadow = _unrolled(config, settings, x, valid, layers, caches, shadow)
   if stats is not None:  # [n_layers, batch, n_heads, t] -> [t, n_layers, batch, n_heads]
     stats = jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, -1, 0), stats)
   return Forwarded(model.apply(top, x, method=LlamaModel.head), caches, stats, shadow)
 
 
-def _unrolled(config: LlamaConfig, cert_of, x, valid, layers, layer_flags, caches, shadow):
+def _unrolled(config: LlamaConfig, settings: layer.Settings, x, valid, layers, caches, shadow):
   """The Python loop over the layers, each on its own caches (``layer.attend``);
   returns ``(x, caches, stats [n_layers, batch, n_heads, t] or None, shadow)``."""
   as_given = lambda given, new: new if caches_lib.is_unstacked(given) else caches_lib.stack(new)
@@ -202,10 +189,9 @@ def _unrolled(config: LlamaConfig, cert_of, x, valid, layers, layer_flags, cache
     with jax.named_scope("qkv"):
       q, k, v = block.apply(variables, x, layer.positions(per_layer[i], valid),
                             method=Block.qkv)
-    flag = None if layer_flags is None else layer_flags[i]
     out, per_layer[i], sh, s, _, _ = layer.attend(
         q, k, v, per_layer[i], valid=valid, shadow=None if shadow is None else shadows[i],
-        settings=cert_of(flag))
+        settings=settings, layer=i)
     if shadow is not None:
       shadows[i] = sh
     with jax.named_scope("mlp"):

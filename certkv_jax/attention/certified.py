@@ -63,6 +63,19 @@ class Subsample:
     return True
 
 
+def as_subsample(certificate) -> Optional[Subsample]:
+  """``certificate`` as its one type: a :class:`Subsample` (True: every layer and head)
+  or None (False, None: no statistics); ValueError for anything else."""
+  if isinstance(certificate, Subsample):
+    return certificate
+  if certificate is True:
+    return Subsample()
+  if certificate is False or certificate is None:
+    return None
+  raise ValueError(f"certificate must be True, False, None or a Subsample, got "
+                   f"{certificate!r}")
+
+
 def check_certificate_subsample(config, certificate: bool,
                                 certificate_layers: Optional[tuple],
                                 certificate_heads: Optional[tuple]):
@@ -114,7 +127,8 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
     positions: [b, t] int32 positions of the queries.
     certificate: False: the same Hajek softmax without the statistics.
     with_probs: also return the probabilities (for a design's fold).
-    layer_flag, heads: the subsample: traced bool (None = True), static KV heads.
+    layer_flag, heads: the subsample: whether this layer is certified (None = yes; a
+      Python or traced bool), the static KV heads certified (None = all; the rest NaN).
 
   Returns:
     ``(out [b, h_kv, g, t, d], stats, probs)``: ``stats`` a :class:`ChunkStats`
@@ -131,14 +145,18 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
       stats = _truth_stats(qg, res.out, shadow, positions,
                            ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
     return res.out, stats, res.probs
+  layer_flag = None if layer_flag is True else layer_flag  # True: a static certified layer
   if certificate and layer_flag is None and heads is None:  # one pass gives the probabilities
     return _certified_heads(qg, cache, shadow, positions, None, with_probs=with_probs)
   probs = None
-  if with_probs or not certificate:
+  if with_probs or not certificate or layer_flag is False:
     probs = certkv_jax.attention_probs(qg, _slots(cache.k), _slots(cache.log_pi),
                                        _mask(cache, positions))
   if not certificate:  # the same Hajek softmax, without the per-slot statistics
     return _plain_heads(qg, cache, positions, probs, None), None, probs
+  if layer_flag is False:  # a static layer outside the subsample: NaN statistics
+    return (_plain_heads(qg, cache, positions, probs, None),
+            _nan_stats(qg.shape[:-1], shadow is not None), probs)
   out, stats = _subsampled(qg, cache, shadow, positions, probs, layer_flag, heads)
   return out, stats, probs
 

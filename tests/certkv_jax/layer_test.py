@@ -8,6 +8,7 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
+from certkv_jax.attention import certified
 from certkv_jax.designs import registry
 from certkv_jax import eviction
 from certkv_jax.kv import caches as caches_lib
@@ -146,6 +147,29 @@ class LayerTest(absltest.TestCase):
     plain = products_over_the_cache(layer.Settings())
     self.assertGreater(plain, 0)
     self.assertEqual(products_over_the_cache(layer.Settings(snapkv)), plain)
+
+  def test_the_certificate_is_one_type_and_a_layer_subsample_needs_the_layer(self):
+    sub = certified.Subsample
+    self.assertEqual(layer.Settings(certificate=True).certificate, sub())
+    self.assertIsNone(layer.Settings(certificate=False).certificate)
+    self.assertEqual(layer.Settings(certificate=True), layer.Settings())  # one compile
+    with self.assertRaisesRegex(ValueError, "certificate must be True, False, None or a"):
+      layer.Settings(certificate=(None, (0,)))
+    cache = caches_lib.layer(caches_lib.init_caches(SIZES, B, 8), 0)
+    qkv = _qkv(jax.random.PRNGKey(3))
+    on_layer_1 = layer.Settings(certificate=sub(layers=(1,)))
+    with self.assertRaisesRegex(ValueError, r"needs the layer's index: pass layer="):
+      layer.attend(*qkv, cache, settings=on_layer_1)
+    full = layer.attend(*qkv, cache)
+    for i, traced in ((1, False), (0, False), (1, True), (0, True)):
+      at = jnp.asarray(i) if traced else i
+      res = jax.jit(lambda c, at: layer.attend(*qkv, c, settings=on_layer_1, layer=at))(
+          cache, at) if traced else layer.attend(*qkv, cache, settings=on_layer_1, layer=at)
+      np.testing.assert_allclose(res.out, full.out, rtol=1e-6, atol=1e-6)
+      if i == 1:
+        np.testing.assert_allclose(res.stats.var_hat, full.stats.var_hat, rtol=1e-6)
+      else:
+        self.assertTrue(bool(jnp.all(jnp.isnan(res.stats.var_hat))))
 
 
 def _equations(jaxpr):
