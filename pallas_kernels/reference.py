@@ -78,12 +78,42 @@ class UpdateOptions:
       rows; False uses two (Triton concatenates only along the last axis).
     center: optional [..., 1, dv] centre of the second-order sums instead of
       the tile mean; an array, so options holding one are not hashable.
+    split_values: bfloat16 values multiply as stored (:func:`split_matmul`),
+      with no float32 copy of them; float32 values are unaffected.
   """
 
   precision: Optional[jax.lax.Precision] = jax.lax.Precision.HIGHEST
   second_order: bool = True
   stacked_matmul: bool = True
   center: Optional[Array] = None
+  split_values: bool = False
+
+
+def _split(a, dtype):
+  """float32 ``a`` [..., r, m] as bfloat16 rows ``[hi; lo]`` [..., 2r, m], ``hi + lo = a`` to
+  16 significant bits (relative error below 2^-16)."""
+  hi = a.astype(dtype)
+  return jnp.concatenate([hi, (a - hi.astype(jnp.float32)).astype(dtype)], axis=-2)
+
+
+def split_matmul(a, v):
+  """``a @ v`` for float32 ``a`` [..., r, n] and bfloat16 ``v`` [..., n, dv], reading ``v``
+  as stored: one product of ``a``'s two bfloat16 parts (:func:`_split`), accumulating in
+  float32, so the values are never copied to float32."""
+  both = jnp.matmul(_split(a, v.dtype), v, precision=jax.lax.Precision.DEFAULT,
+                    preferred_element_type=jnp.float32)
+  rows = a.shape[-2]
+  return both[..., :rows, :] + both[..., rows:, :]
+
+
+def split_rows(v, x):
+  """``x . v_i`` for each slot: float32 ``x`` [..., r, dv] against bfloat16 ``v``
+  [..., n, dv] -> [..., r, n] float32, ``v`` read as stored (:func:`split_matmul`)."""
+  both = jnp.swapaxes(jnp.matmul(v, jnp.swapaxes(_split(x, v.dtype), -1, -2),
+                                 precision=jax.lax.Precision.DEFAULT,
+                                 preferred_element_type=jnp.float32), -1, -2)
+  rows = x.shape[-2]
+  return both[..., :rows, :] + both[..., rows:, :]
 
 
 def online_update(carry: Partials, l, v, w, valid, valid_col=None, *, sqnorm=None,
@@ -116,12 +146,18 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, *, sqnorm=Non
   if valid_col is None:
     valid_col = jnp.swapaxes(valid[..., :1, :], -1, -2)
   vf = jnp.where(valid_col, v.astype(jnp.float32), 0.0)  # [..., n, dv]
+  if options.split_values and v.dtype == jnp.bfloat16:  # products on the values as stored
+    vs = jnp.where(valid_col, v, jnp.zeros((), v.dtype))
+    v_dot, v_rows = functools.partial(split_matmul, v=vs), functools.partial(split_rows, vs)
+  else:
+    v_dot = lambda a: dot(a, vf)
+    v_rows = lambda x: jnp.swapaxes(dot(vf, jnp.swapaxes(x, -1, -2)), -1, -2)
   if not options.second_order:
     m_new = jnp.maximum(carry.m, jnp.max(jnp.where(valid, l, M_EMPTY), axis=-1))
     r = jnp.exp(carry.m - m_new)
     e = jnp.where(valid, jnp.exp(l - m_new[..., None]), 0.0)
     return carry._replace(m=m_new, z=r * carry.z + jnp.sum(e, axis=-1),
-                          acc=r[..., None] * carry.acc + dot(e, vf))
+                          acc=r[..., None] * carry.acc + v_dot(e))
   # Centre: mean of this block's valid values, adopted while the carry is empty.
   if center is None:
     count = jnp.sum(valid_col.astype(jnp.float32), axis=-2, keepdims=True)  # [..., 1, 1]
@@ -138,11 +174,11 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, *, sqnorm=Non
   s0 = jnp.sum(we2, axis=-1)
   # One matmul over the values for first- and second-order sums.
   if options.stacked_matmul:
-    both = dot(jnp.concatenate([e, we2], axis=-2), vf)  # [..., 2g, dv]
+    both = v_dot(jnp.concatenate([e, we2], axis=-2))  # [..., 2g, dv]
     rows = e.shape[-2]
     acc_blk, s1_raw = both[..., :rows, :], both[..., rows:, :]
   else:
-    acc_blk, s1_raw = dot(e, vf), dot(we2, vf)
+    acc_blk, s1_raw = v_dot(e), v_dot(we2)
   if sqnorm is None:
     dvc = jnp.where(valid_col, vf - c1, 0.0)
     vn2 = jnp.sum(dvc * dvc, axis=-1)[..., None, :]  # [..., 1, n]: ||v - c||^2 per slot
@@ -156,8 +192,7 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, *, sqnorm=Non
     s2_blk = (jnp.sum(we2 * sq, axis=-1) - 2.0 * jnp.sum(cr * s1_ref, axis=-1)
               + cr_sq * s0)
     # [..., 1, n]: the range bound's (v - r) . (c - r).
-    v_c = (jnp.swapaxes(dot(vf, jnp.swapaxes(cr, -1, -2)), -1, -2)
-           - jnp.sum(ref * cr, axis=-1)[..., None])
+    v_c = v_rows(cr) - jnp.sum(ref * cr, axis=-1)[..., None]
     vn2 = jnp.maximum(sq - 2.0 * v_c + cr_sq[..., None], 0.0)
   return Partials(
       m=m_new,
@@ -253,7 +288,7 @@ def probabilities(l, lse, valid):
   return jnp.where(valid, jnp.exp(l - lse_safe[..., None]), 0.0)
 
 
-def exact_range(l, v, w, valid, out, lse, sqnorm=None):
+def exact_range(l, v, w, valid, out, lse, sqnorm=None, split_values: bool = False):
   """``max_i w_i p_i ||v_i - out||`` over valid slots (rows [..., g]).
 
   Args:
@@ -261,6 +296,7 @@ def exact_range(l, v, w, valid, out, lse, sqnorm=None):
     out: [..., g, dv] final output; lse: [..., g] final log-normaliser.
     sqnorm: optional :class:`StoredNorms`: the distances then come from one
       matmul over the values instead of a ``[g, n, dv]`` pass (method, section 4).
+    split_values: that matmul reads bfloat16 values as stored (:func:`split_rows`).
   """
   p = probabilities(l, lse, valid)
   w = jnp.where(valid, w, 0.0)
@@ -269,11 +305,15 @@ def exact_range(l, v, w, valid, out, lse, sqnorm=None):
                           axis=-1)
   else:
     valid_any = jnp.any(valid, axis=-2, keepdims=True)  # [..., 1, n]
-    vf = jnp.where(jnp.swapaxes(valid_any, -1, -2), v.astype(jnp.float32), 0.0)
     ref = sqnorm.ref.astype(jnp.float32)  # [..., 1, dv]
     o_r = out - ref  # [..., g, dv]
-    v_o = jnp.swapaxes(jnp.matmul(vf, jnp.swapaxes(o_r, -1, -2),
-                                  precision=jax.lax.Precision.HIGHEST), -1, -2)  # [..., g, n]
+    if split_values and v.dtype == jnp.bfloat16:
+      v_o = split_rows(jnp.where(jnp.swapaxes(valid_any, -1, -2), v, jnp.zeros((), v.dtype)),
+                       o_r)  # [..., g, n]
+    else:
+      vf = jnp.where(jnp.swapaxes(valid_any, -1, -2), v.astype(jnp.float32), 0.0)
+      v_o = jnp.swapaxes(jnp.matmul(vf, jnp.swapaxes(o_r, -1, -2),
+                                    precision=jax.lax.Precision.HIGHEST), -1, -2)  # [..., g, n]
     v_o = v_o - jnp.sum(ref * o_r, axis=-1, keepdims=True)  # (v - r) . (out - r)
     d2 = (jnp.where(valid_any, sqnorm.sq, 0.0) - 2.0 * v_o
           + jnp.sum(o_r * o_r, axis=-1, keepdims=True))
@@ -322,12 +362,14 @@ class ReferenceConfig:
     with_stats: False computes the offset attention alone (statistics zero).
     with_probs: also return the probabilities ``p_i`` from the same logits, so a
       design's fold needs no second pass over the keys (one block only).
+    split_values: products read bfloat16 values as stored (``UpdateOptions``).
   """
 
   block_size: Optional[int] = None
   range_mode: str = "exact"
   with_stats: bool = True
   with_probs: bool = False
+  split_values: bool = False
 
 
 def grouped_reference(
@@ -397,11 +439,12 @@ def grouped_reference(
     center = jnp.where(jnp.any(valid, axis=-1, keepdims=True), center.astype(jnp.float32), 0.0)
     fin = finalize(online_update(
         empty_partials(rows, dv), l, v, w, valid, sqnorm=given_sq,
-        options=UpdateOptions(precision=hp, second_order=with_stats, center=center)))
+        options=UpdateOptions(precision=hp, second_order=with_stats, center=center,
+                              split_values=config.split_values)))
     if range_mode == "bound" or not with_stats:
       rng = fin.range_bound
     else:
-      rng = exact_range(l, v, w, valid, fin.out, fin.lse, given_sq)
+      rng = exact_range(l, v, w, valid, fin.out, fin.lse, given_sq, config.split_values)
     probs = probabilities(l, fin.lse, valid) if config.with_probs else None
     return Reference(fin.out, fin.lse, fin.var_hat, rng, probs)
   bs = block_size
@@ -412,7 +455,8 @@ def grouped_reference(
     carry = online_update(carry, l_b, v[..., sl, :], w[..., sl], valid[..., sl],
                           sqnorm=None if given_sq is None else given_sq._replace(
                               sq=given_sq.sq[..., sl]),
-                          options=UpdateOptions(precision=hp, second_order=with_stats))
+                          options=UpdateOptions(precision=hp, second_order=with_stats,
+                                                split_values=config.split_values))
   fin = finalize(carry)
   if range_mode == "bound" or not with_stats:
     rng = fin.range_bound
@@ -422,5 +466,6 @@ def grouped_reference(
       l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale)
       rng = jnp.maximum(rng, exact_range(
           l_b, v[..., sl, :], w[..., sl], valid[..., sl], fin.out, fin.lse,
-          None if given_sq is None else given_sq._replace(sq=given_sq.sq[..., sl])))
+          None if given_sq is None else given_sq._replace(sq=given_sq.sq[..., sl]),
+          config.split_values))
   return Reference(fin.out, fin.lse, fin.var_hat, rng)

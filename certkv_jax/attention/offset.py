@@ -34,12 +34,16 @@ class AttentionConfig:
       online-softmax rescaling.
     block_sizes: for "pallas": an ``offset_decode.BlockSizes`` (None: default).
     range_mode: "exact" gives ``b_hat``; "bound" a one-pass upper bound.
+    split_values: for "xla": bfloat16 values multiply as stored, each float32
+      weight split into two bfloat16 parts (16 bits; method, section 9), so no
+      float32 copy of the values is made; float32 values are unaffected.
   """
 
   implementation: str = "auto"
   block_size: Optional[int] = None
   block_sizes: Optional[Any] = None
   range_mode: str = "exact"
+  split_values: bool = False
 
 
 class OffsetAttentionResult(NamedTuple):
@@ -198,7 +202,8 @@ def offset_attention(
     res = reference.grouped_reference(
         gq, gk, gv, glp, gmask, scale=scale,
         config=reference.ReferenceConfig(block_size=block_size, range_mode=range_mode,
-                                         with_probs=with_probs and one_block),
+                                         with_probs=with_probs and one_block,
+                                         split_values=config.split_values),
         value_sqnorm=gsq)
   ref = back(res)
   probs = ref.probs

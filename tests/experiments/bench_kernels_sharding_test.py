@@ -56,6 +56,17 @@ class BenchKernelsTest(absltest.TestCase):
     self.assertEqual(saved["jax"], jax.__version__)
     self.assertEqual(saved["plan"]["lengths"], [32])
 
+  def test_bfloat16_adds_the_values_read_as_stored(self):
+    out = os.path.join(self.create_tempdir().full_path, "bench.md")
+    plan = bench_kernels.Plan(lengths=(32,), head_dims=(8,), batch=1, groups=2,
+                              dtype="bfloat16", repeats=1, pallas=False, iters=2, probe_mb=1)
+    (row,) = bench_kernels.run_and_report(plan, out=out)
+    self.assertLessEqual({"xla_offset_split", "stats_stored_exact_split"}, set(row["seconds"]))
+    for name in bench_kernels.SPLIT_RATIOS:
+      lo, hi, _ = row[f"{name}_interval"]
+      self.assertTrue(0 < lo <= row[name] <= hi)
+    self.assertIn("`xla_offset_split / xla_offset`", open(out).read())
+
   def test_bad_plans(self):
     for kw, flag in ((dict(lengths=(0,)), "--lengths must be positive"),
                      (dict(splits=(0,)), "--splits must be positive"),

@@ -105,6 +105,37 @@ class XlaPathPrecisionTest(parameterized.TestCase):
     fn = lambda q, k, lp, m: certkv_jax.attention_probs(q, k, lp, m)
     self.assertEqual(imprecise(fn, q, k, log_pi, mask)[0], [])
 
+  def test_split_values_read_bfloat16_values_as_stored(self):
+    # Every product over the values takes them in bfloat16 (no float32 copy: on a GPU
+    # that copy is written and read again, 5x the values' bytes); without the option
+    # they are converted first. n = 40 slots, dv = 48 (no other axis has either).
+    q = jnp.ones((2, 3, 4, 64), jnp.bfloat16)
+    k = jnp.ones((2, 3, 1, 40, 64), jnp.bfloat16)
+    v = jnp.ones((2, 3, 1, 40, 48), jnp.bfloat16)
+    log_pi, mask = jnp.zeros((2, 3, 1, 40)), jnp.ones((2, 3, 1, 40), bool)
+    sq = certkv_jax.attention.offset.reference.StoredNorms(jnp.ones((2, 3, 1, 40)),
+                                                           jnp.zeros((2, 3, 1, 48)))
+
+    def value_products(split, range_mode):
+      config = certkv_jax.AttentionConfig(implementation="xla", range_mode=range_mode,
+                                          split_values=split)
+      fn = lambda q, k, v: certkv_jax.offset_attention(q, k, v, log_pi, mask, config=config,
+                                                       value_sqnorm=sq)
+      return [{str(x.aval.dtype) for x in e.invars}
+              for _, e in products(jax.make_jaxpr(fn)(q, k, v).jaxpr)
+              if any(x.aval.shape[-2:] in ((40, 48), (48, 40)) for x in e.invars)]
+
+    for range_mode in ("exact", "bound"):
+      split = value_products(True, range_mode)
+      self.assertNotEqual(split, [])
+      self.assertTrue(all(d == {"bfloat16"} for d in split), (range_mode, split))
+      self.assertIn({"float32"}, value_products(False, range_mode))
+      self.assertEqual(imprecise(
+          lambda q, k, v: certkv_jax.offset_attention(
+              q, k, v, log_pi, mask, value_sqnorm=sq, config=certkv_jax.AttentionConfig(
+                  implementation="xla", range_mode=range_mode, split_values=True)),
+          q, k, v)[0], [])
+
   @parameterized.product(certificate=(True, False), evaluation=(True, False),
                          dtype=(jnp.float32, jnp.bfloat16))
   def test_layer_attention(self, certificate, evaluation, dtype):

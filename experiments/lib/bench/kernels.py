@@ -17,6 +17,10 @@ fractions, not absolute times), for each cache length and head dim:
 * ``stats_bound`` / ``stats_exact``: the same statistics recomputing the
   norms from the values (one more pass over them), with the one-pass range
   bound / the exact range term;
+* with bfloat16 inputs, ``xla_offset_split`` and ``stats_stored_exact_split``:
+  ``xla_offset`` and ``stats_stored_exact`` reading the values as stored
+  (``AttentionConfig.split_values``: no float32 copy of them), reported as
+  ``split / unsplit`` ratios beside the others;
 * with the Pallas kernel (default on a GPU or TPU; interpreted on CPU, only on
   request): ``pallas_offset`` (kernel without statistics), ``pallas_stats_bound``,
   ``pallas_stats_exact`` at the default tiling, and ``pallas_offset_s{S}`` /
@@ -157,7 +161,7 @@ def _call_bytes(args) -> int:
   return int(q.nbytes + k.nbytes + v.nbytes + off.nbytes)
 
 
-def _xla_methods():
+def _xla_methods(split: bool):
   def plain(q, k, v, log_pi, mask, sq, off):
     del log_pi, sq, off
     return jax.nn.dot_product_attention(q[:, None], k[:, :, None], v[:, :, None],
@@ -168,25 +172,31 @@ def _xla_methods():
     bias = (-off).astype(q.dtype)[:, None, None, :]
     return jax.nn.dot_product_attention(q[:, None], k[:, :, None], v[:, :, None], bias=bias)
 
-  def stats(range_mode, stored=False):
+  def stats(range_mode, stored=False, split_values=False):
     def f(q, k, v, log_pi, mask, sq, off):
       del off
       kw = {"value_sqnorm": sq[:, None]} if stored else {}
       return certkv_jax.offset_attention(
           q, k[:, None], v[:, None], log_pi[:, None], mask[:, None],
-          config=certkv_jax.attention.AttentionConfig(implementation="xla",
-                                                      range_mode=range_mode), **kw)
+          config=certkv_jax.attention.AttentionConfig(
+              implementation="xla", range_mode=range_mode, split_values=split_values), **kw)
     return f
 
-  def xla_offset(q, k, v, log_pi, mask, sq, off):
-    del sq, off
-    return reference.grouped_reference(q, k, v, log_pi, mask, config=reference.ReferenceConfig(
-        range_mode="bound", with_stats=False))
+  def xla_offset(split_values=False):
+    def f(q, k, v, log_pi, mask, sq, off):
+      del sq, off
+      return reference.grouped_reference(q, k, v, log_pi, mask, config=reference.ReferenceConfig(
+          range_mode="bound", with_stats=False, split_values=split_values))
+    return f
 
-  return {"plain": plain, "offset": offset, "xla_offset": xla_offset,
-          "stats_stored": stats("bound", stored=True),
-          "stats_stored_exact": stats("exact", stored=True), "stats_bound": stats("bound"),
-          "stats_exact": stats("exact")}
+  methods = {"plain": plain, "offset": offset, "xla_offset": xla_offset(),
+             "stats_stored": stats("bound", stored=True),
+             "stats_stored_exact": stats("exact", stored=True), "stats_bound": stats("bound"),
+             "stats_exact": stats("exact")}
+  if split:
+    methods.update({"xla_offset_split": xla_offset(True),
+                    "stats_stored_exact_split": stats("exact", stored=True, split_values=True)})
+  return methods
 
 
 def _kernel(with_stats, range_mode, block_sizes=None):
@@ -215,8 +225,8 @@ def _sweep_splits(n, batch, splits):
   return block_k, fit
 
 
-def _methods(use_pallas, n, batch, splits):
-  methods = _xla_methods()
+def _methods(use_pallas, n, batch, splits, split_values=False):
+  methods = _xla_methods(split_values)
   if use_pallas:
     methods.update({"pallas_offset": _kernel(False, "bound"),
                     "pallas_stats_bound": _kernel(True, "bound"),
@@ -263,7 +273,8 @@ def _cell(n, d, plan, use_pallas, probe):
   nbytes = _call_bytes(args)
   iters = plan.iters or _auto_iters(nbytes, plan.loop_bytes)
   eps = jnp.zeros((), jnp.float32)
-  methods = _methods(use_pallas, n, plan.batch, plan.splits)
+  methods = _methods(use_pallas, n, plan.batch, plan.splits,
+                     split_values=jnp.dtype(plan.dtype) == jnp.bfloat16)
   calls = {name: (_looped(fn, iters), (eps, *args), iters) for name, fn in methods.items()}
   probe_iters = plan.iters or _auto_iters(probe.nbytes, plan.loop_bytes)
   calls["probe"] = (_probe(probe_iters), (eps, probe), probe_iters)
@@ -283,9 +294,18 @@ def _cell(n, d, plan, use_pallas, probe):
   row["stats_over_offset_interval"] = [ratio["lo"], ratio["hi"], ratio["level"]]
   row["recompute_over_offset"] = _ratio(rounds, "stats_bound", "xla_offset")["median"]
   row["exact_over_offset"] = _ratio(rounds, "stats_stored_exact", "xla_offset")["median"]
+  if "xla_offset_split" in rounds:  # values read as stored, over the float32 copy
+    for name, (a, b) in SPLIT_RATIOS.items():
+      r = _ratio(rounds, a, b)
+      row[name] = r["median"]
+      row[f"{name}_interval"] = [r["lo"], r["hi"], r["level"]]
   if use_pallas:
     _pallas_fields(row, rounds, n, plan.batch)
   return row
+
+
+SPLIT_RATIOS = {"split_offset": ("xla_offset_split", "xla_offset"),
+                "split_stats": ("stats_stored_exact_split", "stats_stored_exact")}
 
 
 def _auto_iters(nbytes, loop_bytes):
@@ -318,6 +338,9 @@ def _row_text(r):
   parts.append(f"stats/offset {r['stats_over_offset']:.2f}x [{lo:.2f}, {hi:.2f}] "
                f"(exact range {r['exact_over_offset']:.2f}x; recomputing the norms "
                f"{r['recompute_over_offset']:.2f}x)")
+  if "split_offset" in r:
+    parts.append(f"values as stored: offset {r['split_offset']:.2f}x, stats "
+                 f"{r['split_stats']:.2f}x of the float32 copy's time")
   if "pallas_gbps" in r:
     parts.append(f"pallas stats/offset {r['pallas_stats_over_offset']:.2f}x "
                  f"{r['pallas_gbps']:.0f} GB/s ({r['pallas_fraction']:.0%} of the probe)")
@@ -360,6 +383,16 @@ def render(rows, device: str, plan) -> str:
                f"{r['pallas_gbps']:.1f} ({r['pallas_fraction']:.0%}) | "
                f"{r['default_block_sizes']['num_splits']} |")
     lines.append(line)
+  if "split_offset" in r0:
+    lines += ["", "Values read as stored (`AttentionConfig.split_values`, bfloat16): time "
+              "over the same method with a float32 copy of the values (median of per-round "
+              "ratios [interval]):", ""]
+    for r in rows:
+      (olo, ohi, _), (slo, shi, _) = r["split_offset_interval"], r["split_stats_interval"]
+      lines.append(f"- n={r['n']}, d={r['d']}: `xla_offset_split / xla_offset` "
+                   f"{r['split_offset']:.2f}x [{olo:.2f}, {ohi:.2f}]; "
+                   f"`stats_stored_exact_split / stats_stored_exact` {r['split_stats']:.2f}x "
+                   f"[{slo:.2f}, {shi:.2f}].")
   if pallas:
     lines += ["", "Targets of issue 42 (GPU), kernel with statistics (`pallas_stats_bound`) at "
               "the default tiling:"]

@@ -154,6 +154,22 @@ class OffsetAttentionTest(parameterized.TestCase):
     np.testing.assert_allclose(np.asarray(res.out, np.float32), out, rtol=tol, atol=tol)
     np.testing.assert_allclose(res.var_hat, var, rtol=1e-4, atol=1e-7)
 
+  @parameterized.parameters(False, True)
+  def test_split_values_match_float64_on_bfloat16_values(self, stored_norms):
+    # Weights split into two bfloat16 parts carry 16 significant bits (error below
+    # 2^-16 ~ 1.5e-5 relative per term): the same tolerances as the float32 copy.
+    q, k, v, log_pi, mask = _problem(jax.random.PRNGKey(9))
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v + 3.0))  # values off-centre
+    out, var, rng = _np_reference(*(x.astype(jnp.float32) for x in (q, k, v)), log_pi, mask)
+    kw = {}
+    if stored_norms:
+      kw["value_sqnorm"] = jnp.sum(jnp.square(v.astype(jnp.float32)), axis=-1)
+    config = attention.AttentionConfig(implementation="xla", split_values=True)
+    res = certkv_jax.offset_attention(q, k, v, log_pi, mask, config=config, **kw)
+    np.testing.assert_allclose(np.asarray(res.out, np.float32), out, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(res.var_hat, var, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(res.range_hat, rng, rtol=1e-3, atol=1e-6)
+
   def test_attention_probs(self):
     q, k, _, log_pi, mask = _problem(jax.random.PRNGKey(8))
     p = attention.attention_probs(q, k, log_pi, mask)
