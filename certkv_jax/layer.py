@@ -37,7 +37,8 @@ class Settings:
   (the layers and KV heads certified, the others NaN) or None (``stats`` None); True
   and False are kept as ``Subsample()`` and None. ``scale``: the logit scale (None:
   ``1/sqrt(head_dim)``). ``checked``: raise on overflow through ``checkify.check``
-  (eager calls raise; under ``jit`` wrap in ``checkify.checkify``).
+  (eager calls raise; under ``jit`` wrap in ``checkify.checkify``). ``attention``: the
+  ``certkv_jax.AttentionConfig`` of every product (None: the default).
   """
 
   design: Any = None
@@ -45,6 +46,7 @@ class Settings:
   certificate: Optional[certified.Subsample] = certified.Subsample()
   scale: Optional[float] = None
   checked: bool = False
+  attention: Any = None
 
   def __post_init__(self):
     if self.scale is not None and not (isinstance(self.scale, (int, float))
@@ -191,8 +193,8 @@ def _attend_appended(q, cache, shadow, pos, valid, settings: Settings, layer_fla
   qg = q.reshape(b, t, n_kv, n_heads // n_kv, d).transpose(0, 2, 3, 1, 4)
   with jax.named_scope("attention_statistics"):
     out, stats, probs = certified.attend(
-        qg, cache, shadow, pos, certificate=sub is not None, with_probs=design is not None,
-        layer_flag=layer_flag, heads=None if sub is None else sub.heads)  # [b, h_kv, g, t, d]
+        qg, cache, shadow, pos, certificate=sub, with_probs=design is not None,
+        layer_flag=layer_flag, config=settings.attention)  # out [b, h_kv, g, t, d]
   if stats is not None:  # [b, h_kv, g, t] -> [b, n_heads, t]
     stats = jax.tree_util.tree_map(lambda a: a.reshape(b, n_heads, t), stats)
   if design is not None:

@@ -262,23 +262,29 @@ def finalize(p: Partials) -> Finalized:
   )
 
 
-def slot_logits(q, k, offset, valid, scale):
+def slot_logits(q, k, offset, valid, scale, split_values: bool = False):
   """``q . k * scale + offset`` for rows q [..., g, d] and keys k [..., n, d].
 
-  Computed as ``k @ q^T`` so that XLA's CPU matmul reads the keys in place.
+  Computed as ``k @ q^T`` so that XLA's CPU matmul reads the keys in place;
+  ``split_values``: float32 rows against bfloat16 keys read the keys as stored
+  (:func:`split_rows`).
   """
-  k, q, precision = precision_lib.product_operands(k, q)
-  s = jnp.swapaxes(jnp.matmul(k, jnp.swapaxes(q, -1, -2), precision=precision,
-                              preferred_element_type=jnp.float32), -1, -2)
+  if split_values and k.dtype == jnp.bfloat16 and q.dtype == jnp.float32:
+    s = split_rows(k, q)
+  else:
+    k, q, precision = precision_lib.product_operands(k, q)
+    s = jnp.swapaxes(jnp.matmul(k, jnp.swapaxes(q, -1, -2), precision=precision,
+                                preferred_element_type=jnp.float32), -1, -2)
   return jnp.where(valid, s * scale + offset, _NEG_INF)
 
 
-def offset_logits(q, k, log_pi, mask, scale):
+def offset_logits(q, k, log_pi, mask, scale, split_values: bool = False):
   """Offset logits ``q.k * scale - log_pi`` [..., n], -inf on invalid slots.
 
-  Args: q [..., d]; k [..., n, d]; log_pi, mask [..., n]; scale float."""
+  Args: q [..., d]; k [..., n, d]; log_pi, mask [..., n]; scale float; split_values
+  as :func:`slot_logits`."""
   l = slot_logits(q[..., None, :], k, -log_pi.astype(jnp.float32)[..., None, :],
-                  mask[..., None, :], scale)
+                  mask[..., None, :], scale, split_values)
   return l[..., 0, :]
 
 
@@ -362,7 +368,8 @@ class ReferenceConfig:
     with_stats: False computes the offset attention alone (statistics zero).
     with_probs: also return the probabilities ``p_i`` from the same logits, so a
       design's fold needs no second pass over the keys (one block only).
-    split_values: products read bfloat16 values as stored (``UpdateOptions``).
+    split_values: products read bfloat16 keys and values as stored
+      (:func:`slot_logits`, ``UpdateOptions``).
   """
 
   block_size: Optional[int] = None
@@ -432,7 +439,7 @@ def grouped_reference(
   hp = jax.lax.Precision.HIGHEST
   if block_size is None or block_size >= n:
     # One block: centre = value of the first row's highest-logit slot (one gather).
-    l = slot_logits(q, k, offset, valid, scale)  # [..., g, n]
+    l = slot_logits(q, k, offset, valid, scale, config.split_values)  # [..., g, n]
     top = jnp.argmax(jnp.where(valid, l, M_EMPTY)[..., :1, :], axis=-1)[..., None]
     vb = jnp.broadcast_to(v, lead + (n, dv))
     center = jnp.take_along_axis(vb, jnp.broadcast_to(top, lead + (1, 1)), axis=-2)
@@ -451,7 +458,8 @@ def grouped_reference(
   carry = empty_partials(rows, dv)
   blocks = [slice(b * bs, min((b + 1) * bs, n)) for b in range(-(-n // bs))]
   for sl in blocks:  # static Python loop: the blocked path is for testing the algorithm
-    l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale)
+    l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale,
+                      config.split_values)
     carry = online_update(carry, l_b, v[..., sl, :], w[..., sl], valid[..., sl],
                           sqnorm=None if given_sq is None else given_sq._replace(
                               sq=given_sq.sq[..., sl]),
@@ -463,7 +471,8 @@ def grouped_reference(
   else:
     rng = jnp.zeros(rows, jnp.float32)
     for sl in blocks:  # the exact range needs the final output: a second sweep
-      l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale)
+      l_b = slot_logits(q, k[..., sl, :], offset[..., sl], valid[..., sl], scale,
+                      config.split_values)
       rng = jnp.maximum(rng, exact_range(
           l_b, v[..., sl, :], w[..., sl], valid[..., sl], fin.out, fin.lse,
           None if given_sq is None else given_sq._replace(sq=given_sq.sq[..., sl]),

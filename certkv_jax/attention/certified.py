@@ -19,6 +19,7 @@ import certkv_jax
 from certkv_jax.certificate import diagnostics
 from certkv_jax.kv.cache import KVCache
 from certkv_jax.kv import distributed
+from pallas_kernels import reference
 from pallas_kernels.reference import StoredNorms
 
 Array = jax.Array
@@ -112,8 +113,8 @@ def _mask(cache: KVCache, positions) -> Array:
   return _slots(cache.valid) & (_slots(cache.pos) <= positions[:, None, None, :, None])
 
 
-def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certificate: bool,
-           with_probs: bool, layer_flag=None, heads: Optional[tuple] = None):
+def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certificate,
+           with_probs: bool, layer_flag=None, config=None):
   """Attention of one layer's grouped queries over its caches.
 
   On sequence-sharded caches (``certkv_jax.kv.distributed``) the per-device
@@ -125,15 +126,20 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
     cache: one layer's caches, leaves [b, h_kv, cap, ...], holding the chunk.
     shadow: the never-evicted caches in evaluation mode, else None.
     positions: [b, t] int32 positions of the queries.
-    certificate: False: the same Hajek softmax without the statistics.
+    certificate: a :class:`Subsample` (its ``heads`` certified, None = all, the rest
+      NaN; True: all) or None / False: the same Hajek softmax without the statistics.
     with_probs: also return the probabilities (for a design's fold).
-    layer_flag, heads: the subsample: whether this layer is certified (None = yes; a
-      Python or traced bool), the static KV heads certified (None = all; the rest NaN).
+    layer_flag: whether this layer is in the certificate's layer subsample (None =
+      yes; a Python or traced bool).
+    config: the ``certkv_jax.AttentionConfig`` of every product (None: the default).
 
   Returns:
     ``(out [b, h_kv, g, t, d], stats, probs)``: ``stats`` a :class:`ChunkStats`
     of ``[b, h_kv, g, t]`` or None, ``probs`` ``[b, h_kv, g, t, cap]`` or None.
   """
+  sub = as_subsample(certificate)
+  certificate, heads = sub is not None, None if sub is None else sub.heads
+  config = certkv_jax.AttentionConfig() if config is None else config
   if distributed.cache_mesh() is not None:  # per-device partials, split-K combine
     if certificate and (layer_flag is not None or heads is not None):
       raise ValueError("certificate_layers / certificate_heads are not supported on a "
@@ -147,22 +153,23 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
     return res.out, stats, res.probs
   layer_flag = None if layer_flag is True else layer_flag  # True: a static certified layer
   if certificate and layer_flag is None and heads is None:  # one pass gives the probabilities
-    return _certified_heads(qg, cache, shadow, positions, None, with_probs=with_probs)
+    return _certified_heads(qg, cache, shadow, positions, None, config, with_probs=with_probs)
   probs = None
-  if with_probs or not certificate or layer_flag is False:
+  if with_probs or not certificate:
     probs = certkv_jax.attention_probs(qg, _slots(cache.k), _slots(cache.log_pi),
-                                       _mask(cache, positions))
+                                       _mask(cache, positions),
+                                       split_values=config.split_values)
   if not certificate:  # the same Hajek softmax, without the per-slot statistics
-    return _plain_heads(qg, cache, positions, probs, None), None, probs
+    return _plain_heads(qg, cache, positions, probs, None, config), None, probs
   if layer_flag is False:  # a static layer outside the subsample: NaN statistics
-    return (_plain_heads(qg, cache, positions, probs, None),
+    return (_plain_heads(qg, cache, positions, probs, None, config),
             _nan_stats(qg.shape[:-1], shadow is not None), probs)
-  out, stats = _subsampled(qg, cache, shadow, positions, probs, layer_flag, heads)
+  out, stats = _subsampled(qg, cache, shadow, positions, probs, layer_flag, heads, config)
   return out, stats, probs
 
 
-def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, heads, *,
-                     with_probs: bool = False):
+def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, heads, config,
+                     *, with_probs: bool = False):
   """Offset attention with statistics on the static KV heads ``heads`` only:
   ``(out [b, h, g, t, d], stats, probs)``, ``probs`` from the same logits or None."""
   take = lambda a: a[:, heads] if heads is not None else a
@@ -171,7 +178,7 @@ def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, h
   mask = _mask(cache, positions)
   res = certkv_jax.offset_attention(
       qg, _slots(cache.k), _slots(cache.v), _slots(cache.log_pi), mask,
-      value_sqnorm=StoredNorms(_slots(cache.v_sq), _slots(cache.v_ref)),
+      value_sqnorm=StoredNorms(_slots(cache.v_sq), _slots(cache.v_ref)), config=config,
       with_probs=with_probs or shadow is not None)  # out [b, h, g, t, d]
   stats = _truth_stats(qg, res.out, shadow, positions,
                        ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
@@ -201,17 +208,21 @@ def _truth_stats(qg, out, shadow: Optional[KVCache], positions, stats: ChunkStat
                         tail_m=grouped(tail_m), tail_n=grouped(tail_n))
 
 
-def _plain_heads(qg, cache: KVCache, positions, probs, heads):
+def _plain_heads(qg, cache: KVCache, positions, probs, heads, config):
   """The same Hajek softmax output on KV heads ``heads`` without the certificate's
   per-slot second-order sums (``probs``: all heads' probabilities, or None)."""
   take = lambda a: a[:, heads] if heads is not None else a
   if probs is None:
     c = jax.tree_util.tree_map(take, cache)
     probs = certkv_jax.attention_probs(take(qg), _slots(c.k), _slots(c.log_pi),
-                                       _mask(c, positions))
+                                       _mask(c, positions), split_values=config.split_values)
   else:
     probs = take(probs)
-  return jnp.einsum("bhgtn,bhnd->bhgtd", probs, take(cache.v).astype(jnp.float32),
+  v = take(cache.v)  # probs [b, h, g, t, n], v [b, h, n, d]
+  if config.split_values and v.dtype == jnp.bfloat16:  # the values read as stored
+    b, h, g, t, n = probs.shape
+    return reference.split_matmul(probs.reshape(b, h, g * t, n), v).reshape(b, h, g, t, -1)
+  return jnp.einsum("bhgtn,bhnd->bhgtd", probs, v.astype(jnp.float32),
                     precision=jax.lax.Precision.HIGHEST)
 
 
@@ -228,7 +239,8 @@ def _norm(out):
   return jnp.linalg.norm(out.astype(jnp.float32), axis=-1)
 
 
-def _subsampled(qg, cache, shadow, positions, probs, layer_flag, heads: Optional[tuple]):
+def _subsampled(qg, cache, shadow, positions, probs, layer_flag, heads: Optional[tuple],
+                config):
   """Every head's output; statistics on static ``heads``, in a ``lax.cond`` on ``layer_flag``.
 
   Other heads and a switched-off layer get the plain Hajek softmax (no
@@ -240,13 +252,14 @@ def _subsampled(qg, cache, shadow, positions, probs, layer_flag, heads: Optional
   rest = None if heads is None else tuple(h for h in range(n_kv) if h not in heads)
 
   def certified():
-    out, stats, _ = _certified_heads(qg, cache, shadow, positions, heads)
+    out, stats, _ = _certified_heads(qg, cache, shadow, positions, heads, config)
     out = out.astype(jnp.float32)  # as the plain branch's
     if heads is None:
       return out, stats
     order = np.argsort(np.asarray(heads + rest))  # back to head order
     if rest:
-      out = jnp.concatenate([out, _plain_heads(qg, cache, positions, probs, rest)], axis=1)
+      rest_out = _plain_heads(qg, cache, positions, probs, rest, config)
+      out = jnp.concatenate([out, rest_out], axis=1)
     out = out[:, order]
     fill = _nan_stats(shape[:1] + (len(rest),) + shape[2:], evaluation)
     stats = jax.tree_util.tree_map(
@@ -254,7 +267,7 @@ def _subsampled(qg, cache, shadow, positions, probs, layer_flag, heads: Optional
     return out, stats
 
   def plain():
-    return _plain_heads(qg, cache, positions, probs, None), _nan_stats(shape, evaluation)
+    return _plain_heads(qg, cache, positions, probs, None, config), _nan_stats(shape, evaluation)
 
   if layer_flag is None:
     return certified()

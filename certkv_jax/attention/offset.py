@@ -34,9 +34,9 @@ class AttentionConfig:
       online-softmax rescaling.
     block_sizes: for "pallas": an ``offset_decode.BlockSizes`` (None: default).
     range_mode: "exact" gives ``b_hat``; "bound" a one-pass upper bound.
-    split_values: for "xla": bfloat16 values multiply as stored, each float32
-      weight split into two bfloat16 parts (16 bits; method, section 9), so no
-      float32 copy of the values is made; float32 values are unaffected.
+    split_values: for "xla": bfloat16 keys and values multiply as stored, each
+      float32 row against them split into two bfloat16 parts (16 bits; method,
+      section 9), so no float32 copy of them is made; float32 caches are unaffected.
   """
 
   implementation: str = "auto"
@@ -208,7 +208,7 @@ def offset_attention(
   ref = back(res)
   probs = ref.probs
   if with_probs and probs is None:  # the kernel or key blocks: a pass of their own
-    probs = attention_probs(q, k, log_pi, mask, scale=scale)
+    probs = attention_probs(q, k, log_pi, mask, scale=scale, split_values=config.split_values)
   out_dtype = jnp.result_type(q.dtype, v.dtype)
   return OffsetAttentionResult(ref.out.astype(out_dtype), ref.lse, ref.var_hat, ref.range_hat,
                                probs)
@@ -316,17 +316,19 @@ def _grouped_layout(q, k, v, log_pi, mask, value_sqnorm=None):
   return grouped, back
 
 
-def attention_probs(q, k, log_pi, mask, *, scale: Optional[float] = None):
+def attention_probs(q, k, log_pi, mask, *, scale: Optional[float] = None,
+                    split_values: bool = False):
   """Offset-attention probabilities ``p_i`` [..., n] (0 on invalid slots), which designs fold.
 
   Checked as :func:`offset_attention`; under ``jit`` bad input gives what
   method, section 9, "Bad input" lists. A row with no valid slot is all 0.
+  ``split_values``: bfloat16 keys read as stored (``AttentionConfig``).
   """
   q, k, log_pi, mask = (jnp.asarray(x) for x in (q, k, log_pi, mask))
   _check_values(q, k, None, log_pi, mask)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
-  l = reference.offset_logits(q, k, log_pi, mask, scale)
+  l = reference.offset_logits(q, k, log_pi, mask, scale, split_values)
   m = jnp.max(l, axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   e = jnp.where(mask, jnp.exp(l - m), 0.0)

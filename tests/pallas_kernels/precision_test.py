@@ -155,5 +155,44 @@ class XlaPathPrecisionTest(parameterized.TestCase):
     self.assertEqual(bad, [])
 
 
+class BfloatModelTest(parameterized.TestCase):
+  """A bfloat16 model's decode step: what its products over the caches read."""
+
+  @parameterized.product(loop=("scan", "unrolled"), design=(None, "snapkv"))
+  def test_split_values_read_the_caches_as_stored(self, loop, design):
+    # The model's queries are float32 and its caches bfloat16: without the option both
+    # the keys and the values are copied to float32 for every product over them.
+    from experiments.lib import design_defaults  # pylint: disable=import-outside-toplevel
+    from models import forward, llama  # pylint: disable=import-outside-toplevel
+    from models.config import LlamaConfig  # pylint: disable=import-outside-toplevel
+    config = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                         head_dim=16, ffn_dim=48, dtype="bfloat16")
+    cap = 37  # no other axis has this size
+    params = jax.eval_shape(lambda: llama.init_params(config, jax.random.PRNGKey(0)))
+    caches = jax.eval_shape(lambda: certkv_jax.kv.caches.init_caches(config, 1, cap,
+                                                                     jnp.bfloat16))
+    if loop == "unrolled":
+      params = jax.eval_shape(lambda p: forward.unstack_layers(p, config), params)
+      caches = jax.eval_shape(certkv_jax.kv.caches.unstack, caches)
+    design = None if design is None else design_defaults.make_design(design, 0.5)
+
+    def operands(split):
+      settings = certkv_jax.layer.Settings(
+          design=design, observe=False, certificate=design is not None,
+          attention=certkv_jax.AttentionConfig(split_values=split))
+      fn = lambda p, c: forward.forward_chunk(p, config, jnp.zeros((1, 1), jnp.int32),
+                                              jnp.ones((1, 1), bool), c, settings=settings,
+                                              layer_loop=loop)
+      return [{str(x.aval.dtype) for x in e.invars if cap in x.aval.shape}
+              for _, e in products(jax.make_jaxpr(fn)(params, caches).jaxpr)
+              if any(cap in x.aval.shape and x.aval.ndim >= 3 and x.aval.shape[-1] == 16
+                     for x in e.invars)]
+
+    split = operands(True)
+    self.assertNotEqual(split, [])
+    self.assertTrue(all(d == {"bfloat16"} for d in split), split)
+    self.assertTrue(all(d == {"float32"} for d in operands(False)))
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from certkv_jax.attention.offset import AttentionConfig
 from certkv_jax.designs import registry
 from certkv_jax import eviction
 from certkv_jax.kv import cache as cache_lib
@@ -95,6 +96,9 @@ class Plan:
       "softmax grows with the square of the context: most of a 4k cell's time).")
   dtype: str = plan_flags.setting(model_loading.DEFAULT_DTYPE, model_loading.DTYPE_HELP,
                                   choices=model_loading.DTYPES)
+  split_values: bool = plan_flags.setting(
+      False, "Attention reads bfloat16 keys and values as stored (AttentionConfig."
+      "split_values) instead of a float32 copy; no effect in float32.")
 
   @property
   def certificate_modes(self) -> tuple:
@@ -165,12 +169,12 @@ def plan_from_flags(fv) -> Plan:
 
 
 def _step_fn(config, design, certificate: bool, every: int = 1, steps: int = 1,
-             layer_loop: str = "scan"):
+             layer_loop: str = "scan", attention=None):
   """One jitted call on a donated ``(caches, logits, key)`` carry: ``steps`` decode steps,
   the design evicting after every ``every``-th (``every = 1``: after each step, as
   ``GenerationConfig(evict_each_step=True)``; more: amortized eviction,
   ``evict_every``). ``steps`` is a multiple of ``every``. With ``layer_loop="unrolled"``
-  the params and caches are passed per layer."""
+  the params and caches are passed per layer; ``attention``: ``layer.Settings.attention``."""
 
   def one(params, carry, budget):
     caches, logits, key = carry
@@ -179,8 +183,8 @@ def _step_fn(config, design, certificate: bool, every: int = 1, steps: int = 1,
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     new_logits, caches, stats, _ = forward.forward_chunk(
         params, config, token[:, None], jnp.ones((batch, 1), bool), caches,
-        settings=layer_lib.Settings(design=design, observe=False,
-                                    certificate=certificate), layer_loop=layer_loop)
+        settings=layer_lib.Settings(design=design, observe=False, certificate=certificate,
+                                    attention=attention), layer_loop=layer_loop)
     out = () if stats is None else (stats.var_hat, stats.range_hat)  # kept: not dead code
     return (caches, new_logits[:, 0], key), out
 
@@ -217,7 +221,7 @@ def compact_capacity(kept: int, budget: float, every: int, appended: int, contex
   return max(kept, math.floor(budget * (context + appended))) + every
 
 
-def _prefill_fn(config, design, capacity: int):
+def _prefill_fn(config, design, capacity: int, attention=None):
   """Jitted cached prefill ``(params, tokens, mask) -> (last logits, caches)``."""
 
   def prefill(params, tokens, mask):
@@ -225,7 +229,7 @@ def _prefill_fn(config, design, capacity: int):
                                     precision.cache_dtype(config))
     logits, caches, _, _ = forward.forward_chunk(
         params, config, tokens, mask, caches,
-        settings=layer_lib.Settings(design=design, certificate=False))
+        settings=layer_lib.Settings(design=design, certificate=False, attention=attention))
     return logits[:, -1], caches
   return jax.jit(prefill)
 
@@ -256,9 +260,10 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
   if "unrolled" in plan.layer_loop:
     loop_params["unrolled"] = (forward.unstack_layers(params, config) if per_layer_params is None
                                else per_layer_params)
-  base = dict(context=context, batch=batch)
+  base = dict(context=context, batch=batch, split_values=plan.split_values)
+  attention = AttentionConfig(split_values=True) if plan.split_values else None
   full_prefill = _memo(steps, ("prefill", None, cap_full),
-                       lambda: _prefill_fn(config, None, cap_full))
+                       lambda: _prefill_fn(config, None, cap_full, attention))
   (logits, full_caches), prefill_first = _timed_call(full_prefill, params, tokens, mask)
   say(f"  first call {prefill_first:.1f} s: prefill full, context {context} batch {batch}")
   timed, states = [], []
@@ -267,7 +272,7 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
     cap = int(caches.k.shape[-2])
     for loop in plan.layer_loop:
       fn = _memo(steps, (design_name, cert, every, per_call, loop),
-                 lambda: _step_fn(config, design, cert, every, per_call, loop))
+                 lambda: _step_fn(config, design, cert, every, per_call, loop, attention))
       shape_key = (design_name, cert, every, context, batch, cap, loop)
       row = dict(base, design=design_name, certificate=cert, budget=budget, evict_every=every,
                  layer_loop=loop, capacity=cap, kept_tokens=kept,
@@ -292,7 +297,7 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
   for name in plan.designs:
     design = design_defaults.make_design(name, _STATIC_BUDGET, plan.n_sink, plan.window)
     prefill = _memo(steps, ("prefill", name, cap_full),
-                    lambda: _prefill_fn(config, design, cap_full))
+                    lambda: _prefill_fn(config, design, cap_full, attention))
     (d_logits, d_caches), first = _timed_call(prefill, params, tokens, mask)
     say(f"  first call {first:.1f} s: prefill {name}")
     for b in plan.budgets:
