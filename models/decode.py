@@ -127,7 +127,8 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
   batch = first_logits.shape[0]
   settings = layer_lib.Settings(
       design, observe=False,
-      certificate=Subsample(gen.certificate_layers, gen.certificate_heads))
+      certificate=Subsample(gen.certificate_layers, gen.certificate_heads),
+      attention=gen.attention)
   caches, shadow, state, key = carry
   if gen.layer_loop == "unrolled":  # per-layer weights and caches for the whole loop
     params = forward.unstack_layers(params, config)
@@ -387,7 +388,8 @@ def _prompt_chunk(params, config: LlamaConfig, gen: GenerationConfig, budget, ca
   design's eviction; returns ``(logits, carry)``, ``carry = (caches, shadow, state, key)``."""
   caches, shadow, state, key = carry
   logits, caches, _, shadow = forward_chunk(
-      params, config, *chunk, caches, settings=layer_lib.Settings(gen.design, certificate=False),
+      params, config, *chunk, caches,
+      settings=layer_lib.Settings(gen.design, certificate=False, attention=gen.attention),
       shadow=shadow, layer_loop=_params_loop(params))
   key, sub = jax.random.split(key)
   if gen.design is not None:
@@ -453,7 +455,8 @@ def generate_streaming(params, context, question, key, *, config: LlamaConfig,
       feed, (caches, shadow, state, key), (as_chunks(context), as_chunks(context_mask)))
   logits, caches, _, shadow = forward_chunk(
       params, config, question, question_mask, caches,
-      settings=layer_lib.Settings(design=design, certificate=False), shadow=shadow,
+      settings=layer_lib.Settings(design=design, certificate=False, attention=gen.attention),
+      shadow=shadow,
       layer_loop=_params_loop(params))
   return _decode_loop(params, config, gen, (caches, shadow, state, key),
                       _last_logits(logits, question_mask), budget)

@@ -35,6 +35,7 @@ class GenerationConfig:
   # and return stop_tokens[0], log-probability 0 and NaN logits and statistics.
   stop_tokens: tuple = ()
   layer_loop: str = "scan"  # decode steps' loop: "scan" or "unrolled" (forward.forward_chunk)
+  attention: object = None  # a certkv_jax.AttentionConfig of every attention product, or None
 
   def replace(self, **kw) -> "GenerationConfig":
     return dataclasses.replace(self, **kw)
