@@ -178,8 +178,8 @@ def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, h
   mask = _mask(cache, positions)
   res = certkv_jax.offset_attention(
       qg, _slots(cache.k), _slots(cache.v), _slots(cache.log_pi), mask,
-      value_sqnorm=StoredNorms(_slots(cache.v_sq), _slots(cache.v_ref)), config=config,
-      with_probs=with_probs or shadow is not None)  # out [b, h, g, t, d]
+      value_sqnorm=StoredNorms(_slots(cache.v_sq), _slots(cache.v_ref)),
+      config=dataclasses.replace(config, with_probs=with_probs or shadow is not None))
   stats = _truth_stats(qg, res.out, shadow, positions,
                        ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
   if shadow is not None:  # evaluation mode: the warning signals beside the truth

@@ -37,6 +37,8 @@ class AttentionConfig:
     split_values: for "xla": bfloat16 keys and values multiply as stored, each
       float32 row against them split into two bfloat16 parts (16 bits; method,
       section 9), so no float32 copy of them is made; float32 caches are unaffected.
+    with_probs: also return the probabilities: on the "xla" path from the same
+      logits (no second pass over the keys), on "pallas" from :func:`attention_probs`.
   """
 
   implementation: str = "auto"
@@ -44,6 +46,7 @@ class AttentionConfig:
   block_sizes: Optional[Any] = None
   range_mode: str = "exact"
   split_values: bool = False
+  with_probs: bool = False
 
 
 class OffsetAttentionResult(NamedTuple):
@@ -55,7 +58,7 @@ class OffsetAttentionResult(NamedTuple):
     var_hat: [...] float32 ``V_hat``.
     range_hat: [...] float32 ``b_hat``.
     probs: [..., n] float32 attention probabilities ``p_i`` (0 on invalid
-      slots), with ``with_probs=True`` only: what a design folds.
+      slots), with ``AttentionConfig(with_probs=True)`` only: what a design folds.
   """
 
   out: Array
@@ -126,7 +129,6 @@ def offset_attention(
     scale: Optional[float] = None,
     config: AttentionConfig = AttentionConfig(),
     value_sqnorm=None,
-    with_probs: bool = False,
 ) -> OffsetAttentionResult:
   """Attention over kept slots with Hajek offsets and certificate statistics.
 
@@ -149,9 +151,6 @@ def offset_attention(
       ``sq = ||v_i - ref||^2`` (a cache's ``v_sq``, ``v_ref``), or [..., n]
       ``||v_i||^2``. The "xla" path then skips a pass over the values (method,
       section 4, "Stored value norms"); "pallas" does not take them.
-    with_probs: also return the probabilities: on the "xla" path from the
-      same logits (no second pass over the keys), on "pallas" from
-      :func:`attention_probs`.
 
   Returns:
     OffsetAttentionResult. A row with no valid slot gives out 0, lse -inf,
@@ -171,7 +170,7 @@ def offset_attention(
     raise ValueError(f"scale must be a finite float > 0 or None, got {scale!r}")
   _check_values(q, k, v, log_pi, mask)
   implementation, block_size = config.implementation, config.block_size
-  block_sizes, range_mode = config.block_sizes, config.range_mode
+  block_sizes, range_mode, with_probs = config.block_sizes, config.range_mode, config.with_probs
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "auto":

@@ -209,9 +209,9 @@ class KernelTest(parameterized.TestCase):
     v = jax.random.normal(ks[2], (b, h_kv, 1, n, d))
     log_pi = -jax.random.exponential(ks[3], (b, h_kv, 1, n))
     mask = jax.random.bernoulli(ks[4], 0.8, (b, h_kv, 1, n))
-    impl = lambda name: certkv_jax.attention.AttentionConfig(implementation=name)
-    run = lambda name: certkv_jax.offset_attention(q, k, v, log_pi, mask, config=impl(name),
-                                                   with_probs=True)
+    impl = lambda name: certkv_jax.attention.AttentionConfig(implementation=name,
+                                                             with_probs=True)
+    run = lambda name: certkv_jax.offset_attention(q, k, v, log_pi, mask, config=impl(name))
     xla, pal, auto = run("xla"), run("pallas"), run("auto")
     for a, p, u in zip(xla, pal, auto):  # out, lse, var_hat, range_hat, probs
       np.testing.assert_allclose(a, p, rtol=1e-4, atol=1e-5)
