@@ -140,6 +140,7 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
   sub = as_subsample(certificate)
   certificate, heads = sub is not None, None if sub is None else sub.heads
   config = certkv_jax.AttentionConfig() if config is None else config
+  layer_flag = None if layer_flag is True else layer_flag  # True: a static certified layer
   if distributed.cache_mesh() is not None:  # per-device partials, split-K combine
     if certificate and (layer_flag is not None or heads is not None):
       raise ValueError("certificate_layers / certificate_heads are not supported on a "
@@ -151,7 +152,6 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
       stats = _truth_stats(qg, res.out, shadow, positions,
                            ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
     return res.out, stats, res.probs
-  layer_flag = None if layer_flag is True else layer_flag  # True: a static certified layer
   if certificate and layer_flag is None and heads is None:  # one pass gives the probabilities
     return _certified_heads(qg, cache, shadow, positions, None, config, with_probs=with_probs)
   probs = None
