@@ -23,6 +23,7 @@ from certkv_jax.attention.certified import ChunkStats
 from certkv_jax.kv import cache as cache_lib
 from certkv_jax.kv.cache import KVCache
 from certkv_jax.kv import caches as caches_lib
+from certkv_jax.kv.caches import Caches
 
 Array = jax.Array
 
@@ -59,8 +60,8 @@ class Attended(NamedTuple):
   """What :func:`attend` and :func:`attend_layer` return."""
 
   out: Array  # [batch, t, n_heads, head_dim] float32
-  cache: KVCache  # the layer's caches (attend_layer: all layers), the chunk appended
-  shadow: Optional[KVCache]  # the shadow likewise, or None
+  cache: Any  # the layer's KVCache (attend_layer: all layers' Caches), the chunk appended
+  shadow: Any  # the shadow likewise, or None
   stats: Optional[ChunkStats]  # fields [batch, n_heads, t], or None without the certificate
   positions: Array  # [batch, t] int32 positions of the chunk's tokens (padding: none)
   overflow: Array  # [batch] int32 tokens of the chunk that found no free slot (dropped)
@@ -72,10 +73,11 @@ def positions(cache: KVCache, valid) -> Array:
   return start[:, None] + jnp.cumsum(valid, axis=1).astype(jnp.int32) - 1
 
 
-def shadow_caches(config, batch: int, n_tokens: int, dtype=jnp.float32) -> KVCache:
+def shadow_caches(config, batch: int, n_tokens: int, dtype=jnp.float32) -> Caches:
   """Evaluation mode's never-evicted caches: room for all ``n_tokens``, so slot = position.
 
-  Pass them to :func:`attend` (``shadow=``; the statistics then hold the true error) and to
+  Pass a layer's (``.layer(i)``) to :func:`attend` (``shadow=``; the statistics then hold the
+  true error) and all to
   ``eviction.evict_and_record`` (each token's inclusion record; method, section 9).
   """
   return caches_lib.init_caches(config, batch, n_tokens, dtype)
@@ -116,28 +118,28 @@ def attend(q, k, v, cache: KVCache, *, valid=None, shadow: Optional[KVCache] = N
   return Attended(out, cache, shadow, stats, pos, overflow)
 
 
-def attend_layer(q, k, v, caches: KVCache, i, slots: caches_lib.ChunkSlots, *,
+def attend_layer(q, k, v, caches: Caches, i, slots: caches_lib.ChunkSlots, *,
                  shadow=None, settings: Settings = Settings()) -> Attended:
-  """:func:`attend` on layer ``i`` (int or traced) of stacked caches, in place: ``caches``
-  leaves ``[n_layers, batch, n_kv_heads, cap, ...]``, ``slots`` from ``caches.reserve``
-  (its ``new_valid`` gives the padding); ``shadow``: None or ``(shadow caches, their
-  slots)``. Returns :class:`Attended` with all layers' caches and shadow."""
+  """:func:`attend` on layer ``i`` (int or traced) of stacked :class:`Caches`, in place:
+  ``slots`` from ``caches.reserve`` (its ``new_valid`` gives the padding); ``shadow``:
+  None or ``(shadow caches, their slots)``. Returns :class:`Attended` with all layers'
+  caches and shadow."""
   layer_flag = _layer_flag(settings, i)
   valid = slots.new_valid[:, 0]
   _, (k_new, v_new, _) = _new_tokens(q, k, v, valid)
   shadow, shadow_slots = (None, None) if shadow is None else shadow
   with jax.named_scope("append"):
-    caches = caches_lib.write_kv(caches, i, slots, k_new, v_new)
+    caches = caches.write_kv(i, slots, k_new, v_new)
     if shadow is not None:
-      shadow = caches_lib.write_kv(shadow, i, shadow_slots, k_new, v_new)
-  cache = caches_lib.layer(caches, i)
+      shadow = shadow.write_kv(i, shadow_slots, k_new, v_new)
+  cache = caches.layer(i)
   overflow = _overflow(slots, i, cache.capacity)
   _check_overflow(settings, overflow)
-  shadow_cache = None if shadow is None else caches_lib.layer(shadow, i)
+  shadow_cache = None if shadow is None else shadow.layer(i)
   out, folded, stats = _attend_appended(q, cache, shadow_cache, slots.positions, valid,
                                         settings, layer_flag)
   if settings.design is not None:  # a design folds statistics only: keys and values stay put
-    caches = caches_lib.with_layer(caches, i, folded, fields=cache_lib.STATISTICS)
+    caches = caches.with_layer(i, folded, fields=cache_lib.STATISTICS)
   return Attended(out, caches, shadow, stats, slots.positions, overflow)
 
 

@@ -2,8 +2,8 @@
 
 The pieces, one module each:
 
-* ``certkv_jax.kv.caches`` -- the stacked caches, one :class:`certkv_jax.KVCache` per
-  (layer, batch row, KV head), leaves ``[n_layers, batch, n_kv_heads, ...]``.
+* ``certkv_jax.kv.caches`` -- :class:`Caches`, one :class:`certkv_jax.KVCache` per
+  (layer, batch row, KV head), stacked or per layer.
 * ``models.generation`` -- :class:`GenerationConfig` (what to generate) and
   :class:`Generation` (what comes back), re-exported here.
 * ``models.forward`` -- :func:`forward_chunk`: a chunk of tokens through the
@@ -40,8 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from certkv_jax.designs import budgets as budgets_lib
-from certkv_jax.kv.cache import KVCache
-from certkv_jax.kv import caches as caches_lib
+from certkv_jax.kv.caches import Caches
 from certkv_jax import layer as layer_lib
 from models import inputs
 from certkv_jax.attention.certified import check_certificate_subsample
@@ -94,8 +93,8 @@ class DecodeCarry(NamedTuple):
   """What the decode loop carries: caches, the shadow (evaluation mode, or
   None), the design's state (or None) and the PRNG key."""
 
-  caches: KVCache
-  shadow: Optional[KVCache]
+  caches: Caches
+  shadow: Optional[Caches]
   state: Optional[object]
   key: Array
 
@@ -132,8 +131,8 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
   caches, shadow, state, key = carry
   if gen.layer_loop == "unrolled":  # per-layer weights and caches for the whole loop
     params = forward.unstack_layers(params, config)
-    caches = caches_lib.unstack(caches)
-    shadow = None if shadow is None else caches_lib.unstack(shadow)
+    caches = caches.unstack()
+    shadow = None if shadow is None else shadow.unstack()
 
   def evict_now(caches, shadow, state, sub):
     new = evict_and_record(design, caches, shadow, sub, state=state,
@@ -189,8 +188,7 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
   final, (toks, logps, step_logits, stats) = jax.lax.scan(
       step, init, jnp.arange(gen.n_steps, dtype=jnp.int32))
   caches, _, state, _, _, _, _ = evict_pending(final[0] if gen.stop_tokens else final)
-  if gen.layer_loop == "unrolled":
-    caches = caches_lib.stack(caches)
+  caches = caches.stack()
   certified = design is not None and design.randomized
   return Generation(
       tokens=toks.T, logprobs=logps.T,
@@ -464,14 +462,14 @@ def generate_streaming(params, context, question, key, *, config: LlamaConfig,
 
 @functools.partial(jax.jit, static_argnames=("config", "design", "layer_loop"),
                    donate_argnames=("caches",))
-def decode_step(params, caches: KVCache, tokens, *, config: LlamaConfig, design=None,
+def decode_step(params, caches: Caches, tokens, *, config: LlamaConfig, design=None,
                 layer_loop: Optional[str] = None):
   """One decode step for a caller's own loop: ``tokens`` [batch] through the
   model with certificate statistics. The caches are donated (updated in place);
   evict between steps with ``certkv_jax.eviction.evict``.
 
   The fastest step takes ``forward.unstack_layers(params, config)`` and
-  ``caches.unstack(caches)`` (both once, before the loop): every layer's
+  ``caches.unstack()`` (both once, before the loop): every layer's
   weights and caches are then read in place (``layer_loop="unrolled"``, which
   ``None`` picks for them; stacked params and caches: ``"scan"``).
 
@@ -480,7 +478,7 @@ def decode_step(params, caches: KVCache, tokens, *, config: LlamaConfig, design=
     ``[n_layers, batch, n_heads]`` arrays; the caches in the form given.
   """
   if layer_loop is None:
-    per_layer = caches_lib.is_unstacked(caches) or _params_loop(params) == "unrolled"
+    per_layer = caches.per_layer or _params_loop(params) == "unrolled"
     layer_loop = "unrolled" if per_layer else "scan"
   valid = jnp.ones((tokens.shape[0], 1), bool)
   logits, caches, stats, _ = forward_chunk(

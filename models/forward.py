@@ -15,8 +15,7 @@ import jax.numpy as jnp
 
 from certkv_jax.attention import certified
 from certkv_jax.designs import allocation as allocation_lib
-from certkv_jax.kv.cache import KVCache
-from certkv_jax.kv import caches as caches_lib
+from certkv_jax.kv.caches import Caches
 from certkv_jax import layer
 from models.config import LlamaConfig
 from models import llama
@@ -27,7 +26,7 @@ Array = jax.Array
 
 
 def _layer_stacked(config: LlamaConfig, settings: layer.Settings, x, layer_params,
-                   caches: KVCache, shadow, i, slots):
+                   caches: Caches, shadow, i, slots):
   """Decoder layer ``i`` on the stacked caches (``layer.attend_layer``); returns
   ``(x [b, t, hidden], caches, stats [b, n_heads, t] or None, shadow)``; ``shadow``
   None or ``(caches, slots)`` (``layer.attend_layer``)."""
@@ -64,9 +63,9 @@ class Forwarded(NamedTuple):
   """What :func:`forward_chunk` returns."""
 
   logits: Array  # [batch, t, vocab] float32
-  caches: KVCache  # in the form given
+  caches: Caches  # in the form given
   stats: Optional[certified.ChunkStats]  # fields [t, n_layers, batch, n_heads]
-  shadow: Optional[KVCache]  # the shadow with the chunk appended, or None
+  shadow: Optional[Caches]  # the shadow with the chunk appended, or None
 
 
 def unstack_layers(params, config: LlamaConfig):
@@ -99,18 +98,21 @@ def _check_layer_loop(params, config: LlamaConfig, caches, layer_loop: str) -> N
   if unstacked and len(layers) != config.n_layers:
     raise ValueError(f"params has {len(layers)} unstacked layers, config says n_layers="
                      f"{config.n_layers}")
-  if caches_lib.is_unstacked(caches) and len(caches) != config.n_layers:
-    raise ValueError(f"caches has {len(caches)} unstacked layers, config says n_layers="
+  if not isinstance(caches, Caches):
+    raise TypeError(f"caches must be a certkv_jax.kv.caches.Caches (init_caches), got "
+                    f"{type(caches).__name__}")
+  if caches.n_layers != config.n_layers:
+    raise ValueError(f"caches has {caches.n_layers} layers, config says n_layers="
                      f"{config.n_layers}")
-  if layer_loop == "scan" and (unstacked or caches_lib.is_unstacked(caches)):
+  if layer_loop == "scan" and (unstacked or caches.per_layer):
     raise ValueError("layer_loop='scan' needs stacked params and caches; unstacked ones "
-                     "(unstack_layers, caches.unstack) take layer_loop='unrolled'")
+                     "(unstack_layers, Caches.unstack) take layer_loop='unrolled'")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "settings", "layer_loop"))
-def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *,
+def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: Caches, *,
                   settings: layer.Settings = layer.Settings(),
-                  shadow: Optional[KVCache] = None, layer_loop: str = "scan"):
+                  shadow: Optional[Caches] = None, layer_loop: str = "scan"):
   """Runs a chunk of new tokens through the model with caches.
 
   Args:
@@ -119,7 +121,7 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
     config: the model config.
     tokens: [batch, t] int token ids.
     valid: [batch, t] bool, False on (right) padding (no slot, no position).
-    caches: from ``certkv_jax.kv.caches.init_caches``, stacked or per layer
+    caches: ``certkv_jax.kv.caches.Caches`` (``init_caches``), stacked or per layer
       (``"unrolled"`` only); returned in the same form.
     settings: ``layer.Settings``: the design whose ``update`` folds the chunk's
       attention into the slot statistics, ``observe`` (a prompt chunk; decode
@@ -138,6 +140,7 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
   Raises:
     ValueError: ``layer_loop`` not in ``LAYER_LOOPS``; unstacked params or
       caches with ``"scan"`` or with a layer count other than ``config.n_layers``.
+    TypeError: ``caches`` not a ``Caches``.
   """
   _check_layer_loop(params, config, caches, layer_loop)
   if settings.scale is not None:
@@ -151,10 +154,10 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
   x = model.apply(top, tokens, method=LlamaModel.embed_tokens)
   layers = params["params"]["layers"]
   if layer_loop == "scan":
-    caches, slots = caches_lib.reserve(caches, valid)
+    caches, slots = caches.reserve(valid)
     shadow_slots = None
     if shadow is not None:
-      shadow, shadow_slots = caches_lib.reserve(shadow, valid)
+      shadow, shadow_slots = shadow.reserve(valid)
 
     def body(carry, xs):
       x, caches, shadow = carry
@@ -177,9 +180,8 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: KVCache, *
 def _unrolled(config: LlamaConfig, settings: layer.Settings, x, valid, layers, caches, shadow):
   """The Python loop over the layers, each on its own caches (``layer.attend``);
   returns ``(x, caches, stats [n_layers, batch, n_heads, t] or None, shadow)``."""
-  as_given = lambda given, new: new if caches_lib.is_unstacked(given) else caches_lib.stack(new)
-  per_layer = list(caches_lib.unstack(caches))
-  shadows = None if shadow is None else list(caches_lib.unstack(shadow))
+  as_given = lambda given, new: new if given.per_layer else new.stack()
+  work, work_shadow = caches.unstack(), None if shadow is None else shadow.unstack()
   stats = []
   for i in range(config.n_layers):
     layer_params = layers[i] if isinstance(layers, (tuple, list)) else (
@@ -187,16 +189,17 @@ def _unrolled(config: LlamaConfig, settings: layer.Settings, x, valid, layers, c
     block = Block(config)
     variables = {"params": layer_params}
     with jax.named_scope("qkv"):
-      q, k, v = block.apply(variables, x, layer.positions(per_layer[i], valid),
+      q, k, v = block.apply(variables, x, layer.positions(work.layer(i), valid),
                             method=Block.qkv)
-    out, per_layer[i], sh, s, _, _ = layer.attend(
-        q, k, v, per_layer[i], valid=valid, shadow=None if shadow is None else shadows[i],
-        settings=settings, layer=i)
+    res = layer.attend(q, k, v, work.layer(i), valid=valid, settings=settings, layer=i,
+                       shadow=None if shadow is None else work_shadow.layer(i))
+    work = work.with_layer(i, res.cache)
     if shadow is not None:
-      shadows[i] = sh
+      work_shadow = work_shadow.with_layer(i, res.shadow)
+    out, s = res.out, res.stats
     with jax.named_scope("mlp"):
       x = block.apply(variables, x, out, method=Block.finish)
     stats.append(s)
   stats = layer.stack_stats(stats)
-  shadow = None if shadow is None else as_given(shadow, tuple(shadows))
-  return x, as_given(caches, tuple(per_layer)), stats, shadow
+  shadow = None if shadow is None else as_given(shadow, work_shadow)
+  return x, as_given(caches, work), stats, shadow

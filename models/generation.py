@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple, Optional
 
 import jax
 
-from certkv_jax.kv.cache import KVCache
+from certkv_jax.kv.caches import Caches
 
 Array = jax.Array
 
@@ -50,7 +50,7 @@ class Generation(NamedTuple):
   # Statistics of step i (the pass of token i); NaN for calls not certified.
   var_hat: Array  # [n_steps, n_layers, batch, n_heads] float32
   range_hat: Array  # [n_steps, n_layers, batch, n_heads] float32
-  caches: KVCache  # final caches (``n_dropped`` counts tokens that found no slot)
+  caches: Caches  # final caches, stacked (``n_dropped`` counts tokens that found no slot)
   # [batch] int32 tokens that found no slot: nonzero means wrong logits (eager raises).
   n_dropped: Optional[Array] = None
   # The design's counters, leaves [n_layers, batch, n_kv_heads]; None without one.

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import certkv_jax
+from certkv_jax.attention import offset
+from certkv_jax.certificate import signals
 from certkv_jax.certificate import diagnostics
 from certkv_jax.kv.cache import KVCache
 from certkv_jax.kv import distributed
@@ -139,7 +140,7 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
   """
   sub = as_subsample(certificate)
   certificate, heads = sub is not None, None if sub is None else sub.heads
-  config = certkv_jax.AttentionConfig() if config is None else config
+  config = offset.AttentionConfig() if config is None else config
   layer_flag = None if layer_flag is True else layer_flag  # True: a static certified layer
   if distributed.cache_mesh() is not None:  # per-device partials, split-K combine
     if certificate and (layer_flag is not None or heads is not None):
@@ -156,7 +157,7 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
     return _certified_heads(qg, cache, shadow, positions, None, config, with_probs=with_probs)
   probs = None
   if with_probs or not certificate:
-    probs = certkv_jax.attention_probs(qg, _slots(cache.k), _slots(cache.log_pi),
+    probs = offset.attention_probs(qg, _slots(cache.k), _slots(cache.log_pi),
                                        _mask(cache, positions),
                                        split_values=config.split_values)
   if not certificate:  # the same Hajek softmax, without the per-slot statistics
@@ -176,14 +177,14 @@ def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, h
   qg, cache = take(qg), jax.tree_util.tree_map(take, cache)
   shadow = None if shadow is None else jax.tree_util.tree_map(take, shadow)
   mask = _mask(cache, positions)
-  res = certkv_jax.offset_attention(
+  res = offset.offset_attention(
       qg, _slots(cache.k), _slots(cache.v), _slots(cache.log_pi), mask,
       value_sqnorm=StoredNorms(_slots(cache.v_sq), _slots(cache.v_ref)),
       config=dataclasses.replace(config, with_probs=with_probs or shadow is not None))
   stats = _truth_stats(qg, res.out, shadow, positions,
                        ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
   if shadow is not None:  # evaluation mode: the warning signals beside the truth
-    sig = certkv_jax.certificate.signals.signals_batched(
+    sig = signals.signals_batched(
         res.probs, _slots(jnp.exp(cache.log_pi)), mask, _slots(cache.v.astype(jnp.float32)),
         res.out.astype(jnp.float32))
     stats = stats._replace(**{k: getattr(sig, k) for k in SIGNAL_FIELDS})
@@ -214,7 +215,7 @@ def _plain_heads(qg, cache: KVCache, positions, probs, heads, config):
   take = lambda a: a[:, heads] if heads is not None else a
   if probs is None:
     c = jax.tree_util.tree_map(take, cache)
-    probs = certkv_jax.attention_probs(take(qg), _slots(c.k), _slots(c.log_pi),
+    probs = offset.attention_probs(take(qg), _slots(c.k), _slots(c.log_pi),
                                        _mask(c, positions), split_values=config.split_values)
   else:
     probs = take(probs)

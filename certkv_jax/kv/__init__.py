@@ -4,5 +4,4 @@
 from certkv_jax.kv import cache
 from certkv_jax.kv import caches
 from certkv_jax.kv import distributed
-from certkv_jax.kv import distributed_eviction
 from certkv_jax.kv import memory

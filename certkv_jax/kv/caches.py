@@ -1,18 +1,19 @@
-"""A model's caches: one :class:`certkv_jax.KVCache` per (layer, batch row, KV head).
+"""A model's caches: one :class:`Caches` holding a ``KVCache`` per (layer, batch row, KV head).
 
-Stacked, leaves ``[n_layers, batch, n_kv_heads, ...]``, or a tuple per layer
-(:func:`unstack`); :func:`over_heads` lifts ``certkv_jax.kv.cache`` over the heads.
+Its layers are stacked (leaves ``[n_layers, batch, n_kv_heads, ...]``, the form a
+``lax.scan`` over layers and a mesh take) or one ``KVCache`` per layer (:meth:`Caches.unstack`,
+read and updated in place by an unrolled loop). Every form question is answered here:
+the decode loop, eviction and the sharded path call its methods and never ask.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-import certkv_jax
 from certkv_jax.kv import cache as cache_lib
 from certkv_jax.kv.cache import KVCache
 from certkv_jax.kv import distributed
@@ -32,14 +33,229 @@ class CacheSpec:
   head_dim: int
 
 
-def init_caches(config, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
-  """Empty caches ``[n_layers, batch, n_kv_heads, ...]`` for a config such as :class:`CacheSpec`."""
-  one = certkv_jax.init_cache(capacity, config.head_dim, dtype=dtype)
+class ChunkSlots(NamedTuple):
+  """Where a chunk's tokens go in every layer (:meth:`Caches.reserve`)."""
+
+  idx: Optional[jax.Array]  # [n_layers, batch, n_kv_heads, t] int32 slot; cap = not stored
+  positions: jax.Array  # [batch, t] int32 positions of the chunk's tokens
+  new_valid: jax.Array  # [batch, n_kv_heads, t] bool, False on padding
+
+
+def _is_kv(x) -> bool:
+  return isinstance(x, KVCache)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Caches:
+  """Every layer's caches, stacked or per layer; a pytree, so it passes through ``jit``.
+
+  ``layers``: a ``KVCache`` with leaves ``[n_layers, batch, n_kv_heads, ...]``, or a
+  tuple of one ``KVCache`` per layer (leaves ``[batch, n_kv_heads, ...]``). Each
+  ``KVCache`` field reads as the stacked array (``caches.n_seen`` is ``[n_layers,
+  batch, n_kv_heads]`` in either form; per layer it is a copy).
+  """
+
+  layers: Any
+
+  @property
+  def per_layer(self) -> bool:
+    """Whether the layers are a tuple of per-layer caches (:meth:`unstack`)."""
+    return not _is_kv(self.layers)
+
+  @property
+  def n_layers(self) -> int:
+    return len(self.layers) if self.per_layer else self.layers.n_seen.shape[0]
+
+  @property
+  def capacity(self) -> int:
+    return (self.layers[0] if self.per_layer else self.layers).capacity
+
+  @property
+  def n_valid(self) -> jax.Array:
+    """[n_layers, batch, n_kv_heads] int32 kept tokens."""
+    return jnp.sum(self.valid, axis=-1).astype(jnp.int32)
+
+  def as_kvcache(self) -> KVCache:
+    """One ``KVCache`` with leaves ``[n_layers, batch, n_kv_heads, ...]`` (a copy per layer)."""
+    if not self.per_layer:
+      return self.layers
+    return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *self.layers)
+
+  def unstack(self) -> "Caches":
+    """One ``KVCache`` per layer: a layer loop and eviction then update each in place.
+    It copies, so call it once before a decode loop."""
+    if self.per_layer:
+      return self
+    return Caches(tuple(self.layer(i) for i in range(self.n_layers)))
+
+  def stack(self) -> "Caches":
+    """The stacked form (the inverse of :meth:`unstack`)."""
+    return Caches(self.as_kvcache()) if self.per_layer else self
+
+  def layer(self, i) -> KVCache:
+    """Layer ``i``'s caches, leaves ``[batch, n_kv_heads, ...]`` (``i`` traced: stacked only)."""
+    if self.per_layer:
+      return self.layers[i]
+    return jax.tree_util.tree_map(
+        lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), self.layers)
+
+  def with_layer(self, i, cache: KVCache, fields=None) -> "Caches":
+    """These caches with layer ``i``'s ``fields`` (None: all) taken from ``cache``."""
+    fields = KVCache._fields if fields is None else fields
+    if self.per_layer:
+      new = self.layers[i]._replace(**{f: getattr(cache, f) for f in fields})
+      return Caches(self.layers[:i] + (new,) + self.layers[i + 1:])
+    put = lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, axis=0)
+    kv = self.layers
+    return Caches(kv._replace(**{f: put(getattr(kv, f), getattr(cache, f)) for f in fields}))
+
+  def replace(self, **fields) -> "Caches":
+    """Stacked caches with whole fields (``[n_layers, batch, n_kv_heads, ...]``) replaced."""
+    return Caches(self.as_kvcache()._replace(**fields))
+
+  def compact(self, capacity: int) -> "Caches":
+    """``cache.compact`` on every layer: the kept tokens gathered into ``capacity`` slots
+    (what a deployment allocates after an eviction)."""
+    return Caches(jax.tree_util.tree_map(lambda c: cache_lib.compact(c, capacity), self.layers,
+                                         is_leaf=_is_kv))
+
+  def map(self, fn, *args):
+    """``fn(cache, *arg)`` on every (layer, row, KV head) cache.
+
+    ``args``: :class:`Caches` (either form) or arrays ``[n_layers, batch, n_kv_heads,
+    ...]``. In ``fn``'s result every ``KVCache`` comes back as :class:`Caches` in
+    this form, everything else stacked over layers.
+    """
+    if not self.per_layer:
+      flat = [a.as_kvcache() if isinstance(a, Caches) else a for a in args]
+      out = jax.vmap(over_heads(fn))(self.layers, *flat)
+      return jax.tree_util.tree_map(lambda x: Caches(x) if _is_kv(x) else x, out,
+                                    is_leaf=_is_kv)
+    outs = []
+    for i, c in enumerate(self.layers):
+      at = [a.layer(i) if isinstance(a, Caches) else a[i] for a in args]
+      outs.append(over_heads(fn)(c, *at))
+    return jax.tree_util.tree_map(
+        lambda *xs: Caches(tuple(xs)) if _is_kv(xs[0]) else jnp.stack(xs), *outs,
+        is_leaf=_is_kv)
+
+  def evict_heads(self, design, fn, *args) -> tuple["Caches", Any]:
+    """An eviction ``fn(cache, *arg) -> (new cache, out)`` on every cache, in this form.
+
+    Stacked: one ``vmap``. Per layer: one decision on the stacked slot metadata (keys
+    and values as norms, or zeros, unless ``design`` reads them), then each layer keeps
+    its own slots in place. On a mesh: ``distributed.map_evict``, whose kept
+    set is the one-device one. ``args`` as in :meth:`map`, arrays only.
+    """
+    every = jax.vmap(over_heads(fn))
+    if distributed.cache_mesh() is not None:
+      new, out = distributed.map_evict(design, every, self.as_kvcache(), *args)
+    elif not self.per_layer:
+      new, out = every(self.layers, *args)
+    else:
+      new, out = every(_metadata(self.layers, distributed.design_reads(design)), *args)
+      apply = over_heads(cache_lib.apply_keep)
+      return Caches(tuple(apply(c, new.valid[i], new.log_pi[i])
+                          for i, c in enumerate(self.layers))), out
+    return Caches(new), out
+
+  def rebase(self) -> "Caches":
+    """``cache.rebase`` where an eviction left a stale ``v_ref`` (a ``lax.cond`` skips it
+    elsewhere; on a mesh it runs, with no collectives inside a cond)."""
+    if distributed.cache_mesh() is not None:
+      return Caches(cache_lib.rebase(self.layers))
+    needed = jnp.any(jnp.stack([cache_lib.needs_rebase(c) for c in self._parts()]))
+    rebased = lambda ls: jax.tree_util.tree_map(cache_lib.rebase, ls, is_leaf=_is_kv)
+    return Caches(jax.lax.cond(needed, rebased, lambda ls: ls, self.layers))
+
+  def reserve(self, new_valid) -> tuple["Caches", ChunkSlots]:
+    """Every layer's slots for a chunk, with all but its keys and values written.
+
+    With :meth:`write_kv` per layer, an append on every layer without copies;
+    ``new_valid`` [batch, t] is False on right padding. Stacked caches only. On a mesh
+    ``idx`` is None and :meth:`write_kv` appends.
+    """
+    self._require_stacked("reserve")
+    kv = self.layers
+    n_kv = kv.n_seen.shape[-1]
+    start = kv.n_seen[0, :, 0]  # [batch], equal across layers and KV heads
+    positions = start[:, None] + jnp.cumsum(new_valid, axis=1).astype(jnp.int32) - 1
+    per_head = jnp.repeat(new_valid[:, None], n_kv, axis=1)
+    if distributed.cache_mesh() is not None:
+      return self, ChunkSlots(None, positions, per_head)
+    assign = jax.vmap(over_heads(cache_lib.slot_assignment), in_axes=(0, None))
+    slots = assign(kv.valid, per_head)
+    meta, counters = jax.vmap(over_heads(cache_lib.slot_metadata))(kv, slots)
+    n_layers, b = slots.idx.shape[:2]
+    at = (jnp.arange(n_layers)[:, None, None, None], jnp.arange(b)[None, :, None, None],
+          jnp.arange(n_kv)[None, None, :, None], slots.idx)
+    kv = kv._replace(**{f: getattr(kv, f).at[at].set(u, mode="drop") for f, u in meta.items()},
+                     **counters)
+    return Caches(kv), ChunkSlots(slots.idx, positions, per_head)
+
+  def write_kv(self, i, slots: ChunkSlots, k_new, v_new) -> "Caches":
+    """Layer ``i``'s (int or traced) keys [batch, n_kv_heads, t, head_dim] and values into
+    the slots :meth:`reserve` gave them (one scatter per field, in place when donated)."""
+    self._require_stacked("write_kv")
+    if slots.idx is None:  # sequence-sharded: the whole append on the layer
+      return self.with_layer(i, append(self.layer(i), k_new, v_new, slots.new_valid))
+    idx = jax.lax.dynamic_index_in_dim(slots.idx, i, axis=0, keepdims=False)  # [b, h, t]
+    b, h = idx.shape[:2]
+    one = self.layer(i)
+    stored = jnp.sum(idx < one.capacity, axis=-1)
+    fresh = (jnp.sum(one.valid, axis=-1) == stored) & slots.new_valid[:, :, 0]  # v_ref: first
+    new, v_ref = over_heads(cache_lib.slot_kv)(one, k_new, v_new, fresh)
+    at = (i, jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], idx)
+    kv = self.layers
+    return Caches(kv._replace(
+        **{f: getattr(kv, f).at[at].set(u, mode="drop") for f, u in new.items()},
+        v_ref=jax.lax.dynamic_update_index_in_dim(kv.v_ref, v_ref, i, axis=0)))
+
+  def _require_stacked(self, verb: str) -> None:
+    if self.per_layer:
+      raise ValueError(f"Caches.{verb} needs stacked caches; these are per layer (call "
+                       ".stack() first, or attend each layer with certkv_jax.layer.attend)")
+
+  def _parts(self) -> tuple:
+    return tuple(self.layers) if self.per_layer else (self.layers,)
+
+
+def _stacked_field(name: str):
+  return property(lambda self: (getattr(self.layers, name) if not self.per_layer else
+                                jnp.stack([getattr(c, name) for c in self.layers])),
+                  doc=f"``KVCache.{name}`` of every layer, stacked on a leading layer axis.")
+
+
+for _name in KVCache._fields:  # caches.n_seen, caches.valid, ...: [n_layers, ...] in either form
+  setattr(Caches, _name, _stacked_field(_name))
+
+
+def _metadata(layers: tuple, reads) -> KVCache:
+  """Per-layer caches' slot metadata stacked, keys and values whole (``reads`` None) or as
+  ``[n_layers, b, h, cap, 1]`` norms where ``reads`` names them, else zeros."""
+  if reads is None:
+    return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
+
+  def stand_in(name):
+    xs = [getattr(c, name) for c in layers]
+    if f"{name}_norm" in reads:
+      return jnp.stack([distributed.norm_column(x) for x in xs])
+    return jnp.zeros((len(xs),) + xs[0].shape[:-1] + (1,), jnp.float32)
+
+  meta = jax.tree_util.tree_map(lambda *a: jnp.stack(a),
+                                *[c._replace(k=None, v=None) for c in layers])
+  return meta._replace(k=stand_in("k"), v=stand_in("v"))
+
+
+def init_caches(config, batch: int, capacity: int, dtype=jnp.float32) -> Caches:
+  """Empty stacked caches for a config such as :class:`CacheSpec`."""
+  one = cache_lib.init_cache(capacity, config.head_dim, dtype=dtype)
   lead = (config.n_layers, batch, config.n_kv_heads)
-  return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, lead + x.shape), one)
+  return Caches(jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, lead + x.shape), one))
 
 
-def abstract_caches(config, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+def abstract_caches(config, batch: int, capacity: int, dtype=jnp.float32) -> Caches:
   """:func:`init_caches`' ``jax.ShapeDtypeStruct`` leaves, allocating nothing."""
   return jax.eval_shape(lambda: init_caches(config, batch, capacity, dtype))
 
@@ -52,100 +268,3 @@ def append(cache: KVCache, k_new, v_new, new_valid) -> KVCache:
   if distributed.cache_mesh() is not None:
     return distributed.append(cache, k_new, v_new, new_valid)
   return over_heads(cache_lib.append)(cache, k_new, v_new, new_valid)
-
-
-class ChunkSlots(NamedTuple):
-  """Where a chunk's tokens go in every layer (:func:`reserve`)."""
-
-  idx: Optional[jax.Array]  # [n_layers, batch, n_kv_heads, t] int32 slot; cap = not stored
-  positions: jax.Array  # [batch, t] int32 positions of the chunk's tokens
-  new_valid: jax.Array  # [batch, n_kv_heads, t] bool, False on padding
-
-
-def reserve(caches: KVCache, new_valid) -> tuple[KVCache, ChunkSlots]:
-  """Every layer's slots for a chunk, with all but its keys and values written.
-
-  With :func:`write_kv` per layer, :func:`append` on every layer without copies;
-  ``new_valid`` [batch, t] is False on right padding. Sequence-sharded caches get
-  ``idx`` None, and :func:`write_kv` appends.
-  """
-  n_kv = caches.n_seen.shape[-1]
-  start = caches.n_seen[0, :, 0]  # [batch], equal across layers and KV heads
-  positions = start[:, None] + jnp.cumsum(new_valid, axis=1).astype(jnp.int32) - 1
-  per_head = jnp.repeat(new_valid[:, None], n_kv, axis=1)
-  if distributed.cache_mesh() is not None:
-    return caches, ChunkSlots(None, positions, per_head)
-  assign = jax.vmap(over_heads(cache_lib.slot_assignment), in_axes=(0, None))
-  slots = assign(caches.valid, per_head)
-  meta, counters = jax.vmap(over_heads(cache_lib.slot_metadata))(caches, slots)
-  n_layers, b = slots.idx.shape[:2]
-  at = (jnp.arange(n_layers)[:, None, None, None], jnp.arange(b)[None, :, None, None],
-        jnp.arange(n_kv)[None, None, :, None], slots.idx)
-  caches = caches._replace(
-      **{f: getattr(caches, f).at[at].set(u, mode="drop") for f, u in meta.items()},
-      **counters)
-  return caches, ChunkSlots(slots.idx, positions, per_head)
-
-
-def write_kv(caches: KVCache, i, slots: ChunkSlots, k_new, v_new) -> KVCache:
-  """Layer ``i``'s (int or traced) keys [batch, n_kv_heads, t, head_dim] and values into
-  the slots :func:`reserve` gave them (one scatter per field, in place when donated)."""
-  if slots.idx is None:  # sequence-sharded: the whole append on the layer
-    return with_layer(caches, i, append(layer(caches, i), k_new, v_new, slots.new_valid))
-  idx = jax.lax.dynamic_index_in_dim(slots.idx, i, axis=0, keepdims=False)  # [b, h, t]
-  b, h = idx.shape[:2]
-  one = layer(caches, i)
-  stored = jnp.sum(idx < one.capacity, axis=-1)
-  fresh = (jnp.sum(one.valid, axis=-1) == stored) & slots.new_valid[:, :, 0]  # v_ref: the first
-  new, v_ref = over_heads(cache_lib.slot_kv)(one, k_new, v_new, fresh)
-  at = (i, jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], idx)
-  return caches._replace(
-      **{f: getattr(caches, f).at[at].set(u, mode="drop") for f, u in new.items()},
-      v_ref=jax.lax.dynamic_update_index_in_dim(caches.v_ref, v_ref, i, axis=0))
-
-
-def rebase(caches):
-  """``cache.rebase``, run only where an eviction left a stale ``v_ref`` (any layout)."""
-  if distributed.cache_mesh() is not None:  # sharded: no collectives inside a cond
-    return cache_lib.rebase(caches)
-  if is_unstacked(caches):
-    needed = jnp.any(jnp.stack([cache_lib.needs_rebase(c) for c in caches]))
-    return jax.lax.cond(needed, lambda cs: tuple(cache_lib.rebase(c) for c in cs),
-                        lambda cs: tuple(cs), tuple(caches))
-  return jax.lax.cond(cache_lib.needs_rebase(caches), cache_lib.rebase, lambda c: c, caches)
-
-
-def unstack(caches: KVCache) -> tuple:
-  """Stacked caches as a tuple of per-layer caches (leaves ``[batch, n_kv_heads, ...]``).
-
-  A layer loop and eviction then update each layer's buffers in place; it copies,
-  so call it once before a decode loop. Unstacked caches are returned as they are.
-  """
-  if is_unstacked(caches):
-    return caches
-  return tuple(layer(caches, i) for i in range(caches.n_seen.shape[0]))
-
-
-def stack(caches) -> KVCache:
-  """The inverse of :func:`unstack` (stacked caches are returned as they are)."""
-  if not is_unstacked(caches):
-    return caches
-  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *caches)
-
-
-def is_unstacked(caches) -> bool:
-  """Whether ``caches`` is a tuple of per-layer caches (:func:`unstack`)."""
-  return isinstance(caches, (tuple, list)) and not isinstance(caches, KVCache)
-
-
-def layer(caches: KVCache, i) -> KVCache:
-  """Layer ``i`` (int or traced) of stacked caches: leaves ``[batch, n_kv_heads, ...]``."""
-  return jax.tree_util.tree_map(
-      lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), caches)
-
-
-def with_layer(caches: KVCache, i, cache: KVCache, fields=None) -> KVCache:
-  """Stacked caches with layer ``i``'s ``fields`` (None: all) replaced by ``cache``'s."""
-  fields = KVCache._fields if fields is None else fields
-  put = lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, axis=0)
-  return caches._replace(**{f: put(getattr(caches, f), getattr(cache, f)) for f in fields})

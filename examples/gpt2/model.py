@@ -111,8 +111,8 @@ def forward(params, config: GPT2Config, tokens, valid, caches, *,
     config: the model's sizes.
     tokens: [b, t] int token ids.
     valid: [b, t] bool, False on right padding.
-    caches: ``certkv_jax.kv.caches.init_caches(config, b, capacity)`` or the
-      caches of the previous call, leaves ``[n_layers, b, n_heads, cap, ...]``.
+    caches: a ``certkv_jax.kv.caches.Caches``: ``init_caches(config, b, capacity)``
+      or the caches of the previous call (``caches.layer(i)`` is layer i's).
       They must have room for the chunk: evict before appending (under ``jit``
       a token that finds no free slot is dropped and counted in each layer's
       ``overflow``; ``settings.checked`` raises through ``checkify``).
@@ -128,17 +128,17 @@ def forward(params, config: GPT2Config, tokens, valid, caches, *,
     without the certificate).
   """
   b, t = tokens.shape
-  pos = layer.positions(caches_lib.layer(caches, 0), valid)  # every layer has seen the same tokens
+  pos = layer.positions(caches.layer(0), valid)  # every layer has seen the same tokens
   x = params["wte"][tokens] + params["wpe"][pos]
   per_layer = []
   for i, block in enumerate(params["h"]):
     q, k, v = qkv(block, config, x)
-    res = layer.attend(q, k, v, caches_lib.layer(caches, i), valid=valid,
-                       shadow=None if shadow is None else caches_lib.layer(shadow, i),
+    res = layer.attend(q, k, v, caches.layer(i), valid=valid,
+                       shadow=None if shadow is None else shadow.layer(i),
                        settings=settings)
-    caches = caches_lib.with_layer(caches, i, res.cache)
+    caches = caches.with_layer(i, res.cache)
     if shadow is not None:
-      shadow = caches_lib.with_layer(shadow, i, res.shadow)
+      shadow = shadow.with_layer(i, res.shadow)
     per_layer.append(res.stats)
     x = x + linear(block["attn"]["c_proj"], res.out.reshape(b, t, config.hidden))
     hid = jax.nn.gelu(linear(block["mlp"]["c_fc"], layer_norm(block["ln_2"], x)),

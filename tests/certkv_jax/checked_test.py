@@ -242,7 +242,7 @@ class OverflowTest(absltest.TestCase):
   def test_model_caches_overflow_is_caught(self):
     config = test_util.tiny_config()
     caches = caches_lib.init_caches(config, 2, 3)
-    layer = jax.tree_util.tree_map(lambda x: x[0], caches)  # [batch, n_kv_heads, ...]
+    layer = caches.layer(0)  # [batch, n_kv_heads, ...]
     kv = jnp.ones((2, config.n_kv_heads, 4, config.head_dim))
     valid = jnp.ones((2, config.n_kv_heads, 4), bool).at[0, :, 3].set(False)
 

@@ -16,9 +16,9 @@ ACC = [0.9, 0.1, 0.5, 0.05, 0.3, 0.2]  # accumulated attention of positions 0..5
 def _caches():
   c = caches_lib.init_caches(SPEC, batch=1, capacity=8)
   k = jnp.arange(12, dtype=jnp.float32).reshape(1, 1, 6, 2)
-  c = caches_lib.stack(tuple(caches_lib.append(caches_lib.layer(c, i), k, k,
-                                               jnp.ones((1, 1, 6), bool)) for i in range(2)))
-  return c._replace(acc=c.acc.at[..., :6].set(jnp.array(ACC)))
+  c = caches_lib.Caches(tuple(caches_lib.append(c.layer(i), k, k, jnp.ones((1, 1, 6), bool))
+                              for i in range(2))).stack()
+  return c.replace(acc=c.acc.at[..., :6].set(jnp.array(ACC)))
 
 
 class EvictTest(absltest.TestCase):
@@ -50,9 +50,13 @@ class EvictTest(absltest.TestCase):
   def test_per_layer_caches_come_back_per_layer_and_equal(self):
     design = designs.h2o(4, n_sink=1, window=1)
     stacked = eviction.evict(design, _caches(), jax.random.PRNGKey(0))
-    per_layer = eviction.evict(design, caches_lib.unstack(_caches()), jax.random.PRNGKey(0))
-    self.assertTrue(caches_lib.is_unstacked(per_layer.caches))
-    np.testing.assert_array_equal(caches_lib.stack(per_layer.caches).valid, stacked.caches.valid)
+    per_layer = eviction.evict(design, _caches().unstack(), jax.random.PRNGKey(0))
+    self.assertTrue(per_layer.caches.per_layer)
+    np.testing.assert_array_equal(per_layer.caches.stack().valid, stacked.caches.valid)
+
+  def test_a_bare_kvcache_is_refused_by_name(self):
+    with self.assertRaisesRegex(TypeError, "caches must be a certkv_jax.kv.caches.Caches"):
+      eviction.evict(designs.h2o(4), _caches().as_kvcache(), jax.random.PRNGKey(0))
 
   def test_traced_budget_fraction(self):
     # budget 0.5 of 6 seen = 3 tokens: sink, window and position 2.

@@ -48,7 +48,7 @@ def _softmax_attention(q, k, v, scale):
 class LayerTest(absltest.TestCase):
 
   def test_attend_returns_named_fields_and_the_positions_it_used(self):
-    cache = caches_lib.layer(caches_lib.init_caches(SIZES, B, 8), 0)
+    cache = caches_lib.init_caches(SIZES, B, 8).layer(0)
     valid = jnp.asarray([[True] * T, [True, True, True, False, False]])
     res = layer.attend(*_qkv(jax.random.PRNGKey(0)), cache, valid=valid)
     self.assertIsInstance(res, layer.Attended)
@@ -62,7 +62,7 @@ class LayerTest(absltest.TestCase):
     np.testing.assert_array_equal(nxt.positions[:, 0], [5, 3])
 
   def test_scale_gives_the_softmax_at_that_scale(self):
-    cache = caches_lib.layer(caches_lib.init_caches(SIZES, B, 8), 0)
+    cache = caches_lib.init_caches(SIZES, B, 8).layer(0)
     q, k, v = _qkv(jax.random.PRNGKey(2))
     for scale in (None, 1.0, 0.1):
       out = layer.attend(q, k, v, cache, settings=layer.Settings(scale=scale)).out
@@ -72,7 +72,7 @@ class LayerTest(absltest.TestCase):
       layer.Settings(scale=-1.0)
 
   def test_overflow_is_reported_under_jit_and_raises_when_checked(self):
-    cache = caches_lib.layer(caches_lib.init_caches(SIZES, B, 3), 0)  # room for 3 of 5
+    cache = caches_lib.init_caches(SIZES, B, 3).layer(0)  # room for 3 of 5
     q, k, v = _qkv(jax.random.PRNGKey(3))
     valid = jnp.asarray([[True] * T, [True, True, False, False, False]])
     attend = jax.jit(layer.attend, static_argnames=("settings",))
@@ -92,15 +92,15 @@ class LayerTest(absltest.TestCase):
     valid = jnp.asarray([[True] * T, [True] * 4 + [False]])
     design = registry.make("snapkv", 0.5, n_sink=1, window=2)
     settings = layer.Settings(design)
-    reserved, slots = caches_lib.reserve(stacked, valid)
+    reserved, slots = stacked.reserve(valid)
     q, k, v = _qkv(jax.random.PRNGKey(4))
     got = layer.attend_layer(q, k, v, reserved, 1, slots, settings=settings)
-    want = layer.attend(q, k, v, caches_lib.layer(stacked, 1), valid=valid, settings=settings)
+    want = layer.attend(q, k, v, stacked.layer(1), valid=valid, settings=settings)
     np.testing.assert_allclose(got.out, want.out, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(got.positions, want.positions)
     np.testing.assert_array_equal(got.overflow, want.overflow)
     for f in ("k", "v", "acc", "obs", "pos", "valid"):
-      np.testing.assert_allclose(getattr(caches_lib.layer(got.cache, 1), f),
+      np.testing.assert_allclose(getattr(got.cache.layer(1), f),
                                  getattr(want.cache, f), rtol=1e-6, err_msg=f)
 
   def test_shadow_caches_hold_every_token_at_its_position(self):
@@ -108,10 +108,10 @@ class LayerTest(absltest.TestCase):
     kv = caches_lib.init_caches(SIZES, B, 6)
     shadow = layer.shadow_caches(SIZES, B, 6)
     q, k, v = _qkv(jax.random.PRNGKey(5))
-    res = [layer.attend(q, k, v, caches_lib.layer(kv, i), shadow=caches_lib.layer(shadow, i),
+    res = [layer.attend(q, k, v, kv.layer(i), shadow=shadow.layer(i),
                         settings=layer.Settings(design)) for i in range(SIZES.n_layers)]
-    kv = caches_lib.stack(tuple(r.cache for r in res))
-    shadow = caches_lib.stack(tuple(r.shadow for r in res))
+    kv = caches_lib.Caches(tuple(r.cache for r in res)).stack()
+    shadow = caches_lib.Caches(tuple(r.shadow for r in res)).stack()
     np.testing.assert_array_equal(shadow.pos[..., :T], np.broadcast_to(np.arange(T), (2, B, 2, T)))
     np.testing.assert_array_equal(res[0].stats.true_error, 0.0)  # nothing evicted yet
     ev = eviction.evict_and_record(design, kv, shadow, jax.random.PRNGKey(6))
@@ -123,7 +123,7 @@ class LayerTest(absltest.TestCase):
     np.testing.assert_array_equal(plain.caches.valid, ev.caches.valid)  # the same round
 
   def test_stack_stats_adds_a_leading_layer_axis(self):
-    cache = caches_lib.layer(caches_lib.init_caches(SIZES, B, 8), 0)
+    cache = caches_lib.init_caches(SIZES, B, 8).layer(0)
     q, k, v = _qkv(jax.random.PRNGKey(7))
     per_layer = [layer.attend(q, k, v, cache).stats, layer.attend(q, k, v, cache).stats]
     stacked = layer.stack_stats(per_layer)
@@ -137,7 +137,7 @@ class LayerTest(absltest.TestCase):
     cap = 37  # a slot count no other axis has
 
     def products_over_the_cache(settings):
-      cache = caches_lib.layer(caches_lib.init_caches(SIZES, B, cap), 0)
+      cache = caches_lib.init_caches(SIZES, B, cap).layer(0)
       jaxpr = jax.make_jaxpr(lambda c: layer.attend(*_qkv(jax.random.PRNGKey(0)), c,
                                                     settings=settings))(cache)
       return sum(1 for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"
@@ -155,7 +155,7 @@ class LayerTest(absltest.TestCase):
     self.assertEqual(layer.Settings(certificate=True), layer.Settings())  # one compile
     with self.assertRaisesRegex(ValueError, "certificate must be True, False, None or a"):
       layer.Settings(certificate=(None, (0,)))
-    cache = caches_lib.layer(caches_lib.init_caches(SIZES, B, 8), 0)
+    cache = caches_lib.init_caches(SIZES, B, 8).layer(0)
     qkv = _qkv(jax.random.PRNGKey(3))
     on_layer_1 = layer.Settings(certificate=sub(layers=(1,)))
     with self.assertRaisesRegex(ValueError, r"needs the layer's index: pass layer="):

@@ -309,7 +309,7 @@ class StatisticsTest(absltest.TestCase):
     h, d, n = CONFIG.n_heads, CONFIG.head_dim, PROMPT
     q = rng.normal(size=(BATCH, 1, h, d)).astype(np.float32)
     k, v = (rng.normal(size=(BATCH, n + 1, h, d)).astype(np.float32) for _ in range(2))
-    cache = jax.tree_util.tree_map(lambda a: a[0], caches_lib.init_caches(CONFIG, BATCH, n + 1))
+    cache = caches_lib.init_caches(CONFIG, BATCH, n + 1).layer(0)
     cache = jax.jit(caches_lib.append)(cache, k[:, :n].transpose(0, 2, 1, 3),
                                        v[:, :n].transpose(0, 2, 1, 3), np.ones((BATCH, h, n), bool))
     np.testing.assert_array_equal(layer.positions(cache, np.ones((BATCH, 1), bool)), n)
@@ -329,8 +329,8 @@ class StatisticsTest(absltest.TestCase):
     _, caches, _, _ = gpt2.forward(params, CONFIG, tokens, jnp.ones(tokens.shape, bool), caches,
                                 settings=layer.Settings(design=design, certificate=False))
     evicted, _, _, _ = eviction.evict(design, caches, jax.random.PRNGKey(5))
-    cache = jax.tree_util.tree_map(lambda a: a[0], evicted)
-    shadow = jax.tree_util.tree_map(lambda a: a[0], caches)  # full: nothing evicted yet
+    cache = evicted.layer(0)
+    shadow = caches.layer(0)  # full: nothing evicted yet
     nxt = jnp.full((BATCH, 1), 7)
     x = params["wte"][nxt] + params["wpe"][PROMPT]
     q, k, v = gpt2.qkv(params["h"][0], CONFIG, x)

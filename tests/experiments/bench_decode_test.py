@@ -287,7 +287,7 @@ class FloorTest(absltest.TestCase):
     n_valid = 4  # slots 4 and 5 empty: masked out
     k = rng.normal(size=caches.k.shape).astype(np.float32)
     v = rng.normal(size=caches.v.shape).astype(np.float32)
-    caches = caches._replace(
+    caches = caches.replace(
         k=jnp.asarray(k), v=jnp.asarray(v), valid=caches.valid.at[..., :n_valid].set(True),
         pos=jnp.broadcast_to(jnp.arange(6, dtype=caches.pos.dtype), caches.pos.shape),
         log_pi=jnp.zeros_like(caches.log_pi))

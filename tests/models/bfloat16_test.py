@@ -241,7 +241,7 @@ class TinyBfloat16Test(absltest.TestCase):
   def test_products_accumulate_in_float32_and_the_embedding_is_not_upcast(self):
     c16 = self.c16
     per_layer = forward.unstack_layers(self.p16, c16)
-    caches = caches_lib.unstack(caches_lib.init_caches(c16, 2, 48, precision.cache_dtype(c16)))
+    caches = (caches_lib.init_caches(c16, 2, 48, precision.cache_dtype(c16))).unstack()
     step = functools.partial(forward.forward_chunk, config=c16, layer_loop="unrolled")
     token, valid = self.tokens[:, :1], self.mask[:, :1]
     for name, fn, args in (

@@ -50,7 +50,7 @@ def _step_args(layer_loop: str, batch: int = 1):
   caches = jax.eval_shape(lambda: caches_lib.init_caches(CONFIG, batch, CAPACITY))
   if layer_loop == "unrolled":
     params = jax.eval_shape(lambda p: forward.unstack_layers(p, CONFIG), params)
-    caches = jax.eval_shape(caches_lib.unstack, caches)
+    caches = jax.eval_shape(lambda c: c.unstack(), caches)
   key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
   carry = (caches, jax.ShapeDtypeStruct((batch, CONFIG.vocab_size), jnp.float32), key)
   return params, carry, jax.ShapeDtypeStruct((), jnp.float32)

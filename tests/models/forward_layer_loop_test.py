@@ -65,17 +65,17 @@ class LayerLoopTest(absltest.TestCase):
             p, self.config, token, one, c, settings=layer_lib.Settings(
                 design=design, observe=False, certificate=cert), layer_loop=loop)
         want = step(self.params, caches, "scan")
-        got = step(per_layer, caches_lib.unstack(caches), "unrolled")
-        self.assertLen(got[1], self.config.n_layers)  # the caches stay per layer
+        got = step(per_layer, caches.unstack(), "unrolled")
+        self.assertTrue(got[1].per_layer)  # the caches stay per layer
         _close(self, got[0], want[0])
-        _close(self, caches_lib.stack(got[1]), want[1])
+        _close(self, got[1].stack(), want[1])
         self.assertEqual(got[2] is None, not cert)
         _close(self, got[2], want[2])
         if design is not None:  # eviction per layer: the same draws as stacked
           key = jax.random.PRNGKey(2)
           new, state, info, _ = eviction.evict(design, got[1], key, budget=0.5)
           new_want, state_want, info_want, _ = eviction.evict(design, want[1], key, budget=0.5)
-          _close(self, caches_lib.stack(new), new_want)
+          _close(self, new.stack(), new_want)
           _close(self, (state, info), (state_want, info_want))
 
   @pytest.mark.slow  # 20-40 s: generate compiled with both loops
@@ -105,11 +105,11 @@ class LayerLoopTest(absltest.TestCase):
 
   def test_unstack_round_trips(self):
     _, caches = self._prefilled(None)
-    per_layer = caches_lib.unstack(caches)
-    self.assertTrue(caches_lib.is_unstacked(per_layer))
-    self.assertFalse(caches_lib.is_unstacked(caches))
-    self.assertIs(caches_lib.unstack(per_layer), per_layer)
-    _close(self, caches_lib.stack(per_layer), caches)
+    per_layer = caches.unstack()
+    self.assertTrue(per_layer.per_layer)
+    self.assertFalse(caches.per_layer)
+    self.assertIs(per_layer.unstack(), per_layer)
+    _close(self, per_layer.stack(), caches)
     params = forward.unstack_layers(self.params, self.config)
     self.assertLen(params["params"]["layers"], self.config.n_layers)
     self.assertNotIn("q_proj", params["params"]["layers"][0])  # fused: one product
@@ -144,13 +144,13 @@ class LayerLoopTest(absltest.TestCase):
     valid = jnp.array([[True, True], [True, False]])
     k = jax.random.normal(jax.random.PRNGKey(3), (self.config.n_layers, b, h, 2, d))
     v = k + 1.0
-    got, slots = caches_lib.reserve(caches, valid)
+    got, slots = caches.reserve(valid)
     np.testing.assert_array_equal(slots.positions, [[10, 11], [7, 7]])  # padding: no position
     for i in range(self.config.n_layers):
-      got = caches_lib.write_kv(got, i, slots, k[i], v[i])
+      got = got.write_kv(i, slots, k[i], v[i])
     per_head = jnp.repeat(valid[:, None], h, axis=1)
-    want = caches_lib.stack([caches_lib.append(caches_lib.layer(caches, i), k[i], v[i],
-                                               per_head) for i in range(self.config.n_layers)])
+    want = caches_lib.Caches(tuple(caches_lib.append(caches.layer(i), k[i], v[i], per_head)
+                                   for i in range(self.config.n_layers))).stack()
     _close(self, got, want)
 
   def test_bad_layer_loop_names_it(self):
@@ -162,10 +162,9 @@ class LayerLoopTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "layer_loop='scan' needs stacked params and caches"):
       call(forward.unstack_layers(self.params, self.config), caches, "scan")
     with self.assertRaisesRegex(ValueError, "layer_loop='scan' needs stacked params and caches"):
-      call(self.params, caches_lib.unstack(caches), "scan")
-    with self.assertRaisesRegex(ValueError, "caches has 1 unstacked layers, config says "
-                                "n_layers=2"):
-      call(self.params, caches_lib.unstack(caches)[:1], "unrolled")
+      call(self.params, caches.unstack(), "scan")
+    with self.assertRaisesRegex(ValueError, "caches has 1 layers, config says n_layers=2"):
+      call(self.params, caches_lib.Caches(caches.unstack().layers[:1]), "unrolled")
     with self.assertRaisesRegex(ValueError, "layer_loop must be one of"):
       decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
                       config=self.config,
@@ -175,12 +174,12 @@ class LayerLoopTest(absltest.TestCase):
     token, caches = self._prefilled(None)
     want = decode.decode_step(self.params, jax.tree_util.tree_map(jnp.copy, caches), token[:, 0],
                               config=self.config)
-    per_layer = caches_lib.unstack(caches)
+    per_layer = caches.unstack()
     got = decode.decode_step(forward.unstack_layers(self.params, self.config), per_layer,
                              token[:, 0], config=self.config, layer_loop="unrolled")
-    self.assertTrue(per_layer[0].k.is_deleted())  # donated: updated in place
+    self.assertTrue(per_layer.layer(0).k.is_deleted())  # donated: updated in place
     _close(self, got[0], want[0])
-    _close(self, caches_lib.stack(got[1]), want[1])
+    _close(self, got[1].stack(), want[1])
     _close(self, got[2], want[2])
 
 

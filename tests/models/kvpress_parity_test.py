@@ -191,7 +191,7 @@ def _mean_last_over_kv_heads(caches):
   """kvpress's TOVA: the last query's attention averaged over all query heads
   of the layer, the same for every KV head (caches [layers, batch, kv_heads])."""
   last = jnp.mean(caches.last, axis=2, keepdims=True)
-  return caches._replace(last=jnp.broadcast_to(last, caches.last.shape))
+  return caches.replace(last=jnp.broadcast_to(last, caches.last.shape))
 
 
 def _kvpress_configured(name, fraction, n=128):
@@ -385,7 +385,7 @@ class KvpressParityTest(parameterized.TestCase):
     """Where the score is the same quantity, our values equal kvpress's."""
     caches, ref, _ = _prefill()
     n = caches.pos.shape[-1]
-    c = jax.tree_util.tree_map(lambda a: a[:, 0], caches)  # [layers, kv_heads, ...]
+    c = jax.tree_util.tree_map(lambda a: a[:, 0], caches.as_kvcache())  # [layers, kv_heads, ...]
     lift = lambda f, cc: jax.vmap(jax.vmap(f))(cc)
     knorm = np.asarray(lift(scores.KeyNorm(), c))
     np.testing.assert_allclose(knorm, ref[f"knorm_{ratio}/scores"], rtol=1e-5, atol=0)
@@ -511,7 +511,7 @@ class KvpressParityTest(parameterized.TestCase):
     on every head, so the flattened order is the same."""
     caches, ref, _ = _prefill()
     n = caches.pos.shape[-1]
-    c = jax.tree_util.tree_map(lambda a: a[:, 0], caches)
+    c = jax.tree_util.tree_map(lambda a: a[:, 0], caches.as_kvcache())
     lift = lambda f, cc: np.asarray(jax.vmap(jax.vmap(f))(cc))
     snap = lift(_KvpressSnapKVScore(SNAPKV_WINDOW, SNAPKV_KERNEL), c) / SNAPKV_WINDOW
     tova = np.asarray(_mean_last_over_kv_heads(caches).last)[:, 0]

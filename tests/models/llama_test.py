@@ -246,7 +246,7 @@ class LlamaTest(parameterized.TestCase):
     stat = lambda: np.where(valid, rng.uniform(0.01, 1.0, size=valid.shape), 0.0)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     ref = v[..., 0, :]  # the reference of v_sq: the value of the oldest token (a sink here)
-    caches = decode.init_caches(TINY, 2, cap)._replace(
+    caches = decode.init_caches(TINY, 2, cap).replace(
         k=f32(k), v=f32(v), v_sq=f32(np.sum((v - ref[..., None, :]) ** 2, -1) * valid),
         v_ref=f32(ref), valid=jnp.asarray(valid),
         pos=jnp.asarray(np.where(valid, np.arange(cap), -1), jnp.int32),

@@ -54,7 +54,7 @@ def _problem():
 def _result_arrays(gen, host):
   out = {"tokens": gen.tokens, "logits": gen.logits, "var_hat": gen.var_hat,
          "range_hat": gen.range_hat}
-  out.update({f"cache_{f}": getattr(gen.caches, f) for f in gen.caches._fields})
+  out.update({f"cache_{f}": getattr(gen.caches, f) for f in gen.caches.as_kvcache()._fields})
   return {k: host(v) for k, v in out.items()}
 
 

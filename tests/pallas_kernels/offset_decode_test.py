@@ -281,7 +281,7 @@ class DefaultsTest(parameterized.TestCase):
   def _attend_primitives(self, t):
     b, h, g, cap, d = 1, 2, 3, 256, 64
     cache = certkv_jax.kv.caches.init_caches(certkv_jax.kv.caches.CacheSpec(1, h, d), b, cap)
-    cache = jax.tree_util.tree_map(lambda a: a[0], cache)
+    cache = cache.layer(0)
     fn = lambda qg, cache: certified.attend(
         qg, cache, None, jnp.zeros((b, t), jnp.int32), certificate=True, with_probs=False)
     return _primitives(jax.make_jaxpr(fn)(jnp.ones((b, h, g, t, d)), cache).jaxpr)

@@ -141,7 +141,7 @@ class XlaPathPrecisionTest(parameterized.TestCase):
   def test_layer_attention(self, certificate, evaluation, dtype):
     b, h, g, t, cap, d = 1, 2, 3, 1, 32, 64
     cache = certkv_jax.kv.caches.init_caches(certkv_jax.kv.caches.CacheSpec(1, h, d), b, cap, dtype)
-    cache = jax.tree_util.tree_map(lambda a: a[0], cache)
+    cache = cache.layer(0)
     cache = cache._replace(valid=cache.valid.at[:, :, :20].set(True),
                            pos=cache.pos.at[:, :, :20].set(jnp.arange(20)))
     shadow = cache if evaluation else None
@@ -173,7 +173,7 @@ class BfloatModelTest(parameterized.TestCase):
                                                                      jnp.bfloat16))
     if loop == "unrolled":
       params = jax.eval_shape(lambda p: forward.unstack_layers(p, config), params)
-      caches = jax.eval_shape(certkv_jax.kv.caches.unstack, caches)
+      caches = jax.eval_shape(lambda c: c.unstack(), caches)
     design = None if design is None else design_defaults.make_design(design, 0.5)
 
     def operands(split):

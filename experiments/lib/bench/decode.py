@@ -29,7 +29,6 @@ import numpy as np
 from certkv_jax.attention.offset import AttentionConfig
 from certkv_jax.designs import registry
 from certkv_jax import eviction
-from certkv_jax.kv import cache as cache_lib
 from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer as layer_lib
 from experiments.lib import design_defaults
@@ -283,7 +282,7 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
       executables.add(shape_key)
       carry = jax.tree_util.tree_map(jnp.copy, (caches, first_logits, key))  # donated: own
       if loop == "unrolled":
-        carry = (caches_lib.unstack(carry[0]),) + carry[1:]
+        carry = (carry[0].unstack(),) + carry[1:]
       call, state = _stepper(fn, loop_params[loop], carry,
                              jnp.float32(1.0 if budget is None else budget))
       timed.append(_Timed(row, call, steps=per_call))
@@ -306,8 +305,8 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
       for every in plan.evict_every:
         caches = evicted
         if plan.capacity == "compact":
-          caches = cache_lib.compact(
-              evicted, compact_capacity(kept, b, every, plan.n_calls * per_call, context))
+          caches = evicted.compact(
+              compact_capacity(kept, b, every, plan.n_calls * per_call, context))
         for cert in plan.certificate_modes:
           add(name, design, cert, b, caches, d_logits, kept, every)
     del d_caches
@@ -320,7 +319,7 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
   attention = _memo(steps, ("attention",), _attention_fn)
   att = _Timed(dict(base, part="attention probe", bytes=att_bytes), lambda: _timed_call(attention, *att_args)[1])
   _round_robin(timed + [probe, mv, att], plan.repeats, log=log)
-  dropped = [int(jnp.sum(caches_lib.stack(s["carry"][0]).n_dropped)) for s in states]
+  dropped = [int(jnp.sum(s["carry"][0].n_dropped)) for s in states]
   if any(dropped):
     raise RuntimeError(f"decode benchmark bug: tokens found no cache slot ({dropped}); the "
                        "capacity must hold every appended token")

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 from certkv_jax.attention import certified
-from certkv_jax.kv import caches as caches_lib
 from certkv_jax.kv import memory as memory_lib
 def weight_bytes(params, config) -> int:
   """Bytes of weights a decode step reads: every parameter, but of an untied
@@ -97,7 +96,7 @@ def attention_inputs(caches, config, context: int, key):
   group = config.n_heads // config.n_kv_heads
   qg = jax.random.normal(key, (batch, config.n_kv_heads, group, 1, config.head_dim),
                          caches.k.dtype)
-  return caches_lib.unstack(caches), qg, jnp.full((batch, 1), context, jnp.int32)
+  return caches.unstack().layers, qg, jnp.full((batch, 1), context, jnp.int32)
 
 
 def attention_bytes(caches) -> int:

@@ -68,7 +68,6 @@ from certkv_jax.attention import certified
 from certkv_jax import certificate
 from certkv_jax.designs import budgets
 from certkv_jax import eviction
-from certkv_jax.kv import cache as cache_lib
 from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer as layer_lib
 from experiments.lib import batching
@@ -204,7 +203,7 @@ def run_overhead(params, config, examples, out_dir: str, plan: Plan, *,
       # What a deployment allocates after eviction: the kept tokens, compacted
       # to the front, plus the decoded ones (no prefill in this cache).
       small_cap = budgets.capacity(design, lengths, compacted=True)
-      caches = cache_lib.compact(caches, small_cap)
+      caches = caches.compact(small_cap)
     certify = (certified.Subsample(cert_layers, cert_heads) if with_cert
                else False)
 

@@ -69,7 +69,7 @@ def _rotate(caches, shadow, perturb, key):
   new_v = jnp.where(perturb[..., None], caches.v @ rot, caches.v)
   sh_v = shadow.v.at[..., :cap, :].set(
       jnp.where(perturb[..., None], shadow.v[..., :cap, :] @ rot, shadow.v[..., :cap, :]))
-  return caches._replace(v=new_v), shadow._replace(v=sh_v)
+  return caches.replace(v=new_v), shadow.replace(v=sh_v)
 
 
 @dataclasses.dataclass(frozen=True)

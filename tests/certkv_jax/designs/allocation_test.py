@@ -59,7 +59,7 @@ def _caches():
 
   @jax.jit
   def build(k, v, probs):
-    cs = caches_lib.init_caches(spec, B, CAP)
+    cs = caches_lib.init_caches(spec, B, CAP).as_kvcache()  # stacked, as allocations take
     cs = jax.vmap(over_heads(cache_lib.append))(cs, k, v)
     return jax.vmap(over_heads(lambda c, p: cache_lib.observe(c, p, observation=True)))(
         cs, probs)
@@ -75,7 +75,8 @@ def _targets_and_evict(design, alloc, cs, gains, key):
   """(uniform targets, allocated targets, kept counts after eviction, kept mask)."""
   base = jax.vmap(over_heads(design.budget.target))(cs)
   targets = alloc(design, cs, base, gains)
-  new, _, _, _ = eviction.evict(design, cs, key, allocation=alloc, gains=gains)
+  new, _, _, _ = eviction.evict(design, caches_lib.Caches(cs), key, allocation=alloc,
+                                gains=gains)
   return base, targets, jnp.sum(new.valid, -1), new.valid
 
 
@@ -366,7 +367,8 @@ class BadInputTest(absltest.TestCase):
       alloc(_design("priority_tail"), cs, base, jnp.ones((H, L)))
     # The same through eviction.evict (raised while tracing, before any work).
     with self.assertRaisesRegex(ValueError, "needs gains"):
-      eviction.evict(_design("priority_tail"), cs, jax.random.PRNGKey(0), allocation=alloc)
+      eviction.evict(_design("priority_tail"), caches_lib.Caches(cs), jax.random.PRNGKey(0),
+                     allocation=alloc)
     with self.assertRaisesRegex(ValueError, "observation_window"):
       allocation.TargetRadius()(registry.make("poisson_tail", FRACTION), cs, base, GAINS)
 
@@ -415,10 +417,11 @@ def _stream(design, alloc, gains):
     probs = jax.nn.softmax(jnp.where(cs.valid[..., None, :], logits, -jnp.inf), -1)
     cs = jax.vmap(over_heads(lambda c, p: design.update(c, design.init(c), p,
                                                         observation=True)[0]))(cs, probs)
-    cs, _, _, _ = eviction.evict(design, cs, key, allocation=alloc, gains=gains)
+    cs = eviction.evict(design, caches_lib.Caches(cs), key, allocation=alloc,
+                        gains=gains).caches.as_kvcache()
     return cs, jnp.max(jnp.sum(cs.valid, -1))
 
-  cs = caches_lib.init_caches(spec, 1, cap)
+  cs = caches_lib.init_caches(spec, 1, cap).as_kvcache()
   most = 0
   for i in range(STREAM.n_context // chunk):
     shape = (STREAM_L, 1, STREAM_H, chunk, STREAM_D)

@@ -132,9 +132,9 @@ class StoredValueNormsTest(parameterized.TestCase):
     spec = caches_lib.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=4)
     v = jax.random.normal(jax.random.PRNGKey(2), (1, 2, 3, 4)) + 5.0
     mask = jnp.array([[True, True, False]])
-    stacked, slots = caches_lib.reserve(caches_lib.init_caches(spec, 1, 8), mask)
+    stacked, slots = caches_lib.init_caches(spec, 1, 8).reserve(mask)
     for i in range(2):
-      stacked = caches_lib.write_kv(stacked, i, slots, jnp.zeros_like(v), v)
+      stacked = stacked.write_kv(i, slots, jnp.zeros_like(v), v)
     one = cache_lib.append(cache_lib.init_cache(8, 4), jnp.zeros((3, 4)), v[0, 1], mask[0])
     np.testing.assert_array_equal(stacked.v_ref[1, 0, 1], one.v_ref)
     np.testing.assert_allclose(stacked.v_sq[1, 0, 1], one.v_sq, rtol=1e-6)
@@ -151,14 +151,14 @@ class StoredValueNormsTest(parameterized.TestCase):
     out = []
     for first in (0.0, 7.0):
       vv = v.at[:, :, 0].add(first)
-      kv, slots = caches_lib.reserve(caches_lib.init_caches(spec, 1, 8), jnp.ones((1, 8), bool))
+      kv, slots = caches_lib.init_caches(spec, 1, 8).reserve(jnp.ones((1, 8), bool))
       for i in range(2):
-        kv = caches_lib.write_kv(kv, i, slots, vv, vv)
+        kv = kv.write_kv(i, slots, vv, vv)
       np.testing.assert_array_equal(kv.v_ref[:, 0, 0], jnp.stack([vv[0, 0, 0]] * 2))
       if layout == "unrolled":
-        kv = caches_lib.unstack(kv)
+        kv = kv.unstack()
       kv, _, _, _ = eviction.evict(design, kv, jax.random.PRNGKey(0))
-      out.append(caches_lib.stack(kv))
+      out.append(kv.stack())
     kept = np.asarray(out[0].valid[0, 0, 0])
     self.assertEqual(kept.sum(), 4)
     self.assertFalse(kept[0])  # token 0 (the old reference) was evicted

@@ -23,14 +23,14 @@ class CachesTest(absltest.TestCase):
   def test_reserve_then_write_kv_places_a_right_padded_chunk(self):
     c = caches_lib.init_caches(SPEC, batch=1, capacity=4)
     new_valid = jnp.array([[True, True, False]])  # two tokens and one padding slot
-    c, slots = caches_lib.reserve(c, new_valid)
+    c, slots = c.reserve(new_valid)
     np.testing.assert_array_equal(slots.positions, [[0, 1, 1]])  # padding repeats the last
     # reserve writes every layer's positions and validity, no keys yet.
     np.testing.assert_array_equal(c.pos[:, 0, 0], [[0, 1, -1, -1]] * 2)
     np.testing.assert_array_equal(c.n_seen[:, 0, 0], [2, 2])
     self.assertEqual(float(jnp.abs(c.k).sum()), 0.0)
     k = jnp.array([[1., 2.], [3., 4.], [9., 9.]])[None, None]  # [batch, kv heads, t, d]
-    c = caches_lib.write_kv(c, 1, slots, k, 2 * k)
+    c = c.write_kv(1, slots, k, 2 * k)
     np.testing.assert_array_equal(c.k[1, 0, 0, :2], [[1., 2.], [3., 4.]])
     np.testing.assert_array_equal(c.v[1, 0, 0, :2], [[2., 4.], [6., 8.]])
     self.assertEqual(float(jnp.abs(c.k[1, 0, 0, 2:]).sum()), 0.0)  # padding not stored
@@ -39,24 +39,64 @@ class CachesTest(absltest.TestCase):
   def test_append_equals_the_one_head_append(self):
     c = caches_lib.init_caches(SPEC, batch=1, capacity=4)
     k = jnp.array([[[[1., 0.], [0., 1.]]]])
-    got = caches_lib.append(caches_lib.layer(c, 0), k, k, jnp.ones((1, 1, 2), bool))
+    got = caches_lib.append(c.layer(0), k, k, jnp.ones((1, 1, 2), bool))
     one = cache_lib.append(cache_lib.init_cache(4, 2), k[0, 0], k[0, 0])
     for name in ("k", "pos", "valid", "n_seen"):
       np.testing.assert_array_equal(getattr(got, name)[0, 0], getattr(one, name), name)
 
   def test_layer_with_layer_stack_and_unstack(self):
     c = caches_lib.init_caches(SPEC, batch=1, capacity=3)
-    one = caches_lib.layer(c, 1)._replace(acc=jnp.full((1, 1, 3), 0.5))
-    c2 = caches_lib.with_layer(c, 1, one, fields=("acc",))
+    one = c.layer(1)._replace(acc=jnp.full((1, 1, 3), 0.5))
+    c2 = c.with_layer(1, one, fields=("acc",))
     np.testing.assert_array_equal(c2.acc[:, 0, 0], [[0., 0., 0.], [.5, .5, .5]])
-    per_layer = caches_lib.unstack(c2)
-    self.assertLen(per_layer, 2)
-    self.assertTrue(caches_lib.is_unstacked(per_layer))
-    self.assertFalse(caches_lib.is_unstacked(c2))
-    back = caches_lib.stack(per_layer)
+    per_layer = c2.unstack()
+    self.assertEqual(per_layer.n_layers, 2)
+    self.assertTrue(per_layer.per_layer)
+    self.assertFalse(c2.per_layer)
+    back = per_layer.stack()
     np.testing.assert_array_equal(back.acc, c2.acc)
-    self.assertIs(caches_lib.stack(c2), c2)
-    self.assertIs(caches_lib.unstack(per_layer), per_layer)
+    self.assertIs(c2.stack(), c2)
+    self.assertIs(per_layer.unstack(), per_layer)
+
+  def test_fields_read_stacked_in_either_form(self):
+    c = caches_lib.init_caches(SPEC, batch=1, capacity=3)
+    c = c.with_layer(1, c.layer(1)._replace(n_seen=jnp.full((1, 1), 7, jnp.int32)))
+    per_layer = c.unstack()
+    for form in (c, per_layer):
+      np.testing.assert_array_equal(form.n_seen[:, 0, 0], [0, 7])
+      self.assertEqual(form.k.shape, (2, 1, 1, 3, 2))
+      self.assertEqual(form.capacity, 3)
+      self.assertEqual(form.n_layers, 2)
+    # with_layer on the per-layer form replaces that layer's cache, not the others.
+    one = per_layer.with_layer(0, per_layer.layer(0)._replace(n_seen=jnp.ones((1, 1), jnp.int32)))
+    self.assertTrue(one.per_layer)
+    np.testing.assert_array_equal(one.n_seen[:, 0, 0], [1, 7])
+    self.assertIs(one.layer(1), per_layer.layer(1))
+
+  def test_map_gives_caches_in_this_form_and_the_rest_stacked(self):
+    c = caches_lib.init_caches(SPEC, batch=1, capacity=3)
+    extra = jnp.array([10, 20], jnp.int32)[:, None, None]  # [n_layers, batch, n_kv_heads]
+
+    def fn(cache, other, x):  # one head: n_seen + x, and the sum of the other's pos
+      return cache._replace(n_seen=cache.n_seen + x), jnp.sum(other.pos)
+
+    for form in (c, c.unstack()):
+      new, total = form.map(fn, c.unstack(), extra)
+      self.assertIsInstance(new, caches_lib.Caches)
+      self.assertEqual(new.per_layer, form.per_layer)
+      np.testing.assert_array_equal(new.n_seen[:, 0, 0], [10, 20])
+      np.testing.assert_array_equal(total, np.full((2, 1, 1), -3))  # 3 free slots, pos -1
+
+  def test_reserve_on_per_layer_caches_names_the_fix(self):
+    c = caches_lib.init_caches(SPEC, batch=1, capacity=3).unstack()
+    with self.assertRaisesRegex(ValueError, r"Caches.reserve needs stacked caches.*\.stack\(\)"):
+      c.reserve(jnp.ones((1, 2), bool))
+
+  def test_replace_is_stacked(self):
+    c = caches_lib.init_caches(SPEC, batch=1, capacity=3).unstack()
+    got = c.replace(acc=jnp.ones((2, 1, 1, 3)))
+    self.assertFalse(got.per_layer)
+    np.testing.assert_array_equal(got.acc, 1.0)
 
 
 if __name__ == "__main__":
