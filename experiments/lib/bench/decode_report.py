@@ -214,8 +214,9 @@ def render(results: dict, summary: dict) -> str:
                     for x in results.get("bandwidth", []) if "matvec_floor_multiple" in x)
         + ".",
         "- Attention floor: the full cache's attention alone (one query per head over every "
-        "layer's caches, `certified_attention.attend` without the certificate, as the full "
-        "cache's step attends; each layer's output the next one's query, so the layers run "
+        "layer's caches, `certkv_jax.attention.certified.attend` without the certificate, as "
+        "the full cache's step attends; each layer's output the next one's query, so the layers "
+        "run "
         "one after another), timed in the same round-robin, over its own floor (the "
         "caches' key and value bytes over the bandwidth). Per cell: "
         + ", ".join(f"batch {x['batch']} n={x['context']}: "
