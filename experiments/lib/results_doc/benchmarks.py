@@ -221,6 +221,30 @@ def bench_decode_parts(root: str) -> list[str]:
   return out + _floor_lines(s)
 
 
+def bench_decode_compile(root: str) -> list[str]:
+  """Compile seconds of the design steps against the full step's (``bench_decode_compile``)."""
+  rel = "bench_decode_compile"
+  res = fmt.read_json(root, f"{rel}/results.json")
+  out = ["## Decode step compile time", ""]
+  out += fmt.source([f"{rel}/results.json", f"{rel}/report.md", f"{rel}/COMMAND.md"],
+                    fmt.command(root, f"{rel}/COMMAND.md"))
+  rows = res["decode"]
+  body = []
+  for loop in sorted({r["layer_loop"] for r in rows}):
+    at = [r for r in rows if r["layer_loop"] == loop]
+    full = next(r["compile_s"] for r in at if r["design"] == "full")
+    for r in at:
+      label = r["design"] + ("+certificate" if r["certificate"] else "")
+      body.append([loop, label, "" if r["budget"] is None else f"{r['budget']:g}",
+                   f"{int(r['context']):,}", f"{r['compile_s']:.2f}",
+                   f"{r['compile_s'] / full:.2f}x"])
+  out += ["Compile seconds of one jitted decode step (first call minus steady state), and "
+          "over the full cache's step in the same layer loop (issue 42's CPU target: at "
+          "most 2x):", ""]
+  out += fmt.table(["layer loop", "step", "budget", "context", "compile s", "/ full"], body)
+  return out
+
+
 def sharding(root: str) -> list[str]:
   rows = fmt.read_rows(root, "bench_sharding_cpu.jsonl")
   out = ["## Sharded decoding (fake CPU devices)", ""]
