@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from certkv_jax import attention
+from certkv_jax.attention import offset
 from pallas_kernels import reference
 
 Array = jax.Array
@@ -22,7 +22,7 @@ Array = jax.Array
 def full_attention(q, k, v, mask, *, scale: Optional[float] = None) -> Array:
   """Full-cache output ``o`` [..., dv] (offsets 0), float32."""
   mask = jnp.asarray(mask)
-  res = attention.offset_attention(q, k, v, jnp.zeros(mask.shape, jnp.float32), mask,
+  res = offset.offset_attention(q, k, v, jnp.zeros(mask.shape, jnp.float32), mask,
                                    scale=scale)
   return res.out.astype(jnp.float32)
 
