@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from certkv_jax.designs import budgets as budgets_lib
 from certkv_jax.kv import cache as cache_lib
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax.kv.caches import Caches
 from certkv_jax.kv.caches import over_heads
 from certkv_jax.kv import distributed
@@ -53,9 +54,7 @@ def evict(design, caches: Caches, key, *, state=None, layer_budgets=None, budget
 
   Returns an :class:`Evicted` (``shadow`` None).
   """
-  if not isinstance(caches, Caches):
-    raise TypeError(f"caches must be a certkv_jax.kv.caches.Caches (init_caches), got "
-                    f"{type(caches).__name__}")
+  caches_lib.check_caches(caches)
   if layer_budgets is not None:
     layer_budgets = tuple(layer_budgets)
   if budget is not None:

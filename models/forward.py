@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from certkv_jax.attention import certified
 from certkv_jax.designs import allocation as allocation_lib
+from certkv_jax.kv import caches as caches_lib
 from certkv_jax.kv.caches import Caches
 from certkv_jax import layer
 from models.config import LlamaConfig
@@ -98,9 +99,7 @@ def _check_layer_loop(params, config: LlamaConfig, caches, layer_loop: str) -> N
   if unstacked and len(layers) != config.n_layers:
     raise ValueError(f"params has {len(layers)} unstacked layers, config says n_layers="
                      f"{config.n_layers}")
-  if not isinstance(caches, Caches):
-    raise TypeError(f"caches must be a certkv_jax.kv.caches.Caches (init_caches), got "
-                    f"{type(caches).__name__}")
+  caches_lib.check_caches(caches)
   if caches.n_layers != config.n_layers:
     raise ValueError(f"caches has {caches.n_layers} layers, config says n_layers="
                      f"{config.n_layers}")

@@ -45,6 +45,18 @@ def _is_kv(x) -> bool:
   return isinstance(x, KVCache)
 
 
+def _stack(trees):
+  """Same-structure trees stacked leaf by leaf on a new leading (layer) axis."""
+  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *trees)
+
+
+def check_caches(caches) -> None:
+  """A TypeError naming the type unless ``caches`` is a :class:`Caches`."""
+  if not isinstance(caches, Caches):
+    raise TypeError(f"caches must be a certkv_jax.kv.caches.Caches (init_caches), got "
+                    f"{type(caches).__name__}")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Caches:
@@ -80,7 +92,7 @@ class Caches:
     """One ``KVCache`` with leaves ``[n_layers, batch, n_kv_heads, ...]`` (a copy per layer)."""
     if not self.per_layer:
       return self.layers
-    return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *self.layers)
+    return _stack(self.layers)
 
   def unstack(self) -> "Caches":
     """One ``KVCache`` per layer: a layer loop and eviction then update each in place.
@@ -235,7 +247,7 @@ def _metadata(layers: tuple, reads) -> KVCache:
   """Per-layer caches' slot metadata stacked, keys and values whole (``reads`` None) or as
   ``[n_layers, b, h, cap, 1]`` norms where ``reads`` names them, else zeros."""
   if reads is None:
-    return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
+    return _stack(layers)
 
   def stand_in(name):
     xs = [getattr(c, name) for c in layers]
@@ -243,8 +255,7 @@ def _metadata(layers: tuple, reads) -> KVCache:
       return jnp.stack([distributed.norm_column(x) for x in xs])
     return jnp.zeros((len(xs),) + xs[0].shape[:-1] + (1,), jnp.float32)
 
-  meta = jax.tree_util.tree_map(lambda *a: jnp.stack(a),
-                                *[c._replace(k=None, v=None) for c in layers])
+  meta = _stack([c._replace(k=None, v=None) for c in layers])
   return meta._replace(k=stand_in("k"), v=stand_in("v"))
 
 
