@@ -20,3 +20,4 @@ class KernelConfig:
   range_mode: str = "exact"  # "exact" b_hat (one more XLA pass) or the one-pass "bound"
   num_warps: int = 4  # Triton only
   num_stages: int = 2  # Triton only
+  split_values: bool = False  # bfloat16 values multiply as stored (reference.split_matmul)

@@ -6,7 +6,9 @@ split are merged by ``reference.combine`` (method, section 9). Offsets are
 ``-log pi`` (``-inf`` marks an empty slot); an optional ragged length skips
 tiles. Backends: ``"triton"`` (GPU, tile loop in the kernel) and ``"mosaic"``
 (TPU, tile loop as the last grid axis); ``interpret=True`` runs either on CPU.
-Precision: ``precision.product_operands``; statistics are float32.
+Precision: ``precision.product_operands``; statistics are float32; with
+``KernelConfig.split_values`` bfloat16 values multiply as stored (two bfloat16
+products per tile, ``reference.split_matmul``) instead of as a float32 copy.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class BlockSizes:
 
 
 def _tile_update(carry, q, k_tile, v_tile, off_row, off_col, first_index, length, scale,
-                 with_stats, stacked):
+                 with_stats, stacked, split_values):
   """One tile: logits, validity (offset and length), online update; offsets come
   as ``off_row`` [1, bk] and ``off_col`` [bk, 1]."""
   block_k = k_tile.shape[0]
@@ -106,7 +108,8 @@ def _tile_update(carry, q, k_tile, v_tile, off_row, off_col, first_index, length
   return reference.online_update(
       carry, l, v_tile, w, valid, valid_col,
       options=reference.UpdateOptions(precision=jax.lax.Precision.HIGHEST,
-                                      second_order=with_stats, stacked_matmul=stacked))
+                                      second_order=with_stats, stacked_matmul=stacked,
+                                      split_values=split_values))
 
 
 def _rows_of(refs):
@@ -124,7 +127,7 @@ def _store(refs, p):
 
 
 def _triton_kernel(len_ref, q_ref, k_ref, v_ref, off_ref, offc_ref, *out_refs, scale,
-                   block_k, split_len, with_stats):
+                   block_k, split_len, with_stats, split_values):
   """grid = (B, splits); loops over the tiles of this split."""
   split = pl.program_id(1)
   q = q_ref[...]
@@ -136,14 +139,14 @@ def _triton_kernel(len_ref, q_ref, k_ref, v_ref, off_ref, offc_ref, *out_refs, s
   def body(t, carry):
     sl = pl.ds(t * block_k, block_k)
     return _tile_update(carry, q, k_ref[sl, :], v_ref[sl, :], off_ref[:, sl], offc_ref[sl, :],
-                        start + t * block_k, length, scale, with_stats, False)
+                        start + t * block_k, length, scale, with_stats, False, split_values)
 
   carry = jax.lax.fori_loop(0, n_tiles, body, reference.empty_partials((rows,), dv))
   _store(out_refs, carry)
 
 
 def _mosaic_kernel(len_ref, q_ref, k_ref, v_ref, off_ref, offc_ref, *out_refs, scale,
-                   block_k, tiles_per_split, with_stats):
+                   block_k, tiles_per_split, with_stats, split_values):
   """grid = (B, splits, tiles); accumulates in the resident output block."""
   b, split, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows, dv = q_ref.shape[0], v_ref.shape[-1]
@@ -159,7 +162,8 @@ def _mosaic_kernel(len_ref, q_ref, k_ref, v_ref, off_ref, offc_ref, *out_refs, s
     carry = _rows_of(out_refs)
     q = q_ref[...]
     _store(out_refs, _tile_update(carry, q, k_ref[...], v_ref[...], off_ref[...],
-                                  offc_ref[...], first, length, scale, with_stats, True))
+                                  offc_ref[...], first, length, scale, with_stats, True,
+                                  split_values))
 
 
 def _out_shapes(batch, splits, rows, dv):
@@ -194,7 +198,7 @@ def decode_partials(q, k, v, offset, lengths=None, *, scale: float, config: Kern
   out_shape = _out_shapes(batch, splits, rows, dv)
   if backend == "triton":
     kernel = functools.partial(_triton_kernel, scale=scale, block_k=bk, split_len=split_len,
-                               with_stats=with_stats)
+                               with_stats=with_stats, split_values=config.split_values)
     outs = pl.pallas_call(
         kernel,
         grid=(batch, splits),
@@ -218,7 +222,7 @@ def decode_partials(q, k, v, offset, lengths=None, *, scale: float, config: Kern
   elif backend == "mosaic":
     tiles = split_len // bk
     kernel = functools.partial(_mosaic_kernel, scale=scale, block_k=bk, tiles_per_split=tiles,
-                               with_stats=with_stats)
+                               with_stats=with_stats, split_values=config.split_values)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(batch, splits, tiles),

@@ -96,12 +96,17 @@ def _split(a, dtype):
   return jnp.concatenate([hi, (a - hi.astype(jnp.float32)).astype(dtype)], axis=-2)
 
 
-def split_matmul(a, v):
+def split_matmul(a, v, stacked: bool = True):
   """``a @ v`` for float32 ``a`` [..., r, n] and bfloat16 ``v`` [..., n, dv], reading ``v``
   as stored: one product of ``a``'s two bfloat16 parts (:func:`_split`), accumulating in
-  float32, so the values are never copied to float32."""
-  both = jnp.matmul(_split(a, v.dtype), v, precision=jax.lax.Precision.DEFAULT,
-                    preferred_element_type=jnp.float32)
+  float32, so the values are never copied to float32. ``stacked=False``: two products,
+  one per part (Triton concatenates only along the last axis)."""
+  dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.DEFAULT,
+                          preferred_element_type=jnp.float32)
+  if not stacked:
+    hi = a.astype(v.dtype)
+    return dot(hi, v) + dot((a - hi.astype(jnp.float32)).astype(v.dtype), v)
+  both = dot(_split(a, v.dtype), v)
   rows = a.shape[-2]
   return both[..., :rows, :] + both[..., rows:, :]
 
@@ -148,7 +153,8 @@ def online_update(carry: Partials, l, v, w, valid, valid_col=None, *, sqnorm=Non
   vf = jnp.where(valid_col, v.astype(jnp.float32), 0.0)  # [..., n, dv]
   if options.split_values and v.dtype == jnp.bfloat16:  # products on the values as stored
     vs = jnp.where(valid_col, v, jnp.zeros((), v.dtype))
-    v_dot, v_rows = functools.partial(split_matmul, v=vs), functools.partial(split_rows, vs)
+    v_dot = functools.partial(split_matmul, v=vs, stacked=options.stacked_matmul)
+    v_rows = functools.partial(split_rows, vs)
   else:
     v_dot = lambda a: dot(a, vf)
     v_rows = lambda x: jnp.swapaxes(dot(vf, jnp.swapaxes(x, -1, -2)), -1, -2)

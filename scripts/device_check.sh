@@ -20,26 +20,30 @@ FAST_A="tests/certkv_jax/designs/framework_test.py"
 FAST_B="tests/certkv_jax/attention/offset_test.py tests/certkv_jax/certificate/radius_test.py tests/certkv_jax/certificate/montecarlo_test.py"
 FAST_C="tests/examples/gpt2_test.py tests/certkv_jax/designs/sampling_test.py tests/certkv_jax/designs/priority_sampling_test.py"
 CKPT_ARGS=()
+# The kernel's tiling sweep (block_k:num_splits:num_warps[:split]; bench_kernels --tilings):
+# smaller tiles, more splits, 8 warps, and bfloat16 values multiplied as stored.
+BK_TILINGS="${BK_TILINGS:-128:2:4:split,64:16:4,64:16:4:split,32:16:4:split,64:16:8:split,32:32:4:split}"
 BK_ARGS=(--lengths=32768 --head_dims=128 --batch=64 --groups=4 --dtype=bfloat16
-         --repeats=7 --splits=1,4)
-DECODE_ARGS=(--contexts=8192 --designs=poisson_tail --budgets=0.125 --evict_every=16
+         --repeats=5 --splits=1,4 --tilings="$BK_TILINGS")
+DECODE_DESIGNS="${DECODE_DESIGNS:-poisson_tail}"
+DECODE_ARGS=(--contexts=8192 --designs="$DECODE_DESIGNS" --budgets=0.125 --evict_every=16
              --certificate=with --layer_loop=unrolled --noplain_prefill --repeats=5)
 BATCH_135M="${BATCH_135M:-1}"
 BATCH_1B="${BATCH_1B:-4}"
 DECODE_DTYPES="${DECODE_DTYPES:-bfloat16}"  # float32,bfloat16 adds the float32 parts
 # Time limits (seconds), sized from the first H200 runs (experiments/results/gpu_h200): there
 # a compiled kernel test took up to 13 s, designs_test.py needed over 125 s, the kernel bench's
-# first calls 33 s without a split sweep, and the 1B decode's first calls 47 s. Phase 1 runs
-# concurrently (checkpoints on the CPU, tests on the GPU): at most max(L_CKPT_135M + L_CKPT_1B,
-# L_KERNEL_TESTS, L_FAST) = 170 s. Phase 2 runs alone (it times): 100 + 95 + 95 = 290 s. With
-# the backend check (<= 15 s): at most 475 s. Each float32 decode part (DECODE_DTYPES) or
+# first calls 33 s without a split sweep (the tiling sweep adds 12 kernel variants), and the
+# 1B decode's first calls 47 s. Phase 1 runs concurrently (checkpoints on the CPU, tests on
+# the GPU): at most max(L_CKPT_135M + L_CKPT_1B, L_KERNEL_TESTS, L_FAST) = 150 s. Phase 2 runs
+# alone (it times): 125 + 95 + 95 = 315 s. With the backend check (<= 15 s): at most 480 s. Each float32 decode part (DECODE_DTYPES) or
 # batch (BATCH_135M=1,8) adds about one decode limit. A timed-out benchmark that wrote its
 # finished cells is "partial". Each limit can be set from the environment (L_FAST=200 ...).
 if [[ "$TINY" == 1 ]]; then
   FAST_A="tests/certkv_jax/designs/priority_sampling_test.py" FAST_B="tests/certkv_jax/designs/sampling_test.py" FAST_C=""
   CKPT_ARGS=(--layers=2 --vocab=512)
   BK_ARGS=(--lengths=256 --head_dims=16 --batch=2 --repeats=2 --iters=2 --probe_mb=4
-           --splits=1,2)
+           --splits=1,2 --tilings=32:2:4:split)
   DECODE_ARGS=(--contexts=128 --designs=poisson_tail --budgets=0.25 --evict_every=4
                --n_sink=2 --window=4 --certificate=with --layer_loop=unrolled --noplain_prefill
                --repeats=3)
@@ -47,14 +51,15 @@ if [[ "$TINY" == 1 ]]; then
   : "${L_CKPT_135M:=60}" "${L_CKPT_1B:=60}" "${L_KERNEL_TESTS:=60}" "${L_FAST:=120}"
   : "${L_BENCH_KERNELS:=90}" "${L_DECODE_135M:=150}" "${L_DECODE_1B:=150}"
 fi
-: "${L_CKPT_135M:=30}" "${L_CKPT_1B:=60}" "${L_KERNEL_TESTS:=150}" "${L_FAST:=170}"
-: "${L_BENCH_KERNELS:=100}" "${L_DECODE_135M:=95}" "${L_DECODE_1B:=95}"
+: "${L_CKPT_135M:=30}" "${L_CKPT_1B:=60}" "${L_KERNEL_TESTS:=150}" "${L_FAST:=150}"
+: "${L_BENCH_KERNELS:=125}" "${L_DECODE_135M:=95}" "${L_DECODE_1B:=95}"
 LAST_STATUS="" LAST_SECS=0 LAST_RC=0 LAST_LIMIT=0  # of the latest part run in the foreground
 
 usage() {
   cat <<EOF
 Usage: OUT=DIR [PYTHON=python3] [ONLY=part,...] [SCRATCH=DIR] [DECODE_DTYPES=...]
-       [BATCH_135M=...] [BATCH_1B=...] bash scripts/device_check.sh
+       [DECODE_DESIGNS=...] [BATCH_135M=...] [BATCH_1B=...] [BK_TILINGS=...]
+       bash scripts/device_check.sh
 
 Runs on a GPU (or TPU) only, in under 8 minutes, needing nothing but the repository; refuses
 with one line and exit status 2 elsewhere. Parts, each under its time limit, its result files

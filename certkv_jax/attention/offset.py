@@ -34,7 +34,7 @@ class AttentionConfig:
       online-softmax rescaling.
     block_sizes: for "pallas": an ``offset_decode.BlockSizes`` (None: default).
     range_mode: "exact" gives ``b_hat``; "bound" a one-pass upper bound.
-    split_values: for "xla": bfloat16 keys and values multiply as stored, each
+    split_values: bfloat16 values ("xla": and keys) multiply as stored, each
       float32 row against them split into two bfloat16 parts (16 bits; method,
       section 9), so no float32 copy of them is made; float32 caches are unaffected.
     with_probs: also return the probabilities: on the "xla" path from the same
@@ -195,7 +195,7 @@ def offset_attention(
     res = offset_decode.offset_decode_attention(
         gq, gk, gv, offset, scale=scale, config=offset_decode.KernelConfig(
             block_sizes=block_sizes, interpret=jax.default_backend() not in ("gpu", "tpu"),
-            range_mode=range_mode))
+            range_mode=range_mode, split_values=config.split_values))
   else:
     one_block = block_size is None or block_size >= k.shape[-2]
     res = reference.grouped_reference(

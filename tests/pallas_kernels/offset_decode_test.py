@@ -152,6 +152,21 @@ class KernelTest(parameterized.TestCase):
     q, k, v, off = _inputs(2, 4, 200, 64, dtype=jnp.bfloat16, seed=3)
     self._check(q, k, v, off)  # float32 accumulation: exact against bf16-valued f64
 
+  def test_split_values(self):
+    # bfloat16 values as stored, the float32 weights in two bfloat16 parts
+    # (hi + lo: relative error < 2^-16 = 1.5e-5 per weight): the output moves by
+    # at most that times sum_i p_i |v_i| <= max |v| (about 4 here), 6e-5; the
+    # statistics by the same relative amount. The tolerances leave 2x of that.
+    q, k, v, off = _inputs(2, 4, 300, 64, dtype=jnp.bfloat16, seed=12)
+    bs = od.BlockSizes(128, 1) if self.backend == "mosaic" else od.BlockSizes(32, 3)
+    run = lambda split: od.offset_decode_attention(q, k, v, off, config=od.KernelConfig(
+        backend=self.backend, interpret=self.INTERPRET, block_sizes=bs, split_values=split))
+    plain, split = run(False), run(True)
+    np.testing.assert_allclose(split.out, plain.out, rtol=1.2e-4, atol=1.2e-4)
+    np.testing.assert_allclose(split.lse, plain.lse, rtol=1e-6)  # keys: the same product
+    np.testing.assert_allclose(split.var_hat, plain.var_hat, rtol=1e-3, atol=1e-7)
+    np.testing.assert_allclose(split.range_hat, plain.range_hat, rtol=1e-3, atol=1e-6)
+
   def test_offsets_up_to_floor(self):
     # -log(1e-6) = 13.8: the largest offset the default floor allows.
     self._check(*_inputs(2, 4, 200, 64, seed=4, max_offset=-math.log(1e-6)))
@@ -238,6 +253,19 @@ class LoweringTest(parameterized.TestCase):
     lowered = jax.jit(f).trace(q, k, v, off, lengths).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
     self.assertIn("certkv_offset_decode", text)
+
+  @parameterized.parameters("tpu", "cuda")
+  def test_split_values_lowers(self, platform):
+    backend = "mosaic" if platform == "tpu" else "triton"
+    s = jax.ShapeDtypeStruct
+    args = (s((4, 4, 128), jnp.bfloat16), s((4, 4096, 128), jnp.bfloat16),
+            s((4, 4096, 128), jnp.bfloat16), s((4, 4096), jnp.float32))
+    for with_stats in (False, True):
+      f = functools.partial(od.offset_decode_attention, with_stats=with_stats,
+                            config=od.KernelConfig(backend=backend, range_mode="bound",
+                                                   split_values=True))
+      text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+      self.assertIn("certkv_offset_decode", text)
 
   @parameterized.parameters("tpu", "cuda")
   def test_chunk_lowers(self, platform):

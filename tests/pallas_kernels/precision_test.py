@@ -60,12 +60,12 @@ def _kernel_args(dtype, batch=2, groups=4, n=512, d=64):
 class KernelPrecisionTest(parameterized.TestCase):
 
   @parameterized.product(backend=od.BACKENDS, dtype=(jnp.float32, jnp.bfloat16),
-                         with_stats=(True, False))
-  def test_decode_kernel(self, backend, dtype, with_stats):
+                         with_stats=(True, False), split_values=(False, True))
+  def test_decode_kernel(self, backend, dtype, with_stats, split_values):
     bs = od.BlockSizes(128, 2)
     fn = functools.partial(od.offset_decode_attention, with_stats=with_stats,
                            config=od.KernelConfig(backend=backend, block_sizes=bs,
-                                                  interpret=True))
+                                                  interpret=True, split_values=split_values))
     bad, n = imprecise(fn, *_kernel_args(dtype))
     in_kernel = [w for w, _ in products(jax.make_jaxpr(fn)(*_kernel_args(dtype)).jaxpr)
                  if "pallas_call" in w]

@@ -23,8 +23,10 @@ fractions, not absolute times), for each cache length and head dim:
   ``split / unsplit`` ratios beside the others;
 * with the Pallas kernel (default on a GPU or TPU; interpreted on CPU, only on
   request): ``pallas_offset`` (kernel without statistics), ``pallas_stats_bound``,
-  ``pallas_stats_exact`` at the default tiling, and ``pallas_offset_s{S}`` /
-  ``pallas_stats_s{S}`` for each ``num_splits`` S of the sweep (``Plan.splits``).
+  ``pallas_stats_exact`` at the default tiling, and ``pallas_offset_{label}`` /
+  ``pallas_stats_{label}`` for each tiling of the sweep (``Plan.splits`` at the
+  default tiles, then ``Plan.tilings``; label ``k{block_k}s{splits}w{warps}``, with
+  a ``v`` where bfloat16 values multiply as stored).
 
 Launch overhead is amortized: each timed call is one jitted ``fori_loop`` of
 ``iters`` attention calls, each call's queries perturbed by ``eps`` (a runtime
@@ -199,10 +201,44 @@ def _xla_methods(split: bool):
   return methods
 
 
-def _kernel(with_stats, range_mode, block_sizes=None):
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """One point of the kernel's sweep: its tiles, split-K count, Triton warps and
+  whether bfloat16 values multiply as stored (``KernelConfig.split_values``)."""
+
+  block_k: int
+  num_splits: int
+  num_warps: int = 4
+  split_values: bool = False
+
+  @property
+  def label(self) -> str:
+    return (f"k{self.block_k}s{self.num_splits}w{self.num_warps}"
+            + ("v" if self.split_values else ""))
+
+
+def parse_tiling(text: str) -> Tiling:
+  """``block_k:num_splits:num_warps[:split]`` (e.g. ``64:16:4:split``) as a :class:`Tiling`."""
+  parts = str(text).split(":")
+  split = parts[3:] == ["split"]
+  try:
+    nums = [int(x) for x in parts[:3]]
+  except ValueError:
+    nums = []
+  if len(nums) != 3 or min(nums) < 1 or len(parts) > 3 + split:
+    raise ValueError(f"--tilings entries must be block_k:num_splits:num_warps[:split] with "
+                     f"positive ints, got {text!r}")
+  return Tiling(*nums, split_values=split)
+
+
+def _kernel(with_stats, range_mode, tiling=None):
   """The Pallas kernel (interpreted off an accelerator) on the precomputed offsets."""
-  config = offset_decode.KernelConfig(block_sizes=block_sizes, range_mode=range_mode,
-                                      interpret=not on_accelerator())
+  kw = {}
+  if tiling is not None:
+    kw = dict(block_sizes=offset_decode.BlockSizes(tiling.block_k, tiling.num_splits),
+              num_warps=tiling.num_warps, split_values=tiling.split_values)
+  config = offset_decode.KernelConfig(range_mode=range_mode, interpret=not on_accelerator(),
+                                      **kw)
 
   def f(q, k, v, log_pi, mask, sq, off):
     del log_pi, mask, sq
@@ -215,27 +251,28 @@ def _default_block_sizes(n, batch):
   return offset_decode.BlockSizes.get_default(n, batch, offset_decode.default_backend())
 
 
-def _sweep_splits(n, batch, splits):
-  """The sweep's ``num_splits`` values that fit ``n`` (a split of >= one tile)."""
+def _sweep(n, batch, splits, tilings):
+  """The sweep's tilings that fit ``n`` (a split of >= one tile): each ``splits`` value at
+  the default tiles, then ``tilings``."""
   block_k = _default_block_sizes(n, batch).block_k
-  fit = [s for s in dict.fromkeys(splits) if s * block_k <= n]
-  if len(fit) < len(set(splits)):
-    print(f"n={n}: skipping num_splits {sorted(set(splits) - set(fit))} "
-          f"(more splits than {block_k}-key tiles)", flush=True)
-  return block_k, fit
+  wanted = [Tiling(block_k, s) for s in splits] + list(tilings)
+  fit = [t for t in dict.fromkeys(wanted) if t.num_splits * t.block_k <= n]
+  for t in dict.fromkeys(wanted):
+    if t not in fit:
+      print(f"n={n}: skipping tiling {t.label} (more splits than {t.block_k}-key tiles)",
+            flush=True)
+  return fit
 
 
-def _methods(use_pallas, n, batch, splits, split_values=False):
+def _methods(use_pallas, n, batch, plan, split_values=False):
   methods = _xla_methods(split_values)
   if use_pallas:
     methods.update({"pallas_offset": _kernel(False, "bound"),
                     "pallas_stats_bound": _kernel(True, "bound"),
                     "pallas_stats_exact": _kernel(True, "exact")})
-    block_k, fit = _sweep_splits(n, batch, splits)
-    for s in fit:
-      bs = offset_decode.BlockSizes(block_k=block_k, num_splits=s)
-      methods[f"pallas_offset_s{s}"] = _kernel(False, "bound", bs)
-      methods[f"pallas_stats_s{s}"] = _kernel(True, "bound", bs)
+    for t in _sweep(n, batch, plan.splits, plan.tilings):
+      methods[f"pallas_offset_{t.label}"] = _kernel(False, "bound", t)
+      methods[f"pallas_stats_{t.label}"] = _kernel(True, "bound", t)
   return methods
 
 
@@ -244,26 +281,29 @@ def _ratio(rounds, a, b):
   return intervals.median_interval([x / y for x, y in zip(rounds[a], rounds[b])])
 
 
-def _pallas_fields(row, rounds, n, batch):
+def _pallas_fields(row, rounds, n, plan):
   """The kernel's fields of ``row``: its statistics' cost, bandwidth, the sweep."""
   r = _ratio(rounds, "pallas_stats_bound", "pallas_offset")
   row["pallas_stats_over_offset"] = r["median"]
   row["pallas_stats_over_offset_interval"] = [r["lo"], r["hi"], r["level"]]
   row["pallas_gbps"] = row["gbps"]["pallas_stats_bound"]
   row["pallas_fraction"] = row["fraction_of_bandwidth"]["pallas_stats_bound"]
+  batch = plan.batch
   default = _default_block_sizes(n, batch)
   row["default_block_sizes"] = {"block_k": default.block_k, "num_splits": default.num_splits}
-  block_k = default.block_k
-  row["splits"] = []
-  for s in sorted(int(m.rsplit("_s", 1)[1]) for m in rounds if m.startswith("pallas_offset_s")):
-    off, st = f"pallas_offset_s{s}", f"pallas_stats_s{s}"
-    row["splits"].append({
-        "num_splits": s, "block_k": block_k, "default": s == default.num_splits,
+  row["sweep"] = []
+  for t in _sweep(n, batch, plan.splits, plan.tilings):
+    off, st = f"pallas_offset_{t.label}", f"pallas_stats_{t.label}"
+    row["sweep"].append({
+        **dataclasses.asdict(t), "label": t.label,
+        "default": (t.block_k, t.num_splits, t.num_warps, t.split_values)
+        == (default.block_k, default.num_splits, 4, False),
         "padded_slots": offset_decode.pad_slots(
-            n, offset_decode.BlockSizes(block_k=block_k, num_splits=s)),
+            n, offset_decode.BlockSizes(block_k=t.block_k, num_splits=t.num_splits)),
         "offset_ms": row["seconds"][off] * 1e3, "stats_ms": row["seconds"][st] * 1e3,
         "stats_over_offset": _ratio(rounds, st, off)["median"],
         "offset_gbps": row["gbps"][off], "stats_gbps": row["gbps"][st],
+        "offset_fraction": row["fraction_of_bandwidth"][off],
         "stats_fraction": row["fraction_of_bandwidth"][st]})
 
 
@@ -273,7 +313,7 @@ def _cell(n, d, plan, use_pallas, probe):
   nbytes = _call_bytes(args)
   iters = plan.iters or _auto_iters(nbytes, plan.loop_bytes)
   eps = jnp.zeros((), jnp.float32)
-  methods = _methods(use_pallas, n, plan.batch, plan.splits,
+  methods = _methods(use_pallas, n, plan.batch, plan,
                      split_values=jnp.dtype(plan.dtype) == jnp.bfloat16)
   calls = {name: (_looped(fn, iters), (eps, *args), iters) for name, fn in methods.items()}
   probe_iters = plan.iters or _auto_iters(probe.nbytes, plan.loop_bytes)
@@ -300,7 +340,7 @@ def _cell(n, d, plan, use_pallas, probe):
       row[name] = r["median"]
       row[f"{name}_interval"] = [r["lo"], r["hi"], r["level"]]
   if use_pallas:
-    _pallas_fields(row, rounds, n, plan.batch)
+    _pallas_fields(row, rounds, n, plan)
   return row
 
 
@@ -351,6 +391,9 @@ class Plan:
   splits: tuple = plan_flags.setting(
       (), "num_splits values of the Pallas kernel to sweep, beside its default tiling (e.g. "
       "1,2,4,8).")
+  tilings: tuple = plan_flags.setting(
+      (), "Pallas kernel tilings to sweep, each block_k:num_splits:num_warps[:split] ("
+      "split: bfloat16 values multiplied as stored), e.g. 64:16:4,64:16:4:split.")
   iters: int = plan_flags.setting(
       0, "Attention calls per timed loop (0: enough to read 8 GB on a GPU/TPU, 250 MB on "
       "CPU).")
@@ -381,6 +424,8 @@ class Plan:
     if not kw["probe_mb"] > 0 or not kw["loop_bytes"] > 0 or self.max_seconds < 0:
       raise ValueError(f"--probe_mb and loop_bytes must be > 0 and --max_seconds >= 0, got "
                        f"{kw['probe_mb']}, {kw['loop_bytes']}, {self.max_seconds}")
+    kw["tilings"] = tuple(t if isinstance(t, Tiling) else parse_tiling(t)
+                          for t in self.tilings)
     if self.dtype not in ("bfloat16", "float32"):
       raise ValueError(f"--dtype must be bfloat16 or float32, got {self.dtype!r}")
     return dataclasses.replace(self, **kw)

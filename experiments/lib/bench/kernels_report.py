@@ -88,16 +88,19 @@ def render(rows, device: str, plan) -> str:
     for m, t in r["seconds"].items():
       lines.append(f"| {r['n']} | {r['d']} | {m} | {t * 1e3:.4f} | {r['gbps'][m]:.1f} | "
                    f"{r['fraction_of_bandwidth'][m]:.0%} | {r['ratio_to_plain'][m]:.2f}x |")
-  if pallas and any(r["splits"] for r in rows):
-    lines += ["", "## Pallas kernel: num_splits sweep", "",
-              "| n | d | splits | block_k | padded slots | offset ms | stats ms | stats/offset "
-              "| offset GB/s | stats GB/s (of probe) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+  if pallas and any(r["sweep"] for r in rows):
+    lines += ["", "## Pallas kernel: tiling sweep", "",
+              "Label `k{block_k}s{splits}w{warps}`; `v`: bfloat16 values multiplied as stored "
+              "(two bfloat16 products per tile) instead of as a float32 copy.", "",
+              "| n | d | tiling | padded slots | offset ms | stats ms | stats/offset "
+              "| offset GB/s (of probe) | stats GB/s (of probe) |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-      for s in r["splits"]:
+      for s in r["sweep"]:
         mark = " (default)" if s["default"] else ""
-        lines.append(f"| {r['n']} | {r['d']} | {s['num_splits']}{mark} | {s['block_k']} | "
-                     f"{s['padded_slots']} | {s['offset_ms']:.4f} | {s['stats_ms']:.4f} | "
-                     f"{s['stats_over_offset']:.2f}x | {s['offset_gbps']:.1f} | "
-                     f"{s['stats_gbps']:.1f} ({s['stats_fraction']:.0%}) |")
+        lines.append(f"| {r['n']} | {r['d']} | {s['label']}{mark} | {s['padded_slots']} | "
+                     f"{s['offset_ms']:.4f} | {s['stats_ms']:.4f} | "
+                     f"{s['stats_over_offset']:.2f}x | {s['offset_gbps']:.1f} "
+                     f"({s['offset_fraction']:.0%}) | {s['stats_gbps']:.1f} "
+                     f"({s['stats_fraction']:.0%}) |")
   return "\n".join(lines) + "\n"
