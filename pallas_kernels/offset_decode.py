@@ -39,6 +39,10 @@ _STATS = ("m", "z", "s0", "s2", "r1", "rv")  # per-row scalar statistics
 
 # Fewer tiles per split and a program's fixed cost dominates.
 MIN_TILES_PER_SPLIT = 4
+# Programs per core the default split count aims at: one program per core leaves a
+# streaming kernel latency-bound (experiments/results/gpu_h100: 16 splits of 64 rows
+# beat 2).
+PROGRAMS_PER_CORE = 8
 DEFAULT_CORES = 132  # an H100/H200's SMs, for devices that report no core count
 
 
@@ -64,15 +68,16 @@ class BlockSizes:
   @classmethod
   def get_default(cls, n: int, batch_rows: int = 1, backend: str = "triton",
                   cores: Optional[int] = None) -> "BlockSizes":
-    """128-key tiles; on GPU, enough splits for ``batch_rows x splits`` programs
-    to cover ``cores`` (default :func:`device_cores`), each keeping at least
-    ``MIN_TILES_PER_SPLIT`` tiles."""
-    block_k = 128 if backend == "triton" else 512 if n >= 4096 else 128
+    """On GPU 64-key tiles (a 128-key float32 value tile spills registers) and
+    enough splits for ``PROGRAMS_PER_CORE`` programs per core (``cores``, default
+    :func:`device_cores`), each keeping at least ``MIN_TILES_PER_SPLIT`` tiles;
+    on TPU 512-key tiles and one split."""
+    block_k = 64 if backend == "triton" else 512 if n >= 4096 else 128
     tiles = -(-n // block_k)
     splits = 1
     if backend == "triton":
       cores = device_cores() if cores is None else cores
-      wanted = -(-cores // max(batch_rows, 1))
+      wanted = -(-PROGRAMS_PER_CORE * cores // max(batch_rows, 1))
       splits = max(1, min(wanted, tiles // MIN_TILES_PER_SPLIT))
       if n % block_k == 0:  # a split count dividing the tiles needs no padded copy
         fit = max(s for s in range(1, splits + 1) if tiles % s == 0)

@@ -239,20 +239,14 @@ ckpt() {  # ckpt NAME SHAPE LIMIT [--check]: the 1B shape is checked by its deco
 }
 
 decode() {  # decode NAME SHAPE DTYPE BATCHES LIMIT
-  local name=$1 shape=$2 dtype=$3 batches=$4 limit=$5 extra=()
+  local name=$1 shape=$2 dtype=$3 batches=$4 limit=$5
   if ! want "$name"; then return 0; fi
   if [[ ! -f "$CKPT/$shape/config.json" ]]; then
     skip "$name" "no checkpoint $shape (see ckpt parts)"
     return 0
   fi
-  if grep -qE '"dtype"|define_dtype_flag' experiments/bench_decode.py; then  # has --dtype
-    extra=(--dtype="$dtype")
-  elif [[ "$dtype" != float32 ]]; then
-    skip "$name" "experiments/bench_decode.py has no --dtype flag yet"
-    return 0
-  fi
   part "$name" "$limit" "$PYTHON" -m experiments.bench_decode --model="$CKPT/$shape" \
-    --out="$WORK/decode/$name" --batches="$batches" "${DECODE_ARGS[@]}" "${extra[@]}" \
+    --out="$WORK/decode/$name" --batches="$batches" "${DECODE_ARGS[@]}" --dtype="$dtype" \
     --max_seconds=$(( limit / 2 ))
   partial_if "$name" "$WORK/decode/$name/summary.json"
   publish

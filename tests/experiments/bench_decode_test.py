@@ -213,7 +213,8 @@ class PlanTest(absltest.TestCase):
                     (dict(evict_every=(4, 4)), "--evict_every has duplicates"),
                     (dict(evict_every=(3, 4)), "--evict_every values must divide the largest"),
                     (dict(layer_loop=("while",)), r"--layer_loop must be a list of \['scan'"),
-                    (dict(layer_loop=()), "--layer_loop must not be empty")):
+                    (dict(layer_loop=()), "--layer_loop must not be empty"),
+                    (dict(prefill_chunk=-1), r"--prefill_chunk must be an int in \[0, inf\]")):
       with self.subTest(msg=msg):
         with self.assertRaisesRegex(ValueError, msg):
           bench_decode.Plan(**dict(dict(contexts=(64,)), **kw)).check(max_positions=100)
@@ -236,6 +237,20 @@ class PlanTest(absltest.TestCase):
     self.assertEqual(parse("--contexts=64,128").contexts, (64, 128))
     with self.assertRaisesRegex(ValueError, "--contexts entries must be ints"):
       parse("--contexts=1k")
+
+  def test_chunked_prefill_matches_one_call(self):
+    # A 40-token prompt in chunks of 16 (16 + 16 + 8, the last right-padded) against one
+    # call: the same last logits and caches up to float32 summation order.
+    config = test_util.tiny_config()
+    params = test_util.tiny_params(config)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, config.vocab_size)
+    mask = jnp.ones((2, 40), bool)
+    design = certkv_jax.designs.registry.make("h2o", 0.5)
+    for d in (None, design):
+      one = bench_decode._prefill_fn(config, d, 48)(params, tokens, mask)
+      chunked = bench_decode._prefill_fn(config, d, 48, chunk=16)(params, tokens, mask)
+      jax.tree_util.tree_map(
+          lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), one, chunked)
 
   def test_median_interval(self):
     three = bench_decode.median_interval([3.0, 1.0, 2.0])

@@ -72,6 +72,7 @@ class BenchKernelsTest(absltest.TestCase):
                      (dict(splits=(0,)), "--splits must be positive"),
                      (dict(tilings=("64:0:4",)), "--tilings entries must be"),
                      (dict(tilings=("64:8:4:fast",)), "--tilings entries must be"),
+                     (dict(tilings=("64:8",)), "--tilings entries must be"),
                      (dict(batch=0), "--batch must be an int >= 1"),
                      (dict(iters=-1), r"--iters must be an int in \[0, 1000\]"),
                      (dict(dtype="float16"), "--dtype must be bfloat16 or float32")):
@@ -91,19 +92,19 @@ class BenchKernelsTest(absltest.TestCase):
   def test_pallas_split_sweep(self):
     out = os.path.join(self.create_tempdir().full_path, "bench.md")
     plan = bench_kernels.Plan(lengths=(256,), head_dims=(16,), batch=1, groups=2,
-                              dtype="bfloat16", repeats=1, pallas=True, splits=(2, 4),
-                              tilings=("32:4:8:split",), iters=1, probe_mb=1)
+                              dtype="bfloat16", repeats=1, pallas=True, splits=(2, 8),
+                              tilings=("32:4:8:3:split",), iters=1, probe_mb=1)
     (row,) = bench_kernels.run_and_report(plan, out=out)
-    self.assertEqual(row["default_block_sizes"], {"block_k": 128, "num_splits": 1})
-    split, tiled = row["sweep"]  # 4 splits of 128-key tiles do not fit 256 keys
+    self.assertEqual(row["default_block_sizes"], {"block_k": 64, "num_splits": 1})
+    split, tiled = row["sweep"]  # 8 splits of 64-key tiles do not fit 256 keys
     self.assertEqual((split["num_splits"], split["padded_slots"]), (2, 0))
-    self.assertEqual((tiled["label"], tiled["num_warps"], tiled["split_values"]),
-                     ("k32s4w8v", 8, True))
+    self.assertEqual((tiled["label"], tiled["num_warps"], tiled["num_stages"],
+                      tiled["split_values"]), ("k32s4w8n3v", 8, 3, True))
     self.assertGreater(row["pallas_fraction"], 0)
     self.assertEqual(row["pallas_gbps"], row["gbps"]["pallas_stats_bound"])
-    self.assertLessEqual({"pallas_stats_k128s2w4", "pallas_offset_k32s4w8v"},
+    self.assertLessEqual({"pallas_stats_k64s2w4", "pallas_offset_k32s4w8n3v"},
                          set(row["seconds"]))
-    self.assertIn("| 256 | 16 | k32s4w8v | 0 |", open(out).read())
+    self.assertIn("| 256 | 16 | k32s4w8n3v | 0 |", open(out).read())
 
 
 class BenchShardingTest(absltest.TestCase):

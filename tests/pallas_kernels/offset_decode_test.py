@@ -295,15 +295,15 @@ class DefaultsTest(parameterized.TestCase):
     self.assertTrue(bs.num_splits == 1 or tiles // bs.num_splits >= od.MIN_TILES_PER_SPLIT)
     # Enough programs for every core, unless the tiles run out first (a divisor of
     # the tiles, chosen to avoid a padded copy, may give up to half of the target).
-    target = min(-(-132 // rows), tiles // od.MIN_TILES_PER_SPLIT)
+    target = min(-(-od.PROGRAMS_PER_CORE * 132 // rows), tiles // od.MIN_TILES_PER_SPLIT)
     self.assertGreaterEqual(2 * bs.num_splits, max(target, 1))
     if n % bs.block_k == 0 and 2 * bs.num_splits < 2 * target:
       self.assertEqual(tiles % bs.num_splits, 0)
 
   def test_more_cores_more_splits(self):
-    small = od.BlockSizes.get_default(65536, 1, "triton", cores=16)
-    large = od.BlockSizes.get_default(65536, 1, "triton", cores=132)
-    self.assertEqual((small.num_splits, large.num_splits), (16, 128))
+    small = od.BlockSizes.get_default(65536, 64, "triton", cores=16)
+    large = od.BlockSizes.get_default(65536, 64, "triton", cores=132)
+    self.assertEqual((small.block_k, small.num_splits, large.num_splits), (64, 2, 16))
     self.assertEqual(od.BlockSizes.get_default(65536, 1, "mosaic").num_splits, 1)
 
   def _attend_primitives(self, t):

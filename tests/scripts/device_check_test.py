@@ -74,18 +74,21 @@ class ScriptTest(absltest.TestCase):
     self.assertEqual(done.stdout, "")
     self.assertFalse(os.path.exists(out))  # nothing written
 
-  @pytest.mark.slow  # a child process per part: about 40 s on the 2-core machine
+  @pytest.mark.slow  # a child process per part: about 90 s on the 2-core machine
   def test_tiny_dry_run_layout(self):
     out = os.path.join(self.create_tempdir().full_path, "device_out")
     done = _script({"OUT": out, "DEVICE_CHECK_ALLOW_CPU": "1",
-                    "ONLY": "ckpt_135m,bench_kernels"}, timeout=600)
+                    "ONLY": "ckpt_135m,bench_kernels,decode_135m_bfloat16"}, timeout=600)
     self.assertEqual(done.returncode, 0, done.stdout[-3000:] + done.stderr[-3000:])
     self.assertEqual(sorted(os.listdir(out)), ["bench_kernels.json", "bench_kernels.md",
-                                               "device_check.tar.gz", "parts.json"])
+                                               "decode.md", "device_check.tar.gz",
+                                               "parts.json"])
     with open(os.path.join(out, "parts.json")) as f:
       parts = json.load(f)
     self.assertTrue(parts["_run"]["tiny"])
-    for name in ("ckpt_135m", "bench_kernels"):
+    with open(os.path.join(out, "decode.md")) as f:
+      self.assertIn("weights and caches in bfloat16", f.read())
+    for name in ("ckpt_135m", "bench_kernels", "decode_135m_bfloat16"):
       self.assertEqual(parts[name]["status"], "ok")
       self.assertLessEqual(parts[name]["seconds"], parts[name]["limit"])
 

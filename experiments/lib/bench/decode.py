@@ -46,6 +46,7 @@ from models import forward
 from models import llama
 from models import memory
 from models import precision
+from models import prefill as prefill_lib
 
 DESIGNS = ("poisson_tail", "snapkv", "h2o")
 BUDGETS = (0.125, 0.25, 0.5)
@@ -93,6 +94,10 @@ class Plan:
   plain_prefill: bool = plan_flags.setting(
       True, "Also time the plain one-shot forward beside the cached prefill (its dense "
       "softmax grows with the square of the context: most of a 4k cell's time).")
+  prefill_chunk: int = plan_flags.setting(
+      2048, "Prompt tokens per call of the cached prefill (a scan over chunks; 0: the whole "
+      "prompt in one call, whose attention logits grow with the square of the context: "
+      "8,192 tokens at batch 4 of a 32-head model need 69 GB).")
   dtype: str = plan_flags.setting(model_loading.DEFAULT_DTYPE, model_loading.DTYPE_HELP,
                                   choices=model_loading.DTYPES)
   split_values: bool = plan_flags.setting(
@@ -145,6 +150,7 @@ class Plan:
         raise ValueError(f"--evict_every values must divide the largest "
                          f"({self.steps_per_call}), got {list(self.evict_every)}")
     flags.check_int("repeats", self.repeats, 1, 10000)
+    flags.check_int("prefill_chunk", self.prefill_chunk, 0)
     flags.check_int("seed", self.seed, 0)
     if self.certificate not in CERTIFICATE:
       raise ValueError(f"--certificate must be one of {list(CERTIFICATE)}, got "
@@ -220,16 +226,28 @@ def compact_capacity(kept: int, budget: float, every: int, appended: int, contex
   return max(kept, math.floor(budget * (context + appended))) + every
 
 
-def _prefill_fn(config, design, capacity: int, attention=None):
-  """Jitted cached prefill ``(params, tokens, mask) -> (last logits, caches)``."""
+def _prefill_fn(config, design, capacity: int, attention=None, chunk: int = 0):
+  """Jitted cached prefill ``(params, tokens, mask) -> (last logits, caches)``, ``chunk``
+  prompt tokens per ``forward_chunk`` call in a ``lax.scan`` (0: the whole prompt in one;
+  a chunk's logits are [batch, heads, chunk, capacity])."""
+  settings = layer_lib.Settings(design=design, certificate=False, attention=attention)
+
+  def run(params, caches, t, v):
+    logits, caches, _, _ = forward.forward_chunk(params, config, t, v, caches,
+                                                 settings=settings)
+    return logits, caches
 
   def prefill(params, tokens, mask):
     caches = caches_lib.init_caches(config, tokens.shape[0], capacity,
                                     precision.cache_dtype(config))
-    logits, caches, _, _ = forward.forward_chunk(
-        params, config, tokens, mask, caches,
-        settings=layer_lib.Settings(design=design, certificate=False, attention=attention))
-    return logits[:, -1], caches
+    n = tokens.shape[1]
+    toks, valid = prefill_lib.chunk_layout(tokens, mask, min(chunk or n, n))
+    if toks.shape[0] > 1:  # all but the last chunk; their logits are dead code
+      caches, _ = jax.lax.scan(lambda c, x: (run(params, c, *x)[1], None), caches,
+                               (toks[:-1], valid[:-1]))
+    logits, caches = run(params, caches, toks[-1], valid[-1])
+    last = jnp.maximum(jnp.sum(valid[-1], axis=1) - 1, 0)
+    return logits[jnp.arange(tokens.shape[0]), last], caches
   return jax.jit(prefill)
 
 
@@ -262,7 +280,8 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
   base = dict(context=context, batch=batch, split_values=plan.split_values)
   attention = AttentionConfig(split_values=True) if plan.split_values else None
   full_prefill = _memo(steps, ("prefill", None, cap_full),
-                       lambda: _prefill_fn(config, None, cap_full, attention))
+                       lambda: _prefill_fn(config, None, cap_full, attention,
+                                           plan.prefill_chunk))
   (logits, full_caches), prefill_first = _timed_call(full_prefill, params, tokens, mask)
   say(f"  first call {prefill_first:.1f} s: prefill full, context {context} batch {batch}")
   timed, states = [], []
@@ -296,7 +315,8 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
   for name in plan.designs:
     design = design_defaults.make_design(name, _STATIC_BUDGET, plan.n_sink, plan.window)
     prefill = _memo(steps, ("prefill", name, cap_full),
-                    lambda: _prefill_fn(config, design, cap_full, attention))
+                    lambda: _prefill_fn(config, design, cap_full, attention,
+                                        plan.prefill_chunk))
     (d_logits, d_caches), first = _timed_call(prefill, params, tokens, mask)
     say(f"  first call {first:.1f} s: prefill {name}")
     for b in plan.budgets:

@@ -247,7 +247,9 @@ def render(results: dict, summary: dict) -> str:
         "ratios to `full` (same round of the round-robin).",
         f"- Budgets: {summary.get('budgets_traced', '')}.",
         "- Prefill: `cached` is `forward_chunk` into empty caches of `context` + the timed "
-        "calls' slots (as `generate` prefills, without the certificate); `plain` is "
+        "calls' slots (as `generate` prefills, without the certificate"
+        + (f"; {plan['prefill_chunk']} tokens per call, scanned" if plan.get("prefill_chunk")
+           else "; the whole prompt in one call") + "); `plain` is "
         "`LlamaModel(config).apply(params, tokens)`, whose attention is "
         "`models.llama.grouped_attention`: a dense float32 "
         "einsum softmax materializing the [batch, heads, seq, seq] logits under a causal "

@@ -25,8 +25,8 @@ fractions, not absolute times), for each cache length and head dim:
   request): ``pallas_offset`` (kernel without statistics), ``pallas_stats_bound``,
   ``pallas_stats_exact`` at the default tiling, and ``pallas_offset_{label}`` /
   ``pallas_stats_{label}`` for each tiling of the sweep (``Plan.splits`` at the
-  default tiles, then ``Plan.tilings``; label ``k{block_k}s{splits}w{warps}``, with
-  a ``v`` where bfloat16 values multiply as stored).
+  default tiles, then ``Plan.tilings``; label ``k{block_k}s{splits}w{warps}``, then
+  ``n{stages}`` unless 2, and ``v`` where bfloat16 values multiply as stored).
 
 Launch overhead is amortized: each timed call is one jitted ``fori_loop`` of
 ``iters`` attention calls, each call's queries perturbed by ``eps`` (a runtime
@@ -209,25 +209,29 @@ class Tiling:
   block_k: int
   num_splits: int
   num_warps: int = 4
+  num_stages: int = 2
   split_values: bool = False
 
   @property
   def label(self) -> str:
     return (f"k{self.block_k}s{self.num_splits}w{self.num_warps}"
+            + (f"n{self.num_stages}" if self.num_stages != 2 else "")
             + ("v" if self.split_values else ""))
 
 
 def parse_tiling(text: str) -> Tiling:
-  """``block_k:num_splits:num_warps[:split]`` (e.g. ``64:16:4:split``) as a :class:`Tiling`."""
+  """``block_k:num_splits:num_warps[:num_stages][:split]`` (e.g. ``64:16:4:3:split``) as a
+  :class:`Tiling` (2 stages unless given)."""
   parts = str(text).split(":")
-  split = parts[3:] == ["split"]
+  split = parts[-1] == "split"
+  nums = parts[:-1] if split else parts
   try:
-    nums = [int(x) for x in parts[:3]]
+    nums = [int(x) for x in nums]
   except ValueError:
     nums = []
-  if len(nums) != 3 or min(nums) < 1 or len(parts) > 3 + split:
-    raise ValueError(f"--tilings entries must be block_k:num_splits:num_warps[:split] with "
-                     f"positive ints, got {text!r}")
+  if len(nums) not in (3, 4) or min(nums) < 1:
+    raise ValueError(f"--tilings entries must be block_k:num_splits:num_warps[:num_stages]"
+                     f"[:split] with positive ints, got {text!r}")
   return Tiling(*nums, split_values=split)
 
 
@@ -236,7 +240,8 @@ def _kernel(with_stats, range_mode, tiling=None):
   kw = {}
   if tiling is not None:
     kw = dict(block_sizes=offset_decode.BlockSizes(tiling.block_k, tiling.num_splits),
-              num_warps=tiling.num_warps, split_values=tiling.split_values)
+              num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+              split_values=tiling.split_values)
   config = offset_decode.KernelConfig(range_mode=range_mode, interpret=not on_accelerator(),
                                       **kw)
 
@@ -296,8 +301,8 @@ def _pallas_fields(row, rounds, n, plan):
     off, st = f"pallas_offset_{t.label}", f"pallas_stats_{t.label}"
     row["sweep"].append({
         **dataclasses.asdict(t), "label": t.label,
-        "default": (t.block_k, t.num_splits, t.num_warps, t.split_values)
-        == (default.block_k, default.num_splits, 4, False),
+        "default": (t.block_k, t.num_splits, t.num_warps, t.num_stages, t.split_values)
+        == (default.block_k, default.num_splits, 4, 2, False),
         "padded_slots": offset_decode.pad_slots(
             n, offset_decode.BlockSizes(block_k=t.block_k, num_splits=t.num_splits)),
         "offset_ms": row["seconds"][off] * 1e3, "stats_ms": row["seconds"][st] * 1e3,
@@ -392,8 +397,8 @@ class Plan:
       (), "num_splits values of the Pallas kernel to sweep, beside its default tiling (e.g. "
       "1,2,4,8).")
   tilings: tuple = plan_flags.setting(
-      (), "Pallas kernel tilings to sweep, each block_k:num_splits:num_warps[:split] ("
-      "split: bfloat16 values multiplied as stored), e.g. 64:16:4,64:16:4:split.")
+      (), "Pallas kernel tilings to sweep, each block_k:num_splits:num_warps[:num_stages]"
+      "[:split] (split: bfloat16 values multiplied as stored), e.g. 64:16:4,64:16:4:3:split.")
   iters: int = plan_flags.setting(
       0, "Attention calls per timed loop (0: enough to read 8 GB on a GPU/TPU, 250 MB on "
       "CPU).")

@@ -90,8 +90,9 @@ def render(rows, device: str, plan) -> str:
                    f"{r['fraction_of_bandwidth'][m]:.0%} | {r['ratio_to_plain'][m]:.2f}x |")
   if pallas and any(r["sweep"] for r in rows):
     lines += ["", "## Pallas kernel: tiling sweep", "",
-              "Label `k{block_k}s{splits}w{warps}`; `v`: bfloat16 values multiplied as stored "
-              "(two bfloat16 products per tile) instead of as a float32 copy.", "",
+              "Label `k{block_k}s{splits}w{warps}`, `n{stages}` where Triton's pipeline "
+              "stages are not 2; `v`: bfloat16 values multiplied as stored (two bfloat16 "
+              "products per tile) instead of as a float32 copy.", "",
               "| n | d | tiling | padded slots | offset ms | stats ms | stats/offset "
               "| offset GB/s (of probe) | stats GB/s (of probe) |",
               "|---|---|---|---|---|---|---|---|---|"]
