@@ -19,5 +19,5 @@ class KernelConfig:
   debug: bool = False  # print the kernel's jaxpr and lowering
   range_mode: str = "exact"  # "exact" b_hat (one more XLA pass) or the one-pass "bound"
   num_warps: int = 4  # Triton only
-  num_stages: int = 2  # Triton only
-  split_values: bool = False  # bfloat16 values multiply as stored (reference.split_matmul)
+  num_stages: Optional[int] = None  # Triton only; None: 3 where values split, else 2
+  split_values: bool = True  # bfloat16 values multiply as stored (reference.split_matmul)

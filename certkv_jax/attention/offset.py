@@ -36,7 +36,8 @@ class AttentionConfig:
     range_mode: "exact" gives ``b_hat``; "bound" a one-pass upper bound.
     split_values: bfloat16 values ("xla": and keys) multiply as stored, each
       float32 row against them split into two bfloat16 parts (16 bits; method,
-      section 9), so no float32 copy of them is made; float32 caches are unaffected.
+      section 9), so no float32 copy of them is made (False: the copy); float32
+      caches are unaffected.
     with_probs: also return the probabilities: on the "xla" path from the same
       logits (no second pass over the keys), on "pallas" from :func:`attention_probs`.
   """
@@ -45,7 +46,7 @@ class AttentionConfig:
   block_size: Optional[int] = None
   block_sizes: Optional[Any] = None
   range_mode: str = "exact"
-  split_values: bool = False
+  split_values: bool = True
   with_probs: bool = False
 
 

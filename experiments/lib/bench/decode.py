@@ -101,8 +101,9 @@ class Plan:
   dtype: str = plan_flags.setting(model_loading.DEFAULT_DTYPE, model_loading.DTYPE_HELP,
                                   choices=model_loading.DTYPES)
   split_values: bool = plan_flags.setting(
-      False, "Attention reads bfloat16 keys and values as stored (AttentionConfig."
-      "split_values) instead of a float32 copy; no effect in float32.")
+      True, "Attention reads bfloat16 keys and values as stored (AttentionConfig."
+      "split_values, the default); --nosplit_values: a float32 copy of them; no effect in "
+      "float32.")
 
   @property
   def certificate_modes(self) -> tuple:

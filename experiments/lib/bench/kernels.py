@@ -256,11 +256,20 @@ def _default_block_sizes(n, batch):
   return offset_decode.BlockSizes.get_default(n, batch, offset_decode.default_backend())
 
 
-def _sweep(n, batch, splits, tilings):
-  """The sweep's tilings that fit ``n`` (a split of >= one tile): each ``splits`` value at
-  the default tiles, then ``tilings``."""
-  block_k = _default_block_sizes(n, batch).block_k
-  wanted = [Tiling(block_k, s) for s in splits] + list(tilings)
+def _default_tiling(n, plan, splits=None) -> Tiling:
+  """The kernel's default tiling for ``plan``'s dtype (``splits``: another split count)."""
+  bs = _default_block_sizes(n, plan.batch)
+  stored = jnp.dtype(plan.dtype) == jnp.bfloat16  # KernelConfig's defaults
+  probe = offset_decode.KernelConfig()
+  return Tiling(bs.block_k, splits or bs.num_splits, probe.num_warps,
+                offset_decode.num_stages(probe, jnp.dtype(plan.dtype)),
+                bool(probe.split_values and stored))
+
+
+def _sweep(n, plan):
+  """The sweep's tilings that fit ``n`` (a split of >= one tile): each ``plan.splits``
+  value at the default tiling, then ``plan.tilings``."""
+  wanted = [_default_tiling(n, plan, s) for s in plan.splits] + list(plan.tilings)
   fit = [t for t in dict.fromkeys(wanted) if t.num_splits * t.block_k <= n]
   for t in dict.fromkeys(wanted):
     if t not in fit:
@@ -275,7 +284,7 @@ def _methods(use_pallas, n, batch, plan, split_values=False):
     methods.update({"pallas_offset": _kernel(False, "bound"),
                     "pallas_stats_bound": _kernel(True, "bound"),
                     "pallas_stats_exact": _kernel(True, "exact")})
-    for t in _sweep(n, batch, plan.splits, plan.tilings):
+    for t in _sweep(n, plan):
       methods[f"pallas_offset_{t.label}"] = _kernel(False, "bound", t)
       methods[f"pallas_stats_{t.label}"] = _kernel(True, "bound", t)
   return methods
@@ -297,12 +306,13 @@ def _pallas_fields(row, rounds, n, plan):
   default = _default_block_sizes(n, batch)
   row["default_block_sizes"] = {"block_k": default.block_k, "num_splits": default.num_splits}
   row["sweep"] = []
-  for t in _sweep(n, batch, plan.splits, plan.tilings):
+  default_tiling = _default_tiling(n, plan)
+  row["default_tiling"] = default_tiling.label
+  for t in _sweep(n, plan):
     off, st = f"pallas_offset_{t.label}", f"pallas_stats_{t.label}"
     row["sweep"].append({
         **dataclasses.asdict(t), "label": t.label,
-        "default": (t.block_k, t.num_splits, t.num_warps, t.num_stages, t.split_values)
-        == (default.block_k, default.num_splits, 4, 2, False),
+        "default": t == default_tiling,
         "padded_slots": offset_decode.pad_slots(
             n, offset_decode.BlockSizes(block_k=t.block_k, num_splits=t.num_splits)),
         "offset_ms": row["seconds"][off] * 1e3, "stats_ms": row["seconds"][st] * 1e3,
