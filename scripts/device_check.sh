@@ -20,9 +20,11 @@ FAST_A="tests/certkv_jax/designs/framework_test.py"
 FAST_B="tests/certkv_jax/attention/offset_test.py tests/certkv_jax/certificate/radius_test.py tests/certkv_jax/certificate/montecarlo_test.py"
 FAST_C="tests/examples/gpt2_test.py tests/certkv_jax/designs/sampling_test.py tests/certkv_jax/designs/priority_sampling_test.py"
 CKPT_ARGS=()
-# The kernel's tiling sweep (block_k:num_splits:num_warps[:split]; bench_kernels --tilings):
-# smaller tiles, more splits, 8 warps, and bfloat16 values multiplied as stored.
-BK_TILINGS="${BK_TILINGS:-128:2:4:split,64:16:4,64:16:4:split,32:16:4:split,64:16:8:split,32:32:4:split}"
+# The kernel's tiling sweep (block_k:num_splits:num_warps[:num_stages][:split]; bench_kernels
+# --tilings) beside the default (experiments/results/gpu_h100: 64-key tiles, 16 splits at
+# 64 rows, values as stored, 3 stages): the float32 value copy, 2 stages, 2 warps, more
+# splits, 128-key tiles.
+BK_TILINGS="${BK_TILINGS:-64:16:4,64:16:4:split,32:16:2:split,64:32:4:3:split,32:32:4:3:split,128:16:4:3:split}"
 BK_ARGS=(--lengths=32768 --head_dims=128 --batch=64 --groups=4 --dtype=bfloat16
          --repeats=5 --splits=1,4 --tilings="$BK_TILINGS")
 DECODE_DESIGNS="${DECODE_DESIGNS:-poisson_tail}"
