@@ -105,9 +105,9 @@ def gpu_h100(root: str) -> list[str]:
           f"bfloat16 values) reads at {best['stats_fraction']:.0%} of the probe, "
           f"{best['stats_over_offset']:.2f}x its own offset-only time and "
           f"{best['stats_ms'] / fastest:.2f}x the fastest offset-only kernel's (issue 42: "
-          ">= 50% met; <= 1.15x not met). 128-key tiles with statistics run at 1-2% of the "
-          "probe (`gpu_h100/bench_kernels_run1.md`; register pressure is the likely cause, "
-          "not measured).", ""]
+          ">= 50% met; <= 1.15x not met). 128-key tiles with the values copied to float32 "
+          "ran at 0-2% of the probe (`gpu_h100/bench_kernels_run1.md`; register pressure is "
+          "the likely cause, not measured).", ""]
   rows = []
   for name, label in (("copy", "copied"), ("stored", "as stored")):
     sm = fmt.read_json(root, f"gpu_h100/decode_{name}_summary.json")
