@@ -40,8 +40,7 @@ _STATS = ("m", "z", "s0", "s2", "r1", "rv")  # per-row scalar statistics
 # Fewer tiles per split and a program's fixed cost dominates.
 MIN_TILES_PER_SPLIT = 4
 # Programs per core the default split count aims at: one program per core leaves a
-# streaming kernel latency-bound (experiments/results/gpu_h100: 16 splits of 64 rows
-# beat 2).
+# streaming kernel latency-bound (experiments/results/gpu_h100).
 PROGRAMS_PER_CORE = 8
 DEFAULT_CORES = 132  # an H100/H200's SMs, for devices that report no core count
 
@@ -68,7 +67,8 @@ class BlockSizes:
   @classmethod
   def get_default(cls, n: int, batch_rows: int = 1, backend: str = "triton",
                   cores: Optional[int] = None) -> "BlockSizes":
-    """On GPU 64-key tiles (128-key tiles at 4 warps ran 20-30x slower on an H100) and
+    """On GPU 64-key tiles (128-key tiles were far slower on an H100:
+    experiments/results/gpu_h100) and
     enough splits for ``PROGRAMS_PER_CORE`` programs per core (``cores``, default
     :func:`device_cores`), each keeping at least ``MIN_TILES_PER_SPLIT`` tiles;
     on TPU 512-key tiles and one split."""
