@@ -279,7 +279,7 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
     loop_params["unrolled"] = (forward.unstack_layers(params, config) if per_layer_params is None
                                else per_layer_params)
   base = dict(context=context, batch=batch, split_values=plan.split_values)
-  attention = AttentionConfig(split_values=True) if plan.split_values else None
+  attention = AttentionConfig(split_values=plan.split_values)
   full_prefill = _memo(steps, ("prefill", None, cap_full),
                        lambda: _prefill_fn(config, None, cap_full, attention,
                                            plan.prefill_chunk))
