@@ -74,13 +74,22 @@ def prefill(params, tokens, mask, *, config: LlamaConfig, capacity: int, chunk: 
   """
   batch, n = tokens.shape
   check_args(n, config=config, capacity=capacity, chunk=chunk, design=design)
-  toks, valid = chunk_layout(tokens, mask, min(chunk, n))
   caches = caches_lib.init_caches(config, batch, capacity, precision.cache_dtype(config))
+  settings = layer_lib.Settings(design=design, observe=True, certificate=certificate)
+  return prefill_into(params, tokens, mask, caches, config=config, chunk=chunk,
+                      settings=settings)
+
+
+def prefill_into(params, tokens, mask, caches, *, config: LlamaConfig, chunk: int,
+                 settings: layer_lib.Settings):
+  """:func:`prefill`'s scan into given ``caches`` under any ``layer.Settings`` (unchecked,
+  not jitted): ``(logits of each row's last real token, caches)``."""
+  batch, n = tokens.shape
+  toks, valid = chunk_layout(tokens, mask, min(chunk, n))
 
   def run(caches, t, v):
-    logits, caches, _, _ = forward.forward_chunk(
-        params, config, t, v, caches, settings=layer_lib.Settings(design=design, observe=True,
-                                                                  certificate=certificate))
+    logits, caches, _, _ = forward.forward_chunk(params, config, t, v, caches,
+                                                 settings=settings)
     return logits, caches
 
   if toks.shape[0] > 1:  # all but the last chunk; their logits are dead code

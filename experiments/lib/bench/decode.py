@@ -233,22 +233,11 @@ def _prefill_fn(config, design, capacity: int, attention=None, chunk: int = 0):
   a chunk's logits are [batch, heads, chunk, capacity])."""
   settings = layer_lib.Settings(design=design, certificate=False, attention=attention)
 
-  def run(params, caches, t, v):
-    logits, caches, _, _ = forward.forward_chunk(params, config, t, v, caches,
-                                                 settings=settings)
-    return logits, caches
-
   def prefill(params, tokens, mask):
     caches = caches_lib.init_caches(config, tokens.shape[0], capacity,
                                     precision.cache_dtype(config))
-    n = tokens.shape[1]
-    toks, valid = prefill_lib.chunk_layout(tokens, mask, min(chunk or n, n))
-    if toks.shape[0] > 1:  # all but the last chunk; their logits are dead code
-      caches, _ = jax.lax.scan(lambda c, x: (run(params, c, *x)[1], None), caches,
-                               (toks[:-1], valid[:-1]))
-    logits, caches = run(params, caches, toks[-1], valid[-1])
-    last = jnp.maximum(jnp.sum(valid[-1], axis=1) - 1, 0)
-    return logits[jnp.arange(tokens.shape[0]), last], caches
+    return prefill_lib.prefill_into(params, tokens, mask, caches, config=config,
+                                    chunk=chunk or tokens.shape[1], settings=settings)
   return jax.jit(prefill)
 
 
