@@ -170,8 +170,7 @@ def poisson_draw(key, pi, mask, slots, max_redraws: int = 3) -> Draw:
   ``pi`` [n] (1: always kept), ``mask`` [n] the tail, ``slots`` an int scalar
   (may be traced). Returns Draw(keep [n], n_redraws [], n_dropped []).
   """
-  k_draw, k_fallback = jax.random.split(key)
-  u = jax.random.uniform(k_draw, (max_redraws + 1,) + pi.shape)
+  u = jax.random.uniform(key, (max_redraws + 1,) + pi.shape)
   draws = (u < pi) & mask  # pi == 1 is always kept since u < 1
   counts = jnp.sum(draws, axis=-1)
   fits = counts <= slots
@@ -179,8 +178,9 @@ def poisson_draw(key, pi, mask, slots, max_redraws: int = 3) -> Draw:
   any_fit = jnp.any(fits)
   chosen = draws[first]
   # Fallback (probability <= overflow_prob ** (max_redraws + 1)): keep the
-  # certain tokens first, then a uniformly random subset of draw 0.
-  prio = jnp.where(pi >= 1.0, 2.0, 0.0) + jax.random.uniform(k_fallback, pi.shape)
+  # certain tokens first, then a uniformly random subset of draw 0 (given its
+  # draw, u_i / pi_i is uniform on [0, 1) and independent across tokens).
+  prio = jnp.where(pi >= 1.0, 2.0, 0.0) + u[0] / jnp.where(pi > 0, pi, 1.0)
   prio = jnp.where(draws[0], prio, -1.0)
   fallback = draws[0] & top_k_mask(prio, slots)
   keep = jnp.where(any_fit, chosen, fallback)

@@ -167,8 +167,24 @@ class DrawTest(absltest.TestCase):
     self.assertEqual(int(jnp.sum(d.keep)), 5)
     self.assertEqual(int(d.n_redraws), 2)
     self.assertGreater(int(d.n_dropped), 0)
-    u = jax.random.uniform(jax.random.split(jax.random.PRNGKey(0))[0], (3, 50))
+    u = jax.random.uniform(jax.random.PRNGKey(0), (3, 50))
     self.assertEqual(int(d.n_dropped) + 5, int(jnp.sum(u[0] < 0.9)))
+
+  def test_overflow_fallback_is_a_uniform_subset_of_the_first_draw(self):
+    # Every draw overflows (pi 0.3 and 0.9 on 60 tokens, 5 slots, no redraw): the
+    # fallback keeps 5 of draw 0's tokens, each with chance 5 / |draw 0| whatever its pi.
+    # Per group about 2,000 x 5 x (9 or 27) / 36 kept: Monte Carlo sd <= 2% of the
+    # expectation, so 8% is 4 sd; ranking by u alone (not u / pi) keeps no 0.3 token.
+    pi = jnp.where(jnp.arange(60) < 30, 0.3, 0.9)
+    keys = jax.random.split(jax.random.PRNGKey(7), 2000)
+    draw = jax.vmap(lambda k: sampling.poisson_draw(k, pi, jnp.ones(60, bool), 5, 0))(keys)
+    first = jax.vmap(lambda k: jax.random.uniform(k, (1, 60))[0] < pi)(keys)
+    self.assertTrue(bool(jnp.all(draw.n_dropped > 0)))
+    self.assertTrue(bool(jnp.all(draw.keep <= first)))
+    expect = 5.0 * first / jnp.sum(first, axis=1, keepdims=True)
+    for group in (pi == 0.3, pi == 0.9):
+      ratio = float(jnp.sum(draw.keep[:, group]) / jnp.sum(expect[:, group]))
+      self.assertAlmostEqual(ratio, 1.0, delta=0.08)
 
 
 if __name__ == "__main__":

@@ -57,15 +57,14 @@ def _ref_slot_assignment(valid, new_valid):
 
 
 def _ref_poisson_fallback(key, pi, mask, slots, max_redraws):
-  """The former ``sampling.poisson_draw`` (fallback ranked by a double argsort)."""
-  k_draw, k_fallback = jax.random.split(key)
-  u = jax.random.uniform(k_draw, (max_redraws + 1,) + pi.shape)
+  """``sampling.poisson_draw`` with its fallback ranked by a double argsort."""
+  u = jax.random.uniform(key, (max_redraws + 1,) + pi.shape)
   draws = (u < pi) & mask
   counts = jnp.sum(draws, axis=-1)
   fits = counts <= slots
   first = jnp.argmax(fits)
   any_fit = jnp.any(fits)
-  prio = jnp.where(pi >= 1.0, 2.0, 0.0) + jax.random.uniform(k_fallback, pi.shape)
+  prio = jnp.where(pi >= 1.0, 2.0, 0.0) + u[0] / jnp.where(pi > 0, pi, 1.0)
   prio = jnp.where(draws[0], prio, -1.0)
   rank = jnp.argsort(jnp.argsort(-prio))
   fallback = draws[0] & (rank < slots)
