@@ -9,6 +9,7 @@ the decode loop, eviction and the sharded path call its methods and never ask.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -22,6 +23,18 @@ from certkv_jax.kv import distributed
 def over_heads(fn):
   """``fn`` (written for one head's cache) over ``[batch, n_kv_heads]`` leading axes."""
   return jax.vmap(jax.vmap(fn))
+
+
+def _flat_vmap(fn, n_lead: int):
+  """``fn`` over ``n_lead`` leading axes as one ``vmap`` (one batching level to trace)."""
+
+  def flat(*xs):
+    lead = jax.tree_util.tree_leaves(xs)[0].shape[:n_lead]
+    size = math.prod(lead)
+    xs = jax.tree_util.tree_map(lambda a: a.reshape((size,) + a.shape[n_lead:]), xs)
+    out = jax.vmap(fn)(*xs)
+    return jax.tree_util.tree_map(lambda a: a.reshape(lead + a.shape[1:]), out)
+  return flat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +173,10 @@ class Caches:
     its own slots in place. On a mesh: ``distributed.map_evict``, whose kept
     set is the one-device one. ``args`` as in :meth:`map`, arrays only.
     """
-    every = jax.vmap(over_heads(fn))
+    every = _flat_vmap(fn, 3)  # one vmap over the flattened [layer, batch, head] axes
     if distributed.cache_mesh() is not None:
-      new, out = distributed.map_evict(design, every, self.as_kvcache(), *args)
+      new, out = distributed.map_evict(design, jax.vmap(over_heads(fn)), self.as_kvcache(),
+                                       *args)
     elif not self.per_layer:
       new, out = every(self.layers, *args)
     else:

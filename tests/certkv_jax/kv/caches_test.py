@@ -1,5 +1,7 @@
 """certkv_jax.kv.caches: a model's caches, worked by hand on 2 layers, 1 row, 1 KV head."""
 
+import types
+
 from absl.testing import absltest
 import jax.numpy as jnp
 import numpy as np
@@ -97,6 +99,25 @@ class CachesTest(absltest.TestCase):
     got = c.replace(acc=jnp.ones((2, 1, 1, 3)))
     self.assertFalse(got.per_layer)
     np.testing.assert_array_equal(got.acc, 1.0)
+
+
+  def test_evict_heads_keeps_each_caches_place_in_both_forms(self):
+    # One vmap over the flattened [layer, batch, head] axes: each cache meets its own
+    # argument and comes back to its own place (n_seen = 100 layer + 10 row + head).
+    c = caches_lib.init_caches(caches_lib.CacheSpec(2, 3, 2), batch=2, capacity=4)
+    lbh = np.arange(2)[:, None, None] * 100 + np.arange(2)[None, :, None] * 10 + np.arange(3)
+    c = c.replace(n_seen=jnp.asarray(lbh, jnp.int32), valid=c.valid.at[..., :2].set(True))
+    arg = jnp.asarray(lbh * 1000, jnp.int32)
+
+    def fn(cache, a):  # one (layer, row, KV head)
+      return cache._replace(valid=cache.valid.at[1].set(False)), cache.n_seen + a  # keep slot 0
+
+    for form in (c, c.unstack()):
+      new, out = form.evict_heads(types.SimpleNamespace(reads=frozenset()), fn, arg)
+      np.testing.assert_array_equal(out, lbh * 1001)
+      self.assertEqual(new.per_layer, form.per_layer)
+      np.testing.assert_array_equal(new.valid[..., 0], True)
+      np.testing.assert_array_equal(new.valid[..., 1:], False)
 
 
 if __name__ == "__main__":
