@@ -142,7 +142,7 @@ class CommandTest(absltest.TestCase):
         test_util.tiny_hf_dir(test_util.temp_dir(self, "bench_decode_model_")))
     plan = bench_decode.Plan(designs=("h2o",), budgets=(0.25,), contexts=(32,), batches=(1,),
                              repeats=3, certificate="with", n_sink=2, window=4,
-                             evict_every=(1,), plain_prefill=False).check()
+                             evict_every=(1,), plain_prefill=False, compile_repeats=2).check()
     self.assertEqual(plan.layer_loop, ("scan", "unrolled"))  # the default: both
     out = test_util.temp_dir(self, "bench_decode_out_")
     results = bench_decode.run(params, config, plan, out, model="tiny", log=lambda _: None)
@@ -162,11 +162,17 @@ class CommandTest(absltest.TestCase):
       self.assertGreaterEqual(r["floor_multiple"], FLOOR_TOLERANCE, r)
       self.assertGreater(r["scan_over_unrolled"], 0)
     self.assertLen(results["decode"], 2 * 2)  # (full, h2o) x (scan, unrolled)
+    for r in results["decode"]:  # --compile_repeats=2: two fresh compiles of each step
+      self.assertLen(r["compile_samples_s"], 2)
+      self.assertEqual(r["compile_min_s"], min(r["compile_samples_s"]))
+      self.assertGreater(r["compile_min_s"], 0)
+    self.assertEqual(set(summary["compile_min_s"]), {"full", "h2o+certificate"})
     self.assertEqual([r["method"] for r in results["prefill"]], ["cached"])  # no plain
     with open(os.path.join(out, "report.md")) as f:
       report = f.read()
     self.assertIn("Scan over unrolled", report)
     self.assertIn("over its floor", report)
+    self.assertIn("trace + lowering + compilation alone, the fastest of 2", report)
     # The weights' matrix-vector products alone: bytes as the floor counts them. The tiny
     # model's weights can sit in cache and beat the streaming probe (0.74 of the floor in a
     # clean-clone CI run), so only a positive multiple is asserted, not the steps' tolerance.
@@ -214,7 +220,8 @@ class PlanTest(absltest.TestCase):
                     (dict(evict_every=(3, 4)), "--evict_every values must divide the largest"),
                     (dict(layer_loop=("while",)), r"--layer_loop must be a list of \['scan'"),
                     (dict(layer_loop=()), "--layer_loop must not be empty"),
-                    (dict(prefill_chunk=-1), r"--prefill_chunk must be an int in \[0, inf\]")):
+                    (dict(prefill_chunk=-1), r"--prefill_chunk must be an int in \[0, inf\]"),
+                    (dict(compile_repeats=-1), r"--compile_repeats must be an int in \[0, 100\]")):
       with self.subTest(msg=msg):
         with self.assertRaisesRegex(ValueError, msg):
           bench_decode.Plan(**dict(dict(contexts=(64,)), **kw)).check(max_positions=100)

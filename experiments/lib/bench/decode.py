@@ -17,6 +17,7 @@ The command: ``python -m experiments.bench_decode --out=/tmp/bench_decode``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import platform
 import time
@@ -100,6 +101,10 @@ class Plan:
       "8,192 tokens at batch 4 of a 32-head model need 69 GB).")
   dtype: str = plan_flags.setting(model_loading.DEFAULT_DTYPE, model_loading.DTYPE_HELP,
                                   choices=model_loading.DTYPES)
+  compile_repeats: int = plan_flags.setting(
+      0, "Also trace, lower and compile each step alone this many times, interleaved across "
+      "the configurations, from a fresh jit each time (no cache hit): compile_min_s is the "
+      "fastest, steadier than the first call minus a steady call on a shared machine (0: off).")
   split_values: bool = plan_flags.setting(
       True, "Attention reads bfloat16 keys and values as stored (AttentionConfig."
       "split_values, the default); --nosplit_values: a float32 copy of them; no effect in "
@@ -151,6 +156,7 @@ class Plan:
         raise ValueError(f"--evict_every values must divide the largest "
                          f"({self.steps_per_call}), got {list(self.evict_every)}")
     flags.check_int("repeats", self.repeats, 1, 10000)
+    flags.check_int("compile_repeats", self.compile_repeats, 0, 100)
     flags.check_int("prefill_chunk", self.prefill_chunk, 0)
     flags.check_int("seed", self.seed, 0)
     if self.certificate not in CERTIFICATE:
@@ -274,7 +280,7 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
                                            plan.prefill_chunk))
   (logits, full_caches), prefill_first = _timed_call(full_prefill, params, tokens, mask)
   say(f"  first call {prefill_first:.1f} s: prefill full, context {context} batch {batch}")
-  timed, states = [], []
+  timed, states, compiles = [], [], []
 
   def add(design_name, design, cert, budget, caches, first_logits, kept, every=1):
     cap = int(caches.k.shape[-2])
@@ -292,8 +298,13 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
       carry = jax.tree_util.tree_map(jnp.copy, (caches, first_logits, key))  # donated: own
       if loop == "unrolled":
         carry = (carry[0].unstack(),) + carry[1:]
-      call, state = _stepper(fn, loop_params[loop], carry,
-                             jnp.float32(1.0 if budget is None else budget))
+      args = (loop_params[loop], carry, jnp.float32(1.0 if budget is None else budget))
+      if plan.compile_repeats:
+        fresh = functools.partial(_step_fn, config, design, cert, every, per_call, loop,
+                                  attention)
+        compiles.append((row, fresh, jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)))
+      call, state = _stepper(fn, *args)
       timed.append(_Timed(row, call, steps=per_call))
       states.append(state)
 
@@ -333,6 +344,13 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
   if any(dropped):
     raise RuntimeError(f"decode benchmark bug: tokens found no cache slot ({dropped}); the "
                        "capacity must hold every appended token")
+  for r in range(plan.compile_repeats):  # after the timed calls: no compile beside them
+    for i in range(len(compiles)):
+      row, fresh, abstract = compiles[(i + r) % len(compiles)]
+      t0 = time.perf_counter()
+      fresh().lower(*abstract).compile()
+      row.setdefault("compile_samples_s", []).append(time.perf_counter() - t0)
+      row["compile_min_s"] = min(row["compile_samples_s"])
   rows = [_finish(t, 1e3) for t in timed]
   probe_s = np.asarray(probe.samples)
   # A part's floor in each round: its bytes at that round's probe bandwidth (seconds).
