@@ -170,7 +170,8 @@ def poisson_draw(key, pi, mask, slots, max_redraws: int = 3) -> Draw:
   ``pi`` [n] (1: always kept), ``mask`` [n] the tail, ``slots`` an int scalar
   (may be traced). Returns Draw(keep [n], n_redraws [], n_dropped []).
   """
-  u = jax.random.uniform(key, (max_redraws + 1,) + pi.shape)
+  k_draw, _ = jax.random.split(key)  # the draws' key (the second half once fed the fallback)
+  u = jax.random.uniform(k_draw, (max_redraws + 1,) + pi.shape)
   draws = (u < pi) & mask  # pi == 1 is always kept since u < 1
   counts = jnp.sum(draws, axis=-1)
   fits = counts <= slots

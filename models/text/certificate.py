@@ -37,9 +37,9 @@ class RadiusSummary(NamedTuple):
 def summarize(radius) -> RadiusSummary:
   """Median and max over (layer, head) of ``radius [steps, layers, heads]``."""
   r = np.asarray(radius, np.float64)
-  flat = r.reshape(r.shape[0], -1)
-  if flat.shape[0] == 0:
+  if r.shape[0] == 0:  # no decode step (the answer stopped at its first token)
     return RadiusSummary(median=np.zeros(0), max=np.zeros(0))
+  flat = r.reshape(r.shape[0], -1)
   return RadiusSummary(median=np.median(flat, axis=1), max=np.max(flat, axis=1))
 
 

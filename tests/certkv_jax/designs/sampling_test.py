@@ -167,7 +167,7 @@ class DrawTest(absltest.TestCase):
     self.assertEqual(int(jnp.sum(d.keep)), 5)
     self.assertEqual(int(d.n_redraws), 2)
     self.assertGreater(int(d.n_dropped), 0)
-    u = jax.random.uniform(jax.random.PRNGKey(0), (3, 50))
+    u = jax.random.uniform(jax.random.split(jax.random.PRNGKey(0))[0], (3, 50))
     self.assertEqual(int(d.n_dropped) + 5, int(jnp.sum(u[0] < 0.9)))
 
   def test_overflow_fallback_is_a_uniform_subset_of_the_first_draw(self):
@@ -178,7 +178,8 @@ class DrawTest(absltest.TestCase):
     pi = jnp.where(jnp.arange(60) < 30, 0.3, 0.9)
     keys = jax.random.split(jax.random.PRNGKey(7), 2000)
     draw = jax.vmap(lambda k: sampling.poisson_draw(k, pi, jnp.ones(60, bool), 5, 0))(keys)
-    first = jax.vmap(lambda k: jax.random.uniform(k, (1, 60))[0] < pi)(keys)
+    first = jax.vmap(lambda k: jax.random.uniform(jax.random.split(k)[0], (1, 60))[0] < pi)(
+        keys)
     self.assertTrue(bool(jnp.all(draw.n_dropped > 0)))
     self.assertTrue(bool(jnp.all(draw.keep <= first)))
     expect = 5.0 * first / jnp.sum(first, axis=1, keepdims=True)

@@ -58,7 +58,7 @@ def _ref_slot_assignment(valid, new_valid):
 
 def _ref_poisson_fallback(key, pi, mask, slots, max_redraws):
   """``sampling.poisson_draw`` with its fallback ranked by a double argsort."""
-  u = jax.random.uniform(key, (max_redraws + 1,) + pi.shape)
+  u = jax.random.uniform(jax.random.split(key)[0], (max_redraws + 1,) + pi.shape)
   draws = (u < pi) & mask
   counts = jnp.sum(draws, axis=-1)
   fits = counts <= slots

@@ -299,6 +299,14 @@ class TokenizerTest(absltest.TestCase):
 
 class CalibrationTest(absltest.TestCase):
 
+  def test_summary_of_no_decode_step_is_empty(self):
+    # An answer that stops at its first token has no decode step: radius [0, layers, heads].
+    s = generate_certificate.summarize(np.zeros((0, 2, 4)))
+    self.assertEqual((s.median.shape, s.max.shape), ((0,), (0,)))
+    s = generate_certificate.summarize(np.arange(16.0).reshape(2, 2, 4))
+    np.testing.assert_array_equal(s.median, [3.5, 11.5])
+    np.testing.assert_array_equal(s.max, [7.0, 15.0])
+
   def test_settings_are_the_validity_studys(self):
     from experiments.lib.validity import collect as validity_collect  # pylint: disable=g-import-not-at-top
     plan = validity_collect.Plan()
