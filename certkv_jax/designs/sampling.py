@@ -170,7 +170,7 @@ def poisson_draw(key, pi, mask, slots, max_redraws: int = 3) -> Draw:
   ``pi`` [n] (1: always kept), ``mask`` [n] the tail, ``slots`` an int scalar
   (may be traced). Returns Draw(keep [n], n_redraws [], n_dropped []).
   """
-  k_draw, _ = jax.random.split(key)  # the draws' key (the second half once fed the fallback)
+  k_draw = jax.random.split(key)[0]  # a seed's kept sets as in the committed results
   u = jax.random.uniform(k_draw, (max_redraws + 1,) + pi.shape)
   draws = (u < pi) & mask  # pi == 1 is always kept since u < 1
   counts = jnp.sum(draws, axis=-1)

@@ -117,13 +117,11 @@ def summarize(results: dict) -> dict:
       compile_s.setdefault(label(r), {}).setdefault(key(r["budget"]), {})[
           key(r["context"])] = r["compile_s"]
   compile_min_s = {}  # with --compile_repeats: the fastest trace + lower + compile alone
-  for r in at_b:
-    if "compile_min_s" in r:
-      at_label = compile_min_s.setdefault(label(r), {}) if r["design"] != "full" else None
-      if at_label is None:
-        compile_min_s.setdefault("full", {})[key(r["context"])] = r["compile_min_s"]
-      else:
-        at_label.setdefault(key(r["budget"]), {})[key(r["context"])] = r["compile_min_s"]
+  for r in (r for r in at_b if "compile_min_s" in r):
+    at = compile_min_s.setdefault(label(r) if r["design"] != "full" else "full", {})
+    if r["design"] != "full":
+      at = at.setdefault(key(r["budget"]), {})
+    at[key(r["context"])] = r["compile_min_s"]
   ks = sorted({every(r) for r in at_b if r["design"] == h["design"]} - {k0})
   amortized = {f"every_{k}": _table(rows, h["design"], h["certificate"], b, "ratio_vs_full", k)
                for k in ks}
@@ -156,7 +154,8 @@ def summarize(results: dict) -> dict:
       # The full cache's attention alone over its floor (its keys and values).
       attention_floor_multiple=attention,
       layer_loop_ratio=per_design("scan_over_unrolled") if len(loops(results)) == 2 else None,
-      compile_s=compile_s, compile_min_s=compile_min_s, executables=results.get("executables"), prefill=prefill,
+      compile_s=compile_s, compile_min_s=compile_min_s,
+      executables=results.get("executables"), prefill=prefill,
       budgets_traced=("every step passes the budget as a traced argument; with "
                       f"--capacity={results['plan']['capacity']} "
                       + ("each budget's compacted caches have their own shape, so each "

@@ -100,7 +100,6 @@ class CachesTest(absltest.TestCase):
     self.assertFalse(got.per_layer)
     np.testing.assert_array_equal(got.acc, 1.0)
 
-
   def test_evict_heads_keeps_each_caches_place_in_both_forms(self):
     # One vmap over the flattened [layer, batch, head] axes: each cache meets its own
     # argument and comes back to its own place (n_seen = 100 layer + 10 row + head).
