@@ -122,6 +122,14 @@ class TopKMaskTest(parameterized.TestCase):
       for k in (0, 5, CAP):
         np.testing.assert_array_equal(sampling.top_k_mask(s, k), _ref_top_k_mask(s, k))
 
+  def test_more_slots_than_a_16_bit_key_counts(self):
+    # bfloat16 scores have 16-bit sort keys; the tie-breaking index needs 17 bits here.
+    rng = np.random.default_rng(2)
+    n = (1 << 16) + 5
+    s = jnp.asarray(rng.integers(0, 3, size=n)).astype(jnp.bfloat16)
+    for k in (1, 40_000, n - 2):
+      np.testing.assert_array_equal(sampling.top_k_mask(s, k), _ref_top_k_mask(s, k))
+
   def test_bad_score(self):
     with self.assertRaisesRegex(ValueError, "score"):
       sampling.top_k_mask(jnp.float32(1.0), 1)
