@@ -77,6 +77,32 @@ class CoverageIntervalTest(absltest.TestCase):
                      ("snapkv_cert:top_share=0.5", 2, 3))
     self.assertEqual(list(s["paired_twin"]), ["snapkv"])  # h2o has no twin here
     self.assertIn("| snapkv | snapkv_cert:top_share=0.5 |", s["md"])
+    self.assertEqual(s["paired_twin_by_quarter"], {})  # rows without chunk_nll
+
+  def test_a_twin_is_paired_by_quarter_of_the_stream(self):
+    """Nine chunks: chunk 0 (never evicted) is left out and the other eight make
+    four quarters of two; the twin loses 0.4 then 0.2 per token in the first
+    quarter on every segment and nothing after it."""
+    root = test_util.temp_dir(self)
+    src = os.path.join(root, "a.txt")
+    with open(src, "w", encoding="utf-8") as f:
+      f.write(TEXT)
+    plan = experiment.Plan(sources=(src,), context_lens=(72,), memories=(0.5,), n_eval=2,
+                           n_calib=0, chunk=8, variants=("snapkv", "snapkv_cert"))
+    design = [9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    twin = [5.0, 1.4, 1.2, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    kept = [8, 8, 8, 12, 16, 20, 24, 28, 32]
+    rows = [dict(seed=0, context_len=72, split="eval", segment=s, unit_seconds=1.0,
+                 variant=v, memory=0.5, delta_nll=0.1, held_memory=0.5, chunk_nll=c,
+                 kept_per_chunk=kept)
+            for v, c in (("snapkv", design), ("snapkv_cert", twin)) for s in range(2)]
+    rows += [dict(seed=0, context_len=72, split="eval", segment=s, unit_seconds=1.0,
+                  variant="full", memory=1.0, delta_nll=0.0, held_memory=1.0) for s in range(2)]
+    q = report.summarize(rows, root, plan)["paired_twin_by_quarter"]["snapkv"]["0.5"]
+    self.assertEqual(q["chunks"], [[1, 2], [3, 4], [5, 6], [7, 8]])
+    self.assertEqual([round(d["value"], 12) for d in q["delta"]], [0.3, 0.0, 0.0, 0.0])
+    self.assertEqual(q["delta"][0]["n"], 2)
+    self.assertEqual(q["design_kept"], [8, 12, 20, 28])  # the cache its last chunk read
 
   def test_robust_scale_is_the_largest_segment_quantile(self):
     """Calibration segment A scores 0.5 everywhere; B has 7% of its calls at

@@ -230,7 +230,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
                  randomized=is_randomized(v), unit_seconds=round(seconds, 2),
                  **{k: summary[k] for k in ("n_scored", "mean_nll", "delta_nll",
                                             "delta_nll_after_first_chunk", "n_dropped",
-                                            "kept_per_chunk", "mean_radius")})
+                                            "kept_per_chunk", "chunk_nll", "mean_radius")})
       if v == "full":
         row["token_nll"] = summary["token_nll"]
       if res.calls is not None:

@@ -12,7 +12,8 @@ Per context length and memory, over the evaluation segments:
   cluster: one row per segment and variant);
 * ``paired_twin[design][memory]``: a certified twin (``<design>_cert``) minus
   its own deterministic design on the same segments, bootstrapped likewise
-  (keyed by the deterministic variant; ``"twin"`` names the twin);
+  (keyed by the deterministic variant; ``"twin"`` names the twin), and
+  ``paired_twin_by_quarter`` the same by quarter of the evicted chunks;
 * for randomized variants, raw coverage of the per-call radius at delta 0.05
   and calibrated coverage with per-(layer, KV head) split-conformal scales
   fitted on the calibration segments (other source files), each with its
@@ -221,7 +222,8 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
     ev = [r for r in rows if r["context_len"] == c and r["split"] == "eval"]
     by = lambda v, m: {r["segment"]: r for r in ev if r["variant"] == v and r["memory"] == m}
     ctx = {"delta_nll": {}, "held_memory": {}, "best_deterministic": {},
-           "paired_vs_best_deterministic": {}, "paired_twin": {}, "coverage": {},
+           "paired_vs_best_deterministic": {}, "paired_twin": {}, "paired_twin_by_quarter": {},
+           "coverage": {},
            "not_run": missing,
            "seconds": float(sum(r["unit_seconds"] / max(1, _unit_rows(r, plan))
                                 for r in rows if r["context_len"] == c))}
@@ -257,6 +259,9 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
         entry = dict(_ci(diffs, seed=plan.seed + 2), twin=v)
         entry["wins"] = int(np.sum(np.asarray(diffs) < 0))
         ctx["paired_twin"].setdefault(key, {})[str(m)] = entry
+        parts = _by_quarter(seg, ref, plan)
+        if parts is not None:
+          ctx["paired_twin_by_quarter"].setdefault(key, {})[str(m)] = parts
     for v in ran:
       if not experiment.is_randomized(v):
         continue
@@ -274,11 +279,29 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
     out["contexts"][str(c)] = ctx
     md += _markdown(ctx, c, plan)
   first = out["contexts"][str(plan.context_lens[0])]
-  for k in ("delta_nll", "best_deterministic", "paired_vs_best_deterministic", "paired_twin"):
+  for k in ("delta_nll", "best_deterministic", "paired_vs_best_deterministic", "paired_twin",
+            "paired_twin_by_quarter"):
     out[k] = first[k]  # the first context length at the top level
   out["md"] = "\n".join(md)
   out["coverage_cells"] = stored
   return out
+
+
+def _by_quarter(seg: dict, ref: dict, plan) -> Optional[dict]:
+  """Twin minus design per quarter of the stream (the mean of its chunks' mean NLL;
+  the first chunk, never evicted, left out), bootstrapped over segments, with the
+  design's kept tokens that the quarter's last chunk read; None for rows stored without
+  ``chunk_nll``."""
+  if any("chunk_nll" not in seg[s] or "chunk_nll" not in ref[s] for s in range(plan.n_eval)):
+    return None
+  diff = np.asarray([np.asarray(seg[s]["chunk_nll"], np.float64)
+                     - np.asarray(ref[s]["chunk_nll"], np.float64)
+                     for s in range(plan.n_eval)])[:, 1:]  # [segments, evicted chunks]
+  quarters = np.array_split(np.arange(diff.shape[1]), 4)
+  kept = np.mean([ref[s]["kept_per_chunk"] for s in range(plan.n_eval)], axis=0)
+  return {"chunks": [[int(q[0]) + 1, int(q[-1]) + 1] for q in quarters],
+          "delta": [_ci(diff[:, q].mean(axis=1), seed=plan.seed + 3) for q in quarters],
+          "design_kept": [float(kept[q[-1]]) for q in quarters]}
 
 
 def _unit_rows(row, plan) -> int:
@@ -335,6 +358,18 @@ def _markdown(ctx, c, plan) -> list[str]:
       lines.append(f"| {base} | {twin} | " + " | ".join(
           f"{_fmt_ci(per[str(m)])} ({per[str(m)]['wins']}/{per[str(m)]['n']})"
           for m in plan.memories) + " |")
+  if ctx["paired_twin_by_quarter"]:
+    lines += ["", "Where in the stream the twins lose: twin minus design by quarter of the "
+              "evicted chunks (chunk 0 is never evicted), paired over segments, nats/token "
+              "[95% CI], with the chunks and the design's kept tokens that the quarter's "
+              "last chunk read:",
+              "", "| design | memory | " + " | ".join(f"quarter {i + 1}" for i in range(4))
+              + " |", "|---" * 6 + "|"]
+    for base, per in ctx["paired_twin_by_quarter"].items():
+      for m, q in per.items():
+        lines.append(f"| {base} | {m} | " + " | ".join(
+            f"{_fmt_ci(d)} (chunks {a}-{b}; {k:.0f})" for d, (a, b), k in
+            zip(q["delta"], q["chunks"], q["design_kept"])) + " |")
   worst = [(v, m, cell) for v, per in ctx["coverage"].items() for m, cell in per.items()
            if "raw_worst_heads" in cell]
   if worst:
