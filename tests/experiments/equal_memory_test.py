@@ -252,6 +252,32 @@ class EqualMemoryTest(absltest.TestCase):
       if r["variant"] == "priority_tail+adakv":  # fixed size, no floor: held <= nominal
         self.assertLessEqual(r["held_memory"], 0.5 + 1e-9)
 
+  def test_fixed_cache(self):
+    """--cache=fixed: each memory's share of the 32 tokens is the design's budget; the
+    cache keeps every token until it holds that many, then exactly that many."""
+    plan = dataclasses.replace(self.plan, cache="fixed", variants=("snapkv", "snapkv_cert"),
+                               memories=(0.5, 0.75), n_calib=0, coverage=False)
+    out = os.path.join(self.root, "fixed")
+    rows = experiment.run(self.params, self.config, self.tok, out, plan, model="tiny",
+                          log=lambda _: None)
+    self.assertLen(rows, 2 + 2 * 2 * 2)  # full 2 segments; 2 variants x 2 memories x 2
+    for r in rows:
+      self.assertEqual((r["cache"], r["n_dropped"]), ("fixed", 0))
+      if r["variant"] == "full":
+        continue
+      frac = experiment.make_variant(r["variant"], self.config.head_dim, r["memory"], 1, 2)[2]
+      budget = int(np.floor(frac * 32))
+      self.assertEqual(r["budget_tokens"], budget)
+      seen = 8 * np.arange(1, 5)
+      np.testing.assert_array_equal(r["kept_per_chunk"], np.minimum(seen, budget), str(r))
+    with self.assertRaisesRegex(ValueError, "--cache=seen, but .* holds rows of --cache=fixed"):
+      experiment.run(self.params, self.config, self.tok, out,
+                     dataclasses.replace(plan, cache="seen"), model="tiny")
+    design = experiment.make_variant("snapkv", self.config.head_dim, 0.5, 4, 16)[0]
+    with self.assertRaisesRegex(ValueError, "--memories: 0.05 of 64 tokens keeps 6 tokens "
+                                r"of 'snapkv', fewer than its sinks and window \(20\)"):
+      experiment.fixed_budget(design, 0.1, 64, "snapkv", 0.05)
+
   def test_resume_runs_nothing(self):
     logs = []
     rows = experiment.run(self.params, self.config, self.tok, self.out, self.plan,

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from certkv_jax import calibration
+from certkv_jax.designs.parts import Budget
 from certkv_jax.kv import memory
 from experiments.lib import design_defaults
 from experiments.lib import plan_flags
@@ -89,6 +90,22 @@ def source_segments(tok, paths: Sequence[str], context_len: int, n_needed: int):
                    f"{n_needed} needed (--n_eval + --n_calib)")
 
 
+CACHES = ("seen", "fixed")
+
+
+def fixed_budget(design, fraction: float, context_len: int, variant: str, memory_: float):
+  """``design`` keeping ``floor(fraction x context_len)`` tokens (``--cache=fixed``).
+
+  Raises:
+    ValueError naming --memories when that is fewer than the design's certainty set.
+  """
+  tokens = int(np.floor(fraction * context_len))
+  if tokens < design.certain.size:
+    raise ValueError(f"--memories: {memory_} of {context_len} tokens keeps {tokens} tokens "
+                     f"of {variant!r}, fewer than its sinks and window ({design.certain.size})")
+  return dataclasses.replace(design, budget=Budget(tokens=tokens))
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What :func:`run` runs (validated by :meth:`check`; errors name the flag)."""
@@ -116,6 +133,10 @@ class Plan:
       True, "Run the randomized variants with their certificate in evaluation mode (true "
       "error beside every radius: coverage); without it only the streaming loss is measured "
       "(the same losses, much faster).")
+  cache: str = plan_flags.setting(
+      "seen", "seen: after each chunk keep the memory's share of the tokens seen so far (the "
+      "cache starts tiny); fixed: a cache of the memory's share of --context_lens tokens, "
+      "filled and then held at that size (the same peak memory).", choices=CACHES)
 
   def check(self) -> "Plan":
     if not self.sources:
@@ -132,6 +153,8 @@ class Plan:
     for c in self.context_lens:
       if isinstance(c, bool) or not isinstance(c, int) or c <= self.chunk:
         raise ValueError(f"--context_lens entries must be ints > --chunk, got {c!r}")
+    if self.cache not in CACHES:
+      raise ValueError(f"--cache must be one of {CACHES}, got {self.cache!r}")
     return self
 
 
@@ -180,6 +203,10 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
     return all(results.has(context_len=c, variant=v, memory=m, split=split, segment=s,
                            seed=plan.seed) for m, s in rows_of(unit))
 
+  other = {r.get("cache", "seen") for r in results.rows} - {plan.cache}
+  if other:
+    raise ValueError(f"--cache={plan.cache}, but {results.path} holds rows of --cache="
+                     f"{other.pop()}: write to another --out")
   todo = [u for u in todo_all if not done(u)]
   progress = results_io.Progress(len(todo_all), len(todo_all) - len(todo))
   log(f"{len(todo)} of {len(todo_all)} units to run; rows in {results.path}")
@@ -190,25 +217,34 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
     batch = rows_of(unit)
     toks = jnp.asarray(np.asarray([all_segs[offset + s] for _, s in batch], np.int32))
     t0 = time.time()
+    unit_id = zlib.crc32(f"{c}/{v}/{split}/{start}".encode()) % 2**31
+    key = jax.random.fold_in(jax.random.PRNGKey(plan.seed), unit_id)
+    tokens = [None] * len(batch)
     if v == "full":
       design, allocation, fractions = None, None, [1.0] * len(batch)
-      stream = streaming_loss_core.StreamConfig(chunk=plan.chunk)
-      budget = None
+      calls = [(streaming_loss_core.StreamConfig(chunk=plan.chunk), None, toks, key)]
     else:
       made = {m: make_variant(v, head_dim, m, plan.n_sink, plan.window)
               for m in plan.memories}
       design, allocation = made[plan.memories[0]][:2]
       fractions = [made[m][2] for m, _ in batch]
-      stream = streaming_loss_core.StreamConfig(chunk=plan.chunk, design=design,
-                                                allocation=allocation,
-                                                evaluate=plan.coverage and is_randomized(v),
-                                                certificate=plan.coverage)
-      budget = jnp.asarray(fractions, jnp.float32)
-    unit_id = zlib.crc32(f"{c}/{v}/{split}/{start}".encode()) % 2**31
-    key = jax.random.fold_in(jax.random.PRNGKey(plan.seed), unit_id)
-    res = streaming_loss_core.streaming_nll(params, toks, jnp.ones(toks.shape, bool), key,
-                                            config=config, stream=stream, budget=budget)
-    res = jax.tree_util.tree_map(np.asarray, res)
+      stream = lambda d: streaming_loss_core.StreamConfig(
+          chunk=plan.chunk, design=d, allocation=allocation,
+          evaluate=plan.coverage and is_randomized(v), certificate=plan.coverage)
+      if plan.cache == "seen":  # one call: the budget a traced fraction per row
+        calls = [(stream(design), jnp.asarray(fractions, jnp.float32), toks, key)]
+      else:  # one call per memory: its token count is the design's budget
+        calls = []
+        for i, m in enumerate(plan.memories):
+          at = np.asarray([j for j, (mm, _) in enumerate(batch) if mm == m])
+          d = fixed_budget(made[m][0], made[m][2], c, v, m)
+          for j in at:
+            tokens[j] = d.budget.tokens
+          calls.append((stream(d), None, toks[at], jax.random.fold_in(key, i)))
+    res = [streaming_loss_core.streaming_nll(params, t, jnp.ones(t.shape, bool), k,
+                                             config=config, stream=st, budget=b)
+           for st, b, t, k in calls]
+    res = jax.tree_util.tree_map(lambda *a: np.concatenate([np.asarray(x) for x in a]), *res)
     seconds = time.time() - t0
     slot = memory.slot_bytes(design, head_dim, allocation=allocation)
     full_rows = {r["segment"]: r for r in results.rows if r["variant"] == "full"
@@ -226,6 +262,8 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
       row = dict(context_len=c, variant=v, memory=m, split=split, segment=s, seed=plan.seed,
                  source=names[offset + s], model=model, chunk=plan.chunk,
                  budget_fraction=fractions[j], slot_bytes=slot,
+                 **({} if plan.cache == "seen" else dict(cache="fixed",
+                                                         budget_tokens=tokens[j])),
                  held_memory=held,
                  randomized=is_randomized(v), unit_seconds=round(seconds, 2),
                  **{k: summary[k] for k in ("n_scored", "mean_nll", "delta_nll",

@@ -212,6 +212,7 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
   stored = load_coverage(out_dir, plan)
   out = {"plan": {"context_lens": list(plan.context_lens), "memories": list(plan.memories),
                   "n_eval": plan.n_eval, "n_calib": plan.n_calib, "chunk": plan.chunk,
+                  "cache": plan.cache,
                   "seed": plan.seed, "sources": [os.path.basename(p) for p in plan.sources],
                   "sources_sha256": experiment.sources_sha256(plan.sources)},
          "delta": DELTA, "contexts": {}}
@@ -322,7 +323,10 @@ def _cov(cell, k) -> str:
 
 
 def _markdown(ctx, c, plan) -> list[str]:
-  lines = [f"## {c} tokens: {plan.n_eval} evaluation segments, chunks of {plan.chunk}", "",
+  cache = ("" if plan.cache == "seen" else
+           f", a fixed cache of each memory's share of {c} tokens (filled, then held)")
+  lines = [f"## {c} tokens: {plan.n_eval} evaluation segments, chunks of {plan.chunk}{cache}",
+           "",
            "| variant | memory | held memory | delta NLL [95% CI] | vs best deterministic "
            "(paired) [95% CI] | segments better | raw coverage (sharpness) | calibrated, "
            "pooled (sharpness) | calibrated, robust (sharpness) | raw, smoothed V (sharpness) "
