@@ -28,7 +28,7 @@ DEFAULT_RESULTS = "experiments/results"
 COMMAND = "python -m experiments.results_doc"
 SECTIONS = (studies.validity, studies.validity_long, studies.min_tail, suite.design_quality, suite.suite_quick,
             suite.suite_full, suite.overhead_long, suite.demo, studies.damage,
-            comparisons.equal_memory, comparisons.equal_memory_tasks,
+            comparisons.equal_memory, comparisons.twins, comparisons.equal_memory_tasks,
             comparisons.equal_memory_tasks_pooled,
             comparisons.leaderboard, comparisons.leaderboard_8k,
             benchmarks.kernels, benchmarks.gpu_h200, benchmarks.gpu_h100, benchmarks.bench_decode, benchmarks.bench_decode_parts,

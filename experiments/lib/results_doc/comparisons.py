@@ -49,6 +49,48 @@ def equal_memory(root: str) -> list[str]:
   return out
 
 
+TWIN_RUNS = ("equal_memory_twins_by_quarter", "equal_memory_twins_by_quarter_2048",
+             "equal_memory_fixed")
+
+
+def twins(root: str) -> list[str]:
+  """Each certified twin against its own design, overall and by quarter of the stream, in
+  the runs of :data:`TWIN_RUNS` (losses only)."""
+  out = ["## Certified twins against their own designs", ""]
+  for rel in TWIN_RUNS:
+    s = fmt.read_json(root, f"{rel}/summary.json")
+    plan = s["plan"]
+    c, ctx = next(iter(s["contexts"].items()))
+    mems = [str(m) for m in plan["memories"]]
+    cache = ("a fixed cache of each memory's share of the segment's tokens (filled, then "
+             "held)" if plan.get("cache") == "fixed" else
+             "the memory's share of the tokens seen so far")
+    out += [f"### {int(c):,} tokens, {cache}", ""]
+    out += fmt.source([f"{rel}/summary.json", f"{rel}/report.md", f"{rel}/COMMAND.md"],
+                      fmt.command(root, f"{rel}/COMMAND.md"))
+    used = sorted({r["source"] for r in fmt.read_rows(root, f"{rel}/rows.jsonl")
+                   if r["split"] == "eval"})
+    out += [f"{plan['n_eval']} segments ({', '.join(used)}), chunks of "
+            f"{plan['chunk']}; twin minus design in nats/token, paired over segments (95% "
+            "bootstrap; segments where the twin is better):", ""]
+    out += fmt.table(["design", "twin"] + [fmt.pct(float(m)) for m in mems], [
+        [d, per[mems[0]]["twin"]] + [fmt.ci((per[m]["value"], *per[m]["ci"]), "+.3f")
+                                     + f" ({per[m]['wins']}/{per[m]['n']})" for m in mems]
+        for d, per in ctx["paired_twin"].items()])
+    quarters = ctx.get("paired_twin_by_quarter", {})
+    if quarters:
+      m = mems[0]
+      first = next(iter(quarters.values()))[m]
+      out += ["", f"By quarter of the evicted chunks at {fmt.pct(float(m))} (chunks; the "
+              "design's kept tokens that the quarter's last chunk read):", ""]
+      out += fmt.table(["design"] + [f"chunks {a}-{b} ({k:.0f})" for (a, b), k in
+                                     zip(first["chunks"], first["design_kept"])], [
+          [d] + [fmt.ci((q["value"], *q["ci"]), "+.3f") for q in per[m]["delta"]]
+          for d, per in quarters.items()])
+    out += [""]
+  return out[:-1]
+
+
 def leaderboard(root: str) -> list[str]:
   """The RULER-style leaderboard: average score by compression ratio, and coverage."""
   return _ruler(root, "leaderboard", "## RULER-style leaderboard")
