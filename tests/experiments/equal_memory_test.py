@@ -79,6 +79,20 @@ class CoverageIntervalTest(absltest.TestCase):
     self.assertIn("| snapkv | snapkv_cert:top_share=0.5 |", s["md"])
     self.assertEqual(s["paired_twin_by_quarter"], {})  # rows without chunk_nll
 
+  def test_coverage_starts_at_the_first_eviction(self):
+    """Chunks of 8 over 40 tokens: a cache of 12 first drops tokens after chunk 1 (16
+    seen), so calls from position 16 on count; one that keeps every token has none."""
+    self.assertEqual(experiment.first_evicted([8, 12, 12, 12, 12], 8, 40), 16)
+    self.assertEqual(experiment.first_evicted([2, 4, 6, 8, 10], 8, 40), 8)  # seen share
+    self.assertEqual(experiment.first_evicted([8, 16, 24, 32, 40], 8, 40), 40)
+    plan = experiment.Plan(sources=("unused",), context_lens=(40,), n_eval=2, chunk=8)
+    calls = np.arange(31.0)  # stored from position 8 on: 39 scored positions - 8
+    row = dict(segment=0, n_scored=39, kept_per_chunk=[8, 12, 12, 12, 12])
+    np.testing.assert_array_equal(report._from_first_eviction(calls, row, 40, plan),
+                                  np.arange(8.0, 31.0))  # positions 16 ... 38
+    with self.assertRaisesRegex(ValueError, "5 calls stored for segment 0, fewer than the 23"):
+      report._from_first_eviction(calls[:5], row, 40, plan)
+
   def test_a_twin_is_paired_by_quarter_of_the_stream(self):
     """Nine chunks: chunk 0 (never evicted) is left out and the other eight make
     four quarters of two; the twin loses 0.4 then 0.2 per token in the first

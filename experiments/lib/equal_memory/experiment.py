@@ -106,6 +106,15 @@ def fixed_budget(design, fraction: float, context_len: int, variant: str, memory
   return dataclasses.replace(design, budget=Budget(tokens=tokens))
 
 
+def first_evicted(kept, chunk: int, n: int) -> int:
+  """The first position whose call reads a cache an eviction took tokens from (``n`` if
+  none): ``kept`` per chunk against the tokens seen. The calls before it hold every token,
+  so their error is float rounding and their radius 0; coverage starts here."""
+  seen = np.minimum(chunk * np.arange(1, len(kept) + 1), n)
+  cut = np.flatnonzero(np.asarray(kept) < seen)
+  return min(n, (int(cut[0]) + 1) * chunk) if cut.size else n
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What :func:`run` runs (validated by :meth:`check`; errors name the flag)."""
@@ -249,7 +258,6 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
     slot = memory.slot_bytes(design, head_dim, allocation=allocation)
     full_rows = {r["segment"]: r for r in results.rows if r["variant"] == "full"
                  and r["context_len"] == c and r["split"] == split and r["seed"] == plan.seed}
-    late = np.arange(c) >= plan.chunk
     calls = {}
     for j, (m, s) in enumerate(batch):
       summary = streaming_loss_core.row_summary(
@@ -272,7 +280,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
       if v == "full":
         row["token_nll"] = summary["token_nll"]
       if res.calls is not None:
-        sc = res.scored[j] & late
+        sc = res.scored[j] & (np.arange(c) >= first_evicted(res.kept[j], plan.chunk, c))
         e = res.calls.error[j][sc]  # [calls, layers, heads]
         r = res.calls.radius[j][sc]
         score = calibration.conformity_scores(e.ravel(), r.ravel()).reshape(e.shape)

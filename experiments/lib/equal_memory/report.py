@@ -52,19 +52,37 @@ def _ci(values, seed) -> dict:
   return {"value": float(np.mean(v)), "ci": [float(iv.lo), float(iv.hi)], "n": int(v.size)}
 
 
-def _scores(out_dir, c, variant, split, memory, plan, prefix="m") -> Optional[list]:
+def _scores(out_dir, c, variant, split, memory, plan, prefix="m", rows=()) -> Optional[list]:
   """The conformity scores ``[calls, layers, heads]`` of a split at one memory,
   one array per segment: of the raw radius (``prefix`` "m") or of the smoothed
-  one ("w"; None where the calls were stored without it)."""
+  one ("w"; None where the calls were stored without it). With the segments'
+  ``rows``, calls stored from before the first eviction (the cache still whole:
+  ``experiment.first_evicted``) are left out."""
   n = plan.n_eval if split == "eval" else plan.n_calib
+  by_seg = {r["segment"]: r for r in rows if r["context_len"] == c and r["variant"] == variant
+            and r["split"] == split and r["memory"] == memory}
   parts = []
   for start in range(0, n, plan.group):
     path = os.path.join(out_dir, "calls", f"{c}_{variant}_{split}_{start}_seed{plan.seed}.npz")
     if not os.path.exists(path):
       return None
     with np.load(path) as z:
-      parts += [z[k].astype(np.float64) for k in z.files if k.startswith(f"{prefix}{memory}_")]
+      for k in z.files:
+        if k.startswith(f"{prefix}{memory}_"):
+          parts.append(_from_first_eviction(z[k].astype(np.float64),
+                                            by_seg.get(int(k.rsplit("_s", 1)[1])), c, plan))
   return parts or None
+
+
+def _from_first_eviction(calls, row, c: int, plan):
+  """``calls`` from the row's first eviction on (all of them without a row)."""
+  if row is None:
+    return calls
+  want = row["n_scored"] - experiment.first_evicted(row["kept_per_chunk"], plan.chunk, c)
+  if want > len(calls):
+    raise ValueError(f"{len(calls)} calls stored for segment {row['segment']}, fewer than "
+                     f"the {want} from its first eviction on")
+  return calls[len(calls) - max(want, 0):]
 
 
 def coverage(calib, evals, n_kv_heads: int, seed: int = 0, smoothed=None) -> dict:
@@ -267,11 +285,12 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
       if not experiment.is_randomized(v):
         continue
       for m in plan.memories:
-        cal = _scores(out_dir, c, v, "calib", m, plan)
-        evs = _scores(out_dir, c, v, "eval", m, plan)
+        cal = _scores(out_dir, c, v, "calib", m, plan, rows=rows)
+        evs = _scores(out_dir, c, v, "eval", m, plan, rows=rows)
         if evs is not None and (cal is not None or plan.n_calib == 0):
           cell = coverage(cal, evs, n_kv_heads, seed=plan.seed,
-                          smoothed=_scores(out_dir, c, v, "eval", m, plan, prefix="w"))
+                          smoothed=_scores(out_dir, c, v, "eval", m, plan, prefix="w",
+                                           rows=rows))
           stored.setdefault(str(c), {}).setdefault(v, {})[str(m)] = cell
         else:
           cell = stored.get(str(c), {}).get(v, {}).get(str(m))
