@@ -88,7 +88,29 @@ def twins(root: str) -> list[str]:
           [d] + [fmt.ci((q["value"], *q["ci"]), "+.3f") for q in per[m]["delta"]]
           for d, per in quarters.items()])
     out += [""]
-  return out[:-1]
+  return out + _twin_coverage(root, "equal_memory_fixed_coverage")
+
+
+def _twin_coverage(root: str, rel: str) -> list[str]:
+  """The twins' coverage at delta 0.05 in one evaluation-mode run."""
+  s = fmt.read_json(root, f"{rel}/summary.json")
+  plan = s["plan"]
+  c, ctx = next(iter(s["contexts"].items()))
+  out = [f"### Coverage, {int(c):,} tokens, a fixed cache", ""]
+  out += fmt.source([f"{rel}/summary.json", f"{rel}/report.md", f"{rel}/COMMAND.md"],
+                    fmt.command(root, f"{rel}/COMMAND.md"))
+  out += [f"{plan['n_eval']} evaluation segments, calibrated on {plan['n_calib']} other "
+          "files; coverage of each call from the first eviction on at delta "
+          f"{s['delta']}, sharpness (median radius / error over covered calls) in "
+          "parentheses:", ""]
+  body = []
+  for v, per in ctx["coverage"].items():
+    for m, cov in per.items():
+      body.append([v, fmt.pct(float(m))] + [
+          f"{cov[k]:.3f} ({fmt.num(cov[k + '_sharpness'], '.2f')})"
+          for k in ("raw", "calibrated", "robust")] + [f"{cov['unseen_deletions']:.3f}"])
+  return out + fmt.table(["twin", "memory", "raw", "calibrated, pooled", "calibrated, robust",
+                          "radius 0, error > 0"], body)
 
 
 def leaderboard(root: str) -> list[str]:
