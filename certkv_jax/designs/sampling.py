@@ -241,39 +241,27 @@ def _sort_key(x) -> Array:
 def top_k_mask(score, k) -> Array:
   """The ``k`` largest entries of ``score``, ties to the lower index, without a sort.
 
-  Exactly ``rank < k`` in ``jnp.argsort(-score, stable=True)`` (NaN last): one
-  bitwise search for the ``k``-th smallest pair (sort key, index), the key's
-  bits first, then the index's, so ties need no cumulative count (one loop, few
-  kernels). ``score`` [..., n] real; ``k`` int scalar or [...] (may be traced).
-  Returns [..., n] bool.
+  Exactly ``rank < k`` in ``jnp.argsort(-score, stable=True)`` (NaN last), by a
+  bitwise search for the ``k``-th value over the sort key. ``score`` [..., n]
+  real; ``k`` int scalar or [...] (may be traced). Returns [..., n] bool.
   """
   score = jnp.asarray(score)
   if score.ndim < 1:
     raise ValueError(f"score must have at least 1 dim [..., n], got shape {score.shape}")
   key = _sort_key(-score)  # ascending in -score = descending in score
-  n = score.shape[-1]
-  kbits, ibits = 8 * key.dtype.itemsize, max(1, (n - 1).bit_length())
-  key = key.astype(jnp.promote_types(key.dtype, jnp.uint32))  # room for the index
-  dt = key.dtype
   k = jnp.broadcast_to(jnp.asarray(k, jnp.int32), score.shape[:-1])
-  idx = jax.lax.broadcasted_iota(dt, score.shape, score.ndim - 1)
-  one, all_idx = jnp.array(1, dt), jnp.array((1 << ibits) - 1, dt)
+  nbits = 8 * key.dtype.itemsize
+  one = jnp.array(1, key.dtype)
 
-  def at_most(t, j):  # (key, index) <= (t, j), lexicographically
-    t, j = t[..., None], j[..., None]
-    return (key < t) | ((key == t) & (idx <= j))
+  def body(b, t):  # t: the bits of the k-th smallest key found so far
+    bit = jnp.left_shift(one, (nbits - 1 - b).astype(key.dtype))
+    low_half = t | (bit - one)  # t with this bit 0 and every lower bit 1
+    enough = jnp.sum(key <= low_half[..., None], axis=-1) >= k
+    return jnp.where(enough, t, t | bit)
 
-  def body(b, tj):  # (t, j): the bits of the k-th smallest pair found so far
-    t, j = tj
-    on_key = b < kbits
-    shift = jnp.where(on_key, kbits - 1 - b, kbits + ibits - 1 - b).astype(dt)
-    bit = jnp.left_shift(one, shift)
-    low_t = jnp.where(on_key, t | (bit - one), t)  # this bit 0, every lower bit 1
-    low_j = jnp.where(on_key, all_idx, j | (bit - one))
-    enough = jnp.sum(at_most(low_t, low_j), axis=-1, dtype=jnp.int32) >= k
-    return (jnp.where(enough | ~on_key, t, t | bit),
-            jnp.where(enough | on_key, j, j | bit))
-
-  start = jnp.zeros(score.shape[:-1], dt)
-  t, j = jax.lax.fori_loop(0, kbits + ibits, body, (start, start))
-  return at_most(t, j) & (k > 0)[..., None]
+  t = jax.lax.fori_loop(0, nbits, body, jnp.zeros(score.shape[:-1], key.dtype))
+  before = key < t[..., None]
+  tie = key == t[..., None]
+  tie_rank = jnp.cumsum(tie, axis=-1, dtype=jnp.int32) - 1
+  room = k - jnp.sum(before, axis=-1, dtype=jnp.int32)
+  return before | (tie & (tie_rank < room[..., None]))
