@@ -117,7 +117,9 @@ def summarize(results: dict) -> dict:
       compile_s.setdefault(label(r), {}).setdefault(key(r["budget"]), {})[
           key(r["context"])] = r["compile_s"]
   compile_min_s = {}  # with --compile_repeats: the fastest trace + lower + compile alone
-  for r in (r for r in at_b if "compile_min_s" in r):
+  for r in at_b:
+    if "compile_min_s" not in r:
+      continue
     at = compile_min_s.setdefault(label(r) if r["design"] != "full" else "full", {})
     if r["design"] != "full":
       at = at.setdefault(key(r["budget"]), {})

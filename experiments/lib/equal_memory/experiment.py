@@ -93,7 +93,7 @@ def source_segments(tok, paths: Sequence[str], context_len: int, n_needed: int):
 CACHES = ("seen", "fixed")
 
 
-def fixed_budget(design, fraction: float, context_len: int, variant: str, memory_: float):
+def fixed_budget(design, fraction: float, context_len: int, variant: str, mem: float):
   """``design`` keeping ``floor(fraction x context_len)`` tokens (``--cache=fixed``).
 
   Raises:
@@ -101,7 +101,7 @@ def fixed_budget(design, fraction: float, context_len: int, variant: str, memory
   """
   tokens = int(np.floor(fraction * context_len))
   if tokens < design.certain.size:
-    raise ValueError(f"--memories: {memory_} of {context_len} tokens keeps {tokens} tokens "
+    raise ValueError(f"--memories: {mem} of {context_len} tokens keeps {tokens} tokens "
                      f"of {variant!r}, fewer than its sinks and window ({design.certain.size})")
   return dataclasses.replace(design, budget=Budget(tokens=tokens))
 

@@ -258,8 +258,7 @@ def bench_decode_parts(root: str) -> list[str]:
   s = fmt.read_json(root, f"{rel}/summary.json")
   res = fmt.read_json(root, f"{rel}/results.json")
   out = ["## Decode step and its parts", ""]
-  out += fmt.source([f"{rel}/summary.json", f"{rel}/report.md", f"{rel}/COMMAND.md"],
-                    fmt.command(root, f"{rel}/COMMAND.md"))
+  out += fmt.run_source(root, rel)
   body = []
   for bw in res["bandwidth"]:
     c = str(bw["context"])

@@ -11,8 +11,7 @@ def equal_memory(root: str) -> list[str]:
   """Designs at equal kept bytes, paired against the best deterministic design."""
   s = fmt.read_json(root, "equal_memory/summary.json")
   out = ["## Designs at equal memory", ""]
-  out += fmt.source(["equal_memory/summary.json", "equal_memory/report.md",
-                     "equal_memory/COMMAND.md"], fmt.command(root, "equal_memory/COMMAND.md"))
+  out += fmt.run_source(root, "equal_memory")
   plan = s["plan"]
   for c, ctx in s["contexts"].items():
     out += [f"{plan['n_eval']} natural-text segments of {int(c):,} tokens, chunks of "
@@ -66,8 +65,7 @@ def twins(root: str) -> list[str]:
              "held)" if plan.get("cache") == "fixed" else
              "the memory's share of the tokens seen so far")
     out += [f"### {int(c):,} tokens, {cache}", ""]
-    out += fmt.source([f"{rel}/summary.json", f"{rel}/report.md", f"{rel}/COMMAND.md"],
-                      fmt.command(root, f"{rel}/COMMAND.md"))
+    out += fmt.run_source(root, rel)
     used = sorted({r["source"] for r in fmt.read_rows(root, f"{rel}/rows.jsonl")
                    if r["split"] == "eval"})
     out += [f"{plan['n_eval']} segments ({', '.join(used)}), chunks of "
@@ -97,8 +95,7 @@ def _twin_coverage(root: str, rel: str) -> list[str]:
   plan = s["plan"]
   c, ctx = next(iter(s["contexts"].items()))
   out = [f"### Coverage, {int(c):,} tokens, a fixed cache", ""]
-  out += fmt.source([f"{rel}/summary.json", f"{rel}/report.md", f"{rel}/COMMAND.md"],
-                    fmt.command(root, f"{rel}/COMMAND.md"))
+  out += fmt.run_source(root, rel)
   out += [f"{plan['n_eval']} evaluation segments, calibrated on {plan['n_calib']} other "
           "files; coverage of each call from the first eviction on at delta "
           f"{s['delta']}, sharpness (median radius / error over covered calls) in "
@@ -133,8 +130,7 @@ def equal_memory_tasks_pooled(root: str) -> list[str]:
   rel = "equal_memory_tasks_pooled"
   s = fmt.read_json(root, f"{rel}/summary.json")
   out = ["## Task accuracy pooled over seeds", ""]
-  out += fmt.source([f"{rel}/summary.json", f"{rel}/report.md", f"{rel}/COMMAND.md"],
-                    fmt.command(root, f"{rel}/COMMAND.md"))
+  out += fmt.run_source(root, rel)
   out += ["The task runs " + ", ".join(f"`{r}`" for r in s["runs"]) + " pooled.", ""]
   return out + pooled.markdown(s).rstrip("\n").split("\n")
 
@@ -143,8 +139,7 @@ def _ruler(root: str, rel: str, title: str) -> list[str]:
   s = fmt.read_json(root, f"{rel}/summary.json")
   plan = s["plan"]
   out = [title, ""]
-  out += fmt.source([f"{rel}/summary.json", f"{rel}/report.md", f"{rel}/COMMAND.md"],
-                    fmt.command(root, f"{rel}/COMMAND.md"))
+  out += fmt.run_source(root, rel)
   ratios = [str(r) for r in plan["ratios"]]
   removed = ("the share of the full cache's key/value bytes removed, at equal memory"
              if plan.get("equal_memory") else "the share of the cache removed")

@@ -63,6 +63,12 @@ def source(files: Sequence[str], command: str) -> list[str]:
 
 # --- reading ------------------------------------------------------------------------------
 
+def run_source(root: str, rel: str) -> list[str]:
+  """:func:`source` of a study run's ``summary.json``, ``report.md`` and ``COMMAND.md``."""
+  return source([f"{rel}/summary.json", f"{rel}/report.md", f"{rel}/COMMAND.md"],
+                command(root, f"{rel}/COMMAND.md"))
+
+
 def read_json(root: str, rel: str):
   with open(os.path.join(root, rel), encoding="utf-8") as f:
     return json.load(f)

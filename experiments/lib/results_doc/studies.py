@@ -62,8 +62,7 @@ def validity(root: str) -> list[str]:
   n_calls = sum(c["n_calls"] for c in cells if c["radius"] == "raw")
   sources = sorted({c["data"] for c in cells})
   out = ["## Does the certificate hold? (the validity study)", ""]
-  out += fmt.source(["validity/summary.json", "validity/report.md", "validity/COMMAND.md"],
-                    fmt.command(root, "validity/COMMAND.md"))
+  out += fmt.run_source(root, "validity")
   out += [f"Every decode call (step x layer x query head) of evaluation-mode {plan['model']}: "
           f"{n_calls:,} calls; designs {', '.join(f'`{x}`' for x in plan['designs'])}; data "
           f"sources {', '.join(sources)}; both regimes; budgets "

@@ -123,7 +123,7 @@ class TopKMaskTest(parameterized.TestCase):
         np.testing.assert_array_equal(sampling.top_k_mask(s, k), _ref_top_k_mask(s, k))
 
   def test_more_slots_than_a_16_bit_key_counts(self):
-    # bfloat16 scores have 16-bit sort keys; the tie-breaking index needs 17 bits here.
+    # bfloat16 scores have 16-bit sort keys, and more slots than 2^16 tie among 3 values.
     rng = np.random.default_rng(2)
     n = (1 << 16) + 5
     s = jnp.asarray(rng.integers(0, 3, size=n)).astype(jnp.bfloat16)
