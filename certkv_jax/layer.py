@@ -1,7 +1,8 @@
 """The drop-in attention a model's layer calls to use a design (method, sections 1 and 3).
 
 :func:`attend` appends a chunk to one layer's caches, attends with Hajek offsets and folds
-the attention into the design's statistics (:func:`attend_layer`: in place on stacked caches)::
+the attention into the design's statistics (:func:`attend_layer`: in place on a model's
+:class:`Caches`)::
 
     pos = layer.positions(cache, valid)  # the model's rotary or learned positions
     res = layer.attend(q, k, v, cache, valid=valid, settings=layer.Settings(design))  # in jit
@@ -120,7 +121,8 @@ def attend(q, k, v, cache: KVCache, *, valid=None, shadow: Optional[KVCache] = N
 
 def attend_layer(q, k, v, caches: Caches, i, slots: caches_lib.ChunkSlots, *,
                  shadow=None, settings: Settings = Settings()) -> Attended:
-  """:func:`attend` on layer ``i`` (int or traced) of stacked :class:`Caches`, in place:
+  """:func:`attend` on layer ``i`` (int or traced; per-layer caches: int) of :class:`Caches`,
+  in place:
   ``slots`` from ``caches.reserve`` (its ``new_valid`` gives the padding); ``shadow``:
   None or ``(shadow caches, their slots)``. Returns :class:`Attended` with all layers'
   caches and shadow."""

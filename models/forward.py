@@ -26,9 +26,9 @@ from models.llama import LlamaModel
 Array = jax.Array
 
 
-def _layer_stacked(config: LlamaConfig, settings: layer.Settings, x, layer_params,
-                   caches: Caches, shadow, i, slots):
-  """Decoder layer ``i`` on the stacked caches (``layer.attend_layer``); returns
+def _layer(config: LlamaConfig, settings: layer.Settings, x, layer_params, caches: Caches,
+           shadow, i, slots):
+  """Decoder layer ``i`` (``layer.attend_layer``); returns
   ``(x [b, t, hidden], caches, stats [b, n_heads, t] or None, shadow)``; ``shadow``
   None or ``(caches, slots)`` (``layer.attend_layer``)."""
   block = Block(config)
@@ -152,53 +152,39 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: Caches, *,
   top = {"params": {k: v for k, v in params["params"].items() if k != "layers"}}
   x = model.apply(top, tokens, method=LlamaModel.embed_tokens)
   layers = params["params"]["layers"]
-  if layer_loop == "scan":
-    caches, slots = caches.reserve(valid)
-    shadow_slots = None
-    if shadow is not None:
-      shadow, shadow_slots = shadow.reserve(valid)
+  given = caches, shadow
+  if layer_loop == "unrolled":  # per-layer buffers, each updated in place
+    caches = caches.unstack()
+    shadow = None if shadow is None else shadow.unstack()
+  caches, slots = caches.reserve(valid)
+  shadow_slots = None
+  if shadow is not None:
+    shadow, shadow_slots = shadow.reserve(valid)
 
-    def body(carry, xs):
-      x, caches, shadow = carry
-      layer_params, i = xs
-      paired = None if shadow is None else (shadow, shadow_slots)
-      x, caches, stats, shadow = _layer_stacked(config, settings, x, layer_params,
-                                                caches, paired, i, slots)
-      return (x, caches, shadow), stats
+  def body(carry, xs):
+    x, caches, shadow = carry
+    layer_params, i = xs
+    paired = None if shadow is None else (shadow, shadow_slots)
+    x, caches, stats, shadow = _layer(config, settings, x, layer_params, caches, paired, i,
+                                      slots)
+    return (x, caches, shadow), stats
 
-    # Caches in the carry are updated in place (scanned ones would be copied).
-    (x, caches, shadow), stats = jax.lax.scan(
-        body, (x, caches, shadow), (layers, jnp.arange(config.n_layers, dtype=jnp.int32)))
+  carry = (x, caches, shadow)
+  if layer_loop == "scan":  # caches in the carry are updated in place (scanned ones are copied)
+    carry, stats = jax.lax.scan(body, carry,
+                                (layers, jnp.arange(config.n_layers, dtype=jnp.int32)))
   else:
-    x, caches, stats, shadow = _unrolled(config, settings, x, valid, layers, caches, shadow)
+    per_layer = []
+    for i in range(config.n_layers):
+      layer_params = layers[i] if isinstance(layers, (tuple, list)) else (
+          jax.tree_util.tree_map(lambda a, i=i: a[i], layers))
+      carry, s = body(carry, (layer_params, i))
+      per_layer.append(s)
+    stats = layer.stack_stats(per_layer)
+  x, caches, shadow = carry
+  caches = caches if given[0].per_layer else caches.stack()  # returned in the form given
+  if shadow is not None and not given[1].per_layer:
+    shadow = shadow.stack()
   if stats is not None:  # [n_layers, batch, n_heads, t] -> [t, n_layers, batch, n_heads]
     stats = jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, -1, 0), stats)
   return Forwarded(model.apply(top, x, method=LlamaModel.head), caches, stats, shadow)
-
-
-def _unrolled(config: LlamaConfig, settings: layer.Settings, x, valid, layers, caches, shadow):
-  """The Python loop over the layers, each on its own caches (``layer.attend``);
-  returns ``(x, caches, stats [n_layers, batch, n_heads, t] or None, shadow)``."""
-  as_given = lambda given, new: new if given.per_layer else new.stack()
-  work, work_shadow = caches.unstack(), None if shadow is None else shadow.unstack()
-  stats = []
-  for i in range(config.n_layers):
-    layer_params = layers[i] if isinstance(layers, (tuple, list)) else (
-        jax.tree_util.tree_map(lambda a, i=i: a[i], layers))
-    block = Block(config)
-    variables = {"params": layer_params}
-    with jax.named_scope("qkv"):
-      q, k, v = block.apply(variables, x, layer.positions(work.layer(i), valid),
-                            method=Block.qkv)
-    res = layer.attend(q, k, v, work.layer(i), valid=valid, settings=settings, layer=i,
-                       shadow=None if shadow is None else work_shadow.layer(i))
-    work = work.with_layer(i, res.cache)
-    if shadow is not None:
-      work_shadow = work_shadow.with_layer(i, res.shadow)
-    out, s = res.out, res.stats
-    with jax.named_scope("mlp"):
-      x = block.apply(variables, x, out, method=Block.finish)
-    stats.append(s)
-  stats = layer.stack_stats(stats)
-  shadow = None if shadow is None else as_given(shadow, work_shadow)
-  return x, as_given(caches, work), stats, shadow

@@ -199,10 +199,15 @@ class Caches:
     """Every layer's slots for a chunk, with all but its keys and values written.
 
     With :meth:`write_kv` per layer, an append on every layer without copies;
-    ``new_valid`` [batch, t] is False on right padding. Stacked caches only. On a mesh
-    ``idx`` is None and :meth:`write_kv` appends.
+    ``new_valid`` [batch, t] is False on right padding. Either form; per layer, each
+    layer's buffers stay its own. On a mesh ``idx`` is None and :meth:`write_kv` appends.
     """
-    self._require_stacked("reserve")
+    if self.per_layer:
+      done = [_one(c).reserve(new_valid) for c in self.layers]
+      slots = done[0][1]
+      if slots.idx is not None:
+        slots = slots._replace(idx=jnp.concatenate([s.idx for _, s in done]))
+      return Caches(tuple(c.layer(0) for c, _ in done)), slots
     kv = self.layers
     n_kv = kv.n_seen.shape[-1]
     start = kv.n_seen[0, :, 0]  # [batch], equal across layers and KV heads
@@ -221,11 +226,18 @@ class Caches:
     return Caches(kv), ChunkSlots(slots.idx, positions, per_head)
 
   def write_kv(self, i, slots: ChunkSlots, k_new, v_new) -> "Caches":
-    """Layer ``i``'s (int or traced) keys [batch, n_kv_heads, t, head_dim] and values into
-    the slots :meth:`reserve` gave them (one scatter per field, in place when donated)."""
-    self._require_stacked("write_kv")
+    """Layer ``i``'s (int or traced; per layer: int) keys [batch, n_kv_heads, t, head_dim]
+    and values into the slots :meth:`reserve` gave them (one scatter per field, in place
+    when donated)."""
     if slots.idx is None:  # sequence-sharded: the whole append on the layer
       return self.with_layer(i, append(self.layer(i), k_new, v_new, slots.new_valid))
+    if self.per_layer:
+      if not isinstance(i, int):
+        raise TypeError(f"Caches.write_kv on per-layer caches needs an int layer index i, "
+                        f"got {type(i).__name__} (stack() them for a traced one)")
+      one = _one(self.layers[i]).write_kv(0, slots._replace(idx=slots.idx[i][None]),
+                                          k_new, v_new)
+      return Caches(self.layers[:i] + (one.layer(0),) + self.layers[i + 1:])
     idx = jax.lax.dynamic_index_in_dim(slots.idx, i, axis=0, keepdims=False)  # [b, h, t]
     b, h = idx.shape[:2]
     one = self.layer(i)
@@ -238,13 +250,13 @@ class Caches:
         **{f: getattr(kv, f).at[at].set(u, mode="drop") for f, u in new.items()},
         v_ref=jax.lax.dynamic_update_index_in_dim(kv.v_ref, v_ref, i, axis=0)))
 
-  def _require_stacked(self, verb: str) -> None:
-    if self.per_layer:
-      raise ValueError(f"Caches.{verb} needs stacked caches; these are per layer (call "
-                       ".stack() first, or attend each layer with certkv_jax.layer.attend)")
-
   def _parts(self) -> tuple:
     return tuple(self.layers) if self.per_layer else (self.layers,)
+
+
+def _one(cache: KVCache) -> Caches:
+  """One layer's caches as stacked caches of one layer (a reshape, no copy)."""
+  return Caches(jax.tree_util.tree_map(lambda a: a[None], cache))
 
 
 def _stacked_field(name: str):

@@ -23,20 +23,25 @@ class CachesTest(absltest.TestCase):
     np.testing.assert_array_equal(c.n_seen, 0)
 
   def test_reserve_then_write_kv_places_a_right_padded_chunk(self):
-    c = caches_lib.init_caches(SPEC, batch=1, capacity=4)
     new_valid = jnp.array([[True, True, False]])  # two tokens and one padding slot
-    c, slots = c.reserve(new_valid)
-    np.testing.assert_array_equal(slots.positions, [[0, 1, 1]])  # padding repeats the last
-    # reserve writes every layer's positions and validity, no keys yet.
-    np.testing.assert_array_equal(c.pos[:, 0, 0], [[0, 1, -1, -1]] * 2)
-    np.testing.assert_array_equal(c.n_seen[:, 0, 0], [2, 2])
-    self.assertEqual(float(jnp.abs(c.k).sum()), 0.0)
     k = jnp.array([[1., 2.], [3., 4.], [9., 9.]])[None, None]  # [batch, kv heads, t, d]
-    c = c.write_kv(1, slots, k, 2 * k)
-    np.testing.assert_array_equal(c.k[1, 0, 0, :2], [[1., 2.], [3., 4.]])
-    np.testing.assert_array_equal(c.v[1, 0, 0, :2], [[2., 4.], [6., 8.]])
-    self.assertEqual(float(jnp.abs(c.k[1, 0, 0, 2:]).sum()), 0.0)  # padding not stored
-    self.assertEqual(float(jnp.abs(c.k[0]).sum()), 0.0)  # layer 0 not written yet
+    for per_layer in (False, True):
+      with self.subTest(per_layer=per_layer):
+        c = caches_lib.init_caches(SPEC, batch=1, capacity=4)
+        c, slots = (c.unstack() if per_layer else c).reserve(new_valid)
+        self.assertEqual(c.per_layer, per_layer)  # the form given
+        np.testing.assert_array_equal(slots.positions, [[0, 1, 1]])  # padding repeats the last
+        np.testing.assert_array_equal(slots.idx[:, 0, 0], [[0, 1, 4]] * 2)  # 4: not stored
+        # reserve writes every layer's positions and validity, no keys yet.
+        np.testing.assert_array_equal(c.pos[:, 0, 0], [[0, 1, -1, -1]] * 2)
+        np.testing.assert_array_equal(c.n_seen[:, 0, 0], [2, 2])
+        self.assertEqual(float(jnp.abs(c.k).sum()), 0.0)
+        c = c.write_kv(1, slots, k, 2 * k)
+        self.assertEqual(c.per_layer, per_layer)
+        np.testing.assert_array_equal(c.k[1, 0, 0, :2], [[1., 2.], [3., 4.]])
+        np.testing.assert_array_equal(c.v[1, 0, 0, :2], [[2., 4.], [6., 8.]])
+        self.assertEqual(float(jnp.abs(c.k[1, 0, 0, 2:]).sum()), 0.0)  # padding not stored
+        self.assertEqual(float(jnp.abs(c.k[0]).sum()), 0.0)  # layer 0 not written yet
 
   def test_append_equals_the_one_head_append(self):
     c = caches_lib.init_caches(SPEC, batch=1, capacity=4)
@@ -89,10 +94,11 @@ class CachesTest(absltest.TestCase):
       np.testing.assert_array_equal(new.n_seen[:, 0, 0], [10, 20])
       np.testing.assert_array_equal(total, np.full((2, 1, 1), -3))  # 3 free slots, pos -1
 
-  def test_reserve_on_per_layer_caches_names_the_fix(self):
-    c = caches_lib.init_caches(SPEC, batch=1, capacity=3).unstack()
-    with self.assertRaisesRegex(ValueError, r"Caches.reserve needs stacked caches.*\.stack\(\)"):
-      c.reserve(jnp.ones((1, 2), bool))
+  def test_write_kv_on_per_layer_caches_needs_an_int_layer(self):
+    c, slots = caches_lib.init_caches(SPEC, batch=1, capacity=3).unstack().reserve(
+        jnp.ones((1, 1), bool))
+    with self.assertRaisesRegex(TypeError, r"write_kv on per-layer caches needs an int"):
+      c.write_kv(jnp.int32(0), slots, jnp.ones((1, 1, 1, 2)), jnp.ones((1, 1, 1, 2)))
 
   def test_replace_is_stacked(self):
     c = caches_lib.init_caches(SPEC, batch=1, capacity=3).unstack()
