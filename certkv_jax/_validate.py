@@ -120,3 +120,15 @@ def check_positive_int(name: str, x, *, minimum: int = 1) -> int:
 
 def check_nonneg_int(name: str, x) -> int:
   return check_positive_int(name, x, minimum=0)
+
+
+def check_where(x, mask, ok, message: str, worst) -> None:
+  """Raises ``message`` (formatted with ``worst`` of the failures' values) unless ``ok``
+  holds for ``x`` on every slot where ``mask`` is True; skipped unless both are concrete."""
+  xc, mk = concrete_array(x), concrete_array(mask)
+  if xc is None or mk is None:
+    return
+  xb, mkb = np.broadcast_arrays(xc.astype(np.float64), mk.astype(bool))
+  valid = xb[mkb]
+  if valid.size and not ok(valid).all():
+    raise ValueError(message.format(worst(valid)))

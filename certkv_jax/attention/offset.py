@@ -103,21 +103,22 @@ def _check_shapes(q, k, v, log_pi, mask):
   return batch
 
 
-def _check_values(q, k, v, log_pi, mask) -> None:
-  """Eager value checks (method, section 9, "Bad input"); skipped for tracers."""
+def _check_values(q, k, v, log_pi, mask, value_sqnorm=None) -> None:
+  """Eager value checks (method, section 9, "Bad input"); skipped for tracers.
+  ``value_sqnorm``: None or checked ``StoredNorms`` (:func:`_check_sqnorm`)."""
   _validate.check_finite_where("q", q)
   _validate.check_finite_where("k", k, mask, value_axes=1)
   if v is not None:
     _validate.check_finite_where("v", v, mask, value_axes=1)
   _validate.check_finite_where("log_pi", log_pi, mask)
-  lp = _validate.concrete_array(log_pi)
-  mk = _validate.concrete_array(mask)
-  if lp is not None and mk is not None:
-    lpb, mkb = np.broadcast_arrays(lp.astype(np.float64), mk.astype(bool))
-    lp_valid = lpb[mkb]
-    if lp_valid.size and not (lp_valid <= 0).all():
-      raise ValueError("log_pi must be <= 0 (a log probability, pi in (0, 1]) on every "
-                       f"valid slot (mask True); found max {lp_valid.max()}")
+  _validate.check_where(log_pi, mask, lambda x: x <= 0, "log_pi must be <= 0 (a log "
+                        "probability, pi in (0, 1]) on every valid slot (mask True); found "
+                        "max {}", np.max)
+  if value_sqnorm is not None:
+    _validate.check_finite_where("value_sqnorm.ref", value_sqnorm.ref)
+    _validate.check_finite_where("value_sqnorm", value_sqnorm.sq, mask)
+    _validate.check_where(value_sqnorm.sq, mask, lambda x: x >= 0, "value_sqnorm must be "
+                          ">= 0 (a squared norm) on every valid slot; found min {}", np.min)
 
 
 def offset_attention(
@@ -169,26 +170,14 @@ def offset_attention(
   if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
                                 and scale > 0):
     raise ValueError(f"scale must be a finite float > 0 or None, got {scale!r}")
-  _check_values(q, k, v, log_pi, mask)
-  implementation, block_size = config.implementation, config.block_size
-  block_sizes, range_mode, with_probs = config.block_sizes, config.range_mode, config.with_probs
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-  if implementation == "auto":
-    implementation = _auto(k, v, log_pi, mask, block_size, block_sizes)
-    if implementation == "pallas" and value_sqnorm is not None:
-      _check_sqnorm(value_sqnorm, v, mask)  # bad input fails on every backend alike
-      value_sqnorm = None  # the kernel takes the norms from its tiles
-  if implementation == "pallas" and block_size is not None:
-    raise ValueError("block_size is for implementation='xla'; use block_sizes for 'pallas'")
-  if implementation == "xla" and block_sizes is not None:
-    raise ValueError("block_sizes is for implementation='pallas'; use block_size for 'xla'")
-  if value_sqnorm is not None:
-    if implementation == "pallas":
-      raise ValueError("value_sqnorm is for implementation='xla' (the Pallas kernel computes "
-                       "the norms on its tiles)")
+  implementation = _implementation(config, k, v, log_pi, mask, value_sqnorm)
+  if value_sqnorm is not None:  # bad input fails on every backend alike
     value_sqnorm = _check_sqnorm(value_sqnorm, v, mask)
-  grouped, back = _grouped_layout(q, k, v, log_pi, mask, value_sqnorm)
+  grouped, back = _grouped_layout(q, k, v, log_pi, mask,
+                                  None if implementation == "pallas" else value_sqnorm)
+  _check_values(q, k, v, log_pi, mask, value_sqnorm)
+  block_size, block_sizes = config.block_size, config.block_sizes
+  range_mode, with_probs = config.range_mode, config.with_probs
   gq, gk, gv, glp, gmask, gsq = grouped
   if implementation == "pallas":
     from pallas_kernels import offset_decode  # pylint: disable=import-outside-toplevel
@@ -214,6 +203,24 @@ def offset_attention(
                                probs)
 
 
+def _implementation(config: AttentionConfig, k, v, log_pi, mask, value_sqnorm) -> str:
+  """``config.implementation`` checked against the other settings, "auto" resolved."""
+  implementation, block_size, block_sizes = (config.implementation, config.block_size,
+                                             config.block_sizes)
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+  if implementation == "pallas" and value_sqnorm is not None:
+    raise ValueError("value_sqnorm is for implementation='xla' (the Pallas kernel computes "
+                     "the norms on its tiles)")
+  if implementation == "auto":  # an automatic "pallas" drops value_sqnorm: its tiles hold them
+    implementation = _auto(k, v, log_pi, mask, block_size, block_sizes)
+  if implementation == "pallas" and block_size is not None:
+    raise ValueError("block_size is for implementation='xla'; use block_sizes for 'pallas'")
+  if implementation == "xla" and block_sizes is not None:
+    raise ValueError("block_sizes is for implementation='pallas'; use block_size for 'xla'")
+  return implementation
+
+
 def _auto(k, v, log_pi, mask, block_size, block_sizes) -> str:
   """"pallas" on a TPU when every KV row is read once (as in a decode step), or
   on a GPU/TPU when its tiling is given; "xla" elsewhere."""
@@ -232,7 +239,7 @@ def _auto(k, v, log_pi, mask, block_size, block_sizes) -> str:
 
 
 def _check_sqnorm(value_sqnorm, v, mask):
-  """Shape, dtype and (when concrete) value checks of the stored value norms;
+  """Shape and dtype checks of the stored value norms (their values: :func:`_check_values`);
   returns them as ``StoredNorms``."""
   if isinstance(value_sqnorm, reference.StoredNorms):
     value_sqnorm, ref = jnp.asarray(value_sqnorm.sq), jnp.asarray(value_sqnorm.ref)
@@ -243,7 +250,6 @@ def _check_sqnorm(value_sqnorm, v, mask):
                                                                         kv_lead):
     raise ValueError(f"value_sqnorm.ref must be [..., dv={v.shape[-1]}] with leading dims "
                      f"that broadcast to those of v and mask {tuple(kv_lead)}, got {ref.shape}")
-  _validate.check_finite_where("value_sqnorm.ref", ref)
   n = v.shape[-2]
   if value_sqnorm.ndim < 1 or value_sqnorm.shape[-1] != n:
     raise ValueError(f"value_sqnorm must have n={n} slots on its last axis, got "
@@ -253,14 +259,6 @@ def _check_sqnorm(value_sqnorm, v, mask):
   if not _broadcasts_to(value_sqnorm.shape[:-1], kv_lead):
     raise ValueError(f"value_sqnorm's leading dims {value_sqnorm.shape[:-1]} must broadcast "
                      f"to those of v and mask {tuple(kv_lead)}")
-  _validate.check_finite_where("value_sqnorm", value_sqnorm, mask)
-  sq = _validate.concrete_array(value_sqnorm)
-  mk = _validate.concrete_array(mask)
-  if sq is not None and mk is not None:
-    sqb, mkb = np.broadcast_arrays(sq.astype(np.float64), mk.astype(bool))
-    if sqb[mkb].size and not (sqb[mkb] >= 0).all():
-      raise ValueError("value_sqnorm must be >= 0 (a squared norm) on every valid slot; "
-                       f"found min {sqb[mkb].min()}")
   return reference.StoredNorms(value_sqnorm, ref)
 
 

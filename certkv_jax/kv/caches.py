@@ -229,15 +229,15 @@ class Caches:
     """Layer ``i``'s (int or traced; per layer: int) keys [batch, n_kv_heads, t, head_dim]
     and values into the slots :meth:`reserve` gave them (one scatter per field, in place
     when donated)."""
-    if slots.idx is None:  # sequence-sharded: the whole append on the layer
-      return self.with_layer(i, append(self.layer(i), k_new, v_new, slots.new_valid))
     if self.per_layer:
       if not isinstance(i, int):
         raise TypeError(f"Caches.write_kv on per-layer caches needs an int layer index i, "
                         f"got {type(i).__name__} (stack() them for a traced one)")
-      one = _one(self.layers[i]).write_kv(0, slots._replace(idx=slots.idx[i][None]),
-                                          k_new, v_new)
+      idx = None if slots.idx is None else slots.idx[i][None]
+      one = _one(self.layers[i]).write_kv(0, slots._replace(idx=idx), k_new, v_new)
       return Caches(self.layers[:i] + (one.layer(0),) + self.layers[i + 1:])
+    if slots.idx is None:  # sequence-sharded: the whole append on the layer
+      return self.with_layer(i, append(self.layer(i), k_new, v_new, slots.new_valid))
     idx = jax.lax.dynamic_index_in_dim(slots.idx, i, axis=0, keepdims=False)  # [b, h, t]
     b, h = idx.shape[:2]
     one = self.layer(i)
