@@ -144,14 +144,16 @@ class LayerLoopTest(absltest.TestCase):
     valid = jnp.array([[True, True], [True, False]])
     k = jax.random.normal(jax.random.PRNGKey(3), (self.config.n_layers, b, h, 2, d))
     v = k + 1.0
-    got, slots = caches.reserve(valid)
-    np.testing.assert_array_equal(slots.positions, [[10, 11], [7, 7]])  # padding: no position
-    for i in range(self.config.n_layers):
-      got = got.write_kv(i, slots, k[i], v[i])
     per_head = jnp.repeat(valid[:, None], h, axis=1)
     want = caches_lib.Caches(tuple(caches_lib.append(caches.layer(i), k[i], v[i], per_head)
                                    for i in range(self.config.n_layers))).stack()
-    _close(self, got, want)
+    for form in (caches, caches.unstack()):  # stacked, and per layer (the unrolled loop's)
+      got, slots = form.reserve(valid)
+      np.testing.assert_array_equal(slots.positions, [[10, 11], [7, 7]])  # padding: none
+      for i in range(self.config.n_layers):
+        got = got.write_kv(i, slots, k[i], v[i])
+      self.assertEqual(got.per_layer, form.per_layer)
+      _close(self, got.stack(), want)
 
   def test_bad_layer_loop_names_it(self):
     token, caches = self._prefilled(None)
