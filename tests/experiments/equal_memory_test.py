@@ -79,6 +79,11 @@ class CoverageIntervalTest(absltest.TestCase):
     self.assertIn("| snapkv | snapkv_cert:top_share=0.5 |", s["md"])
     self.assertEqual(s["paired_twin_by_quarter"], {})  # rows without chunk_nll
 
+  def test_stored_scores_keep_inf_for_radius_zero_only(self):
+    got = experiment.stored_scores(np.array([0.5, 7e4, np.inf, 0.0]))
+    self.assertEqual(got.dtype, np.float16)
+    np.testing.assert_array_equal(got, np.array([0.5, 65504.0, np.inf, 0.0], np.float16))
+
   def test_coverage_starts_at_the_first_eviction(self):
     """Chunks of 8 over 40 tokens: a cache of 12 first drops tokens after chunk 1 (16
     seen), so calls from position 16 on count; one that keeps every token has none."""

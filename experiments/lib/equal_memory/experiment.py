@@ -19,7 +19,7 @@ sources).
 
 Rows (``rows.jsonl``, atomic, resumable): one per (context_len, variant,
 memory, split, segment). Per-call conformity scores ``||e|| / r`` of the
-randomized variants go to ``calls/*.npz`` (float16, not committed: the
+randomized variants go to ``calls/*.npz`` (float16, :func:`stored_scores`; not committed: the
 report reads them to fit and apply the calibration).
 """
 
@@ -104,6 +104,15 @@ def fixed_budget(design, fraction: float, context_len: int, variant: str, mem: f
     raise ValueError(f"--memories: {mem} of {context_len} tokens keeps {tokens} tokens "
                      f"of {variant!r}, fewer than its sinks and window ({design.certain.size})")
   return dataclasses.replace(design, budget=Budget(tokens=tokens))
+
+
+def stored_scores(score) -> np.ndarray:
+  """Conformity scores as stored in ``calls/`` (float16): finite scores above float16's
+  largest, 65504 (a radius under 1/65504 of the error: missed at any scale), are stored
+  as 65504, so inf still means radius 0 with a nonzero error."""
+  score = np.asarray(score)
+  top = float(np.finfo(np.float16).max)
+  return np.where(np.isinf(score), score, np.minimum(score, top)).astype(np.float16)
 
 
 def first_evicted(kept, chunk: int, n: int) -> int:
@@ -284,10 +293,10 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
         e = res.calls.error[j][sc]  # [calls, layers, heads]
         r = res.calls.radius[j][sc]
         score = calibration.conformity_scores(e.ravel(), r.ravel()).reshape(e.shape)
-        calls[f"m{m}_s{s}"] = score.astype(np.float16)
+        calls[f"m{m}_s{s}"] = stored_scores(score)
         w = res.calls.smoothed[j][sc]  # the smoothed radius (method, section 5)
-        calls[f"w{m}_s{s}"] = calibration.conformity_scores(
-            e.ravel(), w.ravel()).reshape(e.shape).astype(np.float16)
+        calls[f"w{m}_s{s}"] = stored_scores(calibration.conformity_scores(
+            e.ravel(), w.ravel()).reshape(e.shape))
         row.update(coverage=float(np.mean(score <= 1.0)),
                    median_radius=float(np.median(r)), median_error=float(np.median(e)))
       results.add(row)
