@@ -49,7 +49,8 @@ def equal_memory(root: str) -> list[str]:
 
 
 TWIN_RUNS = ("equal_memory_twins_by_quarter", "equal_memory_twins_by_quarter_2048",
-             "equal_memory_fixed", "equal_memory_fixed_segments", "equal_memory_fixed_2048")
+             "equal_memory_fixed", "equal_memory_fixed_segments", "equal_memory_fixed_2048",
+             "equal_memory_fixed_segments_2048")
 
 
 def twins(root: str) -> list[str]:
