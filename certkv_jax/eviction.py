@@ -57,8 +57,7 @@ def evict(design, caches: Caches, key, *, state=None, layer_budgets=None, budget
   caches_lib.check_caches(caches)
   if layer_budgets is not None:
     layer_budgets = tuple(layer_budgets)
-  if budget is not None:
-    budget = budgets_lib.check_budget(budget, caches.n_seen.shape[1])
+  targets = budgets_lib.eviction_targets(caches.n_seen, layer_budgets, budget)  # or None
   if state is None:
     state = init_state(design, caches)
   if distributed.cache_mesh() is not None:  # sequence-sharded, inside its own jit
@@ -68,19 +67,16 @@ def evict(design, caches: Caches, key, *, state=None, layer_budgets=None, budget
     if allocation is not None:
       raise ValueError("allocation is not supported on sequence-sharded caches: it pools "
                        "scores across heads that live on other devices")
-    return Evicted(*_evict(design, caches, state, key, layer_budgets, budget))
-  return Evicted(*_evict_jit(design, caches, state, key, layer_budgets, budget, allocation,
-                             gains))
+    return Evicted(*_evict(design, caches, state, key, targets))
+  return Evicted(*_evict_jit(design, caches, state, key, targets, allocation, gains))
 
 
-def _evict(design, caches: Caches, state, key, layer_budgets, budget, allocation=None,
-           gains=None):
-  """:func:`evict`'s body (traced once per design, schedule and shapes)."""
-  n_seen = caches.n_seen
-  lead = n_seen.shape  # [n_layers, batch, n_kv_heads]
+def _evict(design, caches: Caches, state, key, targets, allocation=None, gains=None):
+  """:func:`evict`'s body (traced once per design and shapes); ``targets``
+  ``[n_layers, batch, n_kv_heads]`` int32 or None (the design's own budget)."""
+  lead = caches.n_seen.shape  # [n_layers, batch, n_kv_heads]
   keys = jax.random.split(key, lead[0] * lead[1] * lead[2])
   keys = keys.reshape(lead + keys.shape[1:])
-  targets = budgets_lib.eviction_targets(n_seen, layer_budgets, budget)  # or None
   if allocation is not None:
     stacked = caches.as_kvcache()
     if targets is None:
@@ -99,7 +95,7 @@ def _evict(design, caches: Caches, state, key, layer_budgets, budget, allocation
   return new, state, info
 
 
-_evict_jit = jax.jit(_evict, static_argnames=("design", "layer_budgets", "allocation"))
+_evict_jit = jax.jit(_evict, static_argnames=("design", "allocation"))
 
 
 def _record_one(sh, cache, pi):  # one (layer, row, KV head)

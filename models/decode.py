@@ -39,6 +39,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from certkv_jax.designs import allocation as allocation_lib
 from certkv_jax.designs import budgets as budgets_lib
 from certkv_jax.kv.caches import Caches
 from certkv_jax import layer as layer_lib
@@ -56,7 +57,6 @@ from certkv_jax.eviction import init_state
 from certkv_jax.eviction import record_inclusion
 from models import forward
 from models import precision
-from models.forward import allocation_args
 from models.forward import forward_chunk
 from models.generation import Generation
 from models.generation import GenerationConfig
@@ -81,6 +81,20 @@ __all__ = [
     "record_inclusion",
 ]
 
+
+def allocation_args(params, config: LlamaConfig, allocation) -> dict:
+  """``eviction.evict``'s ``allocation`` and ``gains`` (``o_proj``'s
+  ``kv_head_gains``, only for an allocation that needs them)."""
+  gains = None
+  if allocation is not None and allocation.needs_gains:
+    layers = params["params"]["layers"]
+    gain = lambda w: allocation_lib.kv_head_gains(w, config.n_heads, config.n_kv_heads,
+                                                  config.head_dim)
+    if isinstance(layers, (tuple, list)):  # unstacked: per-layer gains, stacked (small)
+      gains = jnp.concatenate([gain(l["o_proj"]["kernel"][None]) for l in layers])
+    else:
+      gains = gain(layers["o_proj"]["kernel"])
+  return dict(allocation=allocation, gains=gains)
 
 
 def _last_logits(logits, mask):
@@ -134,10 +148,11 @@ def _decode_loop(params, config, gen: GenerationConfig, carry, first_logits, bud
     caches = caches.unstack()
     shadow = None if shadow is None else shadow.unstack()
 
+  per_head = allocation_args(params, config, gen.allocation)
+
   def evict_now(caches, shadow, state, sub):
     new = evict_and_record(design, caches, shadow, sub, state=state,
-                           layer_budgets=gen.layer_budgets, budget=budget,
-                           **allocation_args(params, config, gen.allocation))
+                           layer_budgets=gen.layer_budgets, budget=budget, **per_head)
     return new.caches, new.shadow, new.state
 
   def evict_pending(carry):  # the eviction the last live step left due, if any
@@ -210,13 +225,8 @@ def _params_loop(params) -> str:
 
 def _check_prompt(tokens, mask, n_steps, *, config=None, name="tokens",
                   allow_empty_rows=False):
-  """Checks a right-padded ``[batch, len]`` prompt, its bool mask and ``n_steps``.
-
-  :func:`models.inputs.check_prompt`: shapes, an empty prompt and ``n_steps``
-  always; token ids (against ``config.vocab_size``, when ``config`` is given)
-  and mask rows only when the arrays are concrete, i.e. when called before the
-  jitted function (inside it they are traced and those checks are skipped).
-  """
+  """Checks a right-padded ``[batch, len]`` prompt, its bool mask and ``n_steps``
+  (:func:`models.inputs.check_prompt`: token ids against ``config.vocab_size``)."""
   inputs.check_prompt(tokens, mask, config=config, n_steps=n_steps, name=name,
                       allow_empty_rows=allow_empty_rows)
 
@@ -231,8 +241,9 @@ def _check_stop_tokens(gen: GenerationConfig, config: LlamaConfig) -> None:
 
 
 def _check_inputs(given: dict, gen: GenerationConfig) -> None:
-  """The prompt checks that need values (token ids, mask rows, the model's context
-  length; ``models.inputs``), run on the concrete arguments before the jitted call."""
+  """Every check of the arguments (the prompts' shapes and values, the model's context
+  length, ``models.inputs``; the certificate's subsample), on the concrete arguments
+  before the jitted call."""
   config, n_steps, every = given["config"], gen.n_steps, gen.evict_every
   if gen.layer_loop not in forward.LAYER_LOOPS:
     raise ValueError(f"layer_loop must be one of {forward.LAYER_LOOPS}, got "
@@ -244,6 +255,7 @@ def _check_inputs(given: dict, gen: GenerationConfig) -> None:
     raise ValueError(f"evict_every={every} needs a design and evict_each_step=True (it says "
                      "how often decoding evicts)")
   _check_stop_tokens(gen, config)
+  check_certificate_subsample(config, True, gen.certificate_layers, gen.certificate_heads)
   if "tokens" in given:  # generate
     _check_prompt(given["tokens"], given["mask"], n_steps, config=config)
     return
@@ -363,8 +375,6 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, gen: GenerationC
   Returns:
     A :class:`Generation`.
   """
-  _check_prompt(tokens, mask, gen.n_steps)
-  check_certificate_subsample(config, True, gen.certificate_layers, gen.certificate_heads)
   batch, prompt_len = tokens.shape
   design, capacity = gen.design, gen.capacity
   need = prompt_len + (gen.n_steps if design is None else 0)
@@ -373,7 +383,7 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, gen: GenerationC
                      f"{'' if design is not None else f' plus {gen.n_steps} decoded tokens'}")
   kv_dtype = precision.cache_dtype(config)  # keys and values; the statistics are float32
   caches = init_caches(config, batch, capacity, kv_dtype)
-  shadow = (layer_lib.shadow_caches(config, batch, prompt_len + gen.n_steps, kv_dtype)
+  shadow = (init_caches(config, batch, prompt_len + gen.n_steps, kv_dtype)  # slot = position
             if gen.evaluate else None)
   state = None if design is None else init_state(design, caches)
   logits, carry = _prompt_chunk(params, config, gen, budget, (caches, shadow, state, key),
@@ -385,6 +395,7 @@ def _prompt_chunk(params, config: LlamaConfig, gen: GenerationConfig, budget, ca
   """A prompt chunk ``(tokens, mask)`` through the model (no certificate), then the
   design's eviction; returns ``(logits, carry)``, ``carry = (caches, shadow, state, key)``."""
   caches, shadow, state, key = carry
+  per_head = allocation_args(params, config, gen.allocation)
   logits, caches, _, shadow = forward_chunk(
       params, config, *chunk, caches,
       settings=layer_lib.Settings(gen.design, certificate=False, attention=gen.attention),
@@ -393,7 +404,7 @@ def _prompt_chunk(params, config: LlamaConfig, gen: GenerationConfig, budget, ca
   if gen.design is not None:
     caches, state, _, shadow = evict_and_record(gen.design, caches, shadow, sub, state=state,
                                                 layer_budgets=gen.layer_budgets, budget=budget,
-                                                **allocation_args(params, config, gen.allocation))
+                                                **per_head)
   return logits, (caches, shadow, state, key)
 
 
@@ -423,9 +434,6 @@ def generate_streaming(params, context, question, key, *, config: LlamaConfig,
     A :class:`Generation`.
   """
   (context, context_mask), (question, question_mask) = context, question  # checked pairs
-  _check_prompt(context, context_mask, gen.n_steps, name="context", allow_empty_rows=True)
-  check_certificate_subsample(config, True, gen.certificate_layers, gen.certificate_heads)
-  _check_prompt(question, question_mask, gen.n_steps, name="question")
   design, capacity, chunk = gen.design, gen.capacity, gen.chunk
   if context.shape[0] != question.shape[0]:
     raise ValueError(f"context and question batch sizes differ: {context.shape[0]} vs "
@@ -448,7 +456,7 @@ def generate_streaming(params, context, question, key, *, config: LlamaConfig,
   shadow = None
   if gen.evaluate:
     n_tokens = n_chunks * chunk + question.shape[1] + gen.n_steps
-    shadow = layer_lib.shadow_caches(config, batch, n_tokens, kv_dtype)
+    shadow = init_caches(config, batch, n_tokens, kv_dtype)  # slot = position
   (caches, shadow, state, key), _ = jax.lax.scan(
       feed, (caches, shadow, state, key), (as_chunks(context), as_chunks(context_mask)))
   logits, caches, _, shadow = forward_chunk(

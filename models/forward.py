@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from certkv_jax.attention import certified
-from certkv_jax.designs import allocation as allocation_lib
 from certkv_jax.kv import caches as caches_lib
 from certkv_jax.kv.caches import Caches
 from certkv_jax import layer
@@ -24,37 +23,6 @@ from models.llama import Block
 from models.llama import LlamaModel
 
 Array = jax.Array
-
-
-def _layer(config: LlamaConfig, settings: layer.Settings, x, layer_params, caches: Caches,
-           shadow, i, slots):
-  """Decoder layer ``i`` (``layer.attend_layer``); returns
-  ``(x [b, t, hidden], caches, stats [b, n_heads, t] or None, shadow)``; ``shadow``
-  None or ``(caches, slots)`` (``layer.attend_layer``)."""
-  block = Block(config)
-  variables = {"params": layer_params}
-  with jax.named_scope("qkv"):
-    q, k, v = block.apply(variables, x, slots.positions, method=Block.qkv)
-  out, caches, shadow, stats, _, _ = layer.attend_layer(q, k, v, caches, i, slots,
-                                                        shadow=shadow, settings=settings)
-  with jax.named_scope("mlp"):
-    x = block.apply(variables, x, out, method=Block.finish)
-  return x, caches, stats, shadow
-
-
-def allocation_args(params, config: LlamaConfig, allocation) -> dict:
-  """``eviction.evict``'s ``allocation`` and ``gains`` (``o_proj``'s
-  ``kv_head_gains``, only for an allocation that needs them)."""
-  gains = None
-  if allocation is not None and allocation.needs_gains:
-    layers = params["params"]["layers"]
-    gain = lambda w: allocation_lib.kv_head_gains(w, config.n_heads, config.n_kv_heads,
-                                                  config.head_dim)
-    if isinstance(layers, (tuple, list)):  # unstacked: per-layer gains, stacked (small)
-      gains = jnp.concatenate([gain(l["o_proj"]["kernel"][None]) for l in layers])
-    else:
-      gains = gain(layers["o_proj"]["kernel"])
-  return dict(allocation=allocation, gains=gains)
 
 
 LAYER_LOOPS = ("scan", "unrolled")
@@ -164,9 +132,14 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: Caches, *,
   def body(carry, xs):
     x, caches, shadow = carry
     layer_params, i = xs
+    block, variables = Block(config), {"params": layer_params}
+    with jax.named_scope("qkv"):
+      q, k, v = block.apply(variables, x, slots.positions, method=Block.qkv)
     paired = None if shadow is None else (shadow, shadow_slots)
-    x, caches, stats, shadow = _layer(config, settings, x, layer_params, caches, paired, i,
-                                      slots)
+    out, caches, shadow, stats, _, _ = layer.attend_layer(q, k, v, caches, i, slots,
+                                                          shadow=paired, settings=settings)
+    with jax.named_scope("mlp"):
+      x = block.apply(variables, x, out, method=Block.finish)
     return (x, caches, shadow), stats
 
   carry = (x, caches, shadow)

@@ -294,6 +294,16 @@ def offset_logits(q, k, log_pi, mask, scale, split_values: bool = False):
   return l[..., 0, :]
 
 
+def offset_probs(q, k, log_pi, mask, scale, split_values: bool = False):
+  """Offset-attention probabilities ``p_i`` [..., n] over :func:`offset_logits` (0 on
+  invalid slots; a row with no valid slot is all 0)."""
+  l = offset_logits(q, k, log_pi, mask, scale, split_values)
+  m = jnp.max(l, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  e = jnp.where(mask, jnp.exp(l - m), 0.0)
+  z = jnp.sum(e, axis=-1, keepdims=True)
+  return e / jnp.where(z > 0, z, 1.0)
+
 def probabilities(l, lse, valid):
   """``p_i = exp(l_i - lse)`` [..., g, n] on valid slots, 0 elsewhere (an empty row: all 0)."""
   lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)

@@ -142,24 +142,31 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
   certificate, heads = sub is not None, None if sub is None else sub.heads
   config = offset.AttentionConfig() if config is None else config
   layer_flag = None if layer_flag is True else layer_flag  # True: a static certified layer
-  if distributed.cache_mesh() is not None:  # per-device partials, split-K combine
-    if certificate and (layer_flag is not None or heads is not None):
-      raise ValueError("certificate_layers / certificate_heads are not supported on a "
-                       "sequence-sharded cache")
-    res = distributed.cache_attention(qg, cache, positions, with_stats=certificate,
-                                      with_probs=with_probs or not certificate)
-    stats = None
-    if certificate:
-      stats = _truth_stats(qg, res.out, shadow, positions,
-                           ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
-    return res.out, stats, res.probs
+  if distributed.cache_mesh() is None:
+    return _one_device(qg, cache, shadow, positions, sub, with_probs, layer_flag, config)
+  if certificate and (layer_flag is not None or heads is not None):
+    raise ValueError("certificate_layers / certificate_heads are not supported on a "
+                     "sequence-sharded cache")
+  # per-device partials, merged by the split-K combine
+  res = distributed.cache_attention(qg, cache, positions, with_stats=certificate,
+                                    with_probs=with_probs or not certificate)
+  stats = None
+  if certificate:
+    stats = _truth_stats(qg, res.out, shadow, positions,
+                         ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
+  return res.out, stats, res.probs
+
+
+def _one_device(qg, cache: KVCache, shadow, positions, sub: Optional[Subsample], with_probs,
+                layer_flag, config):
+  """:func:`attend` on one device's caches (``sub``: the certificate's subsample or None)."""
+  certificate, heads = sub is not None, None if sub is None else sub.heads
   if certificate and layer_flag is None and heads is None:  # one pass gives the probabilities
     return _certified_heads(qg, cache, shadow, positions, None, config, with_probs=with_probs)
   probs = None
   if with_probs or not certificate:
     probs = offset.attention_probs(qg, _slots(cache.k), _slots(cache.log_pi),
-                                       _mask(cache, positions),
-                                       split_values=config.split_values)
+                                   _mask(cache, positions), split_values=config.split_values)
   if not certificate:  # the same Hajek softmax, without the per-slot statistics
     return _plain_heads(qg, cache, positions, probs, None, config), None, probs
   if layer_flag is False:  # a static layer outside the subsample: NaN statistics

@@ -197,7 +197,9 @@ def offset_attention(
   ref = back(res)
   probs = ref.probs
   if with_probs and probs is None:  # the kernel or key blocks: a pass of their own
-    probs = attention_probs(q, k, log_pi, mask, scale=scale, split_values=config.split_values)
+    probs = reference.offset_probs(q, k, log_pi, mask,
+                                   1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
+                                   config.split_values)
   out_dtype = jnp.result_type(q.dtype, v.dtype)
   return OffsetAttentionResult(ref.out.astype(out_dtype), ref.lse, ref.var_hat, ref.range_hat,
                                probs)
@@ -326,9 +328,4 @@ def attention_probs(q, k, log_pi, mask, *, scale: Optional[float] = None,
   _check_values(q, k, None, log_pi, mask)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
-  l = reference.offset_logits(q, k, log_pi, mask, scale, split_values)
-  m = jnp.max(l, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  e = jnp.where(mask, jnp.exp(l - m), 0.0)
-  z = jnp.sum(e, axis=-1, keepdims=True)
-  return e / jnp.where(z > 0, z, 1.0)
+  return reference.offset_probs(q, k, log_pi, mask, scale, split_values)

@@ -15,9 +15,12 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from certkv_jax.kv import cache as cache_lib
 from certkv_jax.kv.cache import KVCache
 from certkv_jax.kv import distributed
+from certkv_jax.kv.distributed import DATA, MODEL, SEQ
 
 
 def over_heads(fn):
@@ -157,10 +160,8 @@ class Caches:
       out = jax.vmap(over_heads(fn))(self.layers, *flat)
       return jax.tree_util.tree_map(lambda x: Caches(x) if _is_kv(x) else x, out,
                                     is_leaf=_is_kv)
-    outs = []
-    for i, c in enumerate(self.layers):
-      at = [a.layer(i) if isinstance(a, Caches) else a[i] for a in args]
-      outs.append(over_heads(fn)(c, *at))
+    at = lambda i: [a.layer(i) if isinstance(a, Caches) else a[i] for a in args]
+    outs = [over_heads(fn)(c, *at(i)) for i, c in enumerate(self.layers)]
     return jax.tree_util.tree_map(
         lambda *xs: Caches(tuple(xs)) if _is_kv(xs[0]) else jnp.stack(xs), *outs,
         is_leaf=_is_kv)
@@ -170,17 +171,16 @@ class Caches:
 
     Stacked: one ``vmap``. Per layer: one decision on the stacked slot metadata (keys
     and values as norms, or zeros, unless ``design`` reads them), then each layer keeps
-    its own slots in place. On a mesh: ``distributed.map_evict``, whose kept
+    its own slots in place. On a mesh: :func:`_sharded_evict`, whose kept
     set is the one-device one. ``args`` as in :meth:`map`, arrays only.
     """
     every = _flat_vmap(fn, 3)  # one vmap over the flattened [layer, batch, head] axes
     if distributed.cache_mesh() is not None:
-      new, out = distributed.map_evict(design, jax.vmap(over_heads(fn)), self.as_kvcache(),
-                                       *args)
+      new, out = _sharded_evict(design, jax.vmap(over_heads(fn)), self.as_kvcache(), *args)
     elif not self.per_layer:
       new, out = every(self.layers, *args)
     else:
-      new, out = every(_metadata(self.layers, distributed.design_reads(design)), *args)
+      new, out = every(_metadata(self.layers, design_reads(design)), *args)
       apply = over_heads(cache_lib.apply_keep)
       return Caches(tuple(apply(c, new.valid[i], new.log_pi[i])
                           for i, c in enumerate(self.layers))), out
@@ -278,7 +278,7 @@ def _metadata(layers: tuple, reads) -> KVCache:
   def stand_in(name):
     xs = [getattr(c, name) for c in layers]
     if f"{name}_norm" in reads:
-      return jnp.stack([distributed.norm_column(x) for x in xs])
+      return jnp.stack([norm_column(x) for x in xs])
     return jnp.zeros((len(xs),) + xs[0].shape[:-1] + (1,), jnp.float32)
 
   meta = _stack([c._replace(k=None, v=None) for c in layers])
@@ -303,5 +303,98 @@ def append(cache: KVCache, k_new, v_new, new_valid) -> KVCache:
   ``new_valid`` [batch, n_kv_heads, t] is False on padding (no slot).
   """
   if distributed.cache_mesh() is not None:
-    return distributed.append(cache, k_new, v_new, new_valid)
+    return _sharded_append(cache, k_new, v_new, new_valid)
   return over_heads(cache_lib.append)(cache, k_new, v_new, new_valid)
+
+
+# --------------------------------------------------------------------------- on a mesh
+# Sequence-sharded caches (``certkv_jax.kv.distributed``): the slot axis split over
+# ``seq``. Divisibility is checked where caches are placed (``distributed.shard_caches``,
+# ``models.sharding``); ``shard_map`` names the axis otherwise.
+
+
+def _sharded_append(cache: KVCache, k_new, v_new, new_valid) -> KVCache:
+  """:func:`append` on one layer's sharded caches, into the slots one device would use."""
+  mesh = distributed.require_mesh(None)
+  n_local = cache.capacity // distributed.axis_size(mesh, SEQ)
+
+  def body(c, k_new, v_new, new_valid):
+    valid_all = jax.lax.all_gather(c.valid, SEQ, axis=2, tiled=True)  # [b, h, cap]
+    slots = over_heads(cache_lib.slot_assignment)(valid_all, new_valid)
+    lo = jax.lax.axis_index(SEQ) * n_local
+    mine = (slots.idx >= lo) & (slots.idx < lo + n_local)
+    idx = jnp.where(mine, slots.idx - lo, n_local)  # n_local: not this device's slot
+    return over_heads(cache_lib.write_slots)(c, slots, idx, k_new, v_new)
+
+  specs, new = distributed.cache_specs(0), P(DATA, MODEL)
+  return jax.shard_map(body, mesh=mesh, in_specs=(specs, new, new, new), out_specs=specs,
+                       check_vma=False)(cache, k_new, v_new, new_valid)
+
+
+# What a score may read beyond the gathered metadata (log_pi, pos, valid, acc, last, obs).
+_NORMS = frozenset({"k_norm", "v_norm"})
+
+
+def design_reads(design) -> Optional[set]:
+  """The "k_norm" / "v_norm" that ``design.evict`` reads, or None if it reads whole k or v."""
+  reads = design.reads & (_NORMS | {"k", "v"})
+  return set(reads) if reads <= _NORMS else None
+
+
+def norm_column(x):
+  """[..., cap, d] -> [..., cap, 1] float32 row norms; a score's norm of this one-element
+  row is the norm again, exactly."""
+  return jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
+
+
+def _sharded_evict(design, fn, caches: KVCache, *head_args):
+  """A per-head eviction on sequence-sharded caches, exactly as on one device.
+
+  In ``shard_map`` each device all-gathers its heads' slot metadata over ``seq``
+  (``O(cap)`` per head: keys and values as norms unless ``design``'s scores read
+  them whole), runs ``fn(caches, *head_args) -> (new_caches, info)``, the one-device
+  eviction, on whole heads with the same PRNG keys, then keeps or zeroes its own
+  slots. ``caches`` [n_layers, batch, n_kv_heads, ...] and ``head_args`` (keys,
+  targets) are sharded by ``distributed.cache_specs(1)``; info's slot leaves over seq.
+  """
+  mesh = distributed.require_mesh(None)
+  n_local = caches.capacity // distributed.axis_size(mesh, SEQ)
+  reads = design_reads(design)
+
+  def gather(x):
+    return jax.lax.all_gather(x, SEQ, axis=3, tiled=True)
+
+  def body(c, *args):
+    if reads is None:
+      k_all, v_all = gather(c.k), gather(c.v)
+    else:  # norms only (or nothing): O(cap) per head instead of O(cap d)
+      k_all = gather(norm_column(c.k)) if "k_norm" in reads else jnp.zeros(
+          c.k.shape[:3] + (c.capacity * distributed.axis_size(mesh, SEQ), 1), jnp.float32)
+      v_all = gather(norm_column(c.v)) if "v_norm" in reads else jnp.zeros_like(k_all)
+    meta = c._replace(k=k_all, v=v_all, log_pi=gather(c.log_pi), pos=gather(c.pos),
+                      valid=gather(c.valid), acc=gather(c.acc), last=gather(c.last),
+                      obs=gather(c.obs), v_sq=gather(c.v_sq))
+    new, info = fn(meta, *args)
+    lo = jax.lax.axis_index(SEQ) * n_local
+    mine = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, n_local, axis=3)
+    keep = mine(new.valid)
+    out = c._replace(
+        k=jnp.where(keep[..., None], c.k, jnp.zeros_like(c.k)),
+        v=jnp.where(keep[..., None], c.v, jnp.zeros_like(c.v)),
+        log_pi=mine(new.log_pi), pos=mine(new.pos), valid=keep, acc=mine(new.acc),
+        last=mine(new.last), obs=mine(new.obs), v_sq=mine(new.v_sq),
+        n_seen=new.n_seen, n_dropped=new.n_dropped)
+    info = jax.tree_util.tree_map(lambda x: mine(x) if x.ndim > 3 else x, info)
+    return out, info
+
+  # info's structure (which leaves carry the slot axis) from an abstract run of fn.
+  meta_shapes = caches._replace(
+      k=jax.ShapeDtypeStruct(caches.k.shape[:4] + (1,), jnp.float32),
+      v=jax.ShapeDtypeStruct(caches.v.shape[:4] + (1,), jnp.float32))
+  _, info_shapes = jax.eval_shape(fn, meta_shapes, *head_args)
+  info_specs = jax.tree_util.tree_map(
+      lambda x: P(None, DATA, MODEL, SEQ) if x.ndim > 3 else P(None, DATA, MODEL), info_shapes)
+  arg_specs = tuple(jax.tree_util.tree_map(lambda _: P(None, DATA, MODEL), a) for a in head_args)
+  specs = distributed.cache_specs(1)
+  return jax.shard_map(body, mesh=mesh, in_specs=(specs,) + arg_specs,
+                       out_specs=(specs, info_specs), check_vma=False)(caches, *head_args)

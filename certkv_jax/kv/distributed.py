@@ -4,11 +4,9 @@
 weights: ``models.sharding``), ``seq`` the slot axis of every cache. Slot-axis
 work runs in ``jax.shard_map`` with collectives over ``seq`` only: attention
 merges per-device partials with the Pallas kernel's split-K combine (method,
-section 9, "Single-pass statistics and kernels"); append places tokens from the
-gathered ``valid`` mask; eviction (:func:`map_evict`) gathers the
-``O(cap)`` per-slot metadata and runs the design on the whole head, so the kept
-set is the one-device one. ``models.decode`` uses these under a context mesh
-with these axes (:func:`cache_mesh`).
+section 9, "Single-pass statistics and kernels"). Appends and evictions on sharded
+caches are ``certkv_jax.kv.caches.Caches`` methods, like the one-device ones.
+``models.decode`` runs under a context mesh with these axes (:func:`cache_mesh`).
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from certkv_jax import _validate
-from certkv_jax.kv import cache as cache_lib
 from certkv_jax.kv.cache import KVCache
 from pallas_kernels import reference
 
@@ -93,7 +90,8 @@ def cache_mesh():
   return mesh
 
 
-def _require_mesh(mesh):
+def require_mesh(mesh):
+  """``mesh``, or the context mesh if None; ValueError when there is none or its axes are wrong."""
   mesh = cache_mesh() if mesh is None else mesh
   if mesh is None:
     raise ValueError("no mesh: pass mesh= or call under `with jax.set_mesh(mesh):` with a "
@@ -243,7 +241,7 @@ def sharded_offset_attention(q, k, v, log_pi, mask, *, mesh=None, scale: Optiona
     ValueError for mismatched shapes or a mesh axis that does not divide
     ``b``, ``h`` or ``n``.
   """
-  mesh = _require_mesh(mesh)
+  mesh = require_mesh(mesh)
   if not isinstance(outputs, Outputs):
     raise TypeError(f"outputs must be a distributed.Outputs, got {outputs!r}")
   q, k, v, log_pi, mask = (jnp.asarray(x) for x in (q, k, v, log_pi, mask))
@@ -299,109 +297,6 @@ def cache_attention(qg, cache: KVCache, positions, *, with_stats: bool,
                           None if res.probs is None else rows(res.probs))
 
 
-# --------------------------------------------------------------------------- append
-
-
-def append(cache: KVCache, k_new, v_new, new_valid) -> KVCache:
-  """``cache.append`` for one layer's sharded caches, into the slots one device would use.
-
-  ``k_new`` [b, h_kv, t, d], ``v_new`` [b, h_kv, t, dv], ``new_valid`` [b, h_kv, t].
-  """
-  mesh = _require_mesh(None)
-  check_cache(mesh, cache, lead=0)
-  n_local = cache.capacity // axis_size(mesh, SEQ)
-
-  def body(c, k_new, v_new, new_valid):
-    valid_all = jax.lax.all_gather(c.valid, SEQ, axis=2, tiled=True)  # [b, h, cap]
-    slots = jax.vmap(jax.vmap(cache_lib.slot_assignment))(valid_all, new_valid)
-    lo = jax.lax.axis_index(SEQ) * n_local
-    mine = (slots.idx >= lo) & (slots.idx < lo + n_local)
-    idx = jnp.where(mine, slots.idx - lo, n_local)  # n_local: not this device's slot
-    return jax.vmap(jax.vmap(cache_lib.write_slots))(c, slots, idx, k_new, v_new)
-
-  specs = cache_specs(0)
-  new = P(DATA, MODEL)
-  return jax.shard_map(body, mesh=mesh, in_specs=(specs, new, new, new), out_specs=specs,
-                       check_vma=False)(
-      cache, k_new, v_new, new_valid)
-
-
-# --------------------------------------------------------------------------- eviction
-# Each device gathers only per-slot metadata (``O(cap)`` per head, not the ``O(cap d)``
-# keys and values), so the design sees whole heads with the same keys.
-
-
-# What a score may read beyond the gathered metadata (log_pi, pos, valid, acc, last, obs).
-_NORMS = frozenset({"k_norm", "v_norm"})
-
-
-def design_reads(design) -> Optional[set]:
-  """The "k_norm" / "v_norm" that ``design.evict`` reads, or None if it reads whole k or v."""
-  reads = design.reads & (_NORMS | {"k", "v"})
-  return set(reads) if reads <= _NORMS else None
-
-
-def norm_column(x):
-  """[..., cap, d] -> [..., cap, 1] float32 row norms; a score's norm of this one-element
-  row is the norm again, exactly."""
-  return jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
-
-
-def map_evict(design, fn, caches: KVCache, *head_args):
-  """Runs a per-head eviction on sequence-sharded caches exactly as on one device.
-
-  In ``shard_map`` each device all-gathers its heads' slot metadata over ``seq``
-  (keys and values as norms unless ``design``'s scores read them whole), runs
-  ``fn(caches, *head_args) -> (new_caches, info)``, the one-device eviction, on
-  whole heads with the same PRNG keys, then keeps or zeroes its own slots.
-  ``caches`` are sharded by ``cache_specs(1)``, ``head_args`` (keys,
-  targets) ``[n_layers, batch, n_kv_heads, ...]`` like them; the result is
-  sharded like the inputs (info's slot leaves over seq).
-  """
-  mesh = _require_mesh(None)
-  check_cache(mesh, caches, lead=1)
-  n_local = caches.capacity // axis_size(mesh, SEQ)
-  reads = design_reads(design)
-
-  def gather(x):
-    return jax.lax.all_gather(x, SEQ, axis=3, tiled=True)
-
-  def body(c, *args):
-    if reads is None:
-      k_all, v_all = gather(c.k), gather(c.v)
-    else:  # norms only (or nothing): O(cap) per head instead of O(cap d)
-      k_all = gather(norm_column(c.k)) if "k_norm" in reads else jnp.zeros(
-          c.k.shape[:3] + (c.capacity * axis_size(mesh, SEQ), 1), jnp.float32)
-      v_all = gather(norm_column(c.v)) if "v_norm" in reads else jnp.zeros_like(k_all)
-    meta = c._replace(k=k_all, v=v_all, log_pi=gather(c.log_pi), pos=gather(c.pos),
-                      valid=gather(c.valid), acc=gather(c.acc), last=gather(c.last),
-                      obs=gather(c.obs), v_sq=gather(c.v_sq))
-    new, info = fn(meta, *args)
-    lo = jax.lax.axis_index(SEQ) * n_local
-    mine = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, n_local, axis=3)
-    keep = mine(new.valid)
-    out = c._replace(
-        k=jnp.where(keep[..., None], c.k, jnp.zeros_like(c.k)),
-        v=jnp.where(keep[..., None], c.v, jnp.zeros_like(c.v)),
-        log_pi=mine(new.log_pi), pos=mine(new.pos), valid=keep, acc=mine(new.acc),
-        last=mine(new.last), obs=mine(new.obs), v_sq=mine(new.v_sq),
-        n_seen=new.n_seen, n_dropped=new.n_dropped)
-    info = jax.tree_util.tree_map(lambda x: mine(x) if x.ndim > 3 else x, info)
-    return out, info
-
-  # info's structure (which leaves carry the slot axis) from an abstract run of fn.
-  meta_shapes = caches._replace(
-      k=jax.ShapeDtypeStruct(caches.k.shape[:4] + (1,), jnp.float32),
-      v=jax.ShapeDtypeStruct(caches.v.shape[:4] + (1,), jnp.float32))
-  _, info_shapes = jax.eval_shape(fn, meta_shapes, *head_args)
-  info_specs = jax.tree_util.tree_map(
-      lambda x: P(None, DATA, MODEL, SEQ) if x.ndim > 3 else P(None, DATA, MODEL), info_shapes)
-  arg_specs = tuple(jax.tree_util.tree_map(lambda _: P(None, DATA, MODEL), a) for a in head_args)
-  specs = cache_specs(1)
-  return jax.shard_map(body, mesh=mesh, in_specs=(specs,) + arg_specs,
-                       out_specs=(specs, info_specs), check_vma=False)(caches, *head_args)
-
-
 # --------------------------------------------------------------------------- certificates
 
 
@@ -409,7 +304,7 @@ def aggregate_heads(radii, *, mesh=None, how: str = "sum") -> Array:
   """[n_steps, batch] sum or max (``how``) of radii [n_steps, n_layers, batch, n_heads]."""
   if how not in ("sum", "max"):
     raise ValueError(f"how must be 'sum' or 'max', got {how!r}")
-  mesh = _require_mesh(mesh)
+  mesh = require_mesh(mesh)
   radii = jnp.asarray(radii, jnp.float32)
   if radii.ndim != 4:
     raise ValueError(f"radii must be [n_steps, n_layers, batch, n_heads], got {radii.shape}")

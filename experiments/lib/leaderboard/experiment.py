@@ -65,7 +65,8 @@ from experiments.lib import ruler
 from experiments.lib import variants
 from models import decode
 from models import precision
-from models.forward import allocation_args, forward_chunk
+from models.decode import allocation_args
+from models.forward import forward_chunk
 from models.text import answer_text
 
 ROWS_FILE = "rows.jsonl"

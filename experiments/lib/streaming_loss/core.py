@@ -56,6 +56,7 @@ from certkv_jax.kv import caches as caches_lib
 from certkv_jax import layer as layer_lib
 from experiments.lib import stats
 from experiments.lib.suite import settings as suite_settings
+from models import decode
 from models import forward
 from models.llama import LlamaModel
 
@@ -176,7 +177,7 @@ def _streaming_nll(params, tokens, mask, key, budget, *, config,
   # A deterministic design has no offsets: its radius is 0 (Theorem 1), and the plain
   # softmax path gives the same logits without the certificate's per-slot work.
   with_cert = design is not None and design.randomized and stream.certificate
-  per_head = forward.allocation_args(params, config, stream.allocation)
+  per_head = decode.allocation_args(params, config, stream.allocation)
 
   def step(carry, x):
     caches, shadow, key = carry
