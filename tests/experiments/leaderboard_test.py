@@ -281,6 +281,24 @@ class PlanTest(absltest.TestCase):
     self.assertLess(p["ci"][0], 0.0)
     self.assertGreater(p["ci"][1], 0.0)
 
+  def test_twins_keep_their_keys_at_every_ratio(self):
+    # Two ratios and two twins of one design: the first twin stays keyed by the design
+    # at both ratios, the second by its own name (not by the design at one ratio only).
+    twin2 = "snapkv_cert:top_share=0.25"
+    plan = experiment.Plan(tasks=("vt", "cwe"), n_examples=3, ratios=(0.5, 0.75),
+                           designs=("snapkv", "snapkv_cert", twin2))
+    hits = {"snapkv": [1, 0, 0, 1, 0, 0], "snapkv_cert": [1, 1, 0, 1, 0, 0],
+            twin2: [0, 0, 0, 1, 0, 0], "full": [1] * 6}
+    rows = [dict(r, ratio=ratio) for ratio in plan.ratios for r in _hit_rows(hits)
+            if r["design"] != "full"] + [r for r in _hit_rows(hits) if r["design"] == "full"]
+    got = report.paired_scores(rows, plan, list(hits), plan.tasks, seed=0)["paired_twin"]
+    self.assertEqual(sorted(got), sorted(["snapkv", twin2]))
+    for key, twin, value in (("snapkv", "snapkv_cert", 100 / 6), (twin2, twin2, -100 / 6)):
+      self.assertEqual(sorted(got[key]), ["0.5", "0.75"])
+      for per in got[key].values():
+        self.assertEqual(per["twin"], twin)
+        self.assertAlmostEqual(per["value"], value)
+
   def test_twin_base_drops_the_twin_settings_only(self):
     self.assertEqual(variants.twin_base("snapkv_cert:top_share=0.5:spill=1"), "snapkv")
     self.assertEqual(variants.twin_base("h2o_cert:window=8:spill=0+adakv"), "h2o:window=8+adakv")

@@ -190,6 +190,11 @@ def paired_scores(rows, plan, ran, tasks, *, seed: int = 0) -> dict:
          "paired_twin": {}}
   uniform_det = [d for d in ran if d != design_defaults.FULL and not experiment.is_randomized(d)
                  and variants.parse_variant(d)[1] == "uniform"]
+  twin_key = {}  # the first twin of a design is keyed by that design, any other by itself
+  for d in ran:
+    base = variants.twin_base(d)
+    if base in ran:
+      twin_key[d] = base if base not in twin_key.values() else d
   for ratio in plan.ratios:
     per = {d: _example_scores(rows, d, ratio, tasks) for d in ran}
     keys = sorted(per[ran[0]]) if ran else []
@@ -200,11 +205,8 @@ def paired_scores(rows, plan, ran, tasks, *, seed: int = 0) -> dict:
       out["score"].setdefault(d, {})[_key(ratio)] = {"value": float(iv.estimate),
                                                         "ci": [float(iv.lo), float(iv.hi)],
                                                         "n": len(keys)}
-    for d in ran:
+    for d, key in twin_key.items():
       base = variants.twin_base(d)
-      if base not in ran:
-        continue
-      key = base if base not in out["paired_twin"] else d
       iv = stats.bootstrap_ci(np.mean, vec[d] - vec[base], n_boot=N_BOOT, seed=seed,
                               strata=strata)
       out["paired_twin"].setdefault(key, {})[_key(ratio)] = {
