@@ -304,6 +304,7 @@ def offset_probs(q, k, log_pi, mask, scale, split_values: bool = False):
   z = jnp.sum(e, axis=-1, keepdims=True)
   return e / jnp.where(z > 0, z, 1.0)
 
+
 def probabilities(l, lse, valid):
   """``p_i = exp(l_i - lse)`` [..., g, n] on valid slots, 0 elsewhere (an empty row: all 0)."""
   lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)

@@ -67,7 +67,6 @@ def _check_grid(allocation):
   sampling.check_eps(allocation.eps)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class AdaKV:
   """kvpress's ``AdaKVPress`` (Feng et al., 2024) over any design with a score.
@@ -126,7 +125,6 @@ def _design_score(design):
     raise ValueError(f"design {design.name!r} has a tail rule without a score "
                      f"({type(design.tail).__name__}): a score-based allocation needs one")
   return score
-
 
 
 def _window_costs(design, cache: KVCache, step, n_grid: int, eps: float):
@@ -363,7 +361,6 @@ def kv_head_gains(w_o, n_heads: int, n_kv_heads: int, head_dim: int) -> Array:
   g = damage.head_output_norms(w_o, n_heads, head_dim, kind="frobenius_rms")
   g = g.reshape(g.shape[:-1] + (n_kv_heads, n_heads // n_kv_heads))
   return jnp.sum(g * g, axis=-1)
-
 
 
 @dataclasses.dataclass(frozen=True)

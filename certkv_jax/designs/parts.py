@@ -22,7 +22,6 @@ from certkv_jax.kv.cache import KVCache
 Array = jax.Array
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Budget:
   """Tokens kept after eviction: a count, or a fraction of the tokens seen."""
@@ -76,7 +75,6 @@ def as_budget(budget: Union[int, float, Budget]) -> Budget:
                   f"got {budget!r}")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class CertaintySet:
   """Tokens kept with probability 1: sinks, recent window, heavy hitters.
@@ -112,7 +110,6 @@ class CertaintySet:
     s = jnp.where(valid & ~base, self.heavy_score(cache), -jnp.inf)
     heavy = sampling.top_k_mask(s, self.heavy) & valid & ~base
     return base | heavy
-
 
 
 class TailChoice(NamedTuple):

@@ -83,7 +83,6 @@ from experiments.lib.scoring import string_match_all  # pylint: disable=unused-i
 from experiments.lib.scoring import string_match_part  # pylint: disable=unused-import
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Example:
   """One prompt with its exact answer(s); see the module docstring."""

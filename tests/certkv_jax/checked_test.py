@@ -256,7 +256,6 @@ class OverflowTest(absltest.TestCase):
     err, _ = checked.checked(checked.check_no_overflow)(layer)
     self.assertRegex(err.get(), rf"^cache overflow: {config.n_kv_heads} appended tokens")
 
-
   @pytest.mark.slow  # 31 s cold on the 2-core CI machine (2026-12-01)
   def test_generation_overflow_is_caught_under_jit(self):
     config = test_util.tiny_config()

@@ -64,7 +64,6 @@ class RocTest(parameterized.TestCase):
     self.assertEqual(stats.attribution_auc(score, full, ev), 1.0)
     self.assertEqual(stats.attribution_auc(-score, full, ev), 0.0)
 
-
   def test_stratified_auc_counts_within_stratum_pairs_only(self):
     # Stratum a: positives 3, 1 vs negative 2 -> 1/2; stratum b: positive 0 vs
     # negatives 5, 4 -> 0; stratum c has one class and no pair. Pooled AUC would
@@ -98,6 +97,7 @@ class RocTest(parameterized.TestCase):
     score = np.array([4, 0, 3, 2, 1, 9, 0, 0], float)
     # A: cache-induced 4, 3, 2 vs inherent 0 -> 3/3; B: cache-induced 9 vs 1, 0, 0 -> 3/3
     self.assertEqual(stats.stratified_attribution_auc(score, full, ev, task), 1.0)
+
 
 class BootstrapTest(absltest.TestCase):
 

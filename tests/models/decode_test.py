@@ -325,7 +325,6 @@ class DecodeTest(absltest.TestCase):
                                       jax.random.PRNGKey(0), config=self.config,
                                       gen=decode.GenerationConfig(n_steps=2, capacity=16)).ratio)
 
-
   @pytest.mark.slow  # 177 s cold on the 2-core CI machine (2026-12-01)
   def test_certificate_subsample_by_layer_and_head(self):
     # The subsample changes no output, and on the chosen (layer, KV head) calls
@@ -402,6 +401,7 @@ class DecodeTest(absltest.TestCase):
       decode.forward_chunk(self.params, self.config, self.tokens, self.mask,
                            decode.init_caches(self.config, 2, 16),
                            settings=layer_lib.Settings(certificate=Subsample(layers=(5,))))
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -179,7 +179,6 @@ class MemorySummaryTest(absltest.TestCase):
     self.assertEqual(memory.format_bytes(3 * 2**20), "3.0 MiB")
 
 
-
 class CapacityRuleTest(absltest.TestCase):
   """``budgets.capacity`` against values worked out by hand (docs/method.md, section 9)."""
 

@@ -134,5 +134,6 @@ class SmolLM2DesignsTest(parameterized.TestCase):
     kept = np.asarray(out.caches.n_valid).sum(axis=(0, 2))  # [batch]
     self.assertTrue((np.diff(kept) > 0).all(), kept)
 
+
 if __name__ == "__main__":
   absltest.main()

@@ -9,4 +9,3 @@ def check_int(flag, value, lo, hi=None):
       hi is not None and value > hi):
     raise ValueError(f"--{flag} must be an int in [{lo}, {hi if hi is not None else 'inf'}], "
                      f"got {value!r}")
-

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 
 from certkv_jax.attention import certified
 from certkv_jax.kv import memory as memory_lib
+
+
 def weight_bytes(params, config) -> int:
   """Bytes of weights a decode step reads: every parameter, but of an untied
   embedding only one row per token (the tied one is the output projection too)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from experiments.lib.bench import decode_report
 from experiments.lib.results_doc import markdown as fmt
 
+
 def kernels(root: str) -> list[str]:
   d = fmt.read_json(root, "bench_cpu.json")
   rows = d["rows"]

@@ -198,4 +198,3 @@ def _ruler(root: str, rel: str, title: str) -> list[str]:
     if cell["not_run"]:
       out += ["", f"Not run: {', '.join(cell['not_run'])}."]
   return out
-

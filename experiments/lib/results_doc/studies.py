@@ -13,6 +13,7 @@ from experiments.lib.results_doc import markdown as fmt
 
 # --- the validity study -------------------------------------------------------------------
 
+
 def _cells(cells, **kw):
   return [c for c in cells if all(c[k] == v for k, v in kw.items())]
 
@@ -347,7 +348,6 @@ def min_tail(root: str) -> list[str]:
           f"floor costs tokens above the budget while the budget is that small. `{base}` keeps "
           "no floor so that the committed runs stay reproducible."]
   return out
-
 
 
 def damage(root: str) -> list[str]:

@@ -13,6 +13,7 @@ from experiments.lib.overhead import experiment as overhead_lib
 from experiments.lib.results_doc import markdown as fmt
 from experiments.lib.suite import report as suite_report
 
+
 def _loss_table(table, budgets, designs) -> list[list]:
   by = {(r["design"], r["budget"]): r for r in table}
   body = []

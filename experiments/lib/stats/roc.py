@@ -133,4 +133,3 @@ def stratified_attribution_auc(score, full_correct, evicted_correct, strata) -> 
   validation.same_length(score=s, full_correct=full, evicted_correct=ev, strata=g)
   fail = ~ev
   return stratified_auc(s[fail], full[fail], g[fail])
-

@@ -130,4 +130,3 @@ def settings_from_flags(flags_values, **overrides) -> Settings:
             deltas=deltas, model=model_loading.model_name(flags_values.model))
   kw.update(overrides)
   return Settings(**kw).check()
-
