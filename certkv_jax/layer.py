@@ -210,9 +210,10 @@ def _attend_appended(q, cache, shadow, pos, valid, settings: Settings, layer_fla
 
 
 def fold_statistics(design, cache: KVCache, probs, valid, observation_window: int) -> KVCache:
-  """Folds probabilities [b, h_kv, g, t, cap] into slot statistics (``design.update``): the
-  non-window real queries, then the window with ``obs`` reset, so the last real query is the
-  latest (TOVA) and ``obs`` this chunk's window (SnapKV); all-padding rows keep theirs."""
+  """Folds probabilities [b, h_kv, g, t, cap] into slot statistics (``design.update``): every
+  real query into ``acc`` and ``last`` (the last real query is the latest: TOVA), as a design
+  without a window folds them, and with a window its queries alone into a fresh ``obs``
+  (SnapKV); all-padding rows keep theirs."""
   probs = jnp.where(valid[:, None, None, :, None], probs, 0.0)  # padded queries count 0
   t = valid.shape[1]
   n_real = jnp.sum(valid, axis=1).astype(jnp.int32)
@@ -221,13 +222,11 @@ def fold_statistics(design, cache: KVCache, probs, valid, observation_window: in
 
   def fold(cache_h, p, has_real):  # p [g, t, cap]
     state = design.init(cache_h)
-    if observation_window == 0:
-      new = design.update(cache_h, state, p)[0]
-    else:
-      w = in_window[None, :, None]
-      new, state = design.update(cache_h, state, jnp.where(w, 0.0, p))
-      new = new._replace(obs=jnp.zeros_like(new.obs))
-      new = design.update(new, state, jnp.where(w, p, 0.0), observation=True)[0]
+    new = design.update(cache_h, state, p)[0]
+    if observation_window:
+      fresh = cache_h._replace(obs=jnp.zeros_like(cache_h.obs))
+      window = jnp.where(in_window[None, :, None], p, 0.0)
+      new = new._replace(obs=design.update(fresh, state, window, observation=True)[0].obs)
     return jax.tree_util.tree_map(lambda a, b: jnp.where(has_real, a, b), new, cache_h)
 
   per_head = jax.vmap(fold, in_axes=(0, 0, None))  # over KV heads; one flag per row

@@ -184,8 +184,9 @@ class SharedPrefillTest(_TinyModelCase):
     from experiments.lib import ruler  # pylint: disable=g-import-not-at-top
     cls.examples = ruler.make_examples("niah_single_1", cls.tok, 2, 1024, 0, max_new_tokens=4)
 
-  def _compare(self, name, regime):
-    batch = experiment._Batch(self.examples, regime, 1024, 4)  # pylint: disable=protected-access
+  def _compare(self, name, regime, batch=None):
+    if batch is None:
+      batch = experiment._Batch(self.examples, regime, 1024, 4)  # pylint: disable=protected-access
     ratios = (0.25, 0.75)
     key = jax.random.PRNGKey(3)
     got, _, _ = experiment.run_design(self.params, self.config, batch, name, ratios, key,
@@ -215,13 +216,36 @@ class SharedPrefillTest(_TinyModelCase):
   def test_poisson_tail_query_aware(self):
     self._compare("poisson_tail", "query_aware")
 
+  def test_a_design_without_window_reuses_the_window_prefill(self):
+    # tova (no window) after snapkv in one batch: snapkv's prefill serves it, holds its
+    # own prefill's keys, values and statistics bit for bit (obs aside, which tova does
+    # not read), and tova's answers are those of its own generation call.
+    batch = experiment._Batch(self.examples, "streaming", 1024, 4)  # pylint: disable=protected-access
+    experiment.run_design(self.params, self.config, batch, "snapkv", (0.5,),
+                          jax.random.PRNGKey(0), self.plan)
+    self.assertEqual(len(batch.prefills), 1)
+    self._compare("tova", "streaming", batch=batch)
+    self.assertEqual(len(batch.prefills), 1)
+    tova = design_defaults.make_design("tova", 0.5, self.plan.n_sink, self.plan.window)
+    own = experiment.prefill(self.params, *batch.prompt, config=self.config, design=tova,
+                             capacity=batch.capacity)
+    shared = next(iter(batch.prefills.values()))
+    np.testing.assert_array_equal(shared[0], own[0])
+    for f in ("k", "v", "acc", "last", "v_sq", "v_ref", "pos", "valid", "n_seen"):
+      np.testing.assert_array_equal(getattr(shared[1], f), getattr(own[1], f), err_msg=f)
+
 
 class PlanTest(absltest.TestCase):
 
   def test_prefill_groups(self):
     keys = {experiment.stats_key(design_defaults.make_design(d, 0.5))
             for d in design_defaults.names()}
-    self.assertEqual(keys, {("sum", 0), ("sum", 16), ("peak", 16)})
+    self.assertEqual(keys, {None, ("sum", 16), ("peak", 16)})
+
+  def test_units_put_the_window_designs_first(self):
+    plan = experiment.Plan(tasks=("vt",), n_examples=1, designs=("h2o", "snapkv", "tova"),
+                           regimes=("streaming",)).check()
+    self.assertEqual([u[-1] for u in plan.units()], ["snapkv", "h2o", "tova", "full"])
 
   def test_units(self):
     plan = experiment.Plan(tasks=("vt",), n_examples=3, group=2, designs=("h2o", "full"),

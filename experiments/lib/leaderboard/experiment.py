@@ -15,11 +15,12 @@ up to the task's ``tokens_to_generate``, in two regimes:
 
 One prefill serves every design (``chunk=0``): a prefill leaves the keys,
 values and the statistics ``acc`` (summed attention) and ``last`` (the last
-query's attention) alike for every design; only ``obs``, the observation
-window's attention, depends on the design's window and fold (SnapKV: summed
-over 16 queries; ``poisson_envelope``: their maximum). So the prompt is
-prefilled once per distinct :func:`stats_key` (three with the registered
-designs), each design evicts its own copy, and the full cache reuses any.
+query's attention) alike for every design, bit for bit; only ``obs``, the
+observation window's attention, depends on the design's window and fold
+(SnapKV: summed over 16 queries; ``poisson_envelope``: their maximum). So the
+prompt is prefilled once per distinct window (:func:`stats_key`; with SnapKV
+and its twin among the designs, once in all), the designs without a window
+reuse whichever prefill there is, and each design evicts its own copy.
 The result equals the design's own ``generate`` / ``generate_streaming``
 call with the whole context as one chunk (``tests/experiments/leaderboard_test.py``).
 Decoding folds nothing (no eviction during decoding), so it runs without the
@@ -183,9 +184,12 @@ class Plan:
     return (FULL_RATIO,) if design == design_defaults.FULL else self.ratios
 
   def units(self) -> list[tuple]:
-    """(context_len, task, regime, first example, design), the designs of one
-    prefill consecutive and the full cache last (it reuses their prefill)."""
-    designs = self.all_designs[1:] + self.all_designs[:1]
+    """(context_len, task, regime, first example, design): the designs with an observation
+    window first, those of one window consecutive, then the rest and the full cache, which
+    reuse a prefill made before them (:func:`stats_key`)."""
+    keys = {d: stats_key(design_of(d, self)[0]) for d in self.all_designs[1:]}
+    order = list(dict.fromkeys(k for k in keys.values() if k is not None)) + [None]
+    designs = sorted(keys, key=lambda d: order.index(keys[d])) + [design_defaults.FULL]
     return [(c, t, g, s, d) for c in self.context_lens for t in self.tasks_for(c)
             for g in self.regimes for s in range(0, self.n_examples, self.group)
             for d in designs]
@@ -195,11 +199,11 @@ class Plan:
       return f.read()
 
 
-def stats_key(design) -> tuple:
-  """What the prefilled statistics depend on: the observation window's fold and length
-  (``("sum", 0)``: no window; the full cache and designs without one)."""
+def stats_key(design) -> Optional[tuple]:
+  """The prefill a design needs: its observation window's fold and length, or None (the
+  full cache and designs without a window read no ``obs``: any prefill serves)."""
   if design is None or design.observation_window == 0:
-    return ("sum", 0)
+    return None
   return (design.fold, design.observation_window)
 
 
@@ -305,8 +309,8 @@ def run_design(params, config, batch: _Batch, name: str, ratios, key, plan: Plan
     return out, np.full(n_rows, np.nan), 0.0
   prefills = batch.prefills
   want = stats_key(design)
-  if want not in prefills and design is None and prefills:
-    want = next(iter(prefills))  # the full cache evicts nothing: any prefill serves
+  if want is None and prefills:
+    want = next(iter(prefills))
   paid = 0.0
   if want not in prefills:
     prefills[want] = jax.block_until_ready(prefill(
