@@ -193,9 +193,9 @@ def plot_panels(panels: Mapping[str, Mapping[str, tuple]], path: str, *, xlabel:
     _nonempty(lines, f"panels[{name!r}]")
     for label, (xs, ys, *band) in lines.items():
       style = "ks--" if label == "full" else "o-"
-      ax.plot(xs, ys, style, label=label, lw=1.2, ms=3)
+      line, = ax.plot(xs, ys, style, label=label, lw=1.2, ms=3)
       if band:
-        ax.fill_between(xs, band[0][0], band[0][1], alpha=0.15)
+        ax.fill_between(xs, band[0][0], band[0][1], color=line.get_color(), alpha=0.15)
     if logx:
       ax.set_xscale("log", base=2)
     if logy:

@@ -323,6 +323,28 @@ class PlanTest(absltest.TestCase):
         self.assertEqual(per["twin"], twin)
         self.assertAlmostEqual(per["value"], value)
 
+  def test_score_panels_pair_each_twin_with_its_design(self):
+    plan = experiment.Plan(tasks=("vt", "cwe"), n_examples=3, ratios=(0.5, 0.75),
+                           designs=("snapkv", "snapkv_cert", "h2o"))
+    hits = {"snapkv": [1, 0, 0, 1, 0, 0], "snapkv_cert": [1, 1, 0, 1, 0, 0],
+            "h2o": [0, 0, 0, 1, 0, 0], "full": [1] * 6}
+    rows = [dict(r, ratio=ratio) for ratio in plan.ratios for r in _hit_rows(hits)
+            if r["design"] != "full"] + [r for r in _hit_rows(hits) if r["design"] == "full"]
+    cell = report.paired_scores(rows, plan, list(hits), plan.tasks, seed=0)
+    panels = report._score_panels({"4096/streaming": cell}, plan)  # pylint: disable=protected-access
+    self.assertEqual(list(panels), ["4096 tokens, streaming: snapkv"])  # h2o has no twin
+    lines = panels["4096 tokens, streaming: snapkv"]
+    self.assertEqual(list(lines), ["full", "design", "certified twin"])
+    xs, ys, (lo, hi) = lines["certified twin"]
+    self.assertEqual((xs, ys), ([0.5, 0.75], [50.0, 50.0]))
+    self.assertTrue(all(l <= y <= h for l, y, h in zip(lo, ys, hi)))
+    self.assertEqual(lines["design"][1], [100 / 3, 100 / 3])
+    self.assertEqual(lines["full"], ([0.5, 0.75], [100.0, 100.0]))
+    del cell["paired_twin"]["snapkv"]  # no twin: one panel with every design
+    panels = report._score_panels({"4096/streaming": cell}, plan)  # pylint: disable=protected-access
+    self.assertEqual(list(panels), ["4096 tokens, streaming"])
+    self.assertEqual(sorted(panels["4096 tokens, streaming"]), sorted(hits))
+
   def test_twin_base_drops_the_twin_settings_only(self):
     self.assertEqual(variants.twin_base("snapkv_cert:top_share=0.5:spill=1"), "snapkv")
     self.assertEqual(variants.twin_base("h2o_cert:window=8:spill=0+adakv"), "h2o:window=8+adakv")

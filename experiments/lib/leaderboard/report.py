@@ -374,6 +374,29 @@ def _markdown(cell, c, regime, tasks, plan) -> list[str]:
   return lines + [""]
 
 
+def _score_panels(cells: dict, plan) -> dict:
+  """Score against ratio: one panel per cell, or where twins ran one per (cell, design)
+  with the design, its twin and the full cache, each with its 95% interval."""
+  panels = {}
+  for name, cell in cells.items():
+    where, score = name.replace("/", " tokens, "), cell["score"]
+
+    def curve(d, band=True):
+      per = [score[d][_key(r)] for r in plan.ratios]
+      ys = [p["value"] for p in per]
+      bands = ([p["ci"][0] for p in per], [p["ci"][1] for p in per])
+      return (list(plan.ratios), ys, bands) if band else (list(plan.ratios), ys)
+
+    twins = [next(iter(per.values()))["twin"] for per in cell.get("paired_twin", {}).values()]
+    for twin in twins:
+      panels[f"{where}: {variants.twin_base(twin)}"] = {
+          design_defaults.FULL: curve(design_defaults.FULL, band=False),
+          "design": curve(variants.twin_base(twin)), "certified twin": curve(twin)}
+    if not twins and score:
+      panels[where] = {d: curve(d, band=False) for d in score}
+  return panels
+
+
 def write(rows, out_dir: str, plan, *, n_kv_heads: int = 3,
           model: Optional[str] = None) -> Optional[dict]:
   """Writes report.md, summary.json and score.png; None if no design is complete."""
@@ -384,14 +407,7 @@ def write(rows, out_dir: str, plan, *, n_kv_heads: int = 3,
   results_io.atomic_write_text(os.path.join(out_dir, "summary.json"),
                                json.dumps(results_io.json_safe(body), indent=1, sort_keys=True))
   results_io.atomic_write_text(os.path.join(out_dir, "report.md"), _header(plan) + s["md"])
-  panels = {}
-  for name, cell in s["cells"].items():
-    lines = {}
-    for d, per in cell["score"].items():
-      lines[d] = (list(plan.ratios), [per[_key(r)]["value"] for r in plan.ratios])
-    if lines:
-      panels[name.replace("/", " tokens, ")] = lines
-  plots.plot_panels(panels, os.path.join(out_dir, "score.png"),
+  plots.plot_panels(_score_panels(s["cells"], plan), os.path.join(out_dir, "score.png"),
                     xlabel="compression ratio (share of the cache removed)",
                     ylabel="RULER score (%, mean over tasks)",
                     title="RULER tasks: score against compression ratio")
