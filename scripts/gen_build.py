@@ -106,7 +106,7 @@ DATA = {
     "certkv_jax_designs_sort_free_test": _TINY,
     "experiments_suite_report_test": ["experiments/results/equal_memory/summary.json",
                                       "experiments/results/equal_memory_tasks/summary.json",
-                                      "experiments/results/leaderboard/summary.json",
+                                      "experiments/results/leaderboard_smoke/summary.json",
                                       "experiments/results/leaderboard_8k/summary.json",
                                       "experiments/results/overhead_long/overhead_rows.jsonl",
                                       "experiments/results/suite_quick/report.md",

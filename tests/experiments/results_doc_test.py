@@ -69,6 +69,17 @@ class ResultsDocTest(absltest.TestCase):
     for old, new in ((old_sharp, new_sharp), (old_ms, new_ms)):
       self.assertTrue(new in edited and old not in edited, f"{old!r} -> {new!r}")
 
+  def test_a_twin_that_loses_is_bold(self):
+    row = "| keydiff | keydiff_cert | +1.4 [-6.2, +9.0] |"
+    self.assertIn(row, self.rendered)
+
+    def loses(d):
+      d["cells"]["4096/streaming"]["paired_twin"]["keydiff"]["0.25"].update(
+          value=-3.0, ci=[-5.0, -1.0])
+    _edit_json(os.path.join(self.copy, "leaderboard", "summary.json"), loses)
+    self.assertIn("| keydiff | keydiff_cert | **-3.0 [-5.0, -1.0]** |",
+                  results_doc.render(self.copy))
+
   def test_write_and_check(self):
     out = os.path.join(self.tmp, "docs", "results.md")
     self.assertIn("does not exist", results_doc.check(out, self.copy))

@@ -30,7 +30,7 @@ SECTIONS = (studies.validity, studies.validity_long, studies.min_tail, suite.des
             suite.suite_full, suite.overhead_long, suite.demo, studies.damage,
             comparisons.equal_memory, comparisons.twins, comparisons.equal_memory_tasks,
             comparisons.equal_memory_tasks_pooled,
-            comparisons.leaderboard, comparisons.leaderboard_8k,
+            comparisons.leaderboard, comparisons.leaderboard_smoke, comparisons.leaderboard_8k,
             benchmarks.kernels, benchmarks.gpu_h200, benchmarks.gpu_h100, benchmarks.bench_decode, benchmarks.bench_decode_parts,
             benchmarks.bench_decode_compile,
             benchmarks.sharding,

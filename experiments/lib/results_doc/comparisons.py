@@ -112,8 +112,13 @@ def _twin_coverage(root: str, rel: str) -> list[str]:
 
 
 def leaderboard(root: str) -> list[str]:
-  """The RULER-style leaderboard: average score by compression ratio, and coverage."""
-  return _ruler(root, "leaderboard", "## RULER-style leaderboard")
+  """The RULER-style leaderboard of the certified twins beside their designs."""
+  return _ruler(root, "leaderboard", "## RULER-style leaderboard: certified twins")
+
+
+def leaderboard_smoke(root: str) -> list[str]:
+  """Every design on the leaderboard, one example per task (``leaderboard_smoke``)."""
+  return _ruler(root, "leaderboard_smoke", "## RULER-style leaderboard of every design (smoke scale)")
 
 
 def leaderboard_8k(root: str) -> list[str]:
@@ -169,6 +174,19 @@ def _ruler(root: str, rel: str, title: str) -> list[str]:
           cells.append(f"**{text}**" if cell["best_deterministic"].get(r) == d else text)
         body.append([d] + cells)
       out += fmt.table(["design"] + ratios, body)
+    if cell.get("paired_twin"):
+      out += ["", "Certified twins against their own deterministic design: twin minus design "
+              "in points on the same examples, 95% bootstrap over examples within tasks "
+              "(bold: a detectable loss, the interval below 0):", ""]
+      body = []
+      for d, per in cell["paired_twin"].items():
+        cells = []
+        for r in ratios:
+          p = per.get(r)
+          text = "-" if p is None else fmt.ci((p["value"], *p["ci"]), "+.1f")
+          cells.append(f"**{text}**" if p is not None and p["ci"][1] < 0 else text)
+        body.append([d, next(iter(per.values()))["twin"]] + cells)
+      out += fmt.table(["design", "twin"] + ratios, body)
     cov = cell.get("coverage", {})
     if cov:
       out += ["", "Certificate of the randomized designs on every decode call up to the "

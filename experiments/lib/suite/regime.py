@@ -182,7 +182,7 @@ def _ruler_cells(rel: str) -> dict:
 
 def _question_aware(link: Link) -> Optional[str]:
   parts = []
-  for rel in ("equal_memory_tasks", "leaderboard", "leaderboard_8k"):
+  for rel in ("equal_memory_tasks", "leaderboard_smoke", "leaderboard_8k"):
     for (ctx, regime), (loss, examples) in sorted(_ruler_cells(rel).items()):
       if regime == "query_aware":
         parts.append(f"{loss} at {ctx:,} tokens ({examples}; "
@@ -196,7 +196,7 @@ def _question_aware(link: Link) -> Optional[str]:
 
 def _streaming(link: Link) -> Optional[str]:
   parts = []
-  for rel in ("leaderboard", "leaderboard_8k"):
+  for rel in ("leaderboard_smoke", "leaderboard_8k"):
     cells = _ruler_cells(rel)
     for ctx in sorted({c for c, _ in cells}):
       if (ctx, "streaming") in cells and (ctx, "query_aware") in cells:
