@@ -20,6 +20,7 @@ from certkv_jax.kv import memory
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib import variants
+from experiments.lib.equal_memory import report as equal_memory_report
 from experiments.lib.leaderboard import experiment
 from experiments.lib.leaderboard import report
 from models import decode
@@ -130,9 +131,28 @@ class LeaderboardTest(_TinyModelCase):
                                                   for r in rows) / cov["n_calls"])
       self.assertBetween(cov["calibrated"], 0.0, 1.0)  # leave-one-task-out: 2 tasks
       self.assertAlmostEqual(cov["robust"], cov["calibrated"])  # one other task: max = pool
+      for k in ("raw", "calibrated", "robust"):  # covered calls: radius >= error
+        self.assertGreaterEqual(cov[k + "_sharpness"], 1.0)
+      # the same coverage as the equal-memory study's, each task held out in turn
+      cell_key = report.Cell(int(name.split("/")[0]), name.split("/")[1], "poisson_tail", 0.5)
+      scores = {t: report._scores(report._load_calls(self.out, self.plan, cell_key, t))
+                for t in TASKS}
+      want = [equal_memory_report.coverage([scores[u] for u in TASKS if u != t], [scores[t]],
+                                           self.config.n_kv_heads) for t in TASKS]
+      n = [scores[t].size for t in TASKS]
+      self.assertAlmostEqual(cov["calibrated"],
+                             sum(w["calibrated"] * m for w, m in zip(want, n)) / sum(n))
       self.assertIn("n_sink", cov["shipped_note"])  # fitted with other settings
     self.assertIn("| full (reference) |", s["md"])
     self.assertIn("poisson_tail", s["md"])
+
+  def test_sharpness_by_hand(self):
+    # covered calls with an error: scores 0.5 and 0.25 at scale 1 (ratios 2 and 4); 2.0 is
+    # missed, 0.0 has no error; at scale 4 the 2.0 call is covered too (ratio 2)
+    ev = np.array([0.5, 2.0, 0.0, 0.25]).reshape(4, 1, 1)
+    self.assertEqual(report._sharpness([(ev, 1.0)]), 3.0)
+    self.assertEqual(report._sharpness([(ev, 1.0), (ev, 4.0)]), 4.0)  # 2, 4 and 8, 2, 16
+    self.assertIsNone(report._sharpness([(ev, 0.1)]))
 
   def test_incomplete_designs_are_not_run(self):
     plan = experiment.Plan(**dict(PLAN, designs=("poisson_tail", "h2o")))

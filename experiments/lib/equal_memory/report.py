@@ -107,17 +107,13 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0, smoothed=None) -> dic
   group = H // n_kv_heads
   per_call, scale_fields = {"raw": np.ones((1, L, H))}, {}
   if calib_parts:
-    calib = np.concatenate(calib_parts)
-    # pooled: each head's quantile of all calibration calls, else the pooled quantile
-    scales = _head_quantiles(calib, n_kv_heads)
-    scales[np.isnan(scales)] = calibration.conformal_quantile(calib.ravel(), DELTA)
-    robust = _robust_scales(calib_parts, n_kv_heads)
+    scales, robust = fitted_scales(calib_parts, n_kv_heads)
     per_call["calibrated"] = np.repeat(scales, group, axis=1)[None]  # [1, L, H]
     per_call["robust"] = np.repeat(robust, group, axis=1)[None]
     scale_fields = {"median_scale": float(np.median(scales)),
                     "median_robust_scale": float(np.median(robust)),
                     "infinite_scales": float(np.mean(np.isinf(scales))),
-                    "n_calib_calls": int(calib.size)}
+                    "n_calib_calls": int(sum(p.size for p in calib_parts))}
   n_seg = np.asarray([e.size for e in per_segment], np.float64)
   out = {}
 
@@ -155,6 +151,16 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0, smoothed=None) -> dic
           "raw_heads_below": float(np.mean(per_head < 1.0 - DELTA)), **scale_fields,
           "unseen_deletions": float(np.mean(np.isinf(evals))),
           "n_calls": int(evals.size), "n_segments": len(per_segment)}
+
+
+def fitted_scales(calib_parts, n_kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
+  """``(pooled, robust)`` [L, n_kv_heads] scales fitted on the calibration parts' scores:
+  each head's quantile of all their calls (the quantile of every call where a head has too
+  few), and the largest of the parts' own quantiles."""
+  calib = np.concatenate(calib_parts)
+  scales = _head_quantiles(calib, n_kv_heads)
+  scales[np.isnan(scales)] = calibration.conformal_quantile(calib.ravel(), DELTA)
+  return scales, _robust_scales(calib_parts, n_kv_heads)
 
 
 def _head_quantiles(scores, n_kv_heads: int) -> np.ndarray:

@@ -89,6 +89,18 @@ def _load_calls(out_dir, plan, cell: Cell, task) -> Optional[tuple]:
   return np.concatenate(errs), np.concatenate(rads)
 
 
+def _sharpness(parts) -> Optional[float]:
+  """Median radius / error over the covered calls with an error > 0 and a finite radius,
+  pooled over ``parts`` of (scores ``e / r``, scale); None if there are none."""
+  ratios = []
+  for ev, s in parts:
+    s = np.broadcast_to(s, ev.shape)
+    covered = (ev > 0) & (ev <= s) & np.isfinite(s)
+    ratios.append(s[covered] / ev[covered])
+  ratios = np.concatenate(ratios)
+  return float(np.median(ratios)) if ratios.size else None
+
+
 def _scores(calls) -> np.ndarray:
   e, r = calls
   return calibration.conformity_scores(e.ravel(), r.ravel()).reshape(e.shape)
@@ -113,17 +125,21 @@ def coverage_cell(out_dir, plan, cell: Cell, rows, *, n_kv_heads: int,
     e = np.concatenate([v[0].ravel() for v in calls.values()])
     r = np.concatenate([v[1].ravel() for v in calls.values()])
     out.update(median_radius=float(np.median(r)), median_error=float(np.median(e)),
-               n_kept_calls=int(e.size))
+               n_kept_calls=int(e.size),
+               raw_sharpness=_sharpness([(_scores(v), 1.0) for v in calls.values()]))
   if len(calls) >= 2:
-    hits, total = {"calibrated": 0.0, "robust": 0.0}, 0
+    scaled = {"calibrated": [], "robust": []}
     for t, v in calls.items():
-      others = [_scores(w) for u, w in calls.items() if u != t]  # one part per task
       ev = _scores(v)
-      cov = equal_memory_report.coverage(others, [ev], n_kv_heads)
-      for k in hits:  # pooled over the other tasks' calls; robust: the largest per task
-        hits[k] += cov[k] * ev.size
-      total += ev.size
-    out.update({k: h / total for k, h in hits.items()})
+      group = ev.shape[2] // n_kv_heads
+      # fitted on the other tasks' calls, one part per task: pooled, and robust (the largest)
+      fitted = equal_memory_report.fitted_scales(
+          [_scores(w) for u, w in calls.items() if u != t], n_kv_heads)
+      for k, scale in zip(scaled, fitted):
+        scaled[k].append((ev, np.repeat(scale, group, axis=1)[None]))
+    for k, parts in scaled.items():
+      out[k] = float(sum(np.sum(ev <= s) for ev, s in parts) / sum(ev.size for ev, _ in parts))
+      out[k + "_sharpness"] = _sharpness(parts)
   else:
     out["calibrated_note"] = "needs the calls of >= 2 tasks (leave-one-task-out)"
   out.update(_shipped(calls, plan, cell, rows, model))
@@ -282,6 +298,12 @@ def _fmt(x, spec=".3f") -> str:
   return "-" if x is None else f"{x:{spec}}"
 
 
+def _sharp(v: dict, k: str) -> str:
+  """Coverage ``v[k]`` with its sharpness in parentheses where there is one."""
+  sharp = v.get(k + "_sharpness")
+  return _fmt(v.get(k)) + ("" if sharp is None else f" ({sharp:.2f})")
+
+
 def _fmt_ci(v, spec=".1f") -> str:
   """``{value, ci}`` as ``value [lo, hi]``; "-" for None."""
   return "-" if v is None else f"{v['value']:{spec}} [{v['ci'][0]:{spec}}, {v['ci'][1]:{spec}}]"
@@ -349,7 +371,8 @@ def _markdown(cell, c, regime, tasks, plan) -> list[str]:
                    f" | {_fmt(float(np.mean([per[k][t] for t in tasks])), '.1f')} |")
   if cell["coverage"]:
     lines += ["", f"Certificate of the randomized designs (delta {experiment.DELTA}; calls of "
-              "every decode step up to the answer's end):", "",
+              "every decode step up to the answer's end; in parentheses the sharpness, median "
+              "radius / error over the covered kept calls):", "",
               "| design | ratio | calls | raw coverage | smoothed (method, section 5) | "
               "calibrated (leave-one-task-out) | robust calibrated | shipped calibration | "
               "median radius | median error | unseen deletions |", "|---" * 11 + "|"]
@@ -359,9 +382,9 @@ def _markdown(cell, c, regime, tasks, plan) -> list[str]:
         shipped = _fmt(v.get("shipped")) if "shipped" in v else "-"
         if "shipped" in v and v.get("shipped_in_range") is False:
           shipped += " (outside its context range)"
-        lines.append(f"| {d} | {ratio} | {v.get('n_calls', 0)} | {_fmt(v.get('raw'))} | "
-                     f"{_fmt(v.get('smoothed'))} | {_fmt(v.get('calibrated'))} | "
-                     f"{_fmt(v.get('robust'))} | {shipped} | "
+        lines.append(f"| {d} | {ratio} | {v.get('n_calls', 0)} | {_sharp(v, 'raw')} | "
+                     f"{_fmt(v.get('smoothed'))} | {_sharp(v, 'calibrated')} | "
+                     f"{_sharp(v, 'robust')} | {shipped} | "
                      f"{_fmt(v.get('median_radius'), '.3g')} | "
                      f"{_fmt(v.get('median_error'), '.3g')} | "
                      f"{_fmt(v.get('unseen_deletions'))} |")

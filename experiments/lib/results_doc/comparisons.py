@@ -116,6 +116,11 @@ def leaderboard(root: str) -> list[str]:
   return _ruler(root, "leaderboard", "## RULER-style leaderboard: certified twins")
 
 
+def leaderboard_coverage(root: str) -> list[str]:
+  """The twins' coverage on a subset of the leaderboard, in evaluation mode."""
+  return _ruler(root, "leaderboard_coverage", "## RULER-style leaderboard: the twins' coverage")
+
+
 def leaderboard_smoke(root: str) -> list[str]:
   """Every design on the leaderboard, one example per task (``leaderboard_smoke``)."""
   return _ruler(root, "leaderboard_smoke", "## RULER-style leaderboard of every design (smoke scale)")
@@ -191,8 +196,9 @@ def _ruler(root: str, rel: str, title: str) -> list[str]:
     if cov:
       out += ["", "Certificate of the randomized designs on every decode call up to the "
               f"answer's end (delta {s['delta']}): raw / leave-one-task-out calibrated "
-              "coverage (pooled and robust per-head scales), median radius / median true "
-              "error:", ""]
+              "coverage (pooled and robust per-head scales), each with its sharpness (median "
+              "radius / error over the covered kept calls) where the run recorded it, median "
+              "radius / median true error:", ""]
       body, no_calls = [], []
       for d, per in cov.items():
         for r in ratios:
@@ -203,10 +209,10 @@ def _ruler(root: str, rel: str, title: str) -> list[str]:
             if d not in no_calls:
               no_calls.append(d)
             continue
-          body.append([d, r, str(c["n_calls"]), fmt.num(c["raw"]),
-                       fmt.num(c.get("calibrated")), fmt.num(c.get("robust")),
-                       f"{fmt.num(c['median_radius'], '.4f')} / "
-                       f"{fmt.num(c['median_error'], '.4f')}"])
+          sharp = {k: c.get(k + "_sharpness") for k in ("raw", "calibrated", "robust")}
+          body.append([d, r, str(c["n_calls"])] + [
+              fmt.num(c.get(k)) + ("" if v is None else f" ({v:.2f})") for k, v in sharp.items()]
+              + [f"{fmt.num(c['median_radius'], '.4f')} / {fmt.num(c['median_error'], '.4f')}"])
       out += fmt.table(["design", "ratio", "calls", "raw", "calibrated", "robust",
                         "radius / error"],
                        body)
