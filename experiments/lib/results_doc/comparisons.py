@@ -121,6 +121,12 @@ def leaderboard_coverage(root: str) -> list[str]:
   return _ruler(root, "leaderboard_coverage", "## RULER-style leaderboard: the twins' coverage")
 
 
+def leaderboard_keydiff_bytes(root: str) -> list[str]:
+  """KeyDiff and its twin at equal kept bytes (``--equal_memory``), a leaderboard subset."""
+  return _ruler(root, "leaderboard_keydiff_bytes",
+                "## RULER-style leaderboard: KeyDiff's twin at equal bytes")
+
+
 def leaderboard_smoke(root: str) -> list[str]:
   """Every design on the leaderboard, one example per task (``leaderboard_smoke``)."""
   return _ruler(root, "leaderboard_smoke", "## RULER-style leaderboard of every design (smoke scale)")
