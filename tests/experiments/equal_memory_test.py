@@ -53,6 +53,16 @@ class CoverageIntervalTest(absltest.TestCase):
       self.assertTrue(0.2 < lo < 0.35 and 0.55 < hi < 0.7, cell[k])
     self.assertEqual(cell["n_segments"], 10)
 
+  def test_sharpness_by_hand(self):
+    # covered calls with an error: scores 0.5 and 0.25 at scale 1 (ratios 2 and 4); 2.0 is
+    # missed, 0.0 has no error; at scale 4 the 2.0 call is covered too (ratio 2)
+    ev = np.array([0.5, 2.0, 0.0, 0.25]).reshape(4, 1, 1)
+    self.assertEqual(report.sharpness([(ev, 1.0)]), 3.0)
+    self.assertEqual(report.sharpness([(ev, 1.0), (ev, 4.0)]), 4.0)  # 2, 4 and 8, 2, 16
+    self.assertIsNone(report.sharpness([(ev, 0.1)]))
+    self.assertIsNone(report.sharpness([(ev, np.inf)]))  # an infinite scale: no guarantee
+    self.assertEqual(report.coverage(None, [ev], n_kv_heads=1)["raw_sharpness"], 3.0)
+
   def test_a_twin_is_paired_with_its_own_design(self):
     """Hand-made rows: the twin's paired difference is its mean difference from
     its own design on the same segments, keyed by that design."""

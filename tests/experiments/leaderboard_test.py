@@ -146,14 +146,6 @@ class LeaderboardTest(_TinyModelCase):
     self.assertIn("| full (reference) |", s["md"])
     self.assertIn("poisson_tail", s["md"])
 
-  def test_sharpness_by_hand(self):
-    # covered calls with an error: scores 0.5 and 0.25 at scale 1 (ratios 2 and 4); 2.0 is
-    # missed, 0.0 has no error; at scale 4 the 2.0 call is covered too (ratio 2)
-    ev = np.array([0.5, 2.0, 0.0, 0.25]).reshape(4, 1, 1)
-    self.assertEqual(report._sharpness([(ev, 1.0)]), 3.0)
-    self.assertEqual(report._sharpness([(ev, 1.0), (ev, 4.0)]), 4.0)  # 2, 4 and 8, 2, 16
-    self.assertIsNone(report._sharpness([(ev, 0.1)]))
-
   def test_incomplete_designs_are_not_run(self):
     plan = experiment.Plan(**dict(PLAN, designs=("poisson_tail", "h2o")))
     s = report.summarize(self.rows, self.out, plan, n_kv_heads=self.config.n_kv_heads)

@@ -126,11 +126,7 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0, smoothed=None) -> dic
     iv = stats.bootstrap_ci(lambda a, b: np.sum(a) / np.sum(b), hits, n_seg, n_boot=N_BOOT,
                             seed=seed)
     out[k + "_ci"] = [float(iv.lo), float(iv.hi)]
-    # sharpness over calls whose radius is finite (an infinite scale is no
-    # guarantee, and its calls are covered trivially)
-    covered = (whole > 0) & (whole <= s) & np.isfinite(s)
-    ratio = np.broadcast_to(s, whole.shape)[covered] / whole[covered]
-    out[k + "_sharpness"] = float(np.median(ratio)) if ratio.size else None
+    out[k + "_sharpness"] = sharpness([(whole, s)])
 
   by_head = lambda x: (x <= 1.0).reshape(-1, L, n_kv_heads, group).mean(axis=(0, 3))  # [L, kv]
   for k, s in per_call.items():
@@ -151,6 +147,19 @@ def coverage(calib, evals, n_kv_heads: int, seed: int = 0, smoothed=None) -> dic
           "raw_heads_below": float(np.mean(per_head < 1.0 - DELTA)), **scale_fields,
           "unseen_deletions": float(np.mean(np.isinf(evals))),
           "n_calls": int(evals.size), "n_segments": len(per_segment)}
+
+
+def sharpness(parts) -> Optional[float]:
+  """Median radius / error over the covered calls, pooled over ``parts`` of (scores
+  ``e / r``, scale): calls with an error > 0 and a finite scale (an infinite scale is no
+  guarantee, and its calls are covered trivially); None if there are none."""
+  ratios = []
+  for ev, s in parts:
+    s = np.broadcast_to(s, np.shape(ev))
+    covered = (ev > 0) & (ev <= s) & np.isfinite(s)
+    ratios.append(s[covered] / ev[covered])
+  ratios = np.concatenate(ratios)
+  return float(np.median(ratios)) if ratios.size else None
 
 
 def fitted_scales(calib_parts, n_kv_heads: int) -> tuple[np.ndarray, np.ndarray]:

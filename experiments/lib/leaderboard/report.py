@@ -89,18 +89,6 @@ def _load_calls(out_dir, plan, cell: Cell, task) -> Optional[tuple]:
   return np.concatenate(errs), np.concatenate(rads)
 
 
-def _sharpness(parts) -> Optional[float]:
-  """Median radius / error over the covered calls with an error > 0 and a finite radius,
-  pooled over ``parts`` of (scores ``e / r``, scale); None if there are none."""
-  ratios = []
-  for ev, s in parts:
-    s = np.broadcast_to(s, ev.shape)
-    covered = (ev > 0) & (ev <= s) & np.isfinite(s)
-    ratios.append(s[covered] / ev[covered])
-  ratios = np.concatenate(ratios)
-  return float(np.median(ratios)) if ratios.size else None
-
-
 def _scores(calls) -> np.ndarray:
   e, r = calls
   return calibration.conformity_scores(e.ravel(), r.ravel()).reshape(e.shape)
@@ -126,7 +114,7 @@ def coverage_cell(out_dir, plan, cell: Cell, rows, *, n_kv_heads: int,
     r = np.concatenate([v[1].ravel() for v in calls.values()])
     out.update(median_radius=float(np.median(r)), median_error=float(np.median(e)),
                n_kept_calls=int(e.size),
-               raw_sharpness=_sharpness([(_scores(v), 1.0) for v in calls.values()]))
+               raw_sharpness=equal_memory_report.sharpness([(_scores(v), 1.0) for v in calls.values()]))
   if len(calls) >= 2:
     scaled = {"calibrated": [], "robust": []}
     for t, v in calls.items():
@@ -139,7 +127,7 @@ def coverage_cell(out_dir, plan, cell: Cell, rows, *, n_kv_heads: int,
         scaled[k].append((ev, np.repeat(scale, group, axis=1)[None]))
     for k, parts in scaled.items():
       out[k] = float(sum(np.sum(ev <= s) for ev, s in parts) / sum(ev.size for ev, _ in parts))
-      out[k + "_sharpness"] = _sharpness(parts)
+      out[k + "_sharpness"] = equal_memory_report.sharpness(parts)
   else:
     out["calibrated_note"] = "needs the calls of >= 2 tasks (leave-one-task-out)"
   out.update(_shipped(calls, plan, cell, rows, model))
