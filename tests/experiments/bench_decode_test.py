@@ -166,13 +166,21 @@ class CommandTest(absltest.TestCase):
       self.assertLen(r["compile_samples_s"], 2)
       self.assertEqual(r["compile_min_s"], min(r["compile_samples_s"]))
       self.assertGreater(r["compile_min_s"], 0)
+      if r["design"] == "full":
+        self.assertNotIn("eviction_compile_samples_s", r)
+      else:  # and the design's eviction alone
+        self.assertLen(r["eviction_compile_samples_s"], 2)
+        self.assertEqual(r["eviction_compile_min_s"], min(r["eviction_compile_samples_s"]))
+        self.assertGreater(r["eviction_compile_min_s"], 0)
     self.assertEqual(set(summary["compile_min_s"]), {"full", "h2o+certificate"})
+    self.assertEqual(set(summary["eviction_compile_min_s"]), {"h2o+certificate"})
     self.assertEqual([r["method"] for r in results["prefill"]], ["cached"])  # no plain
     with open(os.path.join(out, "report.md")) as f:
       report = f.read()
     self.assertIn("Scan over unrolled", report)
     self.assertIn("over its floor", report)
     self.assertIn("trace + lowering + compilation alone, the fastest of 2", report)
+    self.assertIn("its eviction alone, compiled the same way", report)
     # The weights' matrix-vector products alone: bytes as the floor counts them. The tiny
     # model's weights can sit in cache and beat the streaming probe (0.74 of the floor in a
     # clean-clone CI run), so only a positive multiple is asserted, not the steps' tolerance.

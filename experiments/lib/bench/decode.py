@@ -104,7 +104,8 @@ class Plan:
   compile_repeats: int = plan_flags.setting(
       0, "Also trace, lower and compile each step alone this many times, interleaved across "
       "the configurations, from a fresh jit each time (no cache hit): compile_min_s is the "
-      "fastest, steadier than the first call minus a steady call on a shared machine (0: off).")
+      "fastest, steadier than the first call minus a steady call on a shared machine; a "
+      "design's eviction alone likewise (eviction_compile_min_s) (0: off).")
   split_values: bool = plan_flags.setting(
       True, "Attention reads bfloat16 keys and values as stored (AttentionConfig."
       "split_values, the default); --nosplit_values: a float32 copy of them; no effect in "
@@ -221,6 +222,16 @@ def _step_fn(config, design, certificate: bool, every: int = 1, steps: int = 1,
   return jax.jit(call, donate_argnums=1)
 
 
+def _evict_fn(design):
+  """The design's eviction alone, jitted: ``(caches, key, budget) -> caches``."""
+  return jax.jit(lambda caches, key, budget: eviction.evict(design, caches, key,
+                                                            budget=budget).caches)
+
+
+def _abstract(args):
+  return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+
+
 def compact_capacity(kept: int, budget: float, every: int, appended: int, context: int) -> int:
   """Slots of a compacted cache: what the timed calls need and a deployment would allocate.
 
@@ -302,8 +313,10 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
       if plan.compile_repeats:
         fresh = functools.partial(_step_fn, config, design, cert, every, per_call, loop,
                                   attention)
-        compiles.append((row, fresh, jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)))
+        compiles.append((row, "compile", fresh, _abstract(args)))
+        if design is not None:  # the step's eviction alone: how much of the step it is
+          compiles.append((row, "eviction_compile", functools.partial(_evict_fn, design),
+                           _abstract((carry[0], carry[2], args[2]))))
       call, state = _stepper(fn, *args)
       timed.append(_Timed(row, call, steps=per_call))
       states.append(state)
@@ -346,12 +359,12 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
                        "capacity must hold every appended token")
   for r in range(plan.compile_repeats):  # after the timed calls: no compile beside them
     for i in range(len(compiles)):
-      row, fresh, abstract = compiles[(i + r) % len(compiles)]
+      row, part, fresh, abstract = compiles[(i + r) % len(compiles)]
       t0 = time.perf_counter()
       fresh().lower(*abstract).compile()
-      row.setdefault("compile_samples_s", []).append(time.perf_counter() - t0)
-  for row, _, _ in compiles:
-    row["compile_min_s"] = min(row["compile_samples_s"])
+      row.setdefault(f"{part}_samples_s", []).append(time.perf_counter() - t0)
+  for row, part, _, _ in compiles:
+    row[f"{part}_min_s"] = min(row[f"{part}_samples_s"])
   rows = [_finish(t, 1e3) for t in timed]
   probe_s = np.asarray(probe.samples)
   # A part's floor in each round: its bytes at that round's probe bandwidth (seconds).

@@ -116,14 +116,18 @@ def summarize(results: dict) -> dict:
     if r["design"] != "full":
       compile_s.setdefault(label(r), {}).setdefault(key(r["budget"]), {})[
           key(r["context"])] = r["compile_s"]
-  compile_min_s = {}  # with --compile_repeats: the fastest trace + lower + compile alone
-  for r in at_b:
-    if "compile_min_s" not in r:
-      continue
-    at = compile_min_s.setdefault(label(r) if r["design"] != "full" else "full", {})
-    if r["design"] != "full":
-      at = at.setdefault(key(r["budget"]), {})
-    at[key(r["context"])] = r["compile_min_s"]
+  # with --compile_repeats: the fastest trace + lower + compile alone, of the step and of a
+  # design's eviction alone
+  compile_min_s, eviction_compile_min_s = {}, {}
+  for field, table in (("compile_min_s", compile_min_s),
+                       ("eviction_compile_min_s", eviction_compile_min_s)):
+    for r in at_b:
+      if field not in r:
+        continue
+      at = table.setdefault(label(r) if r["design"] != "full" else "full", {})
+      if r["design"] != "full":
+        at = at.setdefault(key(r["budget"]), {})
+      at[key(r["context"])] = r[field]
   ks = sorted({every(r) for r in at_b if r["design"] == h["design"]} - {k0})
   amortized = {f"every_{k}": _table(rows, h["design"], h["certificate"], b, "ratio_vs_full", k)
                for k in ks}
@@ -157,6 +161,7 @@ def summarize(results: dict) -> dict:
       attention_floor_multiple=attention,
       layer_loop_ratio=per_design("scan_over_unrolled") if len(loops(results)) == 2 else None,
       compile_s=compile_s, compile_min_s=compile_min_s,
+      eviction_compile_min_s=eviction_compile_min_s,
       executables=results.get("executables"), prefill=prefill,
       budgets_traced=("every step passes the budget as a traced argument; with "
                       f"--capacity={results['plan']['capacity']} "
@@ -318,6 +323,13 @@ def render(results: dict, summary: dict) -> str:
                   if r["design"] == "full" and "compile_min_s" in r}
       md += lines(lambda r: f"{r['compile_min_s']:.2f} ("
                   f"{r['compile_min_s'] / full_min[(r['context'], r['layer_loop'])]:.2f}x)")
+      if any("eviction_compile_min_s" in r for r in at):
+        md += ["", "Of a design's step, its eviction alone, compiled the same way (and over "
+               "the full step's):", ""]
+        ev = lambda r, full: (f"{r['eviction_compile_min_s']:.2f} "
+                              f"({r['eviction_compile_min_s'] / full:.2f}x)")
+        md += lines(lambda r: "-" if "eviction_compile_min_s" not in r else
+                    ev(r, full_min[(r["context"], r["layer_loop"])]))
     md += [""]
     p_at = [r for r in pre if r["batch"] == batch]
     if p_at:
