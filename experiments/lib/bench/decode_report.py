@@ -321,15 +321,15 @@ def render(results: dict, summary: dict) -> str:
              "(interleaved, a fresh jit each time), and over the full step's:", ""]
       full_min = {(r["context"], r["layer_loop"]): r["compile_min_s"] for r in at
                   if r["design"] == "full" and "compile_min_s" in r}
-      md += lines(lambda r: f"{r['compile_min_s']:.2f} ("
-                  f"{r['compile_min_s'] / full_min[(r['context'], r['layer_loop'])]:.2f}x)")
+      def over_full(r, field):  # seconds, and over the full step's in the same loop
+        if field not in r:
+          return "-"
+        return f"{r[field]:.2f} ({r[field] / full_min[(r['context'], r['layer_loop'])]:.2f}x)"
+      md += lines(lambda r: over_full(r, "compile_min_s"))
       if any("eviction_compile_min_s" in r for r in at):
         md += ["", "Of a design's step, its eviction alone, compiled the same way (and over "
                "the full step's):", ""]
-        ev = lambda r, full: (f"{r['eviction_compile_min_s']:.2f} "
-                              f"({r['eviction_compile_min_s'] / full:.2f}x)")
-        md += lines(lambda r: "-" if "eviction_compile_min_s" not in r else
-                    ev(r, full_min[(r["context"], r["layer_loop"])]))
+        md += lines(lambda r: over_full(r, "eviction_compile_min_s"))
     md += [""]
     p_at = [r for r in pre if r["batch"] == batch]
     if p_at:

@@ -112,9 +112,9 @@ def coverage_cell(out_dir, plan, cell: Cell, rows, *, n_kv_heads: int,
   if calls:
     e = np.concatenate([v[0].ravel() for v in calls.values()])
     r = np.concatenate([v[1].ravel() for v in calls.values()])
+    raw = [(_scores(v), 1.0) for v in calls.values()]
     out.update(median_radius=float(np.median(r)), median_error=float(np.median(e)),
-               n_kept_calls=int(e.size),
-               raw_sharpness=equal_memory_report.sharpness([(_scores(v), 1.0) for v in calls.values()]))
+               n_kept_calls=int(e.size), raw_sharpness=equal_memory_report.sharpness(raw))
   if len(calls) >= 2:
     scaled = {"calibrated": [], "robust": []}
     for t, v in calls.items():
