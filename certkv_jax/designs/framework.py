@@ -68,7 +68,8 @@ class EvictionDesign:
   sampled tail when the budget is below the certainty set, at the price of up
   to ``min_tail`` tokens over budget; ``spill`` instead lets the window join the tail
   there, so that no token leaves with ``pi = 0`` (method, section 3, "Spill"): its
-  ``spill_slots`` oldest slots (0: all of it), the rest of the window staying certain.
+  ``spill_slots`` oldest slots (0: all of it), the rest of the window staying certain;
+  without a window to spill, the sinks.
   """
 
   name: str
@@ -155,8 +156,9 @@ class EvictionDesign:
       tight = target <= n_certain
       target = jnp.maximum(target, n_certain)
       window = max(self.certain.window - self.spill_slots, 0) if self.spill_slots else 0
-      certain = jnp.where(tight, dataclasses.replace(self.certain, window=window)(cache) & valid,
-                          certain)
+      spilled = dataclasses.replace(self.certain, window=window)(cache) & valid
+      spilled &= jnp.sum(spilled) < target  # no window to spill: the sinks join the tail too
+      certain = jnp.where(tight, spilled, certain)
       n_certain = jnp.sum(certain).astype(jnp.int32)
     triggered = cache.n_valid > target
     slots = jnp.maximum(target - n_certain, 0)

@@ -162,6 +162,20 @@ class TwinTest(absltest.TestCase):
                  c, jax.random.PRNGKey(seed))[2]
       np.testing.assert_array_equal(np.asarray(a.kept), np.asarray(b.kept))
 
+  def test_spill_without_a_window_samples_the_sinks_too(self):
+    # 4 sinks, no window, a budget of 3 of the 40 tokens: the certainty set (the sinks) is the
+    # whole count kept, and no window can give up a slot. The twin keeps 4 as well,
+    # by its tail rule over sinks and tail together (2 by rank, 2 sampled), so no
+    # token leaves with pi = 0 (before: the sinks kept, 36 tokens gone with pi = 0).
+    c = _cache()
+    twin = registry.make("h2o_cert", 0.075, n_sink=4, window=0)  # 3 of 40 tokens
+    for seed in range(10):
+      _, _, info = _evict(twin, c, jax.random.PRNGKey(seed))
+      kept, pi, gone = np.asarray(info.kept), np.asarray(info.pi), np.asarray(info.evicted)
+      self.assertEqual((int(kept.sum()), int(gone.sum())), (4, N - 4))
+      self.assertGreater(float(pi[gone].min()), 0.0)
+      self.assertEqual(int((kept & (pi < 1.0)).sum()), 2)
+
   def test_spill_slots_keep_the_most_recent_tokens(self):
     # The same tight budget with spill_slots=2: the 2 newest tokens stay certain, and
     # the 2 oldest window slots join the tail (1 by rank, 1 sampled), so the twin still
