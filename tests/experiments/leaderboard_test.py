@@ -24,6 +24,7 @@ from experiments.lib.equal_memory import report as equal_memory_report
 from experiments.lib.leaderboard import experiment
 from experiments.lib.leaderboard import report
 from models import decode
+from models.text import certificate as certificate_lib
 from tests import test_util
 
 TASKS = ("niah_single_1", "fwe")
@@ -283,6 +284,36 @@ class PlanTest(absltest.TestCase):
     self.assertLess(got[0], h2o[0])  # more metadata per slot: fewer tokens
     self.assertLess(h2o[0], 0.5)
     self.assertEqual(experiment.token_budgets(plan, None, None, (0.0,), 64), [1.0])
+
+  def test_shipped_calibration_reads_the_rows_budget_and_both_prompt_ends(self):
+    # The shipped artifact (poisson_tail, prompts of 1,040-1,156 tokens) applied at the
+    # budget the rows ran at (with --equal_memory below 1 - ratio), and out of range when
+    # the shortest prompt is, though the longest is not.
+    shipped = report._shipped  # pylint: disable=protected-access
+    plan = experiment.Plan(n_sink=4, window=16, chunk=64)
+    cell = report.Cell(1024, "streaming", "poisson_tail", 0.875)
+    rng = np.random.default_rng(0)
+    calls = {"vt": (rng.uniform(0, 0.1, (4, 2, 3)), rng.uniform(0.05, 0.2, (4, 2, 3)))}
+    budgets = []
+    real = certificate_lib.calibrated
+
+    def recording(raw, run, **kw):
+      budgets.append(run.budget)
+      return real(raw, run, **kw)
+    self.enter_context(absltest.mock.patch.object(certificate_lib, "calibrated", recording))
+    rows = [dict(n_prompt_tokens=1100, budget=0.121), dict(n_prompt_tokens=1150, budget=0.121)]
+    out = shipped(calls, plan, cell, rows, "smollm2")
+    self.assertEqual(set(budgets), {0.121})
+    self.assertNotIn("shipped", out)  # 0.121 lies below the fitted budgets: not applied
+    rows = [dict(n_prompt_tokens=600, budget=0.125), dict(n_prompt_tokens=1100, budget=0.125)]
+    out = shipped(calls, plan, cell, rows, "smollm2")
+    self.assertFalse(out["shipped_in_range"])
+    self.assertIn("WARNING", out["shipped_note"])
+    out = shipped(calls, plan, cell, rows[1:], "smollm2")
+    self.assertTrue(out["shipped_in_range"])
+    mixed = [dict(n_prompt_tokens=1100, budget=0.125), dict(n_prompt_tokens=1100, budget=0.25)]
+    with self.assertRaisesRegex(ValueError, "expected one"):
+      shipped(calls, plan, cell, mixed, "smollm2")
 
   def test_paired_scores(self):
     plan = experiment.Plan(tasks=("vt", "cwe"), n_examples=3, ratios=(0.5,),

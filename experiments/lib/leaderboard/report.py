@@ -136,7 +136,7 @@ def coverage_cell(out_dir, plan, cell: Cell, rows, *, n_kv_heads: int,
 
 def _shipped(calls, plan, cell: Cell, rows, model) -> dict:
   """Coverage under the shipped calibration, or why it does not apply."""
-  c, regime, design, ratio = cell.context_len, cell.regime, cell.design, cell.ratio
+  c, regime, design = cell.context_len, cell.regime, cell.design
   path = certificate_lib.DEFAULT_CALIBRATION
   if not calls:
     return {"shipped_note": "no calls kept"}
@@ -145,17 +145,25 @@ def _shipped(calls, plan, cell: Cell, rows, model) -> dict:
   fitted = _shipped_design(path)
   if fitted != design:
     return {"shipped_note": f"the shipped calibration is for design {fitted!r} only"}
+  budgets = {row["budget"] for row in rows}  # tokens kept: 1 - ratio unless --equal_memory
+  if len(budgets) != 1:
+    raise ValueError(f"the rows of {cell} ran at {len(budgets)} budgets {sorted(budgets)}, "
+                     "expected one")
   e = np.concatenate([v[0].ravel() for v in calls.values()])
   r = np.concatenate([v[1].ravel() for v in calls.values()])
   run = certificate_lib.Run(model_name=model, design_name=design,
-                            regime=SHIPPED_REGIME[regime], budget=1.0 - ratio, delta=experiment.DELTA,
-                            n_sink=plan.n_sink, window=plan.window,
+                            regime=SHIPPED_REGIME[regime], budget=budgets.pop(),
+                            delta=experiment.DELTA, n_sink=plan.n_sink, window=plan.window,
                             chunk=plan.chunk or c)  # chunk 0: the whole context at once
-  tokens = max(row["n_prompt_tokens"] for row in rows)
+  lengths = [row["n_prompt_tokens"] for row in rows]
   radius, note, in_range = certificate_lib.calibrated(r, run, calibration=path,
-                                                      context_tokens=int(tokens))
+                                                      context_tokens=int(max(lengths)))
   if radius is None:
     return {"shipped_note": note}
+  _, low_note, low_in_range = certificate_lib.calibrated(r, run, calibration=path,
+                                                         context_tokens=int(min(lengths)))
+  if in_range and not low_in_range:  # the longest prompts fit, the shortest do not
+    note, in_range = low_note, False
   return {"shipped": float(np.mean(e <= radius)), "shipped_in_range": in_range,
           "shipped_note": note}
 
