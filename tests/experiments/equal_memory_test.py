@@ -93,6 +93,12 @@ class CoverageIntervalTest(absltest.TestCase):
     got = experiment.stored_scores(np.array([0.5, 7e4, np.inf, 0.0]))
     self.assertEqual(got.dtype, np.float16)
     np.testing.assert_array_equal(got, np.array([0.5, 65504.0, np.inf, 0.0], np.float16))
+    # Rounded up: a miss by less than float16's spacing at 1 (2^-10) stays a miss; a
+    # score float16 holds exactly stays as it is.
+    got = experiment.stored_scores(np.array([1.0004, 1.0, 1.1]))
+    self.assertGreater(float(got[0]), 1.0)
+    self.assertEqual(float(got[1]), 1.0)
+    self.assertGreaterEqual(float(got[2]), 1.1)
 
   def test_coverage_starts_at_the_first_eviction(self):
     """Chunks of 8 over 40 tokens: a cache of 12 first drops tokens after chunk 1 (16

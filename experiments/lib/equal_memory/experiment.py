@@ -107,12 +107,16 @@ def fixed_budget(design, fraction: float, context_len: int, variant: str, mem: f
 
 
 def stored_scores(score) -> np.ndarray:
-  """Conformity scores as stored in ``calls/`` (float16): finite scores above float16's
-  largest, 65504 (a radius under 1/65504 of the error: missed at any scale), are stored
-  as 65504, so inf still means radius 0 with a nonzero error."""
-  score = np.asarray(score)
+  """Conformity scores as stored in ``calls/`` (float16), rounded up, so that a miss by
+  less than float16's spacing (a score just above 1) stays a miss; finite scores
+  above float16's largest, 65504 (a radius under 1/65504 of the error: missed at any
+  scale), are stored as 65504, so inf still means radius 0 with a nonzero error."""
+  score = np.asarray(score, np.float64)
   top = float(np.finfo(np.float16).max)
-  return np.where(np.isinf(score), score, np.minimum(score, top)).astype(np.float16)
+  stored = np.where(np.isinf(score), score, np.minimum(score, top)).astype(np.float16)
+  with np.errstate(over="ignore"):  # nextafter(65504) is inf; not taken (stored < top)
+    up = np.nextafter(stored, np.float16(np.inf))
+  return np.where((stored < score) & (stored < top), up, stored)
 
 
 def first_evicted(kept, chunk: int, n: int) -> int:
