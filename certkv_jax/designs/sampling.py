@@ -196,11 +196,22 @@ class PriorityDraw(NamedTuple):
   tau: Array  # [...] float32 the largest priority left out (0 when all of T is kept)
 
 
+# float32 uniforms take 2^23 values (the mantissa's): u = 1 - U is one of j / 2^23, j >= 1.
+U_LEVELS = 2.0**23
+
+
+def below(x) -> Array:
+  """``P(u < x)`` for ``priority_draw``'s ``u``: ``(ceil(x 2^23) - 1) / 2^23`` in [0, 1],
+  within 2^-23 of ``min(1, x)``; 0 below 2^-23, which no draw reaches."""
+  return jnp.clip((jnp.ceil(x * U_LEVELS) - 1.0) / U_LEVELS, 0.0, 1.0)
+
+
 def priority_draw(key, score, mask, slots, eps: float = 1e-6) -> PriorityDraw:
   """Priority sampling of ``min(slots, |T|)`` tail tokens (Duffield et al., 2007).
 
   Method, section 3, "Fixed-size tail": kept tokens get ``pi = min(1, w / tau)``,
-  tokens left out ``min(1, w / q_min_kept)`` (for the shadow record). ``score``
+  tokens left out ``min(1, w / q_min_kept)`` (for the shadow record), each as the
+  probability that the draw's discrete ``u`` falls below (:func:`below`). ``score``
   [..., n] is non-negative (read on ``mask``); ``slots`` an int, scalar or [...]
   (may be traced); ``eps`` the relative weight floor in (0, 1].
   """
@@ -209,14 +220,14 @@ def priority_draw(key, score, mask, slots, eps: float = 1e-6) -> PriorityDraw:
   n_t = jnp.sum(mask, axis=-1, keepdims=True).astype(jnp.float32)
   mean = jnp.sum(s, axis=-1, keepdims=True) / jnp.maximum(n_t, 1.0)
   w = jnp.where(mean > 0, s + eps * mean, 1.0)
-  u = 1.0 - jax.random.uniform(key, s.shape)  # (0, 1]
+  u = 1.0 - jax.random.uniform(key, s.shape)  # (0, 1], on a grid of U_LEVELS steps
   q = jnp.where(mask, w / u, -jnp.inf)
   keep = mask & top_k_mask(q, slots)
   tau = jnp.max(jnp.where(mask & ~keep, q, 0.0), axis=-1)
   q_min = jnp.min(jnp.where(keep, q, jnp.inf), axis=-1, keepdims=True)
   t = tau[..., None]
-  pi_kept = jnp.where(t > 0, jnp.minimum(1.0, w / jnp.where(t > 0, t, 1.0)), 1.0)
-  pi_out = jnp.where(jnp.isfinite(q_min), jnp.minimum(1.0, w / q_min), 0.0)
+  pi_kept = jnp.where(t > 0, below(w / jnp.where(t > 0, t, 1.0)), 1.0)
+  pi_out = jnp.where(jnp.isfinite(q_min), below(w / q_min), 0.0)
   pi = jnp.where(keep, pi_kept, jnp.where(mask, pi_out, 0.0))
   return PriorityDraw(keep, pi.astype(jnp.float32), tau)
 

@@ -92,11 +92,15 @@ class ExactSizeTest(absltest.TestCase):
         np.testing.assert_array_equal(d.pi[:, mask], 1.0)
         np.testing.assert_array_equal(d.tau, 0.0)
       elif slots > 0:
-        # A kept token's pi is min(1, w / tau) with the returned tau.
+        # A kept token's pi is P(u < w / tau) with the returned tau: min(1, w / tau) on
+        # the 2^-23 grid of the draw's u (sampling.below); atol: two grid steps, for w's
+        # float32 rounding here and there.
         w = score + 1e-6 * score[mask].mean()
         want = np.minimum(1.0, w[None] / d.tau[:, None])
-        np.testing.assert_allclose(d.pi[d.keep], np.broadcast_to(want, d.pi.shape)[d.keep],
-                                   rtol=1e-6)
+        got = d.pi[d.keep]
+        np.testing.assert_allclose(got, np.broadcast_to(want, d.pi.shape)[d.keep], rtol=0,
+                                   atol=2.0**-22)
+        np.testing.assert_array_equal(got * 2.0**23, np.round(got * 2.0**23))
         self.assertTrue((d.tau > 0).all())
 
   def test_per_row_traced_slots(self):
@@ -124,6 +128,34 @@ class ExactSizeTest(absltest.TestCase):
     z_ht = _z(ht, 1.0)
     # Same bound for the 20 HT terms. Measured: max |z| = 2.4.
     self.assertLess(np.abs(z_ht).max(), Z, z_ht)
+
+
+class DiscreteUniformTest(absltest.TestCase):
+  """``pi`` is the probability that the draw's ``u`` (a float32 uniform: 2^23 levels)
+  falls below ``w / tau``, not ``w / tau`` itself, which the grid cannot realize below
+  2^-23 or between its steps."""
+
+  def test_u_lies_on_the_grid_below_counts(self):
+    u = np.asarray(1.0 - jax.random.uniform(jax.random.PRNGKey(0), (1 << 20,)))
+    j = u * 2.0**23
+    np.testing.assert_array_equal(j, np.round(j))  # u = j / 2^23, the grid below assumes
+    self.assertGreaterEqual(j.min(), 1.0)
+    self.assertLessEqual(j.max(), 2.0**23)
+    grid = np.arange(1, 2**23 + 1, dtype=np.float64) / 2.0**23  # every value of u
+    for x in (0.5 / 2**23, 1.0 / 2**23, 1.5 / 2**23, 7.3 / 2**23, 1e-3, 0.3, 1.0, 2.0):
+      want = np.mean(grid < np.float32(x))
+      self.assertEqual(float(sampling.below(jnp.float32(x))), want, x)
+
+  def test_an_unreachable_token_gets_pi_zero(self):
+    # Zero scores at a relative floor of 1e-6 give w / tau under 2^-23: never drawn.
+    rng = np.random.default_rng(0)
+    score = rng.random(1000).astype(np.float32)
+    score[:100] = 0.0
+    d = sampling.priority_draw(jax.random.PRNGKey(1), jnp.asarray(score),
+                               jnp.ones(1000, bool), 50)
+    w = 1e-6 * score.mean()
+    self.assertLess(w / float(d.tau), 2.0**-23)
+    np.testing.assert_array_equal(np.asarray(d.pi)[:100], 0.0)  # before: w / tau, about 5e-8
 
 
 class UnbiasednessTest(absltest.TestCase):
