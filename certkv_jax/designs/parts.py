@@ -216,6 +216,7 @@ class PoissonTail:
     pi = sampling.solve_inclusion(s_tail, m_pos, self.eps, tail)
     pi = jnp.where(m > 0, pi, 0.0)
     draw = sampling.poisson_draw(key, pi, tail, slots, self.max_redraws)
+    pi = sampling.reached(pi)  # the draw's own probability (its uniforms take 2^23 values)
     log_pi = jnp.where(draw.keep, jnp.log(jnp.where(draw.keep, pi, 1.0)), 0.0)
     return TailChoice(draw.keep, log_pi, pi, m, draw.n_redraws, draw.n_dropped)
 

@@ -158,6 +158,22 @@ def expected_tail_count(slots, overflow_prob: float) -> Array:
   return jnp.where(slots > 0, lo, 0.0)
 
 
+# float32 uniforms take 2^23 values (the mantissa's): U = j / 2^23, j = 0, ..., 2^23 - 1.
+U_LEVELS = 2.0**23
+
+
+def reached(p) -> Array:
+  """``P(U < p)`` for a float32 uniform ``U``: ``ceil(p 2^23) / 2^23`` in [0, 1], within
+  2^-23 above ``p``; ``poisson_draw`` keeps a token of inclusion probability ``p`` with it."""
+  return jnp.clip(jnp.ceil(p * U_LEVELS) / U_LEVELS, 0.0, 1.0)
+
+
+def below(x) -> Array:
+  """``P(u < x)`` for ``priority_draw``'s ``u = 1 - U``: ``(ceil(x 2^23) - 1) / 2^23`` in
+  [0, 1], within 2^-23 of ``min(1, x)``; 0 below 2^-23, which no draw reaches."""
+  return jnp.clip((jnp.ceil(x * U_LEVELS) - 1.0) / U_LEVELS, 0.0, 1.0)
+
+
 class Draw(NamedTuple):
   keep: Array  # [..., n] bool, the kept tail tokens
   n_redraws: Array  # [...] int32, redraws used (0 = first draw fitted)
@@ -196,14 +212,6 @@ class PriorityDraw(NamedTuple):
   tau: Array  # [...] float32 the largest priority left out (0 when all of T is kept)
 
 
-# float32 uniforms take 2^23 values (the mantissa's): u = 1 - U is one of j / 2^23, j >= 1.
-U_LEVELS = 2.0**23
-
-
-def below(x) -> Array:
-  """``P(u < x)`` for ``priority_draw``'s ``u``: ``(ceil(x 2^23) - 1) / 2^23`` in [0, 1],
-  within 2^-23 of ``min(1, x)``; 0 below 2^-23, which no draw reaches."""
-  return jnp.clip((jnp.ceil(x * U_LEVELS) - 1.0) / U_LEVELS, 0.0, 1.0)
 
 
 def priority_draw(key, score, mask, slots, eps: float = 1e-6) -> PriorityDraw:

@@ -131,20 +131,21 @@ class ExactSizeTest(absltest.TestCase):
 
 
 class DiscreteUniformTest(absltest.TestCase):
-  """``pi`` is the probability that the draw's ``u`` (a float32 uniform: 2^23 levels)
-  falls below ``w / tau``, not ``w / tau`` itself, which the grid cannot realize below
-  2^-23 or between its steps."""
+  """``pi`` is the probability that the draw's float32 uniform (2^23 levels) falls below
+  its threshold (priority: ``u = 1 - U < w / tau``; Poisson: ``U < pi``), not the
+  threshold itself, which the grid cannot realize below 2^-23 or between its steps."""
 
-  def test_u_lies_on_the_grid_below_counts(self):
-    u = np.asarray(1.0 - jax.random.uniform(jax.random.PRNGKey(0), (1 << 20,)))
-    j = u * 2.0**23
-    np.testing.assert_array_equal(j, np.round(j))  # u = j / 2^23, the grid below assumes
-    self.assertGreaterEqual(j.min(), 1.0)
-    self.assertLessEqual(j.max(), 2.0**23)
-    grid = np.arange(1, 2**23 + 1, dtype=np.float64) / 2.0**23  # every value of u
+  def test_uniforms_lie_on_the_grid_and_the_probabilities_count_it(self):
+    big = np.asarray(jax.random.uniform(jax.random.PRNGKey(0), (1 << 20,)))
+    j = big * 2.0**23
+    np.testing.assert_array_equal(j, np.round(j))  # U = j / 2^23, as reached / below assume
+    self.assertGreaterEqual(j.min(), 0.0)
+    self.assertLess(j.max(), 2.0**23)
+    grid = np.arange(2**23, dtype=np.float64) / 2.0**23  # every value of U
     for x in (0.5 / 2**23, 1.0 / 2**23, 1.5 / 2**23, 7.3 / 2**23, 1e-3, 0.3, 1.0, 2.0):
-      want = np.mean(grid < np.float32(x))
-      self.assertEqual(float(sampling.below(jnp.float32(x))), want, x)
+      x32 = np.float32(x)
+      self.assertEqual(float(sampling.reached(jnp.float32(x))), np.mean(grid < x32), x)
+      self.assertEqual(float(sampling.below(jnp.float32(x))), np.mean(1.0 - grid < x32), x)
 
   def test_an_unreachable_token_gets_pi_zero(self):
     # Zero scores at a relative floor of 1e-6 give w / tau under 2^-23: never drawn.
