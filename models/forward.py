@@ -106,10 +106,16 @@ def forward_chunk(params, config: LlamaConfig, tokens, valid, caches: Caches, *,
 
   Raises:
     ValueError: ``layer_loop`` not in ``LAYER_LOOPS``; unstacked params or
-      caches with ``"scan"`` or with a layer count other than ``config.n_layers``.
+      caches with ``"scan"`` or with a layer count other than ``config.n_layers``;
+      a ``config.sliding_window`` (not applied here).
     TypeError: ``caches`` not a ``Caches``.
   """
   _check_layer_loop(params, config, caches, layer_loop)
+  if config.sliding_window is not None:
+    raise ValueError(f"config.sliding_window={config.sliding_window}: the cached path attends "
+                     "to every cached token and applies no sliding window; pass "
+                     "config.replace(sliding_window=None), the same model while a sequence "
+                     f"stays within {config.sliding_window} tokens")
   if settings.scale is not None:
     raise ValueError(f"settings.scale must be None here (the model's 1/sqrt(head_dim)), got "
                      f"{settings.scale!r}")

@@ -172,6 +172,17 @@ class LayerLoopTest(absltest.TestCase):
                       config=self.config,
                       gen=decode.GenerationConfig(n_steps=2, capacity=16, layer_loop="loop"))
 
+  def test_a_sliding_window_is_refused_not_ignored(self):
+    # The cached path applies no window; before, it attended past it silently.
+    token, caches = self._prefilled(None)
+    with self.assertRaisesRegex(ValueError, r"config.sliding_window=4: .*sliding_window=None"):
+      forward.forward_chunk(self.params, self.config.replace(sliding_window=4), token,
+                            jnp.ones((2, 1), bool), caches)
+    with self.assertRaisesRegex(ValueError, "config.sliding_window=4"):
+      decode.generate(self.params, self.tokens, self.mask, jax.random.PRNGKey(0),
+                      config=self.config.replace(sliding_window=4),
+                      gen=decode.GenerationConfig(n_steps=2, capacity=16))
+
   def test_decode_step_unrolled_donates_and_agrees(self):
     token, caches = self._prefilled(None)
     want = decode.decode_step(self.params, jax.tree_util.tree_map(jnp.copy, caches), token[:, 0],
