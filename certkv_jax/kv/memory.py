@@ -14,7 +14,8 @@ from certkv_jax import _validate
 
 STAT_FIELDS = ("acc", "last", "obs")
 BASE_BYTES = 4 + 1  # pos (int32) + valid
-CERTIFICATE_BYTES = 4 + 4  # log_pi + v_sq (float32)
+LOG_PI_BYTES = 4  # float32 log inclusion probability: randomized designs
+V_SQ_BYTES = 4  # float32 ||v - v_ref||^2: the certificate, and allocations that need gains
 STAT_BYTES = 4
 
 
@@ -23,9 +24,11 @@ def metadata_bytes(design, allocation=None) -> int:
   if design is None:
     return 0
   stats = set(design.reads) & set(STAT_FIELDS)
-  if getattr(allocation, "needs_gains", False):  # reads the observation window
+  gains = getattr(allocation, "needs_gains", False)  # reads the window's obs and v_sq
+  if gains:
     stats.add("obs")
-  return BASE_BYTES + STAT_BYTES * len(stats) + (CERTIFICATE_BYTES if design.randomized else 0)
+  return (BASE_BYTES + STAT_BYTES * len(stats) + (LOG_PI_BYTES if design.randomized else 0)
+          + (V_SQ_BYTES if design.randomized or gains else 0))
 
 
 def slot_bytes(design, head_dim: int, value_dim: int | None = None, dtype=jnp.float32,

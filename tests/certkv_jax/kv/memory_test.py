@@ -4,6 +4,7 @@ from absl.testing import absltest
 import jax.numpy as jnp
 
 from certkv_jax import designs
+from certkv_jax.designs import registry
 from certkv_jax.kv import memory
 
 
@@ -16,6 +17,12 @@ class MemoryTest(absltest.TestCase):
     # A randomized design adds log_pi and v_sq (8 bytes) to what its score reads.
     self.assertEqual(memory.slot_bytes(designs.poisson_tail(0.5), 64), 512 + 5 + 4 + 8)
     self.assertEqual(memory.slot_bytes(None, 64, dtype=jnp.bfloat16), 256)
+    # A certificate-targeted allocation reads the window's obs and v_sq: H2O with it pays
+    # 4 + 4 more, a randomized design only the obs (its v_sq is counted already).
+    cert = registry.ALLOCATIONS["cert"]
+    self.assertEqual(memory.slot_bytes(designs.h2o(0.5), 64, allocation=cert), 512 + 9 + 8)
+    self.assertEqual(memory.slot_bytes(designs.poisson_tail(0.5), 64, allocation=cert),
+                     512 + 5 + 4 + 8 + 4)
 
   def test_token_fraction_and_kept_bytes(self):
     # 25% of the full cache's bytes, at 521 bytes a token: 0.25 x 512 / 521 of the tokens.
