@@ -13,6 +13,7 @@ import shutil
 
 from absl.testing import absltest
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -284,6 +285,13 @@ class PlanTest(absltest.TestCase):
     self.assertLess(got[0], h2o[0])  # more metadata per slot: fewer tokens
     self.assertLess(h2o[0], 0.5)
     self.assertEqual(experiment.token_budgets(plan, None, None, (0.0,), 64), [1.0])
+    # bfloat16 keys and values: the same metadata is a larger share of a slot, so fewer
+    # tokens (before, float32's count: 1.7% over the byte share for h2o at 0.5).
+    bf16 = experiment.token_budgets(plan, *experiment.design_of("h2o", plan), plan.ratios, 64,
+                                    jnp.bfloat16)
+    self.assertEqual(bf16, [memory.token_fraction(m, experiment.design_of("h2o", plan)[0], 64,
+                                                  dtype=jnp.bfloat16) for m in (0.5, 0.125)])
+    self.assertLess(bf16[0], h2o[0])
 
   def test_shipped_calibration_reads_the_rows_budget_and_both_prompt_ends(self):
     # The shipped artifact (poisson_tail, prompts of 1,040-1,156 tokens) applied at the

@@ -218,14 +218,15 @@ def design_of(name: str, plan: Plan):
   return variants.design_and_allocation(name, plan.n_sink, plan.window, "--designs")
 
 
-def token_budgets(plan: Plan, design, allocation, ratios, head_dim: int) -> list[float]:
+def token_budgets(plan: Plan, design, allocation, ratios, head_dim: int,
+                  dtype=jnp.float32) -> list[float]:
   """The token budget of each ratio: ``1 - ratio`` (kvpress's convention), or with
   ``plan.equal_memory`` the token fraction whose kept key, value and metadata
-  bytes are ``1 - ratio`` of the full cache's key and value bytes
-  (``certkv_jax.kv.memory.token_fraction``)."""
+  bytes are ``1 - ratio`` of the full cache's key and value bytes, keys and values
+  in ``dtype`` (the caches'; ``certkv_jax.kv.memory.token_fraction``)."""
   if design is None or not plan.equal_memory:
     return [1.0 - r for r in ratios]
-  return [memory.token_fraction(1.0 - r, design, head_dim, allocation=allocation)
+  return [memory.token_fraction(1.0 - r, design, head_dim, dtype=dtype, allocation=allocation)
           for r in ratios]
 
 
@@ -294,8 +295,9 @@ def run_design(params, config, batch: _Batch, name: str, ratios, key, plan: Plan
   design, allocation = design_of(name, plan)
   n_rows = batch.prompt[0].shape[0] * len(ratios)
   randomized = design is not None and design.randomized and plan.coverage
-  budget = jnp.asarray(np.tile(token_budgets(plan, design, allocation, ratios, config.head_dim),
-                               batch.prompt[0].shape[0]), jnp.float32)
+  budgets = token_budgets(plan, design, allocation, ratios, config.head_dim,
+                          precision.cache_dtype(config))
+  budget = jnp.asarray(np.tile(budgets, batch.prompt[0].shape[0]), jnp.float32)
   key, sub = jax.random.split(key)
   gen = decode.GenerationConfig(n_steps=batch.n_steps, stop_tokens=tuple(stop_tokens))
   t0 = time.time()
@@ -425,7 +427,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
       batch = _Batch(exs, regime, c, n_steps)
     ratios = plan.ratios_for(name)
     budget_of = dict(zip(ratios, token_budgets(plan, *design_of(name, plan), ratios,
-                                               config.head_dim)))
+                                               config.head_dim, precision.cache_dtype(config))))
     unit_id = zlib.crc32("/".join(map(str, unit)).encode()) % 2**31
     key = jax.random.fold_in(jax.random.PRNGKey(plan.seed), unit_id)
     t0 = time.time()
