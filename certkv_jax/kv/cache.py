@@ -155,13 +155,18 @@ def _free_slots(valid, t: int) -> Array:
       jnp.arange(cap, dtype=jnp.int32), mode="drop")
 
 
-def write_slots(cache: KVCache, slots: SlotAssignment, idx, k_new, v_new) -> KVCache:
+def write_slots(cache: KVCache, slots: SlotAssignment, idx, k_new, v_new,
+                fresh=None) -> KVCache:
   """Writes new tokens at slot indices ``idx`` [t] (``>= capacity`` = not written).
 
-  ``idx`` is ``slots.idx``, or this device's local part of it on a sharded cache.
+  ``idx`` is ``slots.idx``, or this device's local part of it on a sharded cache;
+  ``fresh``: whether the whole cache is empty before the chunk (None: from ``cache``,
+  which a device's shard alone cannot tell).
   """
   meta, counters = slot_metadata(cache, slots)
-  kv, v_ref = slot_kv(cache, k_new, v_new, ~jnp.any(cache.valid) & (slots.rank[0] == 0))
+  if fresh is None:
+    fresh = ~jnp.any(cache.valid)
+  kv, v_ref = slot_kv(cache, k_new, v_new, fresh & (slots.rank[0] == 0))
   new = dict(meta, **kv)
   return cache._replace(
       **{f: getattr(cache, f).at[idx].set(u, mode="drop") for f, u in new.items()},

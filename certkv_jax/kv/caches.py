@@ -324,7 +324,8 @@ def _sharded_append(cache: KVCache, k_new, v_new, new_valid) -> KVCache:
     lo = jax.lax.axis_index(SEQ) * n_local
     mine = (slots.idx >= lo) & (slots.idx < lo + n_local)
     idx = jnp.where(mine, slots.idx - lo, n_local)  # n_local: not this device's slot
-    return over_heads(cache_lib.write_slots)(c, slots, idx, k_new, v_new)
+    fresh = ~jnp.any(valid_all, axis=-1)  # the whole cache's, not this shard's
+    return over_heads(cache_lib.write_slots)(c, slots, idx, k_new, v_new, fresh)
 
   specs, new = distributed.cache_specs(0), P(DATA, MODEL)
   return jax.shard_map(body, mesh=mesh, in_specs=(specs, new, new, new), out_specs=specs,

@@ -172,7 +172,7 @@ class ShardingTest(absltest.TestCase):
 
   @pytest.mark.slow  # 279 s cold on the 2-core CI machine (2026-12-01)
   def test_child_process_with_12_devices(self):
-    self.assertRegex(self._run_child("ShardedChildTest"), r"Ran 12 tests")
+    self.assertRegex(self._run_child("ShardedChildTest"), r"Ran 13 tests")
 
   @pytest.mark.slow  # SmolLM2's real weights, 30 layers sharded over 12 devices
   @absltest.skipUnless(gguf_loader.smollm2_installed(), "SmolLM2 weights not installed: "
@@ -308,6 +308,36 @@ class ShardedChildTest(parameterized.TestCase):
                   budget=0.25)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  def test_append_sets_the_value_reference_of_the_whole_cache(self):
+    # v_ref is the first value ever appended and v_sq each slot's ||v - v_ref||^2. A shard
+    # must not take its own emptiness for the cache's: appends of 3, 1, 1, 1 tokens to 8
+    # slots over seq 2 (the fourth is device 1's first), and a cache whose tokens sit on
+    # device 1 only, appended to (before: device 1 set its own v_ref, v_sq 0 and 1.5
+    # where one device has 11.9 and 21.3).
+    spec = caches_lib.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=4)
+    rng = np.random.default_rng(0)
+    kv = lambda t: (jnp.asarray(rng.normal(size=(1, 1, t, 4)), jnp.float32),
+                    jnp.asarray(rng.normal(size=(1, 1, t, 4)) + 3, jnp.float32))
+    chunks = [kv(3), kv(1), kv(1), kv(1)]
+
+    def run(c):
+      for k, v in chunks:
+        c = c.with_layer(0, caches_lib.append(c.layer(0), k, v, jnp.ones((1, 1, k.shape[2]),
+                                                                          bool)))
+      return c
+    empty = caches_lib.init_caches(spec, 1, 8)
+    late = empty.replace(valid=empty.valid.at[..., 4:6].set(True),
+                         pos=empty.pos.at[..., 4:6].set(jnp.arange(2)),
+                         n_seen=empty.n_seen + 2)
+    mesh = distributed.make_mesh(1, 1, 2)
+    for c in (empty, late):
+      want = jax.jit(run)(c)
+      with jax.set_mesh(mesh):
+        got = jax.jit(run)(distributed.shard_caches(c, mesh))
+      for f in ("valid", "pos", "v_sq", "v_ref", "n_seen"):
+        np.testing.assert_allclose(np.asarray(getattr(got, f)), np.asarray(getattr(want, f)),
+                                   rtol=1e-5, atol=1e-5, err_msg=f)
 
   def test_aggregate_heads_with_collectives(self):
     mesh = distributed.make_mesh(2, 4, 1)
