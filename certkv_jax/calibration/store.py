@@ -355,7 +355,7 @@ def fit(calls: GroupCalls, *, deltas: Sequence[float], budgets: Sequence[float],
     if arr.shape != (n,):
       raise ValueError(f"{name} must have shape [n_calls={n}] like errors, got {arr.shape}")
   dist = np.abs(bpc[:, None] - np.asarray(budgets)[None, :])  # [n_calls, n_budgets]
-  matched = dist <= MATCH_TOL
+  matched = dist <= MATCH_TOL + 1e-6 * np.abs(np.asarray(budgets))[None, :]  # float32-stored
   if not matched.any(axis=1).all():
     bad = np.unique(bpc[~matched.any(axis=1)])[:5]
     raise ValueError(f"budgets_per_call must each be one of budgets {budgets}; got {bad}")

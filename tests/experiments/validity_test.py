@@ -98,6 +98,38 @@ class PlanTest(absltest.TestCase):
       validity_collect.text_examples(tok, "abc", 2, 20, 3, source="short.txt")
 
 
+class SyntheticCallsTest(absltest.TestCase):
+  """Fit and score on a made-up call table (2 layers, 1 KV head, two text sources)."""
+
+  def _calls(self, budgets):
+    rng = np.random.default_rng(0)
+    n = 2000
+    cols = dict(true_error=rng.uniform(0, 1, n), var_hat=rng.uniform(0.01, 1, n),
+                range_hat=rng.uniform(0.01, 1, n), layer=rng.integers(0, 2, n),
+                kv_head=np.zeros(n, int),
+                # float32, as the unit files store it: 0.1 is 0.10000000149 here
+                budget=np.asarray(rng.choice(budgets, n), np.float32).astype(np.float64),
+                design=np.full(n, "poisson_tail"), data=rng.choice(["text", "passkey"], n),
+                context_len=np.full(n, 1024), regime=np.full(n, "streaming"),
+                n_prompt=np.full(n, 1040))
+    return validity_calls.Calls(cols, 2, 3, 1, "smollm2")
+
+  def test_per_head_fit_at_budgets_float32_cannot_hold(self):
+    calls = self._calls([0.1, 0.3])
+    calib = validity_calls.fit_fold(calls, design="poisson_tail", data=("text",),
+                                    context_len=1024, budgets=(0.1, 0.3))
+    self.assertEqual(tuple(calib.budgets), (0.1, 0.3))
+
+  def test_calls_at_a_budget_not_scored_are_nan(self):
+    calls = self._calls([0.125, 0.25])
+    calib = validity_calls.fit_fold(calls, design="poisson_tail", data=("text",),
+                                    context_len=1024, budgets=(0.125, 0.25))
+    r = validity_calls.calibrated_radii(calls, calib, 0.05, (0.125,))
+    at = np.abs(calls["budget"] - 0.125) < 1e-6
+    self.assertTrue(np.isfinite(r[at]).all())
+    self.assertTrue(np.isnan(r[~at]).all())  # before: whatever np.empty held
+
+
 class SignalsInGenerationTest(absltest.TestCase):
 
   @pytest.mark.slow  # 78 s cold on the 2-core CI machine (2026-12-01)

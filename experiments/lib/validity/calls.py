@@ -161,8 +161,9 @@ def fit_fold(calls: Calls, *, design: str, data: Sequence[str], context_len: int
 
 def calibrated_radii(calls: Calls, calib: store.Calibration, delta: float,
                      budgets: Sequence[float]) -> np.ndarray:
-  """``scale[budget, delta, layer, kv_head] * raw radius`` of every call (all of one design)."""
-  out = np.empty(len(calls), np.float64)
+  """``scale[budget, delta, layer, kv_head] * raw radius`` of every call (all of one design);
+  NaN for calls at a budget not in ``budgets`` (unscored, as :func:`binned_radii` leaves them)."""
+  out = np.full(len(calls), np.nan)
   raw = raw_radii(calls, delta)
   for b in budgets:
     m = np.abs(calls["budget"] - b) < 1e-6

@@ -82,6 +82,17 @@ class FitTest(parameterized.TestCase):
     self.assertEqual(cal.radius_form, "bernstein")
     self.assertEqual(cal.format_version, 1)
 
+  def test_budgets_stored_in_float32_match(self):
+    # The validity study's unit files keep each call's budget as float32: 0.1 comes back
+    # as 0.10000000149, which must still match the fit's 0.1 (as the binned fit does).
+    errors, radii, lay, hd, bud = _calls()
+    bud = np.where(bud == 0.125, 0.1, 0.3)
+    stored = bud.astype(np.float32).astype(np.float64)
+    self.assertFalse(np.any(stored == bud))
+    got = _fit_calls(errors, radii, lay, hd, stored, budgets=(0.1, 0.3))
+    want = _fit_calls(errors, radii, lay, hd, bud, budgets=(0.1, 0.3))
+    np.testing.assert_array_equal(got.scales, want.scales)
+
   def test_bernstein_radii_is_radius_from_stats(self):
     r = store.bernstein_radii([0.04, 0.01], [0.1, 0.2], (0.05, 0.2))
     for j, delta in enumerate((0.05, 0.2)):
