@@ -25,6 +25,7 @@ from certkv_jax.kv import cache as cache_lib
 from certkv_jax.kv.cache import KVCache
 from certkv_jax.kv import caches as caches_lib
 from certkv_jax.kv.caches import Caches
+from certkv_jax.kv import distributed
 
 Array = jax.Array
 
@@ -79,8 +80,14 @@ def shadow_caches(config, batch: int, n_tokens: int, dtype=jnp.float32) -> Cache
 
   Pass a layer's (``.layer(i)``) to :func:`attend` (``shadow=``; the statistics then hold the
   true error) and all to
-  ``eviction.evict_and_record`` (each token's inclusion record; method, section 9).
+  ``eviction.evict_and_record`` (each token's inclusion record; method, section 9). Under a
+  mesh (``jax.set_mesh``) the slots are rounded up to a multiple of its ``seq`` axis, the
+  extra ones left empty.
   """
+  mesh = distributed.cache_mesh()
+  if mesh is not None:
+    seq = distributed.axis_size(mesh, distributed.SEQ)
+    n_tokens = -(-n_tokens // seq) * seq
   return caches_lib.init_caches(config, batch, n_tokens, dtype)
 
 

@@ -383,7 +383,7 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, gen: GenerationC
                      f"{'' if design is not None else f' plus {gen.n_steps} decoded tokens'}")
   kv_dtype = precision.cache_dtype(config)  # keys and values; the statistics are float32
   caches = init_caches(config, batch, capacity, kv_dtype)
-  shadow = (init_caches(config, batch, prompt_len + gen.n_steps, kv_dtype)  # slot = position
+  shadow = (layer_lib.shadow_caches(config, batch, prompt_len + gen.n_steps, kv_dtype)
             if gen.evaluate else None)
   state = None if design is None else init_state(design, caches)
   logits, carry = _prompt_chunk(params, config, gen, budget, (caches, shadow, state, key),
@@ -456,7 +456,7 @@ def generate_streaming(params, context, question, key, *, config: LlamaConfig,
   shadow = None
   if gen.evaluate:
     n_tokens = n_chunks * chunk + question.shape[1] + gen.n_steps
-    shadow = init_caches(config, batch, n_tokens, kv_dtype)  # slot = position
+    shadow = layer_lib.shadow_caches(config, batch, n_tokens, kv_dtype)
   (caches, shadow, state, key), _ = jax.lax.scan(
       feed, (caches, shadow, state, key), (as_chunks(context), as_chunks(context_mask)))
   logits, caches, _, shadow = forward_chunk(

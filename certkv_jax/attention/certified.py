@@ -148,13 +148,16 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
     raise ValueError("certificate_layers / certificate_heads are not supported on a "
                      "sequence-sharded cache")
   # per-device partials, merged by the split-K combine
+  probs_out = with_probs or not certificate
   res = distributed.cache_attention(qg, cache, positions, with_stats=certificate,
-                                    with_probs=with_probs or not certificate)
+                                    with_probs=probs_out or shadow is not None)
   stats = None
   if certificate:
     stats = _truth_stats(qg, res.out, shadow, positions,
                          ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
-  return res.out, stats, res.probs
+    if shadow is not None:
+      stats = _with_signals(stats, res.probs, cache, _mask(cache, positions), res.out)
+  return res.out, stats, res.probs if probs_out else None
 
 
 def _one_device(qg, cache: KVCache, shadow, positions, sub: Optional[Subsample], with_probs,
@@ -190,12 +193,16 @@ def _certified_heads(qg, cache: KVCache, shadow: Optional[KVCache], positions, h
       config=dataclasses.replace(config, with_probs=with_probs or shadow is not None))
   stats = _truth_stats(qg, res.out, shadow, positions,
                        ChunkStats(res.var_hat, res.range_hat, out_norm=_norm(res.out)))
-  if shadow is not None:  # evaluation mode: the warning signals beside the truth
-    sig = signals.signals_batched(
-        res.probs, _slots(jnp.exp(cache.log_pi)), mask, _slots(cache.v.astype(jnp.float32)),
-        res.out.astype(jnp.float32))
-    stats = stats._replace(**{k: getattr(sig, k) for k in SIGNAL_FIELDS})
+  if shadow is not None:
+    stats = _with_signals(stats, res.probs, cache, mask, res.out)
   return res.out, stats, res.probs if with_probs else None
+
+
+def _with_signals(stats: ChunkStats, probs, cache: KVCache, mask, out) -> ChunkStats:
+  """Evaluation mode: the warning signals (``SIGNAL_FIELDS``) beside the truth."""
+  sig = signals.signals_batched(probs, _slots(jnp.exp(cache.log_pi)), mask,
+                                _slots(cache.v.astype(jnp.float32)), out.astype(jnp.float32))
+  return stats._replace(**{k: getattr(sig, k) for k in SIGNAL_FIELDS})
 
 
 def _truth_stats(qg, out, shadow: Optional[KVCache], positions, stats: ChunkStats) -> ChunkStats:

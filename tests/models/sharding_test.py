@@ -40,6 +40,7 @@ import pytest
 
 import certkv_jax
 from certkv_jax import designs
+from certkv_jax.attention.certified import SIGNAL_FIELDS
 from certkv_jax.kv import caches as caches_lib
 from certkv_jax.kv import distributed
 from models import decode
@@ -172,7 +173,7 @@ class ShardingTest(absltest.TestCase):
 
   @pytest.mark.slow  # 279 s cold on the 2-core CI machine (2026-12-01)
   def test_child_process_with_12_devices(self):
-    self.assertRegex(self._run_child("ShardedChildTest"), r"Ran 13 tests")
+    self.assertRegex(self._run_child("ShardedChildTest"), r"Ran 14 tests")
 
   @pytest.mark.slow  # SmolLM2's real weights, 30 layers sharded over 12 devices
   @absltest.skipUnless(gguf_loader.smollm2_installed(), "SmolLM2 weights not installed: "
@@ -248,6 +249,22 @@ class ShardedChildTest(parameterized.TestCase):
     self.assertGreater(float(np.max(self.ref.var_hat)), 0.0)  # the tail was sampled
     _compare_generation(self, gen, self.ref)
     _check_cache_bytes(self, gen.caches, mesh)
+
+  def test_evaluation_mode_matches_one_device(self):
+    # The shadow holds 20 + 3 = 23 positions, which seq 2 does not divide (before: an error
+    # inside shard_map), and the warning signals come back on a mesh too (before: None).
+    gen = decode.GenerationConfig(n_steps=3, design=self.kwargs["gen"].design, capacity=24,
+                                  return_logits=True, evaluate=True)
+    want = decode.generate(self.params, self.tokens[:2], self.mask[:2], self.key,
+                           config=CONFIG, gen=gen)
+    got = sharding.generate(distributed.make_mesh(1, 1, 2), self.params, self.tokens[:2],
+                            self.mask[:2], self.key, config=CONFIG, gen=gen)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    for name in ("var_hat", "range_hat", "true_error", "ratio") + SIGNAL_FIELDS:
+      a, b = getattr(got, name), getattr(want, name)
+      self.assertIsNotNone(a, name)
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4,
+                                 err_msg=name)
 
   def test_attention_matches_offset_attention(self):
     mesh = distributed.make_mesh(2, 2, 2)
