@@ -165,7 +165,8 @@ def fraction_targets(fraction, n_seen) -> Array:
 def pyramid_budgets(n_layers: int, mean: Union[int, float], beta: float = 20.0) -> LayerBudgets:
   """PyramidKV's schedule, ``2 mean - mean / beta`` down to ``mean / beta`` (method, section 12).
 
-  ``mean`` is a fraction in (0, 1] or a token count (entries floored, >= 1); ``beta`` > 1.
+  ``mean`` is a fraction in (0, 1] or a token count >= 2 (entries floored, >= 2: a 1 in
+  a schedule reads as ambiguous, :func:`check_layer_budgets`); ``beta`` > 1.
 
   Raises:
     ValueError: if the first layer's budget would exceed 1 (fractions).
@@ -176,8 +177,8 @@ def pyramid_budgets(n_layers: int, mean: Union[int, float], beta: float = 20.0) 
     raise ValueError(f"beta must be > 1, got {beta!r}")
   is_tokens = isinstance(mean, int) and not isinstance(mean, bool)
   if is_tokens:
-    if mean < 1:
-      raise ValueError(f"mean token budget must be >= 1, got {mean}")
+    if mean < 2:
+      raise ValueError(f"mean token budget must be >= 2, got {mean}")
   elif not (isinstance(mean, float) and 0.0 < mean <= 1.0):
     raise ValueError(f"mean must be an int token count or a float fraction in (0, 1], "
                      f"got {mean!r}")
@@ -190,7 +191,7 @@ def pyramid_budgets(n_layers: int, mean: Union[int, float], beta: float = 20.0) 
                      f"{bottom:.3f} > 1; lower the mean or beta")
   sched = [bottom - (bottom - top) * i / (n_layers - 1) for i in range(n_layers)]
   if is_tokens:
-    return tuple(max(1, int(math.floor(x + 1e-9))) for x in sched)
+    return tuple(max(2, int(math.floor(x + 1e-9))) for x in sched)
   return tuple(float(x) for x in sched)
 
 

@@ -32,6 +32,13 @@ class TargetsTest(absltest.TestCase):
     self.assertLen(got, 4)
     self.assertGreater(got[0], got[-1])  # wide at the bottom, narrow at the top
     self.assertAlmostEqual(sum(got) / 4, 100, delta=1)
+    # A small token mean floors the last layers at 2, not 1, which the schedule check
+    # refuses as ambiguous (before: (19, 13, 6, 1), refused by every eviction).
+    small = budgets.pyramid_budgets(4, 10)
+    self.assertEqual(small, (19, 13, 6, 2))
+    self.assertEqual(budgets.check_layer_budgets(small, 4), small)
+    with self.assertRaisesRegex(ValueError, "mean token budget must be >= 2"):
+      budgets.pyramid_budgets(4, 1)
 
 
 if __name__ == "__main__":
