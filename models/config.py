@@ -62,13 +62,17 @@ class LlamaConfig:
     for name in ("rope_theta", "rms_eps", "rope_factor"):
       if not getattr(self, name) > 0:
         raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+    low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+    if self.rope_scaling == "llama3" and not 0 < low < high:
+      raise ValueError(f"llama3 rope scaling needs 0 < rope_low_freq_factor < "
+                       f"rope_high_freq_factor, got {low!r} and {high!r}")
     if self.sliding_window is not None and (
         isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
         or self.sliding_window <= 0):
       raise ValueError(f"sliding_window must be None or a positive int, got "
                        f"{self.sliding_window!r}")
-    if self.dtype not in ("float32", "bfloat16", "float16"):
-      raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+    if self.dtype not in ("float32", "bfloat16"):  # models.precision.DTYPES
+      raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
 
   @property
   def group_size(self) -> int:

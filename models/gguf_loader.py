@@ -104,6 +104,10 @@ def config_from_gguf(reader) -> LlamaConfig:
   hidden = int(need("embedding_length"))
   n_heads = int(need("attention.head_count"))
   head_dim = int(metadata(reader, f"{arch}.attention.key_length", hidden // n_heads))
+  n_rot = metadata(reader, f"{arch}.rope.dimension_count", head_dim)
+  if int(n_rot) != head_dim:  # partial rotary: every head dimension is rotated here
+    raise ValueError(f"GGUF {arch}.rope.dimension_count ({n_rot}) differs from the head "
+                     f"dimension ({head_dim}): partial rotary is not supported")
   tokens = metadata(reader, "tokenizer.ggml.tokens")
   vocab = metadata(reader, f"{arch}.vocab_size", None if tokens is None else len(tokens))
   if vocab is None:

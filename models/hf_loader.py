@@ -62,13 +62,18 @@ def _rope_fields(cfg: dict) -> dict:
   out: dict[str, Any] = {"rope_theta": float(theta)}
   if kind in ("default", None):
     return out
+  def field(key):
+    if key not in merged:
+      raise ValueError(f"config.json: rope_scaling.{key} is missing (rope type {kind!r})")
+    return merged[key]
+
   if kind == "linear":
-    return {**out, "rope_scaling": "linear", "rope_factor": float(merged["factor"])}
+    return {**out, "rope_scaling": "linear", "rope_factor": float(field("factor"))}
   if kind == "llama3":
-    return {**out, "rope_scaling": "llama3", "rope_factor": float(merged["factor"]),
-            "rope_low_freq_factor": float(merged["low_freq_factor"]),
-            "rope_high_freq_factor": float(merged["high_freq_factor"]),
-            "rope_original_max_positions": int(merged["original_max_position_embeddings"])}
+    return {**out, "rope_scaling": "llama3", "rope_factor": float(field("factor")),
+            "rope_low_freq_factor": float(field("low_freq_factor")),
+            "rope_high_freq_factor": float(field("high_freq_factor")),
+            "rope_original_max_positions": int(field("original_max_position_embeddings"))}
   raise ValueError(f"config.json: rope type {kind!r} is not supported "
                    "(supported: default, linear, llama3)")
 

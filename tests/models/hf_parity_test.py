@@ -11,12 +11,14 @@ import functools
 import json
 import os
 import tempfile
+import types
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 import numpy as np
 
+from models import gguf_loader
 from models import hf_loader
 from models import llama
 from models import rope
@@ -120,6 +122,26 @@ class HFLoaderErrorsTest(absltest.TestCase):
     cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
     with self.assertRaisesRegex(ValueError, "rope type 'yarn'"):
       hf_loader.config_from_hf(cfg)
+
+  def test_a_missing_llama3_rope_field_is_named(self):
+    cfg = self._config()  # transformers 5's rope_parameters, llama3
+    del cfg["rope_parameters"]["low_freq_factor"]
+    with self.assertRaisesRegex(ValueError, r"rope_scaling.low_freq_factor is missing"):
+      hf_loader.config_from_hf(cfg)  # before: KeyError
+
+  def test_partial_rotary_gguf_is_refused(self):
+    meta = {"general.architecture": "llama", "llama.embedding_length": 256,
+            "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
+            "llama.block_count": 1, "llama.feed_forward_length": 512,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 100}
+    reader = lambda m: types.SimpleNamespace(
+        fields={k: types.SimpleNamespace(contents=lambda v=v: v) for k, v in m.items()},
+        tensors=[types.SimpleNamespace(name=n) for n in ("token_embd.weight",
+                                                          "output_norm.weight")])
+    self.assertEqual(gguf_loader.config_from_gguf(reader(meta)).head_dim, 64)
+    meta["llama.rope.dimension_count"] = 32  # 32 of 64: before, all 64 rotated silently
+    with self.assertRaisesRegex(ValueError, r"rope.dimension_count \(32\) differs"):
+      gguf_loader.config_from_gguf(reader(meta))
 
   def test_missing_files(self):
     with tempfile.TemporaryDirectory() as d:

@@ -278,6 +278,15 @@ class LlamaTest(parameterized.TestCase):
       TINY.replace(rope_layout="neox")
     with self.assertRaisesRegex(ValueError, "hidden must be a positive int"):
       TINY.replace(hidden=0)
+    # llama3 rope factors: before, 0 divided by zero when the model ran and a reversed
+    # pair gave other frequencies without an error; float16 passed here, then failed
+    # in the loaders.
+    for low, high in ((0.0, 4.0), (-1.0, 4.0), (4.0, 1.0), (2.0, 2.0)):
+      with self.assertRaisesRegex(ValueError, "0 < rope_low_freq_factor < rope_high"):
+        TINY.replace(rope_scaling="llama3", rope_low_freq_factor=low,
+                     rope_high_freq_factor=high)
+    with self.assertRaisesRegex(ValueError, "dtype must be 'float32' or 'bfloat16'"):
+      TINY.replace(dtype="float16")
     params = _params()
     model = llama.LlamaModel(TINY)
     with self.assertRaisesRegex(ValueError, "tokens must be an int"):
