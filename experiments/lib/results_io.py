@@ -73,12 +73,18 @@ class JsonlResults:
     return row_key(fields, self.key_fields) in self._keys
 
   def add(self, row: dict) -> None:
-    row = json_safe(row)
-    key = row_key(row, self.key_fields)
-    if key in self._keys:
-      raise ValueError(f"row {key} is already in {self.path}")
-    self.rows.append(row)
-    self._keys.add(key)
+    self.add_many([row])
+
+  def add_many(self, rows) -> None:
+    """Adds ``rows`` in one atomic rewrite: a killed run leaves all of them on file or
+    none (a unit's rows go together, so a rerun of the unit finds none of them)."""
+    rows = [json_safe(r) for r in rows]
+    keys = [row_key(r, self.key_fields) for r in rows]
+    for key in keys:
+      if key in self._keys or keys.count(key) > 1:
+        raise ValueError(f"row {key} is already in {self.path}")
+    self.rows.extend(rows)
+    self._keys.update(keys)
     atomic_write_text(self.path, "".join(json.dumps(r, sort_keys=True, allow_nan=False) + "\n"
                                          for r in self.rows))
 

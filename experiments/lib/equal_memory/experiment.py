@@ -271,7 +271,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
     slot = memory.slot_bytes(design, head_dim, allocation=allocation)
     full_rows = {r["segment"]: r for r in results.rows if r["variant"] == "full"
                  and r["context_len"] == c and r["split"] == split and r["seed"] == plan.seed}
-    calls = {}
+    calls, rows = {}, []
     for j, (m, s) in enumerate(batch):
       summary = streaming_loss_core.row_summary(
           res.logprob[j], res.scored[j], res.radius[j], res.kept[j], res.n_dropped[j],
@@ -303,11 +303,12 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
             e.ravel(), w.ravel()).reshape(e.shape))
         row.update(coverage=float(np.mean(score <= 1.0)),
                    median_radius=float(np.median(r)), median_error=float(np.median(e)))
-      results.add(row)
-    if calls:
+      rows.append(row)
+    if calls:  # before the rows: a row on file always has its calls
       path = os.path.join(out_dir, "calls", f"{c}_{v}_{split}_{start}_seed{plan.seed}.npz")
       results_io.atomic_write(path, lambda f: np.savez_compressed(f, **calls), binary=True)
-    nll = np.mean([results.rows[-k]["mean_nll"] for k in range(1, len(batch) + 1)])
+    results.add_many(rows)  # the unit's rows at once: a killed unit reruns whole
+    nll = np.mean([row["mean_nll"] for row in rows])
     log(f"{progress.step()} {c} {v} {split} segs {start}+: {len(batch)} rows in "
         f"{seconds:.0f}s, mean NLL {nll:.3f}")
   return results.rows

@@ -464,8 +464,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
     if calls:  # before the rows: a row on file always has its calls
       results_io.atomic_write(calls_path(out_dir, unit, plan.seed),
                               lambda f: np.savez_compressed(f, **calls), binary=True)
-    for row in rows:
-      results.add(row)
+    results.add_many(rows)  # the unit's rows at once: a killed unit reruns whole
     mean = np.mean([row["score"] for row in rows])
     log(f"{progress.step()} {c} {task} {regime} ex {start}+ {name}: {len(rows)} rows in "
         f"{seconds:.1f}s" + (f" (+ prefill {paid:.1f}s)" if paid else "") +
