@@ -420,7 +420,8 @@ def generate_text(prompt: str, *, params, config, tokenizer,
   if certified and (sampled == 0 or zero_share > 1.0 - hint_lib.TARGET + 1e-9):
     where = "prompt" if regime == "question_aware" else "prompt's context"
     suggestion = hint_lib.describe(hint_lib.certifying_budget(
-        params, config, encoded.context, design_obj, key, start=budget), where)
+        params, config, encoded.context, design_obj, key, start=budget,
+        allocation=allocation), where)
   if certified and sampled == 0:
     certified = False
     cert_note = generate_certificate.no_sample_note(design_obj, budget, n_context, regime,

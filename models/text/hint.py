@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from certkv_jax import eviction
+from models import decode
 from models import prefill as prefill_lib
 
 TARGET = 0.9  # the share of caches (hence of calls) that should hold a sampled token
@@ -37,10 +38,11 @@ def _share(caches):
 
 
 def certifying_budget(params, config, context_ids, design, key, *, start: float = 0.0,
-                      target: float = TARGET) -> Hint:
+                      target: float = TARGET, allocation=None) -> Hint:
   """The smallest budget of :data:`GRID` above ``start`` at which at least
   ``target`` (in (0, 1], else ValueError) of the caches keep a sampled token after
-  the eviction of ``context_ids`` by the randomized ``design``."""
+  the eviction of ``context_ids`` by the randomized ``design`` under ``allocation``
+  (its per-head budgets, as the run applies them; None: uniform)."""
   if not 0.0 < target <= 1.0:
     raise ValueError(f"target must be in (0, 1], got {target!r}")
   tokens = jnp.asarray(np.asarray(context_ids, np.int32))[None, :]
@@ -51,8 +53,9 @@ def certifying_budget(params, config, context_ids, design, key, *, start: float 
   _, caches = prefill_lib.prefill(params, tokens, jnp.ones_like(tokens, bool), config=config,
                                   capacity=n, chunk=n, design=design)
   keys = jax.random.split(key, DRAWS)
+  evict_args = decode.allocation_args(params, config, allocation)
   shares = jax.jit(lambda c, b: jax.vmap(
-      lambda k: _share(eviction.evict(design, c, k, budget=b)[0]))(keys))
+      lambda k: _share(eviction.evict(design, c, k, budget=b, **evict_args)[0]))(keys))
   for budget in (b for b in GRID if b > start):
     share = float(jnp.mean(shares(caches, jnp.float32(budget))))
     if share >= target:

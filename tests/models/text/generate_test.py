@@ -11,8 +11,11 @@ import jax
 import numpy as np
 import pytest
 
+from certkv_jax import eviction
 from certkv_jax.designs import registry
 from experiments.lib import model_loading
+from models import decode
+from models import prefill as prefill_lib
 from models.text import answer_text
 from models.text import certificate as generate_certificate
 from models.text import generate
@@ -183,6 +186,30 @@ class GenerateTextTest(absltest.TestCase):
     short = hint.certifying_budget(self.params, self.config, ids[:20], design, key)
     self.assertEqual((short.budget, short.share), (None, 0.0))
     self.assertIn("no budget up to 1", hint.describe(short))
+
+  def test_hint_evicts_with_the_runs_allocation(self):
+    # The hint's share is the share under the per-head allocation the run uses (before:
+    # computed for uniform budgets whatever the allocation). With pyramid budgets no budget
+    # reaches the target on this prompt, where uniform ones do at 0.21.
+    ids = self.tok.encode(PROMPT)
+    key = jax.random.PRNGKey(0)
+    design, pyramid = registry.make_with_allocation("poisson_tail+pyramid", 0.25, n_sink=4,
+                                                    window=16)
+    self.assertIsNotNone(hint.certifying_budget(self.params, self.config, ids, design,
+                                                key).budget)
+    got = hint.certifying_budget(self.params, self.config, ids, design, key, allocation=pyramid)
+    self.assertIsNone(got.budget)
+    design, cert = registry.make_with_allocation("poisson_tail+cert", 0.25, n_sink=4, window=16)
+    got = hint.certifying_budget(self.params, self.config, ids, design, key, allocation=cert)
+    self.assertIsNotNone(got.budget)
+    tokens = jax.numpy.asarray(ids, jax.numpy.int32)[None]
+    _, caches = prefill_lib.prefill(self.params, tokens, tokens >= 0, config=self.config,
+                                    capacity=len(ids), chunk=len(ids), design=design)
+    args = decode.allocation_args(self.params, self.config, cert)
+    shares = [float(hint._share(eviction.evict(  # pylint: disable=protected-access
+        design, caches, k, budget=jax.numpy.float32(got.budget), **args)[0]))
+              for k in jax.random.split(key, hint.DRAWS)]
+    self.assertAlmostEqual(float(np.mean(shares)), got.share, places=6)
 
   def test_stops_at_the_end_of_turn_token(self):
     free = self._run(stops=())
