@@ -89,6 +89,18 @@ class JsonlResults:
                                          for r in self.rows))
 
 
+def check_settings(results: "JsonlResults", settings: dict) -> None:
+  """A resume refuses rows made with other settings: ``settings`` maps each flag or
+  setting to ``(row field, value)``; a row on file whose field holds another value is a
+  ValueError naming it (rows written before a field existed are not compared on it)."""
+  for flag, (field, value) in settings.items():
+    other = {json.dumps(r[field]) for r in results.rows if field in r} - {json.dumps(value)}
+    if other:
+      raise ValueError(f"{flag}={value} in this run, but {results.path} holds rows made "
+                       f"with {field}={other.pop()}: rerun with the same settings or write to "
+                       "another --out")
+
+
 class Progress:
   """Counts finished units and estimates the time left from the pace so far."""
 

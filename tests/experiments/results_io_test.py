@@ -39,6 +39,18 @@ class JsonlResultsTest(absltest.TestCase):
         again.add_many(dup)
     self.assertLen(results_io.read_rows(path), 3)
 
+  def test_a_resume_with_other_settings_is_refused(self):
+    path = os.path.join(self.enter_context(tempfile.TemporaryDirectory()), "rows.jsonl")
+    results = results_io.JsonlResults(path, ("unit",))
+    results.add_many([dict(unit=0, chunk=64, model="m"), dict(unit=1, model="m")])
+    same = dict(chunk=("chunk", 64), model=("model", "m"))
+    results_io.check_settings(results, same)
+    with self.assertRaisesRegex(ValueError, r"chunk=32 in this run, but .* holds rows made "
+                                            r"with chunk=64: rerun with the same settings"):
+      results_io.check_settings(results, dict(same, chunk=("chunk", 32)))
+    # A field no row has (rows made before it existed) is not compared.
+    results_io.check_settings(results, dict(same, coverage=("with_coverage", True)))
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -40,7 +40,8 @@ ROW_KEYS = set(suite_rows.KEY_FIELDS) | {
     "mean_logprob", "min_logprob", "unit_seconds", "batch_size", "n_calls", "coverage",
     "sharpness", "mean_err", "max_err", "mean_rel_err", "mean_radius", "err_step_sum_mean",
     "cert_score", "cert_mean", "cert_sub_mean", "cov_layer", "cov_head", "err_layer",
-    "R_frac_tail", "R_median", "R_p90", "R_max", "m_mean", "n_tail_mean", "sample"}
+    "R_frac_tail", "R_median", "R_p90", "R_max", "m_mean", "n_tail_mean", "sample",
+    "chunk", "n_sink", "window", "deltas", "subsample_fraction", "n_sample_calls"}
 
 
 class CharTokenizer:
@@ -126,6 +127,11 @@ class SuiteTest(absltest.TestCase):
     by_key = dict(zip(keys, rows))
     for r in partial[:-1]:
       self.assertEqual(by_key[results_io.row_key(r, suite_rows.KEY_FIELDS)], r)
+    # A resume with another decode length would mix rows of two settings: refused.
+    with self.assertRaisesRegex(ValueError, "n_steps=4 in this run, but"):
+      suite_rows.collect(self.params, self.config, self.tok,
+                         dataclasses.replace(settings, n_steps=4), out,
+                         examples_by_task=self._examples())
     for r in rows:
       self.assertEqual(set(r), ROW_KEYS, r["design"])
       self.assertEqual(set(r["coverage"]), {str(d) for d in suite_settings.DELTAS})

@@ -229,6 +229,11 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
   if other:
     raise ValueError(f"--cache={plan.cache}, but {results.path} holds rows of --cache="
                      f"{other.pop()}: write to another --out")
+  settings = dict(model=("model", model), chunk=("chunk", plan.chunk),
+                  n_sink=("n_sink", plan.n_sink), window=("window", plan.window),
+                  coverage=("with_coverage", plan.coverage),
+                  sources=("sources_sha256", sources_sha256(plan.sources)))
+  results_io.check_settings(results, settings)  # a resume reads rows of these settings only
   todo = [u for u in todo_all if not done(u)]
   progress = results_io.Progress(len(todo_all), len(todo_all) - len(todo))
   log(f"{len(todo)} of {len(todo_all)} units to run; rows in {results.path}")
@@ -281,7 +286,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
       seen = plan.chunk * np.arange(1, len(res.kept[j]))
       held = float(np.sum(res.kept[j][:-1]) / np.sum(seen)) * slot / full_slot
       row = dict(context_len=c, variant=v, memory=m, split=split, segment=s, seed=plan.seed,
-                 source=names[offset + s], model=model, chunk=plan.chunk,
+                 source=names[offset + s], **dict(settings.values()),
                  budget_fraction=fractions[j], slot_bytes=slot,
                  **({} if plan.cache == "seen" else dict(cache="fixed",
                                                          budget_tokens=tokens[j])),

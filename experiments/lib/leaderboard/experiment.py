@@ -376,6 +376,16 @@ def haystack_sha256(plan: Plan) -> str:
   return hashlib.sha256(plan.haystack_text().encode("utf-8")).hexdigest()
 
 
+def row_settings(plan: Plan, model: str) -> dict:
+  """``{flag: (row field, value)}``: what every row records of the run's settings besides
+  its key; a resume must match them (``results_io.check_settings``)."""
+  return dict(model=("model", model), dtype=("dtype", plan.dtype), chunk=("chunk", plan.chunk),
+              equal_memory=("equal_memory", plan.equal_memory),
+              n_sink=("n_sink", plan.n_sink), window=("window", plan.window),
+              use_chat=("use_chat", plan.use_chat), coverage=("with_coverage", plan.coverage),
+              haystack=("haystack_sha256", haystack_sha256(plan)))
+
+
 def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
         log: Callable[[str], None] = print) -> list[dict]:
   """Runs every unit of ``plan`` with missing rows; returns the rows on file."""
@@ -403,16 +413,11 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
     return all(results.has(context_len=c, task=task, regime=regime, design=design, ratio=r,
                            example=e, seed=plan.seed) for e, r in rows_of(unit))
 
-  mixed = {bool(r.get("equal_memory", False)) for r in results.rows} - {plan.equal_memory}
-  if mixed:
-    raise ValueError(f"--equal_memory={plan.equal_memory} but {results.path} holds rows made "
-                     f"with --equal_memory={mixed.pop()}; use another --out")
   if config.dtype != plan.dtype:
     raise ValueError(f"--dtype={plan.dtype} but the model was loaded in {config.dtype}")
-  mixed = {r.get("dtype", "float32") for r in results.rows} - {plan.dtype}
-  if mixed:
-    raise ValueError(f"--dtype={plan.dtype} but {results.path} holds rows made with "
-                     f"--dtype={mixed.pop()}; use another --out")
+  settings = row_settings(plan, model)
+  results_io.check_settings(results, settings)
+  settings = dict(settings.values())  # the rows' fields
   todo_all = plan.units()
   todo = [u for u in todo_all if not done(u)]
   progress = results_io.Progress(len(todo_all), len(todo_all) - len(todo))
@@ -444,9 +449,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
       ids, stopped, _ = answer_text.truncate_at_stop(np.asarray(out.tokens[j]), stops)
       pred = ruler.postprocess(answer_text.whole_text(tok, ids))
       row = dict(context_len=c, task=task, regime=regime, design=name, ratio=r, example=e,
-                 seed=plan.seed, model=model, dtype=plan.dtype, chunk=plan.chunk,
-                 budget=budget_of[r],
-                 equal_memory=plan.equal_memory,
+                 seed=plan.seed, **settings, budget=budget_of[r],
                  randomized=is_randomized(name), prediction=pred, answers=list(ex.answers),
                  score=ex.grade(pred), stopped=bool(stopped), n_generated=int(len(ids)),
                  max_new_tokens=n_steps, n_prompt_tokens=ex.meta["n_prompt_tokens"],
