@@ -91,14 +91,17 @@ class JsonlResults:
 
 def check_settings(results: "JsonlResults", settings: dict) -> None:
   """A resume refuses rows made with other settings: ``settings`` maps each flag or
-  setting to ``(row field, value)``; a row on file whose field holds another value is a
-  ValueError naming it (rows written before a field existed are not compared on it)."""
-  for flag, (field, value) in settings.items():
-    other = {json.dumps(r[field]) for r in results.rows if field in r} - {json.dumps(value)}
-    if other:
-      raise ValueError(f"{flag}={value} in this run, but {results.path} holds rows made "
-                       f"with {field}={other.pop()}: rerun with the same settings or write to "
-                       "another --out")
+  setting to ``(row field, value)``, or ``(row field, value, assumed)`` where rows written
+  before the field existed held ``assumed`` (without it such rows are not compared on it);
+  a row on file whose field holds another value is a ValueError naming it."""
+  for flag, (field, value, *assumed) in settings.items():
+    held = {json.dumps(v): v for v in (r[field] if field in r else assumed[0]
+                                       for r in results.rows if field in r or assumed)}
+    held.pop(json.dumps(value), None)
+    if held:
+      raise ValueError(f"--{flag}={value} in this run, but {results.path} holds rows made "
+                       f"with {field}={next(iter(held.values()))}: rerun with the same "
+                       "settings or write to another --out")
 
 
 class Progress:

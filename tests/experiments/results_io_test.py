@@ -45,11 +45,15 @@ class JsonlResultsTest(absltest.TestCase):
     results.add_many([dict(unit=0, chunk=64, model="m"), dict(unit=1, model="m")])
     same = dict(chunk=("chunk", 64), model=("model", "m"))
     results_io.check_settings(results, same)
-    with self.assertRaisesRegex(ValueError, r"chunk=32 in this run, but .* holds rows made "
+    with self.assertRaisesRegex(ValueError, r"--chunk=32 in this run, but .* holds rows made "
                                             r"with chunk=64: rerun with the same settings"):
       results_io.check_settings(results, dict(same, chunk=("chunk", 32)))
-    # A field no row has (rows made before it existed) is not compared.
+    # A field no row has (rows made before it existed) is not compared, unless the value
+    # such rows held is given.
     results_io.check_settings(results, dict(same, coverage=("with_coverage", True)))
+    results_io.check_settings(results, dict(same, dtype=("dtype", "float32", "float32")))
+    with self.assertRaisesRegex(ValueError, "--dtype=bfloat16 in this run, .* dtype=float32:"):
+      results_io.check_settings(results, dict(same, dtype=("dtype", "bfloat16", "float32")))
 
 
 if __name__ == "__main__":

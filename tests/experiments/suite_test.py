@@ -128,7 +128,7 @@ class SuiteTest(absltest.TestCase):
     for r in partial[:-1]:
       self.assertEqual(by_key[results_io.row_key(r, suite_rows.KEY_FIELDS)], r)
     # A resume with another decode length would mix rows of two settings: refused.
-    with self.assertRaisesRegex(ValueError, "n_steps=4 in this run, but"):
+    with self.assertRaisesRegex(ValueError, "--n_steps=4 in this run, but"):
       suite_rows.collect(self.params, self.config, self.tok,
                          dataclasses.replace(settings, n_steps=4), out,
                          examples_by_task=self._examples())

@@ -158,8 +158,8 @@ class DtypeOptionTest(absltest.TestCase):
                ratio=0.0, example=0, seed=0, dtype="float32")
     with open(os.path.join(root, leaderboard.ROWS_FILE), "w", encoding="utf-8") as f:
       f.write(json.dumps(row) + "\n")
-    with self.assertRaisesRegex(ValueError, "--dtype=bfloat16 but .* holds rows made with "
-                                "--dtype=float32"):
+    with self.assertRaisesRegex(ValueError, "--dtype=bfloat16 in this run, but .* holds rows "
+                                "made with dtype=float32"):
       leaderboard.run(params, config, tok, root, dataclasses.replace(plan, dtype="bfloat16"),
                       model="tiny", log=lambda _: None)
 

@@ -379,8 +379,9 @@ def haystack_sha256(plan: Plan) -> str:
 def row_settings(plan: Plan, model: str) -> dict:
   """``{flag: (row field, value)}``: what every row records of the run's settings besides
   its key; a resume must match them (``results_io.check_settings``)."""
-  return dict(model=("model", model), dtype=("dtype", plan.dtype), chunk=("chunk", plan.chunk),
-              equal_memory=("equal_memory", plan.equal_memory),
+  return dict(model=("model", model), dtype=("dtype", plan.dtype, "float32"),
+              chunk=("chunk", plan.chunk),
+              equal_memory=("equal_memory", plan.equal_memory, False),
               n_sink=("n_sink", plan.n_sink), window=("window", plan.window),
               use_chat=("use_chat", plan.use_chat), coverage=("with_coverage", plan.coverage),
               haystack=("haystack_sha256", haystack_sha256(plan)))
@@ -417,7 +418,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
     raise ValueError(f"--dtype={plan.dtype} but the model was loaded in {config.dtype}")
   settings = row_settings(plan, model)
   results_io.check_settings(results, settings)
-  settings = dict(settings.values())  # the rows' fields
+  settings = {field: value for field, value, *_ in settings.values()}  # the rows' fields
   todo_all = plan.units()
   todo = [u for u in todo_all if not done(u)]
   progress = results_io.Progress(len(todo_all), len(todo_all) - len(todo))
