@@ -212,8 +212,6 @@ class PriorityDraw(NamedTuple):
   tau: Array  # [...] float32 the largest priority left out (0 when all of T is kept)
 
 
-
-
 def priority_draw(key, score, mask, slots, eps: float = 1e-6) -> PriorityDraw:
   """Priority sampling of ``min(slots, |T|)`` tail tokens (Duffield et al., 2007).
 

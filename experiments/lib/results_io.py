@@ -95,13 +95,14 @@ def check_settings(results: "JsonlResults", settings: dict) -> None:
   before the field existed held ``assumed`` (without it such rows are not compared on it);
   a row on file whose field holds another value is a ValueError naming it."""
   for flag, (field, value, *assumed) in settings.items():
-    held = {json.dumps(v): v for v in (r[field] if field in r else assumed[0]
-                                       for r in results.rows if field in r or assumed)}
-    held.pop(json.dumps(value), None)
-    if held:
-      raise ValueError(f"--{flag}={value} in this run, but {results.path} holds rows made "
-                       f"with {field}={next(iter(held.values()))}: rerun with the same "
-                       "settings or write to another --out")
+    for row in results.rows:
+      if field not in row and not assumed:
+        continue
+      held = row[field] if field in row else assumed[0]
+      if json.dumps(held) != json.dumps(value):
+        raise ValueError(f"--{flag}={value} in this run, but {results.path} holds rows "
+                         f"made with {field}={held}: rerun with the same settings or write "
+                         "to another --out")
 
 
 class Progress:

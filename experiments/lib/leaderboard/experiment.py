@@ -377,8 +377,9 @@ def haystack_sha256(plan: Plan) -> str:
 
 
 def row_settings(plan: Plan, model: str) -> dict:
-  """``{flag: (row field, value)}``: what every row records of the run's settings besides
-  its key; a resume must match them (``results_io.check_settings``)."""
+  """``{flag: (row field, value[, value of older rows without the field])}``: what every
+  row records of the run's settings besides its key; a resume must match them
+  (``results_io.check_settings``)."""
   return dict(model=("model", model), dtype=("dtype", plan.dtype, "float32"),
               chunk=("chunk", plan.chunk),
               equal_memory=("equal_memory", plan.equal_memory, False),

@@ -170,11 +170,11 @@ def collect(params, config, tok, settings: settings_lib.Settings, out_dir: str, 
     return [(b, t, i) for b, t, i in batch_of(unit)
             if not results.has(**row_fields(settings, t, regime, d, b, run, i))]
 
-  kept = dict(n_steps=settings.n_steps, chunk=settings.chunk, n_sink=settings.n_sink,
-              window=settings.window, deltas=list(settings.deltas),
-              subsample_fraction=settings.subsample_fraction,
-              n_sample_calls=settings.n_sample_calls)  # besides the key: a resume matches
-  results_io.check_settings(results, {k: (k, v) for k, v in kept.items()})
+  recorded = dict(n_steps=settings.n_steps, chunk=settings.chunk, n_sink=settings.n_sink,
+                  window=settings.window, deltas=list(settings.deltas),
+                  subsample_fraction=settings.subsample_fraction,
+                  n_sample_calls=settings.n_sample_calls)  # besides the key: a resume matches
+  results_io.check_settings(results, {k: (k, v) for k, v in recorded.items()})
   todo = [u for u in units if missing(u)]
   progress = results_io.Progress(len(units), len(units) - len(todo))
   log(f"{len(todo)} of {len(units)} units to run; rows in {results.path}")
@@ -198,7 +198,7 @@ def collect(params, config, tok, settings: settings_lib.Settings, out_dir: str, 
       lp = gen_np["logprobs"][j].astype(np.float64)
       row = row_fields(settings, t, regime, d, b, run, i)
       row.update(
-          randomized=design_defaults.is_randomized(d), **kept,
+          randomized=design_defaults.is_randomized(d), **recorded,
           n_prompt_tokens=len(ex.context_ids) + len(ex.question_ids),
           answer=ex.answer, text=text, tokens=toks, correct=correct,
           mean_logprob=float(lp.mean()), min_logprob=float(lp.min()),
