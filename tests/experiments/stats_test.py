@@ -272,6 +272,15 @@ class GatingTest(absltest.TestCase):
     k = int(0.1 * n)
     self.assertAlmostEqual(float(ratio[0]), min(k, self.n_pos) / (k / n * g.sum()))
 
+  def test_oracle_share(self):
+    g, n = self.gain, len(self.gain)
+    self.assertAlmostEqual(stats.oracle_share(g, g, 0.1), 1.0)  # the gain ranks as the oracle
+    b = 0.25
+    rand = stats.gating_curve(g, "random", [b])[0] / stats.gating_curve(g, "oracle", [b])[0]
+    self.assertAlmostEqual(stats.oracle_share(g, np.zeros(n), b), rand)
+    self.assertTrue(np.isnan(stats.oracle_share([0, 0, -1], [1.0, 2.0, 3.0], 0.5)))
+    self.assertTrue(np.isnan(stats.oracle_share(g, g, 0.0)))  # k = 0: the oracle gets nothing
+
   def test_errors_and_nan(self):
     with self.assertRaisesRegex(ValueError, r"budgets .* \[0, 1\]"):
       stats.gating_curve(self.gain, "oracle", [1.5])

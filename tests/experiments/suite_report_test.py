@@ -76,12 +76,23 @@ class RegimeTest(absltest.TestCase):
     text = "\n".join(regime.describe(QUICK, (("passkey", 1.0, 24),
                                              ("variable_tracking", 0.0, 24))))
     self.assertStartsWith(text, "**What ran.** Model smollm2; 3 tasks")
-    for phrase in ("160-token contexts, 4 examples per task", "20-80 of the 160 tokens kept",
+    for phrase in ("160-token contexts, 4 examples per task",
+                   "of the tokens seen (of a prompt of 160 tokens plus the question: at least "
+                   "20-80 tokens kept)",
                    "snapkv, poisson_tail, attention_proportional",
                    "Full-cache accuracy: passkey 1.00, variable_tracking 0.00",
                    "far shorter than the long contexts", "not whether the paper's number holds",
                    "already fails variable_tracking", "`docs/results.md`"):
       self.assertIn(phrase, text)
+    # From the rows: a budget is a share of the whole prompt, question included.
+    rows = [dict(n_prompt_tokens=n) for n in (190, 178, 242)] + [dict(design="x")]
+    self.assertEqual(regime.prompt_range(rows), (178, 242))
+    self.assertIsNone(regime.prompt_range([dict(design="x")]))
+    ran = regime.describe(QUICK, prompt_tokens=regime.prompt_range(rows))[0]
+    self.assertIn("160-token contexts (prompts of 178-242 tokens with the question), 4 "
+                  "examples per task", ran)
+    self.assertIn("of the tokens seen (at the prompt's end 22-121 of its 178-242 tokens "
+                  "kept)", ran)
     before = "\n".join(regime.describe(QUICK, before=True))  # printed as the job starts
     self.assertStartsWith(before, "**What runs.**")
     self.assertIn("a verdict of the report says how a claim fares", before)
@@ -147,7 +158,8 @@ class ReportTest(absltest.TestCase):
     with open(os.path.join(RESULTS, "suite_quick", "report.md"), encoding="utf-8") as f:
       lines = f.read().splitlines()
     self.assertStartsWith(lines[2], "**What ran.** Model smollm2; 3 tasks")
-    self.assertIn("160-token contexts, 4 examples per task", lines[2])
+    self.assertIn("160-token contexts (prompts of 178-242 tokens with the question), 4 "
+                  "examples per task", lines[2])
     self.assertIn("| the committed longer-context runs |",
                   next(line for line in lines if line.startswith("| claim |")))
 

@@ -33,15 +33,16 @@ def example_groups(rows):
 
 
 def ci(stat_fn, *arrays, groups, seed=0) -> Optional[stats.Interval]:
-  """Cluster-bootstrap interval, or a degenerate one / None when it cannot be computed."""
+  """Cluster-bootstrap interval; None when the statistic cannot be computed, and no interval
+  (NaN bounds: not estimable) from fewer than two examples or when the bootstrap fails."""
   try:
     est = float(stat_fn(*arrays))
   except ValueError:
     return None
   if not math.isfinite(est):
     return None
-  if len(np.unique(groups)) < 2:
-    return stats.Interval(est, est, est)
+  if len(np.unique(groups)) < 2:  # one example: no spread to resample
+    return stats.Interval(est, float("nan"), float("nan"))
   try:
     return stats.cluster_bootstrap_ci(stat_fn, *arrays, groups=groups, n_boot=N_BOOT,
                                       seed=seed)

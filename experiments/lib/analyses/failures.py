@@ -17,6 +17,7 @@ GATING_BUDGET = 0.25
 # region (-inf, 1) of stats.verdict's "lower" direction (the same form as the (1e-9, 1)
 # "higher" ranges of the "> 0" claims).
 BELOW_RANDOM = (0.0, 1.0 - 1e-9)
+UNTESTABLE = "inconclusive (untestable here)"
 GATING_GRID = tuple(np.round(np.linspace(0.0, 1.0, 21), 3))
 
 
@@ -170,9 +171,13 @@ def failure_analysis(rows, plot_dir: Optional[str] = None) -> dict:
     out["plots"].append(plots.plot_roc(curves, os.path.join(plot_dir, "roc_failure.png"),
                                        title="Failure prediction (evicted run wrong)"))
   # gating, per regime
-  md += ["", f"Gated recomputation: fraction of the oracle's recoverable gain captured when "
-         f"re-running the top-k examples with the full cache (k = floor(budget n)); "
-         f"headline at a recompute budget of {GATING_BUDGET}.", ""]
+  md += ["", f"Gated recomputation: fraction of the recoverable gain (that of re-running "
+         f"every example the full cache gets right and the evicted run wrong) captured when "
+         f"re-running the top-k examples with the full cache (k = floor(budget n)), at a "
+         f"recompute budget of {GATING_BUDGET}; oracle gating re-runs the best k. The "
+         f"paper's \"about 36%\" is the certificate's gain over oracle gating's at the same "
+         f"budget; a gating claim that even oracle gating's interval falls short of is "
+         f"{UNTESTABLE}.", ""]
   body = []
   for regime in sorted({r["regime"] for r in sel}):
     idx = np.asarray([r["regime"] == regime for r in sel])
@@ -184,10 +189,10 @@ def failure_analysis(rows, plot_dir: Optional[str] = None) -> dict:
               for n, s in scorers.items()}
     out[f"gating_{regime}"] = curves
     cis = {}
-    for n in ("certificate", "confidence", "random"):
+    for n in ("certificate", "confidence", "random", "oracle"):
       s = scorers[n]
       if isinstance(s, str):
-        fn = lambda gg: float(stats.gating_curve(gg, "random", [GATING_BUDGET])[0])
+        fn = lambda gg, s=s: float(stats.gating_curve(gg, s, [GATING_BUDGET])[0])
         cis[n] = common.ci(fn, gain, groups=gr)
       else:
         fn = lambda gg, ss: float(stats.gating_curve(gg, ss, [GATING_BUDGET])[0])
@@ -196,18 +201,27 @@ def failure_analysis(rows, plot_dir: Optional[str] = None) -> dict:
     for n in ("certificate", "confidence"):
       fn = lambda gg, ss: float(stats.gain_captured_ratio(gg, ss, [GATING_BUDGET])[0])
       ratio[n] = common.ci(fn, gain, scorers[n], groups=gr)
+    share = common.ci(lambda gg, ss: stats.oracle_share(gg, ss, GATING_BUDGET), gain,
+                      scorers["certificate"], groups=gr)
+    ceiling = common.ci(
+        lambda gg: float(stats.gain_captured_ratio(gg, "oracle", [GATING_BUDGET])[0]), gain,
+        groups=gr)
     body.append([regime, int(idx.sum()), f"{gain.clip(0).sum():.0f}",
-                 *(common.fmt_ci(cis[n]) for n in ("certificate", "confidence", "random")),
+                 *(common.fmt_ci(cis[n]) for n in ("certificate", "confidence", "random",
+                                                    "oracle")),
                  common.fmt_ci(ratio["certificate"]), common.fmt_ci(ratio["confidence"])])
     if regime == "streaming":
       out["claims"].append(common.claim(
-          f"gated recomputation (streaming): certificate's fraction of oracle gain at "
-          f"recompute budget {GATING_BUDGET}", "~0.36 (band 0.31-0.41)", cis["certificate"],
-          common.verdict_of(common.PAPER["gating_fraction"], cis["certificate"], "higher")))
+          f"gated recomputation (streaming): certificate's gain over oracle gating's at "
+          f"recompute budget {GATING_BUDGET}", "~0.36 (band 0.31-0.41)", share,
+          common.verdict_of(common.PAPER["gating_fraction"], share, "higher"),
+          f"of all the recoverable gain: certificate {common.fmt_ci(cis['certificate'])}"))
       out["claims"].append(common.claim(
           "gated recomputation (streaming): certificate / random gating", "1.7-1.8x",
-          ratio["certificate"],
-          common.verdict_of(common.PAPER["gating_vs_random"], ratio["certificate"], "higher")))
+          ratio["certificate"], _testable(
+              common.verdict_of(common.PAPER["gating_vs_random"], ratio["certificate"],
+                                "higher"), ceiling, common.PAPER["gating_vs_random"][0]),
+          f"oracle / random: {common.fmt_ci(ceiling)}"))
       c = ratio["confidence"]
       out["claims"].append(common.claim(
           "gated recomputation (streaming): confidence gating can fall below random",
@@ -221,7 +235,16 @@ def failure_analysis(rows, plot_dir: Optional[str] = None) -> dict:
           os.path.join(plot_dir, f"gating_{regime}.png"), title=f"Gated recomputation "
           f"({regime})"))
   md += common.table(["regime", "rows", "recoverable", "certificate", "confidence", "random",
-                      "certificate/random", "confidence/random"], body)
+                      "oracle", "certificate/random", "confidence/random"], body)
   md += [""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in out["plots"]]
   out["md"] = "\n".join(md)
   return out
+
+
+def _testable(verdict: str, ceiling, claim_lo: float) -> str:
+  """``verdict``, or :data:`UNTESTABLE` when even oracle gating's whole interval (``ceiling``)
+  lies below the claim's ``claim_lo``: where most examples gain from recomputing, random
+  gating is near the oracle and no gating can show the claimed advantage."""
+  if ceiling is not None and np.isfinite(ceiling[2]) and ceiling[2] < claim_lo:
+    return UNTESTABLE
+  return verdict

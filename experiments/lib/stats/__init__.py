@@ -14,7 +14,7 @@ write ``from experiments.lib import stats`` and ``stats.roc_auc(...)``:
   ``1 - delta`` with Wilson intervals), :func:`coverage_by_bins` (coverage as
   a function of the Assumption-2 ratio ``R``), :func:`sharpness`,
   :func:`log_r_regression` (OLS of ``log R`` with standard errors).
-* :mod:`.gating`: :func:`gating_curve`, :func:`gain_captured_ratio`.
+* :mod:`.gating`: :func:`gating_curve`, :func:`oracle_share`, :func:`gain_captured_ratio`.
 * :mod:`.verdicts`: :func:`verdict`: a paper's claimed range against our interval.
 """
 
@@ -30,6 +30,7 @@ from experiments.lib.stats.certificate import sharpness
 from experiments.lib.stats.gating import gain_captured_ratio
 from experiments.lib.stats.gating import gain_from_correct
 from experiments.lib.stats.gating import gating_curve
+from experiments.lib.stats.gating import oracle_share
 from experiments.lib.stats.intervals import bootstrap_ci
 from experiments.lib.stats.intervals import cluster_bootstrap_ci
 from experiments.lib.stats.intervals import Interval

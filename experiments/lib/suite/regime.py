@@ -16,6 +16,7 @@ there (an installed package without the results) leaves its entry out.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Callable, Optional, Sequence
@@ -64,20 +65,30 @@ def _join(values, spec) -> str:
 
 
 def describe(settings, full_accuracy: Optional[Sequence] = None,
-             link: Link = links(None), *, before: bool = False) -> list[str]:
+             link: Link = links(None), *, before: bool = False,
+             prompt_tokens: Optional[tuple] = None) -> list[str]:
   """The report's opening: what ran (``settings``: a suite ``Settings``;
-  ``full_accuracy``: ``(task, accuracy, n)`` of the full cache) and what its verdicts
-  can and cannot say, naming where the longer runs are. ``before``: worded for the
-  start of a run (what runs; the report to come)."""
+  ``full_accuracy``: ``(task, accuracy, n)`` of the full cache; ``prompt_tokens``: the
+  rows' shortest and longest prompt, :func:`prompt_range`) and what its verdicts can and
+  cannot say, naming where the longer runs are. ``before``: worded for the start of a
+  run (what runs; the report to come)."""
   lo, hi = min(settings.budgets), max(settings.budgets)
-  kept = (f"{int(lo * settings.context_len)}-{int(hi * settings.context_len)} of the "
-          f"{settings.context_len} tokens kept")
+  if prompt_tokens:  # a budget is a share of the tokens seen: the whole prompt at its end
+    p_lo, p_hi = prompt_tokens
+    kept = (f"at the prompt's end {math.floor(lo * p_lo)}-{math.floor(hi * p_hi)} of its "
+            f"{p_lo}-{p_hi} tokens kept")
+    prompts = f" (prompts of {p_lo}-{p_hi} tokens with the question)"
+  else:
+    kept = (f"of a prompt of {settings.context_len} tokens plus the question: at least "
+            f"{math.floor(lo * settings.context_len)}-{math.floor(hi * settings.context_len)} "
+            "tokens kept")
+    prompts = ""
   ran = (f"**What {'runs' if before else 'ran'}.** Model {settings.model}; "
          f"{len(settings.tasks)} tasks ({', '.join(settings.tasks)}) at "
-         f"{settings.context_len}-token contexts, "
+         f"{settings.context_len}-token contexts{prompts}, "
          f"{settings.num_examples} examples per task, {settings.n_steps} decode steps; "
          f"designs {', '.join(settings.designs)} at budgets "
-         f"{' / '.join(_pct(b) for b in settings.budgets)} ({kept}).")
+         f"{' / '.join(_pct(b) for b in settings.budgets)} of the tokens seen ({kept}).")
   failed = []
   if full_accuracy:
     ran += (" Full-cache accuracy: " + ", ".join(f"{t} {a:.2f}" for t, a, _ in full_accuracy)
@@ -100,6 +111,12 @@ def describe(settings, full_accuracy: Optional[Sequence] = None,
             "longer-context runs on the claims they bear on (read from their summary files "
             f"when this report was written); every committed run is in {link(RESULTS_DOC)}.")
   return [ran, "", can]
+
+
+def prompt_range(rows) -> Optional[tuple]:
+  """``(shortest, longest)`` ``n_prompt_tokens`` of the rows, or None when none records it."""
+  n = [int(r["n_prompt_tokens"]) for r in rows if r.get("n_prompt_tokens") is not None]
+  return (min(n), max(n)) if n else None
 
 
 # --- the committed runs -------------------------------------------------------------------

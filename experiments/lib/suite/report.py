@@ -39,7 +39,9 @@ VERDICT_RULE = (
     "disagreement's AUC, the overhead's \"about 2x\"). Reproduced if our whole 95% interval "
     "lies in the region, refuted if it lies wholly outside it, inconclusive if it spans a "
     "boundary of the region (part in, part out); inconclusive (not estimable) when there is "
-    "no interval. Small samples give wide intervals, hence inconclusive verdicts.")
+    "no interval (fewer than two examples); inconclusive (untestable here) for a gating "
+    "claim that even oracle gating's interval falls short of. Small samples give wide "
+    "intervals, hence inconclusive verdicts.")
 
 
 def overhead_claims(overhead: Optional[dict]) -> list[dict]:
@@ -80,6 +82,7 @@ class Header:
     out_dir: the report's folder (its links are relative to it; None: a plain path).
     full_accuracy: ``((task, accuracy, n), ...)`` of the full cache
       (:func:`full_cache_accuracy`).
+    prompt_tokens: the rows' shortest and longest prompt (``regime.prompt_range``).
   """
 
   command: str
@@ -87,6 +90,7 @@ class Header:
   machine: Optional[str] = None
   out_dir: Optional[str] = None
   full_accuracy: tuple = ()
+  prompt_tokens: Optional[tuple] = None
 
 
 def full_cache_accuracy(rows) -> tuple:
@@ -108,7 +112,8 @@ def claims_lines(sections: Sequence[dict], overhead: Optional[dict], settings,
   with the committed longer runs beside the claims they bear on (``link`` names files:
   ``regime.links``): what the terminal shows of the report."""
   found = regime.evidence(link)
-  lines = regime.describe(settings, header.full_accuracy, link) + [""]
+  lines = regime.describe(settings, header.full_accuracy, link,
+                          prompt_tokens=header.prompt_tokens) + [""]
   return lines, common.table(
       ["claim", "paper", "ours (95% CI)", "verdict", "note",
        "the committed longer-context runs"],

@@ -225,7 +225,8 @@ def run_suite(params, config, tok, out: str, plan: dict, run: Invocation, *,
     dm_summary = damage_report.analyse(dm_out, dm_plan, train=True, log=dm_log)
     sections.append(_study_section("damage", dm_summary))
   header = suite_report.Header(command=run.command, wall_s=time.time() - t0, out_dir=out,
-                               full_accuracy=suite_report.full_cache_accuracy(rows))
+                               full_accuracy=suite_report.full_cache_accuracy(rows),
+                               prompt_tokens=regime.prompt_range(rows))
   report = _write_report(out, settings, sections=sections, theorem1=th_summary,
                          overhead=ov_summary, counts=(rows, th_rows, ov_rows, ppl_rows),
                          header=header)
@@ -397,7 +398,8 @@ def rerender_report(out: str, plan: dict, *, model: str, text: str = DEFAULT_TEX
   sections += [_study_section(name, summary) for name, summary in studies.items()]
   header = suite_report.Header(command=head["command"], wall_s=head.get("wall_s", float("nan")),
                                machine=head.get("machine"), out_dir=out,
-                               full_accuracy=suite_report.full_cache_accuracy(rows))
+                               full_accuracy=suite_report.full_cache_accuracy(rows),
+                               prompt_tokens=regime.prompt_range(rows))
   report = _write_report(
       out, settings, sections=sections, theorem1=th_summary, overhead=ov_summary,
       counts=(rows, th_rows, ov_rows, ppl_rows), header=header,
