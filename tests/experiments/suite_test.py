@@ -9,6 +9,8 @@ seconds (its accuracy is meaningless: the suite's numbers come from
 import dataclasses
 import json
 import os
+import types
+from unittest import mock
 
 from absl.testing import absltest
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
+from experiments.lib.montecarlo_certificate import experiment as montecarlo_experiment
 from experiments.lib.overhead import experiment as overhead
 from experiments.lib import results_io
 from experiments.lib import stats
@@ -417,6 +420,68 @@ class GatingClaimTest(absltest.TestCase):
     self.assertAlmostEqual(ci[0], 0.975)
     self.assertTrue(np.isnan(ci[1]) and np.isnan(ci[2]))
     self.assertEqual(common.verdict_of((0.969, 0.977), ci, "higher"), common.NOT_ESTIMABLE)
+
+
+class StudyResumeTest(absltest.TestCase):
+  """A study resumed into a folder of rows made with other settings refuses them, and
+  reports only the rows its plan asks for. Rows are written by hand: no model runs."""
+
+  def setUp(self):
+    super().setUp()
+    test_util.ensure_flags_parsed()
+    self.out = self.create_tempdir().full_path
+    self.examples = [types.SimpleNamespace(context_ids=[1, 2, 3], question_ids=[4])] * 2
+
+  def test_theorem1(self):
+    res = results_io.JsonlResults(os.path.join(self.out, "theorem1_rows.jsonl"),
+                                  theorem1.KEY_FIELDS)
+    common = dict(model="smollm2", task="passkey", budget=0.25, seed=0, context_len=160)
+    res.add_many([dict(common, design="poisson_tail", example=i, draw=k, n_steps=8, n_sink=4,
+                       window=16, err_orig=1.0) for i in range(3) for k in range(4)])
+    plan = theorem1.Plan(designs=("poisson_tail",), n_draws=2, n_steps=8, n_sink=4, window=16,
+                         **common)
+    rows = theorem1.run_theorem1(None, None, self.examples, self.out, plan, log=lambda _: None)
+    self.assertEqual(sorted((r["example"], r["draw"]) for r in rows),
+                     [(0, 0), (0, 1), (1, 0), (1, 1)])  # 2 examples x 2 draws, not all 12
+    with self.assertRaisesRegex(ValueError, "--n_steps=20 in this run, .* n_steps=8"):
+      theorem1.run_theorem1(None, None, self.examples, self.out,
+                            dataclasses.replace(plan, n_steps=20), log=lambda _: None)
+
+  def test_overhead(self):
+    res = results_io.JsonlResults(os.path.join(self.out, "overhead_rows.jsonl"),
+                                  overhead.KEY_FIELDS)
+    res.add_many([dict(model="smollm2", config=c, budget=0.25, batch=2, prompt_len=4,
+                       n_steps=16, seed=0, per_step_ms=[10.0] * 5, median_ms=10.0,
+                       design={"full": "full", "deterministic": "snapkv"}.get(c, "poisson_tail"))
+                  for c in overhead.ALL_CONFIGS])  # as written before the fields were recorded
+    plan = overhead.Plan(model="smollm2", repeats=5, configs=("full", "deterministic"))
+    rows = overhead.run_overhead(None, None, self.examples, self.out, plan, log=print)
+    self.assertEqual(sorted(r["config"] for r in rows), ["deterministic", "full"])
+    with self.assertRaisesRegex(ValueError, "--deterministic=h2o .* deterministic=snapkv"):
+      overhead.run_overhead(None, None, self.examples, self.out,
+                            dataclasses.replace(plan, deterministic="h2o"), log=print)
+    with self.assertRaisesRegex(ValueError, "--repeats=9 .* repeats=5"):
+      overhead.run_overhead(None, None, self.examples, self.out,
+                            dataclasses.replace(plan, repeats=9), log=print)
+
+  def test_montecarlo(self):
+    res = results_io.JsonlResults(os.path.join(self.out, "rows.jsonl"),
+                                  ("problem", "regime", "design", "budget"))
+    res.add_many([dict(problem="gaussian", regime="streaming", design=d, budget=0.5,
+                       randomized=d == "poisson_tail", mean_kept=32.0, mse=1.0, var_ratio=1.0,
+                       coverage={"0.05": 0.9}, sharpness={"0.05": 2.0}, median_R=1.0,
+                       context_len=64, head_dim=8, seed=0)
+                  for d in ("poisson_tail", "h2o")])  # no num_trials, n_sink, window: older
+    plan = montecarlo_experiment.Plan(
+        context_len=64, head_dim=8, budgets=(0.5,), deltas=(0.05,), designs=("poisson_tail",),
+        problems=("gaussian",), regimes=("streaming",), seed=0)
+    with mock.patch("builtins.print"):
+      summary = montecarlo_experiment.run_and_report(plan, out=self.out)
+    self.assertIn("| poisson_tail |", summary)
+    self.assertNotIn("| h2o |", summary)  # on file, but not in this plan
+    with self.assertRaisesRegex(ValueError, "--context_len=128 .* context_len=64"):
+      montecarlo_experiment.run_and_report(dataclasses.replace(plan, context_len=128),
+                                           out=self.out)
 
 
 class TheoremAndOverheadTest(absltest.TestCase):

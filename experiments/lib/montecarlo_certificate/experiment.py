@@ -69,7 +69,9 @@ class Plan:
 
 def run_and_report(plan: Plan, *, out: str) -> str:
   """The command: one row per (problem, regime, design, budget) of ``plan`` not yet in
-  ``out/rows.jsonl``, then ``out/summary.md``; prints and returns the summary."""
+  ``out/rows.jsonl``, then ``out/summary.md`` of the plan's rows; prints and returns the
+  summary. A file holding rows of other settings (``context_len``, ``head_dim``, ``seed``,
+  ``num_trials``, ``n_sink``, ``window``) is refused: ValueError."""
   budgets = _fractions(plan.budgets, "budgets")
   deltas = _fractions(plan.deltas, "deltas")
   context_len, head_dim, seed = plan.context_len, plan.head_dim, plan.seed
@@ -81,6 +83,9 @@ def run_and_report(plan: Plan, *, out: str) -> str:
       raise ValueError(f"--regimes: unknown regime {r!r}")
   results = results_io.JsonlResults(os.path.join(out, "rows.jsonl"),
                                     ("problem", "regime", "design", "budget"))
+  settings = dict(context_len=context_len, head_dim=head_dim, seed=seed,
+                  num_trials=plan.num_trials, n_sink=plan.n_sink, window=plan.window)
+  results_io.check_settings(results, {f: (f, v) for f, v in settings.items()})
   units = [(p, r, d, b) for p in plan.problems for r in plan.regimes
            for d in plan.designs for b in budgets]
   todo = [u for u in units if not results.has(problem=u[0], regime=u[1], design=u[2],
@@ -108,14 +113,15 @@ def run_and_report(plan: Plan, *, out: str) -> str:
         "mse": s.mse, "mean_var_hat": s.mean_var_hat, "var_ratio": s.var_ratio,
         "coverage": {str(d): c for d, c in s.coverage.items()},
         "sharpness": {str(d): c for d, c in s.sharpness.items()},
-        "median_R": s.median_r, "seconds": round(time.time() - t0, 2),
-        "context_len": context_len, "head_dim": head_dim, "seed": seed,
+        "median_R": s.median_r, "seconds": round(time.time() - t0, 2), **settings,
     }
     results.add(row)
     logging.info("%s %s/%s/%s@%.3f: mse %.4g cov(0.05) %.3f R %.3g", progress.step(),
                  problem_name, regime, design_name, frac, s.mse,
                  s.coverage.get(0.05, float("nan")), s.median_r)
-  summary = render_summary(results.rows, deltas)
+  planned = set(units)
+  summary = render_summary([r for r in results.rows if (r["problem"], r["regime"], r["design"],
+                                                        r["budget"]) in planned], deltas)
   results_io.atomic_write_text(os.path.join(out, "summary.md"), summary)
   print(summary)
   return summary

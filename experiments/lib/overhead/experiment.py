@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import types
 from typing import Optional
 import uuid
 
@@ -166,18 +167,29 @@ class Plan:
 
 def run_overhead(params, config, examples, out_dir: str, plan: Plan, *,
                  log=print) -> list[dict]:
-  """One row per configuration in ``plan.configs`` (resumable)."""
+  """One row per configuration in ``plan.configs`` (resumable; a file holding rows of
+  another ``deterministic`` design or ``repeats`` is refused: ValueError)."""
   plan.check()
   budget, n_steps, seed = plan.budget, plan.n_steps, plan.seed
   results = results_io.JsonlResults(os.path.join(out_dir, "overhead_rows.jsonl"), KEY_FIELDS)
+  settings = dict(deterministic=plan.deterministic, repeats=plan.repeats)
+  # What each row on file was made with, read from its design and timings (rows written
+  # before these fields were recorded hold them too).
+  held = [dict(repeats=len(r["per_step_ms"]),
+               **({"deterministic": r["design"]} if r["config"] == "deterministic" else {}))
+          for r in results.rows]
+  results_io.check_settings(types.SimpleNamespace(rows=held, path=results.path),
+                            {f: (f, v) for f, v in settings.items()})
   prompt, mask = batching.pad_batch([e.context_ids + e.question_ids for e in examples])
   batch, plen = prompt.shape
   common = dict(model=plan.model, budget=float(budget), batch=batch, prompt_len=plen,
                 n_steps=n_steps, seed=seed)
   configs = plan.configs
   todo = [c for c in configs if not results.has(config=c, **common)]
+  planned = lambda: [r for r in results.rows if r["config"] in configs
+                     and all(r.get(k) == v for k, v in common.items())]
   if not todo:
-    return [r for r in results.rows if all(r.get(k) == v for k, v in common.items())]
+    return planned()
   lengths = budgets.Lengths(n_context=plen, n_steps=n_steps)
   full_cap = budgets.capacity(None, lengths)
 
@@ -228,7 +240,7 @@ def run_overhead(params, config, examples, out_dir: str, plan: Plan, *,
     jax.block_until_ready(compiled(params, first, caches))  # warm-up, untimed
     mem = memory.caches_bytes(caches)
     prepared[name] = (compiled, caches, dict(
-        common, config=name, design=design_name, certificate=with_cert,
+        common, **settings, config=name, design=design_name, certificate=with_cert,
         certificate_fraction=cert_frac if with_cert else 0.0,
         capacity=int(caches.k.shape[-2]), compile_s=round(compile_s, 2),
         cache_bytes={k: int(v) for k, v in mem.items()}))
@@ -252,7 +264,7 @@ def run_overhead(params, config, examples, out_dir: str, plan: Plan, *,
     results.add(row)
     log(f"{progress.step()} overhead/{name}: {row['median_ms']:.1f} ms/step (median of "
         f"{plan.repeats} interleaved rounds), capacity {row['capacity']}")
-  return [r for r in results.rows if all(r.get(k) == v for k, v in common.items())]
+  return planned()
 
 
 def _fraction(config_name: str, row: dict) -> float:

@@ -347,7 +347,10 @@ def rerender_report(out: str, plan: dict, *, model: str, text: str = DEFAULT_TEX
     th_rows = [r for r in results_io.read_rows(os.path.join(out, "theorem1_rows.jsonl"))
                if r["design"] in th["designs"] and r["model"] == model
                and r["task"] == th["task"] and r["budget"] == float(th["budget"])
-               and r["seed"] == settings.seed and r["context_len"] == settings.context_len]
+               and r["seed"] == settings.seed and r["context_len"] == settings.context_len
+               and r["example"] < th["num_examples"]
+               and r["draw"] < (th["n_draws"] if design_defaults.is_randomized(r["design"])
+                                else 1)]
     want = sum(th["num_examples"] * (th["n_draws"] if design_defaults.is_randomized(d) else 1)
                for d in th["designs"])
     if len(th_rows) < want:

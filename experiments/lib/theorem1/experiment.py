@@ -98,17 +98,21 @@ class Plan:
 def run_theorem1(params, config, examples, out_dir: str, plan: Plan, *,
                  log=print) -> list[dict]:
   """Runs the experiment for every (design, example, draw) of ``plan`` not yet in
-  ``out_dir``; returns the rows of ``plan``."""
+  ``out_dir``; returns the rows of ``plan`` (its designs, examples and draws). A file
+  holding rows of other ``n_steps``, ``n_sink`` or ``window`` is refused (ValueError)."""
   results = results_io.JsonlResults(os.path.join(out_dir, "theorem1_rows.jsonl"), KEY_FIELDS)
+  settings = {f: getattr(plan, f) for f in ("n_steps", "n_sink", "window")}
+  results_io.check_settings(results, {f: (f, v) for f, v in settings.items()})
   prompt, mask = batching.pad_batch([e.context_ids + e.question_ids for e in examples])
   batch, plen = prompt.shape
   budget, n_steps = plan.budget, plan.n_steps
   common = dict(model=plan.model, task=plan.task, budget=float(budget), seed=plan.seed,
                 context_len=plan.context_len)
   progress = results_io.Progress(len(plan.designs))
+  n_draws = {}
   for name in plan.designs:
     design = design_defaults.make_design(name, budget, plan.n_sink, plan.window)
-    draws = plan.n_draws if design.randomized else 1
+    draws = n_draws[name] = plan.n_draws if design.randomized else 1
     if all(results.has(design=name, example=i, draw=k, **common)
            for i in range(batch) for k in range(draws)):
       log(f"{progress.step()} theorem1/{name}: already done")
@@ -160,7 +164,8 @@ def run_theorem1(params, config, examples, out_dir: str, plan: Plan, *,
         same_set = _tree_equal([x[:, i] for x in _retained(kept_a)[2:]],
                                [x[:, i] for x in _retained(kept_b)[2:]])
         results.add(dict(
-            common, design=name, example=i, draw=k, randomized=bool(design.randomized),
+            common, **settings, design=name, example=i, draw=k,
+            randomized=bool(design.randomized),
             n_perturbed=int(np.asarray(evicted0)[:, i].sum()),
             retained_identical=same_kept, kept_set_identical=same_set,
             tokens_identical=bool(np.array_equal(ta[i], tb[i])),
@@ -171,9 +176,8 @@ def run_theorem1(params, config, examples, out_dir: str, plan: Plan, *,
             coverage_orig=float(np.mean(ea[:, :, i] <= rad_a[:, :, i])),
             coverage_pert=float(np.mean(eb[:, :, i] <= rad_a[:, :, i]))))
     log(f"{progress.step()} theorem1/{name}: {time.time() - t0:.0f}s")
-  want = set(plan.designs)
-  return [r for r in results.rows if r["design"] in want
-          and all(r.get(k) == v for k, v in common.items())]
+  return [r for r in results.rows if r["design"] in n_draws and r["example"] < batch
+          and r["draw"] < n_draws[r["design"]] and all(r.get(k) == v for k, v in common.items())]
 
 
 def summarize(rows) -> dict:
