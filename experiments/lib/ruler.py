@@ -31,14 +31,17 @@ Where this differs from RULER, and why:
 * Words (niah keys ``w1-w2``, cwe's word list) come from the built-in text's
   vocabulary, its lower-case alphabetic words of 4 letters or more
   (:func:`vocabulary`), not from wonderwords' adjective and noun lists.
-* The few-shot examples of vt and cwe open the user turn (RULER puts them
-  before the model's chat template); vt's is sized to
+* cwe's few-shot example opens the user turn (RULER puts it before the
+  model's chat template); vt's opens it as in RULER, sized to
   ``min(500, context_len // 4)`` tokens (RULER: 500).
 * niah's singular rewrite ("Some" -> "A", "are" -> "is", ...) touches the
   task template only, never the chat template; distractor needles never
   reuse a real key (RULER does not check).
 * Each example has its own ``random.Random`` (seeded from the task, seed and
-  index), so one example never depends on another's haystack search.
+  index), so one example never depends on another's haystack search. The
+  context length is not in the seed: a seed gives the same keys and values
+  (at other depths) at every length, so runs of one seed at two lengths share
+  their examples and are not independent samples.
 """
 
 from __future__ import annotations

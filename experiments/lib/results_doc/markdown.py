@@ -84,18 +84,21 @@ def read_text(root: str, rel: str) -> str:
 
 
 def command(root: str, rel: str) -> str:
-  """The command recorded in ``rel``: its first indented ``python -m`` block (COMMAND.md),
-  else its first ``python -m`` in backquotes (report.md, summary.md)."""
+  """The command recorded in ``rel``: its first indented ``python -m`` block (COMMAND.md;
+  where it holds more, a shell comment says how many), else its first ``python -m`` in
+  backquotes (report.md, summary.md)."""
   text = read_text(root, rel)
   lines = text.splitlines()
-  for i, line in enumerate(lines):
-    if line.startswith("    python -m "):
-      parts, j = [line.strip()], i
-      while parts[-1].endswith("\\") and j + 1 < len(lines):
-        j += 1
-        parts[-1] = parts[-1][:-1].rstrip()
-        parts.append(lines[j].strip())
-      return " ".join(parts)
+  blocks = [i for i, line in enumerate(lines) if line.startswith("    python -m ")]
+  if blocks:
+    parts, j = [lines[blocks[0]].strip()], blocks[0]
+    while parts[-1].endswith("\\") and j + 1 < len(lines):
+      j += 1
+      parts[-1] = parts[-1][:-1].rstrip()
+      parts.append(lines[j].strip())
+    more = (f" # the first of {len(blocks)} commands, all in {os.path.basename(rel)}"
+            if len(blocks) > 1 else "")
+    return " ".join(parts) + more
   inline = re.search(r"`(python -m [^`]+)`", text)
   if inline:
     return inline.group(1)

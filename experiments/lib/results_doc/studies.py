@@ -235,7 +235,7 @@ def validity_long(root: str) -> list[str]:
           "columns: *held out* = fitted within each study at its calibration context on the "
           "other data sources (leave-one-source-out; the main study's at 1,024 tokens, this "
           f"one's at {plan['calib_context']:,}); *1k artifact* = the main study's shipped "
-          "calibration (fitted at 1,024 tokens on the GPL text and six filler-haystack "
+          "calibration (fitted at 1,024 tokens on the GPL text and five filler-haystack "
           "tasks, these among them) applied unchanged.", ""]
   for design in plan["designs"]:
     body = []
