@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device check: the GPU-only checks in one run of under 8 minutes on one H200, needing nothing
+# Device check: the GPU-only checks in one run of about 8 minutes on one H200, needing nothing
 # but the repository (random-weight checkpoints of real shapes are written to a scratch dir).
 #   OUT=/tmp/device_out bash scripts/device_check.sh      (--help: the parts, their time limits)
 # Parts: random checkpoints; tests/pallas_kernels/offset_decode_test.py::KernelTest (compiled Pallas kernels) and the
@@ -38,7 +38,8 @@ DECODE_DTYPES="${DECODE_DTYPES:-bfloat16}"  # float32,bfloat16 adds the float32 
 # first calls 33 s without a split sweep (the tiling sweep adds 12 kernel variants), and the
 # 1B decode's first calls 47 s. Phase 1 runs concurrently (checkpoints on the CPU, tests on
 # the GPU): at most max(L_CKPT_135M + L_CKPT_1B, L_KERNEL_TESTS, L_FAST) = 150 s. Phase 2 runs
-# alone (it times): 125 + 95 + 95 = 315 s. With the backend check (<= 15 s): at most 480 s. Each float32 decode part (DECODE_DTYPES) or
+# alone (it times): 125 + 95 + 95 = 315 s. With the backend check (<= 15 s): 480 s of limits, plus
+# up to 10 s to stop each part that runs over (timeout -k 10) and the packing at the end. Each float32 decode part (DECODE_DTYPES) or
 # batch (BATCH_135M=1,8) adds about one decode limit. A timed-out benchmark that wrote its
 # finished cells is "partial". Each limit can be set from the environment (L_FAST=200 ...).
 if [[ "$TINY" == 1 ]]; then
@@ -63,7 +64,7 @@ Usage: OUT=DIR [PYTHON=python3] [ONLY=part,...] [SCRATCH=DIR] [DECODE_DTYPES=...
        [DECODE_DESIGNS=...] [BATCH_135M=...] [BATCH_1B=...] [BK_TILINGS=...]
        bash scripts/device_check.sh
 
-Runs on a GPU (or TPU) only, in under 8 minutes, needing nothing but the repository; refuses
+Runs on a GPU (or TPU) only, in about 8 minutes, needing nothing but the repository; refuses
 with one line and exit status 2 elsewhere. Parts, each under its time limit, its result files
 written as it finishes; a failing part does not stop the later ones but makes the exit status 1
 (a benchmark stopped at its limit after finishing a cell is "partial", not a failure):

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from unittest import mock
 
 from absl import flags
 from absl.testing import absltest
@@ -145,7 +146,12 @@ class CommandTest(absltest.TestCase):
                              evict_every=(1,), plain_prefill=False, compile_repeats=2).check()
     self.assertEqual(plan.layer_loop, ("scan", "unrolled"))  # the default: both
     out = test_util.temp_dir(self, "bench_decode_out_")
-    results = bench_decode.run(params, config, plan, out, model="tiny", log=lambda _: None)
+    with mock.patch.object(bench_decode.jax, "clear_caches", wraps=jax.clear_caches) as cleared:
+      results = bench_decode.run(params, config, plan, out, model="tiny", log=lambda _: None)
+    # Each compile-alone try starts from cleared caches: the module-level jitted functions
+    # the step calls are traced again (2 tries x (4 steps + 2 evictions)), not read from
+    # the timed calls' trace cache.
+    self.assertGreaterEqual(cleared.call_count, 2 * (4 + 2))
     with open(os.path.join(out, "summary.json")) as f:
       summary = json.load(f)
     self.assertEqual(summary["layer_loop"], "unrolled")
@@ -179,7 +185,13 @@ class CommandTest(absltest.TestCase):
       report = f.read()
     self.assertIn("Scan over unrolled", report)
     self.assertIn("over its floor", report)
-    self.assertIn("trace + lowering + compilation alone, the fastest of 2", report)
+    self.assertIn("trace + lowering + compilation alone, the fastest of 2 (interleaved, each "
+                  "from a fresh jit with JAX's caches cleared", report)
+    self.assertTrue(all(r["compile_traces_cleared"] for r in results["decode"]))
+    # Rows of runs made before the caches were cleared say that their tracing is not counted.
+    old = [{k: v for k, v in r.items() if k != "compile_traces_cleared"}
+           for r in results["decode"]]
+    self.assertIn("most of the tracing is not counted", bench_decode_report.fresh_compiles(old))
     self.assertIn("its eviction alone, compiled the same way", report)
     # The weights' matrix-vector products alone: bytes as the floor counts them. The tiny
     # model's weights can sit in cache and beat the streaming probe (0.74 of the floor in a

@@ -103,7 +103,8 @@ class Plan:
                                   choices=model_loading.DTYPES)
   compile_repeats: int = plan_flags.setting(
       0, "Also trace, lower and compile each step alone this many times, interleaved across "
-      "the configurations, from a fresh jit each time (no cache hit): compile_min_s is the "
+      "the configurations, from a fresh jit with JAX's caches cleared each time (every "
+      "jitted function traced again, as in a new process): compile_min_s is the "
       "fastest, steadier than the first call minus a steady call on a shared machine; a "
       "design's eviction alone likewise (eviction_compile_min_s) (0: off).")
   split_values: bool = plan_flags.setting(
@@ -360,11 +361,16 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
   for r in range(plan.compile_repeats):  # after the timed calls: no compile beside them
     for i in range(len(compiles)):
       row, part, fresh, abstract = compiles[(i + r) % len(compiles)]
+      # The step calls module-level jitted functions (forward_chunk, the eviction), whose
+      # traces the timed calls cached: cleared, each try traces them again, as a new
+      # process would.
+      jax.clear_caches()
       t0 = time.perf_counter()
       fresh().lower(*abstract).compile()
       row.setdefault(f"{part}_samples_s", []).append(time.perf_counter() - t0)
   for row, part, _, _ in compiles:
     row[f"{part}_min_s"] = min(row[f"{part}_samples_s"])
+    row["compile_traces_cleared"] = True
   rows = [_finish(t, 1e3) for t in timed]
   probe_s = np.asarray(probe.samples)
   # A part's floor in each round: its bytes at that round's probe bandwidth (seconds).

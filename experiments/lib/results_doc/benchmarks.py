@@ -314,8 +314,9 @@ def bench_decode_compile(root: str) -> list[str]:
   out += ["Compile seconds of one jitted decode step (first call minus steady state), and "
           "over the full cache's step in the same layer loop (issue 42's CPU target: at "
           "most 2x)" + (f"; then trace, lowering and compilation alone, the fastest of "
-                        f"{len(rows[0]['compile_samples_s'])} interleaved tries from a fresh "
-                        "jit, and its ratio" if alone else "") + ":", ""]
+                        f"{len(rows[0]['compile_samples_s'])} tries "
+                        f"({decode_report.fresh_compiles(rows)}), and its ratio"
+                        if alone else "") + ":", ""]
   if alone:
     head += ["alone, fastest s", "/ full"]
   if eviction:
