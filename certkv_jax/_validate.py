@@ -132,3 +132,22 @@ def check_where(x, mask, ok, message: str, worst) -> None:
   valid = xb[mkb]
   if valid.size and not ok(valid).all():
     raise ValueError(message.format(worst(valid)))
+
+
+def check_design(design, name: str = "design", *, optional: bool = False) -> None:
+  """A TypeError naming ``name`` unless ``design`` is an eviction design (``evict`` and
+  ``init`` methods; None too where ``optional``): a name string is the usual mistake."""
+  if design is None and optional:
+    return
+  if not (callable(getattr(design, "evict", None)) and callable(getattr(design, "init", None))):
+    raise TypeError(f"{name} must be an eviction design (certkv_jax.designs.registry.make(name, "
+                    f"budget)){' or None' if optional else ''}, got {type(design).__name__} "
+                    f"{design!r}")
+
+
+def check_allocation(allocation) -> None:
+  """A TypeError unless ``allocation`` is None or a callable per-head allocation."""
+  if allocation is not None and (isinstance(allocation, str) or not callable(allocation)):
+    raise TypeError("allocation must be None or a certkv_jax.designs.allocation object "
+                    f"(AdaKV(), Pyramid(), ...), got {type(allocation).__name__} {allocation!r}")
+

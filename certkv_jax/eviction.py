@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from certkv_jax import _validate
 from certkv_jax.designs import budgets as budgets_lib
 from certkv_jax.kv import cache as cache_lib
 from certkv_jax.kv import caches as caches_lib
@@ -54,6 +55,8 @@ def evict(design, caches: Caches, key, *, state=None, layer_budgets=None, budget
 
   Returns an :class:`Evicted` (``shadow`` None).
   """
+  _validate.check_design(design)
+  _validate.check_allocation(allocation)
   caches_lib.check_caches(caches)
   if layer_budgets is not None:
     layer_budgets = tuple(layer_budgets)

@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+from certkv_jax import _validate
 from certkv_jax.attention import certified
+from certkv_jax.attention import offset
 from certkv_jax.attention.certified import ChunkStats
 from certkv_jax.kv import cache as cache_lib
 from certkv_jax.kv.cache import KVCache
@@ -52,6 +54,8 @@ class Settings:
   attention: Any = None
 
   def __post_init__(self):
+    _validate.check_design(self.design, optional=True)
+    offset.check_attention_config(self.attention)
     if self.scale is not None and not (isinstance(self.scale, (int, float))
                                        and math.isfinite(self.scale) and self.scale > 0):
       raise ValueError(f"scale must be a finite number > 0 or None, got {self.scale!r}")

@@ -9,6 +9,8 @@ from typing import Callable, NamedTuple, Optional
 
 import jax
 
+from certkv_jax import _validate
+from certkv_jax.attention import offset
 from certkv_jax.kv.caches import Caches
 
 Array = jax.Array
@@ -36,6 +38,14 @@ class GenerationConfig:
   stop_tokens: tuple = ()
   layer_loop: str = "scan"  # decode steps' loop: "scan" or "unrolled" (forward.forward_chunk)
   attention: object = None  # a certkv_jax.AttentionConfig of every attention product, or None
+
+  def __post_init__(self):
+    _validate.check_design(self.design, optional=True)
+    _validate.check_allocation(self.allocation)
+    offset.check_attention_config(self.attention)
+    if self.allocation is not None and self.design is None:
+      raise ValueError("allocation needs a design: it shares out the design's budget (got "
+                       f"design=None, allocation={self.allocation!r})")
 
   def replace(self, **kw) -> "GenerationConfig":
     return dataclasses.replace(self, **kw)

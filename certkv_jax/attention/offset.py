@@ -103,6 +103,12 @@ def _check_shapes(q, k, v, log_pi, mask):
   return batch
 
 
+def _check_scale(scale) -> None:
+  if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                            or not math.isfinite(scale) or scale <= 0):
+    raise ValueError(f"scale must be a finite float > 0 or None, got {scale!r}")
+
+
 def _check_values(q, k, v, log_pi, mask, value_sqnorm=None) -> None:
   """Eager value checks (method, section 9, "Bad input"); skipped for tracers.
   ``value_sqnorm``: None or checked ``StoredNorms`` (:func:`_check_sqnorm`)."""
@@ -119,6 +125,13 @@ def _check_values(q, k, v, log_pi, mask, value_sqnorm=None) -> None:
     _validate.check_finite_where("value_sqnorm", value_sqnorm.sq, mask)
     _validate.check_where(value_sqnorm.sq, mask, lambda x: x >= 0, "value_sqnorm must be "
                           ">= 0 (a squared norm) on every valid slot; found min {}", np.min)
+
+
+def check_attention_config(attention, name: str = "attention") -> None:
+  """A TypeError unless ``attention`` is None or an :class:`AttentionConfig`."""
+  if attention is not None and not isinstance(attention, AttentionConfig):
+    raise TypeError(f"{name} must be None or a certkv_jax.AttentionConfig, got "
+                    f"{type(attention).__name__} {attention!r}")
 
 
 def offset_attention(
@@ -167,9 +180,7 @@ def offset_attention(
   """
   q, k, v, log_pi, mask = (jnp.asarray(x) for x in (q, k, v, log_pi, mask))
   _check_shapes(q, k, v, log_pi, mask)
-  if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
-                                and scale > 0):
-    raise ValueError(f"scale must be a finite float > 0 or None, got {scale!r}")
+  _check_scale(scale)
   implementation = _implementation(config, k, v, log_pi, mask, value_sqnorm)
   if value_sqnorm is not None:  # bad input fails on every backend alike
     value_sqnorm = _check_sqnorm(value_sqnorm, v, mask)
@@ -325,6 +336,8 @@ def attention_probs(q, k, log_pi, mask, *, scale: Optional[float] = None,
   ``split_values``: bfloat16 keys read as stored (``AttentionConfig``).
   """
   q, k, log_pi, mask = (jnp.asarray(x) for x in (q, k, log_pi, mask))
+  _check_shapes(q, k, None, log_pi, mask)
+  _check_scale(scale)
   _check_values(q, k, None, log_pi, mask)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])

@@ -372,8 +372,9 @@ class Pyramid:
   within: Optional[object] = None
 
   def __post_init__(self):
-    if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or self.beta <= 1:
-      raise ValueError(f"beta must be > 1, got {self.beta!r}")
+    if (isinstance(self.beta, bool) or not isinstance(self.beta, (int, float))
+        or not math.isfinite(self.beta) or self.beta <= 1):
+      raise ValueError(f"beta must be a finite number > 1, got {self.beta!r}")
 
   @property
   def needs_gains(self) -> bool:

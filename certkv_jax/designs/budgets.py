@@ -226,7 +226,8 @@ def capacity(design, lengths: Lengths, *, budget=None, layer_budgets=None,
   what an eviction kept plus the decoded tokens; ``allocation`` needs ``config``.
 
   Raises:
-    TypeError unless ``lengths`` is a :class:`Lengths`.
+    TypeError unless ``lengths`` is a :class:`Lengths`; ValueError for a ``budget``
+    outside (0, 1] (:func:`check_budget`), a bad ``layer_budgets`` or both given.
   """
   if not isinstance(lengths, Lengths):
     raise TypeError(f"lengths must be a budgets.Lengths, got {lengths!r}")
@@ -234,6 +235,11 @@ def capacity(design, lengths: Lengths, *, budget=None, layer_budgets=None,
                                            lengths.n_steps, lengths.chunk)
   n_padded = n_context if chunk is None else -(-n_context // chunk) * chunk
   total = n_padded + n_question + n_steps
+  if budget is not None and layer_budgets is not None:
+    raise ValueError("give budget or layer_budgets, not both")
+  budget = check_budget(budget)
+  if layer_budgets is not None:
+    layer_budgets = check_layer_budgets(layer_budgets, len(tuple(layer_budgets)))
   if design is None:
     return total
   if budget is not None:

@@ -52,6 +52,12 @@ def init_cache(capacity: int, head_dim: int, value_dim: int | None = None,
   head_dim = _validate.check_positive_int("head_dim", head_dim)
   value_dim = head_dim if value_dim is None else _validate.check_positive_int(
       "value_dim", value_dim)
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError as err:
+    raise TypeError(f"dtype must be a floating dtype (float32, bfloat16), got {dtype!r}") from err
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"dtype must be a floating dtype (float32, bfloat16), got {dtype}")
   zeros = jnp.zeros((capacity,), jnp.float32)
   return KVCache(
       k=jnp.zeros((capacity, head_dim), dtype),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -117,12 +118,19 @@ class Caches:
       return self
     return Caches(tuple(self.layer(i) for i in range(self.n_layers)))
 
+  def _check_index(self, i) -> None:
+    """An IndexError for a Python int ``i`` outside [0, n_layers) (a traced one, stacked, is
+    clamped by ``dynamic_index_in_dim``: the caller keeps it in range)."""
+    if isinstance(i, numbers.Integral) and not 0 <= i < self.n_layers:
+      raise IndexError(f"layer index must be in [0, {self.n_layers}), got {i}")
+
   def stack(self) -> "Caches":
     """The stacked form (the inverse of :meth:`unstack`)."""
     return Caches(self.as_kvcache()) if self.per_layer else self
 
   def layer(self, i) -> KVCache:
     """Layer ``i``'s caches, leaves ``[batch, n_kv_heads, ...]`` (``i`` traced: stacked only)."""
+    self._check_index(i)
     if self.per_layer:
       return self.layers[i]
     return jax.tree_util.tree_map(
@@ -131,6 +139,7 @@ class Caches:
   def with_layer(self, i, cache: KVCache, fields=None) -> "Caches":
     """These caches with layer ``i``'s ``fields`` (None: all) taken from ``cache``."""
     fields = KVCache._fields if fields is None else fields
+    self._check_index(i)
     if self.per_layer:
       new = self.layers[i]._replace(**{f: getattr(cache, f) for f in fields})
       return Caches(self.layers[:i] + (new,) + self.layers[i + 1:])

@@ -141,6 +141,17 @@ def print_summary(summary, t0: float) -> None:
   print(f"wall time {time.time() - t0:.0f}s")
 
 
+def check_plan_lists(plan, names) -> None:
+  """A ValueError naming the flag for each of ``names`` that ``plan`` holds empty (a run of
+  no unit), or for a ``max_units`` that is neither None nor an int >= 1."""
+  for name in names:
+    if not getattr(plan, name):
+      raise ValueError(f"--{name}: none given")
+  m = getattr(plan, "max_units", None)
+  if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+    raise ValueError(f"--max_units must be an int >= 1 (unset: every unit), got {m!r}")
+
+
 def limit_units(todo, max_units, log):
   """Yields ``todo``'s units, at most ``max_units`` (None: all), and says where it stopped."""
   for n, unit in enumerate(todo):

@@ -224,6 +224,14 @@ class SourcesTest(absltest.TestCase):
     self.assertEqual([os.path.basename(p) for p in got], plan["sources"])
     self.assertEqual(experiment.sources_sha256(got), plan["sources_sha256"])
 
+  def test_empty_lists_and_max_units_are_refused(self):
+    for kw, msg in ((dict(memories=()), "--memories: none given"),
+                    (dict(variants=()), "--variants: none given"),
+                    (dict(context_lens=()), "--context_lens: none given"),
+                    (dict(max_units=-1), "--max_units must be an int >= 1")):
+      with self.assertRaisesRegex(ValueError, msg):
+        experiment.Plan(sources=("unused",), **kw).check()
+
   def test_a_bad_flag_is_one_line(self):
     for flag, msg in (("--sources=/nonexistent/*.txt", "--sources: '/nonexistent/*.txt' "
                        "matches no file"),

@@ -408,7 +408,14 @@ class PlanTest(absltest.TestCase):
                     (dict(regimes=("aware",)), "--regimes"),
                     (dict(group=0), "--group must be an int >= 1"),
                     (dict(context_lens=(32,)), "--context_lens"),
-                    (dict(tasks_at=((8192, ("vt",)),)), "--tasks_at")):
+                    (dict(tasks_at=((8192, ("vt",)),)), "--tasks_at"),
+                    # an empty list runs no unit: refused before the model loads
+                    (dict(regimes=()), "--regimes: none given"),
+                    (dict(designs=()), "--designs: none given"),
+                    (dict(ratios=()), "--ratios: none given"),
+                    (dict(context_lens=()), "--context_lens: none given"),
+                    (dict(max_units=0), "--max_units must be an int >= 1"),
+                    (dict(max_units=-5), "--max_units must be an int >= 1")):
       with self.assertRaisesRegex(ValueError, msg):
         experiment.Plan(**kw).check()
 

@@ -163,6 +163,7 @@ class Plan:
   def check(self) -> "Plan":
     if not self.sources:
       raise ValueError("--sources: no files")
+    results_io.check_plan_lists(self, ("variants", "memories", "context_lens"))
     for v in self.variants:
       design_and_allocation(v, self.n_sink, self.window)
     for m in self.memories:

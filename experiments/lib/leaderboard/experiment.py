@@ -136,8 +136,8 @@ class Plan:
                                   choices=model_loading.DTYPES)
 
   def check(self) -> "Plan":
-    if not self.tasks:
-      raise ValueError("--tasks: none given")
+    results_io.check_plan_lists(self, ("tasks", "designs", "ratios", "regimes",
+                                       "context_lens"))
     for t in self.tasks:
       if t not in ruler.TASKS:
         why = f" ({ruler.LEFT_OUT[t]})" if t in ruler.LEFT_OUT else ""
