@@ -224,6 +224,20 @@ class SourcesTest(absltest.TestCase):
     self.assertEqual([os.path.basename(p) for p in got], plan["sources"])
     self.assertEqual(experiment.sources_sha256(got), plan["sources_sha256"])
 
+  def test_by_quarter_skips_unscored_chunks_and_short_streams(self):
+    plan = experiment.Plan(sources=("unused",), n_eval=2)
+    row = lambda nll: {"chunk_nll": nll, "kept_per_chunk": [8.0] * len(nll)}
+    # chunk 0 (never evicted) and a last chunk of one token (no target: None) left out
+    ref = {s: row([5.0, 5.0, 5.0, 5.0, 5.0, None]) for s in range(2)}
+    seg = {s: row([5.0, 5.1, 5.2, 5.3, 5.4 + s / 10, None]) for s in range(2)}
+    q = report._by_quarter(seg, ref, plan)  # pylint: disable=protected-access
+    self.assertEqual(q["chunks"], [[1, 1], [2, 2], [3, 3], [4, 4]])
+    np.testing.assert_allclose([d["value"] for d in q["delta"]], [0.1, 0.2, 0.3, 0.45])
+    # fewer than 4 chunks after chunk 0: no quarters (the report said nothing, not crashed)
+    short = lambda rows: {s: row(rows) for s in range(2)}
+    self.assertIsNone(report._by_quarter(  # pylint: disable=protected-access
+        short([5.0, 5.2, 5.3]), short([5.0, 5.0, 5.0]), plan))
+
   def test_empty_lists_and_max_units_are_refused(self):
     for kw, msg in ((dict(memories=()), "--memories: none given"),
                     (dict(variants=()), "--variants: none given"),

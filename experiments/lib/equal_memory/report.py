@@ -324,19 +324,24 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
 
 def _by_quarter(seg: dict, ref: dict, plan) -> Optional[dict]:
   """Twin minus design per quarter of the stream (the mean of its chunks' mean NLL;
-  the first chunk, never evicted, left out), bootstrapped over segments, with the
-  design's kept tokens that the quarter's last chunk read; None for rows stored without
-  ``chunk_nll``."""
+  the first chunk, never evicted, and a last chunk with no scored token left out),
+  bootstrapped over segments, with the design's kept tokens that the quarter's last chunk
+  read; None for rows stored without ``chunk_nll`` or streams of fewer than 4 such chunks."""
   if any("chunk_nll" not in seg[s] or "chunk_nll" not in ref[s] for s in range(plan.n_eval)):
     return None
-  diff = np.asarray([np.asarray(seg[s]["chunk_nll"], np.float64)
-                     - np.asarray(ref[s]["chunk_nll"], np.float64)
-                     for s in range(plan.n_eval)])[:, 1:]  # [segments, evicted chunks]
-  quarters = np.array_split(np.arange(diff.shape[1]), 4)
+  nll = lambda row: np.asarray([np.nan if x is None else x for x in row["chunk_nll"]],
+                               np.float64)
+  diff = np.asarray([nll(seg[s]) - nll(ref[s]) for s in range(plan.n_eval)])[:, 1:]
+  scored = ~np.all(np.isnan(diff), axis=0)  # a chunk of one last token predicts nothing
+  chunks = np.arange(diff.shape[1])[scored]  # [evicted chunks], 0 = the stream's chunk 1
+  if len(chunks) < 4:
+    return None
+  diff = diff[:, scored]  # a NaN left is a failed loss: the bootstrap refuses it
+  quarters = np.array_split(np.arange(len(chunks)), 4)
   kept = np.mean([ref[s]["kept_per_chunk"] for s in range(plan.n_eval)], axis=0)
-  return {"chunks": [[int(q[0]) + 1, int(q[-1]) + 1] for q in quarters],
+  return {"chunks": [[int(chunks[q[0]]) + 1, int(chunks[q[-1]]) + 1] for q in quarters],
           "delta": [_ci(diff[:, q].mean(axis=1), seed=plan.seed + 3) for q in quarters],
-          "design_kept": [float(kept[q[-1]]) for q in quarters]}
+          "design_kept": [float(kept[chunks[q[-1]]]) for q in quarters]}
 
 
 def _unit_rows(row, plan) -> int:
@@ -398,9 +403,11 @@ def _markdown(ctx, c, plan) -> list[str]:
           for m in plan.memories) + " |")
   if ctx["paired_twin_by_quarter"]:
     lines += ["", "Where in the stream the twins lose: twin minus design by quarter of the "
-              "evicted chunks (chunk 0 is never evicted), paired over segments, nats/token "
-              "[95% CI], with the chunks and the design's kept tokens that the quarter's "
-              "last chunk read:",
+              "chunks after chunk 0 (chunk 0 is never evicted"
+              + ("; a fixed cache is evicted only once full, so the first chunks read "
+                 "identical caches and differ by 0" if plan.cache == "fixed" else "")
+              + "), paired over segments, nats/token [95% CI], with the chunks and the "
+              "design's kept tokens that the quarter's last chunk read:",
               "", "| design | memory | " + " | ".join(f"quarter {i + 1}" for i in range(4))
               + " |", "|---" * 6 + "|"]
     for base, per in ctx["paired_twin_by_quarter"].items():
