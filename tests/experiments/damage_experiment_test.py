@@ -14,6 +14,7 @@ import pytest
 from certkv_jax.calibration import damage_predictor
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
+from experiments.lib.damage import analysis as damage_analysis
 from experiments.lib.damage import collect as damage_collect
 from experiments.lib.damage import report as damage_report
 from experiments.lib.damage import tokens as damage_tokens
@@ -115,6 +116,32 @@ class PlanTest(absltest.TestCase):
 
 
 @pytest.mark.slow
+class TaskStepAlignmentTest(absltest.TestCase):
+
+  def test_a_steps_kl_meets_the_radius_of_the_pass_that_made_its_logits(self):
+    # The generator returns step s's logits from the pass that read token s - 1, whose
+    # statistics are its step s - 1; step 0's logits come from the prefill (no radius).
+    units, norms = damage_analysis.load_units(os.path.join(
+        os.path.dirname(__file__), "..", "..", "experiments", "results", "damage"))
+    a = dict(units["task_agent_memory_d5"])
+    shape = a["run0_radius"].shape  # [examples, steps, layers, heads]
+    for r in (0, 1):  # every radius of step s is s + 1: a row's radius names its step
+      a[f"run{r}_radius"] = np.broadcast_to(
+          (np.arange(shape[1], dtype=np.float32) + 1)[None, :, None, None], shape)
+    table = damage_analysis.token_table({"task_agent_memory_d5": a}, norms, chunk=64)
+    rows = []
+    for r in (0, 1):
+      for e in range(shape[0]):
+        step = np.flatnonzero(a[f"run{r}_same_prefix"][e][1:]) + 1
+        rows += [(r, e, s) for s in step]
+    self.assertLen(table["kl"], len(rows))
+    np.testing.assert_array_equal(table["kl"], [a[f"run{r}_kl"][e][s] for r, e, s in rows])
+    np.testing.assert_array_equal(table["confidence"],
+                                  [-a[f"run{r}_logprobs"][e][s] for r, e, s in rows])
+    read = np.round(table["radius"] / (shape[2] * shape[3])) - 1  # the step whose radius
+    np.testing.assert_array_equal(read, [s - 1 for _, _, s in rows])
+
+
 class CommandTest(absltest.TestCase):
 
   def test_runs_resumes_and_reports(self):

@@ -99,6 +99,26 @@ class PlanTest(absltest.TestCase):
 
 
 class SyntheticCallsTest(absltest.TestCase):
+
+  def test_sharpness_floor_leaves_out_calls_with_no_error(self):
+    # Half the calls exact (error 0): sharpness is over covered calls with an error, as
+    # stats.sharpness and the cells' own sharpness take it (r / 0 was inf before).
+    rng = np.random.default_rng(0)
+    n = 4000
+    v = rng.uniform(0.5, 1.5, n)
+    r = np.asarray(validity_calls.certificate.radius_from_stats(v, np.zeros(n), 0.05))
+    e = r * rng.uniform(0, 0.6, n)
+    e[: n // 2] = 0.0
+    cols = dict(true_error=e, var_hat=v, range_hat=np.zeros(n), design=np.full(n, "d"),
+                context_len=np.full(n, 1024), data=np.array(["a", "b"] * (n // 2)),
+                regime=np.full(n, "streaming"), budget=np.full(n, 0.5),
+                n_prompt=np.full(n, 1040), layer=np.zeros(n, int), kv_head=np.zeros(n, int))
+    floor = validity_run.sharpness_floor(validity_calls.Calls(cols, 1, 1, 1, "m"), "d", 1024,
+                                         (0.5,))
+    self.assertEqual(floor["cells"], 2)
+    self.assertTrue(np.isfinite(floor["sharpness_median"]))
+    self.assertBetween(floor["sharpness_median"], 1.0, 5.0)
+
   """Fit and score on a made-up call table (2 layers, 1 KV head, two text sources)."""
 
   def _calls(self, budgets):

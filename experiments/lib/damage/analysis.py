@@ -97,12 +97,14 @@ def token_table(units: dict, norms: dict, chunk: int) -> dict:
       for run in (0, 1):
         same = a[f"run{run}_same_prefix"]
         for e in range(same.shape[0]):
-          keep = same[e]
-          n = int(keep.sum())
-          lp = a[f"run{run}_logprobs"][e][keep]
-          sig = {s: a[f"run{run}_sig_{s}"][e][keep] for s in FEATURE_SIGNALS}
-          add(("task", setting, cluster + e, "test"), a[f"run{run}_kl"][e][keep],
-              np.full(n, np.nan), -lp, a[f"run{run}_radius"][e][keep], sig)
+          # Step s's logits (its KL and log-probability) come from the pass that read token
+          # s - 1, whose statistics the generator returns as step s - 1's; step 0's logits
+          # come from the question's prefill, which has no certificate: left out.
+          step = np.flatnonzero(same[e][1:]) + 1
+          lp = a[f"run{run}_logprobs"][e][step]
+          sig = {s: a[f"run{run}_sig_{s}"][e][step - 1] for s in FEATURE_SIGNALS}
+          add(("task", setting, cluster + e, "test"), a[f"run{run}_kl"][e][step],
+              np.full(len(step), np.nan), -lp, a[f"run{run}_radius"][e][step - 1], sig)
       cluster += same.shape[0]
   out = {k: np.concatenate(v) for k, v in cols.items()}
   return out

@@ -112,7 +112,12 @@ def _gating(ex: dict, sel, name: str) -> dict:
   if not isinstance(score, str) and not np.all(np.isfinite(score)):
     return {}
   curve = gating.gating_curve(gain, score, GATING_BUDGETS)
-  out = {"oracle_share": {str(b): _r(c) for b, c in zip(GATING_BUDGETS, curve)}}
+  # The paper's "~0.36": the gain over oracle gating's at the same budget (stats.oracle_share);
+  # of_recoverable: over all the recoverable gain (what the oracle reaches only at a budget
+  # of every positive-gain example).
+  out = {"oracle_share": {str(b): _r(gating.oracle_share(gain, score, b))
+                          for b in GATING_BUDGETS},
+         "of_recoverable": {str(b): _r(c) for b, c in zip(GATING_BUDGETS, curve)}}
   if name not in ("random", "oracle"):
     ratio = gating.gain_captured_ratio(gain, score, GATING_BUDGETS)
     out["vs_random"] = {str(b): _r(c) for b, c in zip(GATING_BUDGETS, ratio)}
@@ -215,9 +220,9 @@ def write(out: str, summary: dict, table: dict, ex: dict) -> None:
 def _plots(out: str, summary: dict, table: dict) -> None:
   curves = {}
   for n, g in summary["gating"].get("streaming", {}).items():
-    if g.get("oracle_share"):
+    if g.get("of_recoverable"):
       curves[n] = (list(GATING_BUDGETS), [np.nan if v is None else v
-                                          for v in g["oracle_share"].values()])
+                                          for v in g["of_recoverable"].values()])
   if curves:
     plots.plot_gating(curves, os.path.join(out, "gating_streaming.png"),
                       title="Gated recomputation (streaming, tasks)")
@@ -245,6 +250,14 @@ def render(s: dict) -> str:
   ]
   for k, g in s["goals"].items():
     lines.append(f"| {k} | {g['target']} | {_fmt(g['measured'])} | {g['met']} |")
+  rand = (s["gating"].get("streaming", {}).get("random", {}).get("oracle_share") or {})
+  r = rand.get("0.25")
+  if r is not None:
+    lines += ["", f"gating_oracle_share is the gain over oracle gating's at the same 25% "
+              f"budget (the paper's \"~0.36\"); random gating reaches {r:.3f} on the same "
+              "examples" + (", so meeting the goal says little here: nearly every failure is "
+                            "cache-induced and recomputing any example helps" if r >= GOALS[
+                                "gating_oracle_share"] else "") + "."]
   lines += ["", f"Headline score: `{s['score']}` (the learned predictor, fitted on text "
             f"segments 0-{p['train_segments'] - 1} only). Per-token Spearman is the best "
             f"certificate-based score on the held-out text (`{s['spearman_token_damage_score']}`"
@@ -270,19 +283,25 @@ def render(s: dict) -> str:
   any_a = next(iter(s["attribution"].values()))
   lines += ["", f"{any_a['n_failures']} failures of the evicted run, of which "
             f"{any_a['n_cache_induced']} cache-induced (the full cache answered). `task` is the "
-            "task-only baseline (the setting's full-cache accuracy): 0.5 within task by "
-            "construction.", "", "Full-cache / evicted accuracy per setting: " + ", ".join(
+            "task-only baseline (the setting's full-cache accuracy, computed in-sample on "
+            "these same examples: it knows each setting's failure rate, so it flatters the "
+            "baseline): 0.5 within task by construction.", "", "Full-cache / evicted accuracy per setting: " + ", ".join(
                 f"{k} {v:.2f} / {s['evicted_accuracy'][k]:.2f}"
                 for k, v in s["full_cache_accuracy"].items()), "",
-            "## Gated recomputation (share of the oracle's gain; x random)", ""]
+            "## Gated recomputation", "",
+            "Gain captured at a recompute budget of 10 / 25 / 50% of the examples, over "
+            "oracle gating's at the same budget (the paper's \"~0.36\"), then at 25% over "
+            "all the recoverable gain and over random gating's. Random gating's own row "
+            "is the level a score must beat.", ""]
   for reg, g in s["gating"].items():
-    lines += [f"**{reg}**", "", "| score | 10% | 25% | 50% | x random at 25% |",
-              "|---|---|---|---|---|"]
+    lines += [f"**{reg}**", "", "| score | 10% | 25% | 50% | of recoverable at 25% | "
+              "x random at 25% |", "|---|---|---|---|---|---|"]
     for n, v in g.items():
       if not v:
         continue
-      o = v["oracle_share"]
+      o, rec = v["oracle_share"], v.get("of_recoverable") or {}
       lines.append(f"| {n} | {_fmt(o['0.1'])} | {_fmt(o['0.25'])} | {_fmt(o['0.5'])} | "
+                   f"{_fmt(rec.get('0.25'))} | "
                    f"{_fmt((v.get('vs_random') or {}).get('0.25'))} |")
     lines.append("")
   f = s["predictor"]

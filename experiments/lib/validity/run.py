@@ -331,11 +331,13 @@ def sharpness_floor(calls, design, calib_context, budgets) -> Optional[dict]:
         e, r = src["true_error"][m], rad[m]
         hit = e <= r
         cov.append(float(np.mean(hit)))
-        with np.errstate(divide="ignore", invalid="ignore"):
-          sharp.append(float(np.median(r[hit] / e[hit])))
-  if not sharp:
+        pos = hit & (e > 0)  # sharpness over covered calls with an error, as stats.sharpness
+        if pos.any():
+          sharp.append(float(np.median(r[pos] / e[pos])))
+  if not cov:
     return None
-  return dict(cells=len(sharp), coverage_mean=float(np.mean(cov)),
+  sharp = sharp or [float("nan")]  # no covered call with an error in any cell
+  return dict(cells=len(cov), coverage_mean=float(np.mean(cov)),
               sharpness_median=float(np.median(sharp)), sharpness_min=float(np.min(sharp)),
               sharpness_max=float(np.max(sharp)), context_len=calib_context)
 
