@@ -342,6 +342,27 @@ class PlanTest(absltest.TestCase):
     self.assertEqual(got["score"]["snapkv"]["0.5"]["n"], 6)
     self.assertEqual(got["paired_twin"], {})  # no twin ran
 
+  def test_rows_past_n_examples_ties_and_one_example_tasks(self):
+    plan = experiment.Plan(tasks=("vt", "cwe"), n_examples=3, ratios=(0.5,),
+                           designs=("h2o", "snapkv"))
+    hits = {"h2o": [1, 0, 0, 1, 0, 0], "snapkv": [0, 1, 1, 0, 0, 0], "full": [1] * 6}
+    rows = _hit_rows(hits)
+    # rows a larger earlier run left in the folder (example 3) are not this plan's
+    rows += [dict(design=d, ratio=0.5, task=t, example=3, score=1.0 if d == "h2o" else 0.0)
+             for d in ("h2o", "snapkv") for t in ("vt", "cwe")]
+    got = report.paired_scores(rows, plan, list(hits), plan.tasks, seed=0)
+    self.assertEqual(got["score"]["h2o"]["0.5"]["n"], 6)
+    self.assertAlmostEqual(got["score"]["h2o"]["0.5"]["value"], 100 * 2 / 6)
+    # h2o and snapkv tie (2 of 6 each): the first is taken and the tie is recorded
+    self.assertEqual(got["best_deterministic"], {"0.5": "h2o"})
+    self.assertEqual(got["best_tied"], {"0.5": ["snapkv"]})
+    # one example per task: resamples within a task never vary, so no interval
+    one = dataclasses.replace(plan, n_examples=1)
+    got = report.paired_scores(rows, one, list(hits), one.tasks, seed=0)
+    self.assertEqual(got["score"]["h2o"]["0.5"]["n"], 2)
+    self.assertTrue(np.isnan(got["score"]["h2o"]["0.5"]["ci"]).all())
+    self.assertIn("no CI", report._fmt_ci(got["score"]["h2o"]["0.5"]))  # pylint: disable=protected-access
+
   def test_a_twin_is_paired_with_its_own_design(self):
     plan = experiment.Plan(tasks=("vt", "cwe"), n_examples=3, ratios=(0.5,),
                            designs=("h2o", "snapkv", "snapkv_cert"))

@@ -180,13 +180,24 @@ def _shipped_design(path: str) -> Optional[str]:
 N_BOOT = 2000  # bootstrap resamples of the intervals
 
 
-def _example_scores(rows, design, ratio, tasks) -> dict:
+def _example_scores(rows, design, ratio, tasks, n_examples: int) -> dict:
   """{(task, example): score} of ``design`` at ``ratio`` (the full cache: ratio 0) on
-  ``tasks``."""
+  ``tasks``' first ``n_examples`` examples (rows of a larger earlier run left out)."""
   if design == design_defaults.FULL:
     ratio = experiment.FULL_RATIO
   return {(r["task"], r["example"]): float(r["score"]) for r in rows
-          if r["design"] == design and r["ratio"] == ratio and r["task"] in tasks}
+          if r["design"] == design and r["ratio"] == ratio and r["task"] in tasks
+          and r["example"] < n_examples}
+
+
+def _interval(values, strata, seed: int) -> dict:
+  """``{"value", "ci"}``: the mean with a bootstrap interval resampled within each stratum;
+  no interval (NaN bounds) when a stratum has one example, whose resamples never vary."""
+  iv = stats.bootstrap_ci(np.mean, values, n_boot=N_BOOT, seed=seed, strata=strata)
+  lone = min(np.unique(strata, return_counts=True)[1]) < 2
+  nan = float("nan")
+  return {"value": float(iv.estimate),
+          "ci": [nan, nan] if lone else [float(iv.lo), float(iv.hi)]}
 
 
 def paired_scores(rows, plan, ran, tasks, *, seed: int = 0) -> dict:
@@ -197,7 +208,9 @@ def paired_scores(rows, plan, ran, tasks, *, seed: int = 0) -> dict:
   (``<design>_cert``) minus its own deterministic design (``paired_twin``, keyed
   by that design; ``"twin"`` names the twin), in points. Intervals: percentile
   bootstrap over examples, resampled within each task (the average weighs tasks
-  alike); ``n`` counts the examples."""
+  alike), none (NaN) where a task has one example; ``n`` counts the examples. The best
+  deterministic design is chosen on the same examples it is compared on (ties: the first
+  in ``ran``; ``best_tied`` lists the others)."""
   out = {"score": {}, "best_deterministic": {}, "paired_vs_best_deterministic": {},
          "paired_twin": {}}
   uniform_det = [d for d in ran if d != design_defaults.FULL and not experiment.is_randomized(d)
@@ -208,31 +221,28 @@ def paired_scores(rows, plan, ran, tasks, *, seed: int = 0) -> dict:
     if base in ran:
       twin_key[d] = base if base not in twin_key.values() else d
   for ratio in plan.ratios:
-    per = {d: _example_scores(rows, d, ratio, tasks) for d in ran}
+    per = {d: _example_scores(rows, d, ratio, tasks, plan.n_examples) for d in ran}
     keys = sorted(per[ran[0]]) if ran else []
     strata = np.array([t for t, _ in keys])
     vec = {d: 100.0 * np.array([per[d][k] for k in keys]) for d in ran}
     for d in ran:
-      iv = stats.bootstrap_ci(np.mean, vec[d], n_boot=N_BOOT, seed=seed, strata=strata)
-      out["score"].setdefault(d, {})[_key(ratio)] = {"value": float(iv.estimate),
-                                                        "ci": [float(iv.lo), float(iv.hi)],
-                                                        "n": len(keys)}
+      out["score"].setdefault(d, {})[_key(ratio)] = dict(
+          _interval(vec[d], strata, seed), n=len(keys))
     for d, key in twin_key.items():
       base = variants.twin_base(d)
-      iv = stats.bootstrap_ci(np.mean, vec[d] - vec[base], n_boot=N_BOOT, seed=seed,
-                              strata=strata)
-      out["paired_twin"].setdefault(key, {})[_key(ratio)] = {
-          "value": float(iv.estimate), "ci": [float(iv.lo), float(iv.hi)], "n": len(keys),
-          "twin": d}
+      out["paired_twin"].setdefault(key, {})[_key(ratio)] = dict(
+          _interval(vec[d] - vec[base], strata, seed), n=len(keys), twin=d)
     if not uniform_det:
       continue
-    best = max(uniform_det, key=lambda d: float(np.mean(vec[d])))
+    means = {d: float(np.mean(vec[d])) for d in uniform_det}
+    best = max(uniform_det, key=means.get)
     out["best_deterministic"][_key(ratio)] = best
+    tied = [d for d in uniform_det if d != best and means[d] == means[best]]
+    if tied:
+      out.setdefault("best_tied", {})[_key(ratio)] = tied
     for d in ran:
-      iv = stats.bootstrap_ci(np.mean, vec[d] - vec[best], n_boot=N_BOOT, seed=seed,
-                              strata=strata)
-      out["paired_vs_best_deterministic"].setdefault(d, {})[_key(ratio)] = {
-          "value": float(iv.estimate), "ci": [float(iv.lo), float(iv.hi)]}
+      out["paired_vs_best_deterministic"].setdefault(d, {})[_key(ratio)] = _interval(
+          vec[d] - vec[best], strata, seed)
   return out
 
 
@@ -286,6 +296,8 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, *, n_kv_heads: int = 3,
   for k in ("score", "score_by_task", "n_examples", "not_run",
             "best_deterministic", "paired_vs_best_deterministic", "paired_twin"):
     out[k] = first[k]
+  if first.get("best_tied"):
+    out["best_tied"] = first["best_tied"]
   out["md"] = "\n".join(md)
   return out
 
@@ -301,8 +313,14 @@ def _sharp(v: dict, k: str) -> str:
 
 
 def _fmt_ci(v, spec=".1f") -> str:
-  """``{value, ci}`` as ``value [lo, hi]``; "-" for None."""
-  return "-" if v is None else f"{v['value']:{spec}} [{v['ci'][0]:{spec}}, {v['ci'][1]:{spec}}]"
+  """``{value, ci}`` as ``value [lo, hi]``; "-" for None; no interval where its bounds are
+  None or NaN (a task of one example)."""
+  if v is None:
+    return "-"
+  lo, hi = v["ci"]
+  if lo is None or hi is None or not (np.isfinite(lo) and np.isfinite(hi)):
+    return f"{v['value']:{spec}} (no CI: a task of one example)"
+  return f"{v['value']:{spec}} [{lo:{spec}}, {hi:{spec}}]"
 
 
 _RATIO_TEXT = {
@@ -333,9 +351,13 @@ def _markdown(cell, c, regime, tasks, plan) -> list[str]:
     lines.append(f"| {name} | " + " | ".join(vals) +
                  f" | {cell['seconds_per_row'][d]:.2f} |")
   if cell.get("best_deterministic"):
+    tied = cell.get("best_tied", {})
     lines += ["", "Paired against the best deterministic design with uniform budgets at each "
-              "ratio (bold): score difference in points on the same examples, 95% bootstrap "
-              "over examples within tasks:", "",
+              "ratio (bold; chosen on these same examples, so a design compared against it "
+              "is judged against the luckiest of the candidates): score difference in points "
+              "on the same examples, 95% bootstrap over examples within tasks"
+              + ("" if not tied else "; tied for best, the first listed taken: " + "; ".join(
+                  f"{r}: {', '.join(v)}" for r, v in tied.items())) + ":", "",
               "| design | " + " | ".join(str(r) for r in plan.ratios) + " |",
               "|---" * (len(plan.ratios) + 1) + "|"]
     for d, per in cell["paired_vs_best_deterministic"].items():

@@ -195,7 +195,8 @@ def _ruler(root: str, rel: str, title: str) -> list[str]:
         for r in ratios:
           p = per.get(r)
           text = "-" if p is None else fmt.ci((p["value"], *p["ci"]), "+.1f")
-          cells.append(f"**{text}**" if p is not None and p["ci"][1] < 0 else text)
+          cells.append(f"**{text}**" if p is not None and p["ci"][1] is not None
+                       and p["ci"][1] < 0 else text)
         body.append([d, next(iter(per.values()))["twin"]] + cells)
       out += fmt.table(["design", "twin"] + ratios, body)
     cov = cell.get("coverage", {})

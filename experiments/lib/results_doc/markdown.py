@@ -26,6 +26,8 @@ def ci(t, spec=".3f") -> str:
   if t is None:
     return "n/a"
   e, lo, hi = t
+  if lo is None and hi is None:  # no interval (e.g. a leaderboard task of one example)
+    return f"{num(e, spec)} (no CI)"
   return f"{num(e, spec)} [{num(lo, spec)}, {num(hi, spec)}]"
 
 

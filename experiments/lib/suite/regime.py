@@ -188,7 +188,8 @@ def _ruler_cells(rel: str) -> dict:
     vals = []
     for r in QA_RATIOS:
       v, (lo, hi) = loss[r]["value"], loss[r]["ci"]
-      vals.append(f"{v:.1f}" + (f" [{lo:.1f}, {hi:.1f}]" if hi > lo else ""))
+      vals.append(f"{v:.1f}" + (f" [{lo:.1f}, {hi:.1f}]" if lo is not None and hi is not None
+                                and hi > lo else ""))
     n = sorted(set(cell["n_examples"].values()))
     examples = (f"{'/'.join(map(str, n))} example{'s' if n != [1] else ''} x "
                 f"{len(cell['n_examples'])} tasks"
