@@ -363,6 +363,18 @@ class PlanTest(absltest.TestCase):
     self.assertTrue(np.isnan(got["score"]["h2o"]["0.5"]["ci"]).all())
     self.assertIn("no CI", report._fmt_ci(got["score"]["h2o"]["0.5"]))  # pylint: disable=protected-access
 
+  def test_summary_tables_leave_out_rows_past_n_examples(self):
+    plan = experiment.Plan(tasks=("vt", "cwe"), n_examples=2, ratios=(0.5,), designs=("h2o",),
+                           context_lens=(1024,), regimes=("streaming",), coverage=False)
+    rows = [dict(design=d, ratio=r, task=t, example=e, seed=plan.seed, context_len=1024,
+                 regime="streaming", score=1.0 if e < 2 else 0.0, unit_seconds=1.0,
+                 unit_rows=1, prefill_seconds=0.0)
+            for d, r in (("full", 0.0), ("h2o", 0.5)) for t in ("vt", "cwe")
+            for e in range(4)]  # examples 2 and 3: an earlier --n_examples=4 run's
+    s = report.summarize(rows, test_util.temp_dir(self, "leaderboard_rows_"), plan)
+    self.assertEqual(s["score"]["h2o"]["0.5"]["value"], 100.0)
+    self.assertEqual(s["score_by_task"]["h2o"]["0.5"], {"vt": 100.0, "cwe": 100.0})
+
   def test_a_twin_is_paired_with_its_own_design(self):
     plan = experiment.Plan(tasks=("vt", "cwe"), n_examples=3, ratios=(0.5,),
                            designs=("h2o", "snapkv", "snapkv_cert"))

@@ -249,7 +249,8 @@ def paired_scores(rows, plan, ran, tasks, *, seed: int = 0) -> dict:
 def summarize(rows: Sequence[dict], out_dir: str, plan, *, n_kv_heads: int = 3,
               model: Optional[str] = None) -> dict:
   """summary.json's dict and the markdown report (``md``)."""
-  rows = [r for r in rows if r["seed"] == plan.seed]
+  # This plan's seed and examples only (a larger earlier run's rows may share the folder).
+  rows = [r for r in rows if r["seed"] == plan.seed and r["example"] < plan.n_examples]
   out = {"plan": {"tasks": list(plan.tasks), "context_lens": list(plan.context_lens),
                   "tasks_at": {str(c): list(t) for c, t in plan.tasks_at},
                   "ratios": list(plan.ratios), "regimes": list(plan.regimes),
