@@ -7,6 +7,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from experiments.lib import ruler
+from experiments.lib import ruler_text
 from tests import test_util
 
 CharTokenizer = test_util.CharTokenizer  # one token per character; id 1 is BOS
@@ -59,7 +60,7 @@ class RulerTest(parameterized.TestCase):
     context = tok.decode(one.context_ids)
     self.assertTrue(context.startswith(
         "A special magic number is hidden within the following text. Make sure to memorize "
-        "it. I will quiz you about the number afterwards.\n" + ruler.NOISE + "\n"))
+        "it. I will quiz you about the number afterwards.\n" + ruler_text.NOISE + "\n"))
     self.assertIn(f"One of the special magic numbers for {key} is: {one.answer}.", context)
     self.assertRegex(key, r"^[a-z]{4,}-[a-z]{4,}$")
     multi = _examples("niah_multiquery", n=1)[0]
