@@ -89,13 +89,14 @@ class JsonlResults:
                                          for r in self.rows))
 
 
-def check_settings(results: "JsonlResults", settings: dict) -> None:
+def check_settings(results: "JsonlResults", settings: dict, rows=None) -> None:
   """A resume refuses rows made with other settings: ``settings`` maps each flag or
   setting to ``(row field, value)``, or ``(row field, value, assumed)`` where rows written
   before the field existed held ``assumed`` (without it such rows are not compared on it);
-  a row on file whose field holds another value is a ValueError naming it."""
+  a row on file whose field holds another value is a ValueError naming it. ``rows``: what
+  each of ``results.rows`` was made with, where a row's fields do not say it directly."""
   for flag, (field, value, *assumed) in settings.items():
-    for row in results.rows:
+    for row in results.rows if rows is None else rows:
       if field not in row and not assumed:
         continue
       held = row[field] if field in row else assumed[0]

@@ -285,7 +285,8 @@ def render(s: dict) -> str:
             f"{any_a['n_cache_induced']} cache-induced (the full cache answered). `task` is the "
             "task-only baseline (the setting's full-cache accuracy, computed in-sample on "
             "these same examples: it knows each setting's failure rate, so it flatters the "
-            "baseline): 0.5 within task by construction.", "", "Full-cache / evicted accuracy per setting: " + ", ".join(
+            "baseline): 0.5 within task by construction.", "",
+            "Full-cache / evicted accuracy per setting: " + ", ".join(
                 f"{k} {v:.2f} / {s['evicted_accuracy'][k]:.2f}"
                 for k, v in s["full_cache_accuracy"].items()), "",
             "## Gated recomputation", "",

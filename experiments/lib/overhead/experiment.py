@@ -57,7 +57,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import types
 from typing import Optional
 import uuid
 
@@ -178,8 +177,7 @@ def run_overhead(params, config, examples, out_dir: str, plan: Plan, *,
   held = [dict(repeats=len(r["per_step_ms"]),
                **({"deterministic": r["design"]} if r["config"] == "deterministic" else {}))
           for r in results.rows]
-  results_io.check_settings(types.SimpleNamespace(rows=held, path=results.path),
-                            {f: (f, v) for f, v in settings.items()})
+  results_io.check_settings(results, {f: (f, v) for f, v in settings.items()}, rows=held)
   prompt, mask = batching.pad_batch([e.context_ids + e.question_ids for e in examples])
   batch, plen = prompt.shape
   common = dict(model=plan.model, budget=float(budget), batch=batch, prompt_len=plen,
