@@ -70,7 +70,7 @@ class Attended(NamedTuple):
   shadow: Any  # the shadow likewise, or None
   stats: Optional[ChunkStats]  # fields [batch, n_heads, t], or None without the certificate
   positions: Array  # [batch, t] int32 positions of the chunk's tokens (padding: none)
-  overflow: Array  # [batch] int32 tokens of the chunk that found no free slot (dropped)
+  overflow: Array  # [batch] int32 tokens of the chunk the caches or the shadow could not store
 
 
 def positions(cache: KVCache, valid) -> Array:
@@ -122,9 +122,11 @@ def attend(q, k, v, cache: KVCache, *, valid=None, shadow: Optional[KVCache] = N
   dropped = cache.n_dropped
   with jax.named_scope("append"):
     cache = caches_lib.append(cache, *new_kv)
-    if shadow is not None:  # never sharded
+    overflow = jnp.max(cache.n_dropped - dropped, axis=1)
+    if shadow is not None:  # never sharded; one short of the tokens seen loses their truth
+      shadow_dropped = shadow.n_dropped
       shadow = caches_lib.over_heads(cache_lib.append)(shadow, *new_kv)
-  overflow = jnp.max(cache.n_dropped - dropped, axis=1)
+      overflow = jnp.maximum(overflow, jnp.max(shadow.n_dropped - shadow_dropped, axis=1))
   _check_overflow(settings, overflow)
   out, cache, stats = _attend_appended(q, cache, shadow, pos, valid, settings, layer_flag)
   return Attended(out, cache, shadow, stats, pos, overflow)
@@ -147,8 +149,10 @@ def attend_layer(q, k, v, caches: Caches, i, slots: caches_lib.ChunkSlots, *,
       shadow = shadow.write_kv(i, shadow_slots, k_new, v_new)
   cache = caches.layer(i)
   overflow = _overflow(slots, i, cache.capacity)
-  _check_overflow(settings, overflow)
   shadow_cache = None if shadow is None else shadow.layer(i)
+  if shadow is not None:
+    overflow = jnp.maximum(overflow, _overflow(shadow_slots, i, shadow_cache.capacity))
+  _check_overflow(settings, overflow)
   out, folded, stats = _attend_appended(q, cache, shadow_cache, slots.positions, valid,
                                         settings, layer_flag)
   if settings.design is not None:  # a design folds statistics only: keys and values stay put
@@ -182,7 +186,8 @@ def _overflow(slots: caches_lib.ChunkSlots, i, capacity: int) -> Array:
 def _check_overflow(settings: Settings, overflow) -> None:
   if settings.checked:
     checkify.check(jnp.all(overflow == 0), "attend: {} tokens of the chunk found no free "
-                   "slot (per row); evict before appending or raise the capacity", overflow)
+                   "slot (per row) in the caches or the shadow; evict before appending or "
+                   "raise the capacity", overflow)
 
 
 def _new_tokens(q, k, v, valid):

@@ -87,6 +87,26 @@ class LayerTest(absltest.TestCase):
     err, _ = jax.jit(checkify.checkify(fits))(q[:, :3], k[:, :3], v[:, :3], cache)
     err.throw()  # 3 tokens fit: no error
 
+  def test_a_shadow_short_of_the_tokens_counts_as_overflow(self):
+    # The caches hold all 5 tokens, the shadow 3: the 2 it loses are counted, not dropped
+    # silently, in attend and attend_layer alike.
+    q, k, v = _qkv(jax.random.PRNGKey(8))
+    valid = jnp.asarray([[True] * T, [True, True, False, False, False]])
+    kv, shadow = caches_lib.init_caches(SIZES, B, 8), layer.shadow_caches(SIZES, B, 3)
+    attend = jax.jit(layer.attend, static_argnames=("settings",))
+    res = attend(q, k, v, kv.layer(0), valid=valid, shadow=shadow.layer(0))
+    np.testing.assert_array_equal(res.overflow, [2, 0])
+    reserved, slots = kv.reserve(valid)
+    shadow_reserved, shadow_slots = shadow.reserve(valid)
+    got = jax.jit(layer.attend_layer, static_argnums=(4,))(
+        q, k, v, reserved, 1, slots, shadow=(shadow_reserved, shadow_slots))
+    np.testing.assert_array_equal(got.overflow, [2, 0])
+    checked = layer.Settings(checked=True)
+    run = lambda *a, shadow: attend(*a, valid=valid, shadow=shadow, settings=checked)
+    err, _ = jax.jit(checkify.checkify(run))(q, k, v, kv.layer(0), shadow=shadow.layer(0))
+    with self.assertRaisesRegex(checkify.JaxRuntimeError, r"\[2 0\] tokens .* or the shadow"):
+      err.throw()
+
   def test_attend_layer_in_place_equals_attend_per_layer(self):
     stacked = caches_lib.init_caches(SIZES, B, 8)
     valid = jnp.asarray([[True] * T, [True] * 4 + [False]])
