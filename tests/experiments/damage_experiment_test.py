@@ -142,6 +142,7 @@ class TaskStepAlignmentTest(absltest.TestCase):
     np.testing.assert_array_equal(read, [s - 1 for _, _, s in rows])
 
 
+@pytest.mark.slow  # three runs of the command: in the full suite
 class CommandTest(absltest.TestCase):
 
   def test_runs_resumes_and_reports(self):
