@@ -62,6 +62,13 @@ class PooledTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "share no example"):
       pooled.paired(ROWS, "a", "b", 0.5)
 
+  def test_rows_at_two_context_lengths_are_an_error(self):
+    longer = [dict(r, context_len=2048) for r in ROWS]
+    for pool in (lambda rows: pooled.paired(rows, "a", "b", 0.75),
+                 lambda rows: pooled.summarize(rows, against="b")):
+      with self.assertRaisesRegex(ValueError, r"2 \(context_len, regime\) settings"):
+        pool(ROWS + longer)
+
   def test_summarize_defaults_and_markdown(self):
     s = pooled.summarize(ROWS + [_row("full", 0, "t1", 0, 1, ratio=0.0)], against="b")
     self.assertEqual(list(s["paired"]), ["a"])

@@ -5,7 +5,9 @@ designs that differ by one needle look apart. Runs with other seeds draw
 other needles, keys and haystack windows; pooling their rows gives one paired
 comparison on every example any two runs share a design and ratio on. Each
 (seed, task) is a stratum of the bootstrap, resampled within itself, so a
-run with more examples weighs more, as its examples do.
+run with more examples weighs more, as its examples do. The rows must share one
+context length and regime: a seed draws the same needles at every length, so
+its examples at two lengths are not independent draws.
 
     summary = pooled.summarize([rows_seed0, rows_seed2], against="snapkv")
     summary["paired"]["priority_focus+cert"]["0.75"]  # {"value", "ci", "n", ...}
@@ -43,14 +45,25 @@ def example_scores(rows: Sequence[dict], design: str, ratio: float) -> dict:
   return out
 
 
+def check_one_setting(rows: Sequence[dict]) -> None:
+  """Raises ValueError unless every row has the same context length and regime."""
+  settings = sorted({(r["context_len"], r["regime"]) for r in rows}, key=str)
+  if len(settings) > 1:
+    raise ValueError(f"rows hold {len(settings)} (context_len, regime) settings {settings}: "
+                     "pool one at a time (a seed's examples at two settings share their "
+                     "needles, so they are not independent)")
+
+
 def paired(rows: Sequence[dict], design: str, against: str, ratio: float, *,
            seed: int = 0) -> dict:
   """``design`` minus ``against`` on the examples both were run on at ``ratio``,
   in points, with a 95% percentile bootstrap stratified by (seed, task).
 
   Raises:
-    ValueError naming the designs if they share no example at ``ratio``.
+    ValueError naming the designs if they share no example at ``ratio``, or
+    if the rows mix settings (:func:`check_one_setting`).
   """
+  check_one_setting(rows)
   a, b = example_scores(rows, design, ratio), example_scores(rows, against, ratio)
   if not set(a) & set(b):
     raise ValueError(f"designs {design!r} and {against!r} share no example at ratio {ratio}")
@@ -77,7 +90,9 @@ def summarize(rows: Sequence[dict], *, against: str, designs: Sequence[str] = ()
               ratios: Sequence[float] = ()) -> dict:
   """``paired[design][ratio]`` (see :func:`paired`) for every design other than
   ``against`` (default: every design in the rows except the full cache) at
-  every ratio where the two share an example (default: every ratio in the rows but 0)."""
+  every ratio where the two share an example (default: every ratio in the rows but 0);
+  the rows share one setting (:func:`check_one_setting`)."""
+  check_one_setting(rows)
   designs = list(designs) or sorted({r["design"] for r in rows} - {against, "full"})
   ratios = list(ratios) or sorted({float(r["ratio"]) for r in rows} - {0.0})
   out = {"against": against, "paired": {}}
