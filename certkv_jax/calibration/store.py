@@ -3,15 +3,15 @@
 A :class:`Calibration` holds the scales of :mod:`certkv_jax.calibration` for
 every (budget, delta, layer, KV head) of one model and design, with what it
 was fitted on: the guarantee holds only for exchangeable calls, so
-:meth:`Calibration.scale_for` refuses other models, designs, shapes, budgets
-or deltas. On disk: ``arrays`` (``scales``, ``n_calls``, ``fell_back``) and
+:meth:`Calibration.scale_for` refuses other models, designs, regimes, shapes,
+budgets or deltas. On disk: ``arrays`` (``scales``, ``n_calls``, ``fell_back``) and
 ``metadata`` (JSON), format version 1::
 
     cal = calibration_store.fit(calls, deltas=(0.05,), budgets=(0.25,),
                                 shape=(n_layers, n_kv_heads), provenance=...)
     calibration_store.save("/tmp/cal", cal)
-    r_cal = calibration_store.load("/tmp/cal").apply(r_raw, model=..., design=...,
-                                                     budget=0.25, delta=0.05)
+    r_cal = calibration_store.load("/tmp/cal").apply(
+        r_raw, model=..., design=..., regime="streaming", budget=0.25, delta=0.05)
 """
 
 from __future__ import annotations
@@ -150,30 +150,35 @@ class Calibration:
   def n_kv_heads(self) -> int:
     return self.scales.shape[3]
 
-  def scale_for(self, *, model: str, design: str, budget: float, delta: float, n_layers: int,
-                n_kv_heads: int) -> np.ndarray:
+  def scale_for(self, *, model: str, design: str, regime: str, budget: float, delta: float,
+                n_layers: int, n_kv_heads: int) -> np.ndarray:
     """The [n_layers, n_kv_heads] scales for one use, after checking it matches.
 
     Raises:
-      ValueError naming the first mismatching field; ``budget`` and ``delta``
-      must equal a stored entry within ``MATCH_TOL``.
+      ValueError naming the first mismatching field; ``regime`` must be one the
+      scales were fitted on (pooled), ``budget`` and ``delta`` equal a stored
+      entry within ``MATCH_TOL``.
     """
     for name, want, got in (("model", self.model, model), ("design", self.design, design),
                             ("n_layers", self.n_layers, n_layers),
                             ("n_kv_heads", self.n_kv_heads, n_kv_heads)):
       if got != want or type(got) is bool:
         raise ValueError(f"{name}: this calibration was made for {want!r}, got {got!r}")
+    if regime not in self.regimes:
+      raise ValueError(f"regime: this calibration was made for regimes {self.regimes}, got "
+                       f"{regime!r}")
     b = _index_of("budget", budget, self.budgets)
     d = _index_of("delta", delta, self.deltas)
     return self.scales[b, d]
 
-  def apply(self, radii, *, model: str, design: str, budget: float, delta: float) -> Array:
+  def apply(self, radii, *, model: str, design: str, regime: str, budget: float,
+            delta: float) -> Array:
     """Calibrated radii [..., n_layers, n_kv_heads] (traceable), checked as :meth:`scale_for`."""
     radii = jnp.asarray(radii)
     if radii.ndim < 2:
       raise ValueError(f"radii must be [..., n_layers, n_kv_heads], got shape {radii.shape}")
-    scales = self.scale_for(model=model, design=design, budget=budget, delta=delta,
-                            n_layers=radii.shape[-2], n_kv_heads=radii.shape[-1])
+    scales = self.scale_for(model=model, design=design, regime=regime, budget=budget,
+                            delta=delta, n_layers=radii.shape[-2], n_kv_heads=radii.shape[-1])
     groups = np.arange(scales.size).reshape(scales.shape)  # [n_layers, n_kv_heads]
     return conformal.apply_scales(radii, groups, scales.ravel())
 

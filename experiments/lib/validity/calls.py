@@ -15,6 +15,7 @@ calibration was fitted on and where it is used is measured, not assumed.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Optional, Sequence
 
 import numpy as np
@@ -162,15 +163,16 @@ def fit_fold(calls: Calls, *, design: str, data: Sequence[str], context_len: int
 def calibrated_radii(calls: Calls, calib: store.Calibration, delta: float,
                      budgets: Sequence[float]) -> np.ndarray:
   """``scale[budget, delta, layer, kv_head] * raw radius`` of every call (all of one design);
-  NaN for calls at a budget not in ``budgets`` (unscored, as :func:`binned_radii` leaves them)."""
+  NaN for calls at a budget not in ``budgets`` or in a regime ``calib`` was not fitted on
+  (unscored, as :func:`binned_radii` leaves them)."""
   out = np.full(len(calls), np.nan)
   raw = raw_radii(calls, delta)
-  for b in budgets:
-    m = np.abs(calls["budget"] - b) < 1e-6
-    if not m.any():
+  for b, r in itertools.product(budgets, np.unique(calls["regime"]).tolist()):
+    m = (np.abs(calls["budget"] - b) < 1e-6) & (calls["regime"] == r)
+    if not m.any() or r not in calib.regimes:
       continue
-    scale = calib.scale_for(model=calls.model, design=calib.design, budget=b, delta=delta,
-                            n_layers=calls.n_layers, n_kv_heads=calls.n_kv_heads)
+    scale = calib.scale_for(model=calls.model, design=calib.design, regime=r, budget=b,
+                            delta=delta, n_layers=calls.n_layers, n_kv_heads=calls.n_kv_heads)
     groups = calls["layer"][m] * calls.n_kv_heads + calls["kv_head"][m]
     out[m] = np.asarray(calibration.apply_scales(raw[m], groups, np.ravel(scale)))
   return out

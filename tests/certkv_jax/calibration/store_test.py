@@ -185,8 +185,8 @@ class ScaleForTest(parameterized.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.cal = _fit()
-    cls.ok = dict(model=META["model"], design=META["design"], budget=0.25, delta=0.1,
-                  n_layers=L, n_kv_heads=H)
+    cls.ok = dict(model=META["model"], design=META["design"], regime="streaming", budget=0.25,
+                  delta=0.1, n_layers=L, n_kv_heads=H)
 
   def test_exact_and_tolerant_match(self):
     np.testing.assert_array_equal(self.cal.scale_for(**self.ok), self.cal.scales[1, 1])
@@ -198,6 +198,8 @@ class ScaleForTest(parameterized.TestCase):
                             "'llama-7b'"),
       ("design", "snapkv", "design: this calibration was made for 'poisson_tail', got "
                            "'snapkv'"),
+      ("regime", "question_aware", r"regime: this calibration was made for regimes "
+                                   r"\('streaming',\), got 'question_aware'"),
       ("n_layers", 3, "n_layers: this calibration was made for 2, got 3"),
       ("n_kv_heads", 4, "n_kv_heads: this calibration was made for 3, got 4"),
       ("budget", 0.3, r"budget: this calibration was made for budgets \(0.125, 0.25\), got 0.3"),
