@@ -375,6 +375,20 @@ class PlanTest(absltest.TestCase):
     self.assertEqual(s["score"]["h2o"]["0.5"]["value"], 100.0)
     self.assertEqual(s["score_by_task"]["h2o"]["0.5"], {"vt": 100.0, "cwe": 100.0})
 
+  def test_the_report_names_the_design_taken_from_a_tie_first(self):
+    plan = experiment.Plan(tasks=("vt",), n_examples=2, ratios=(0.5,),
+                           designs=("h2o", "snapkv", "tova"), context_lens=(1024,),
+                           regimes=("streaming",), coverage=False)
+    scores = {"full": (1, 1), "h2o": (0, 1), "snapkv": (1, 1), "tova": (1, 1)}
+    rows = [dict(design=d, ratio=0.0 if d == "full" else 0.5, task="vt", example=e,
+                 seed=plan.seed, context_len=1024, regime="streaming", score=float(v[e]),
+                 unit_seconds=1.0, unit_rows=1, prefill_seconds=0.0)
+            for d, v in scores.items() for e in range(2)]
+    s = report.summarize(rows, test_util.temp_dir(self, "leaderboard_tie_"), plan)
+    self.assertEqual((s["best_deterministic"], s["best_tied"]),
+                     ({"0.5": "snapkv"}, {"0.5": ["tova"]}))
+    self.assertIn("tied for best, the bold one taken: 0.5: snapkv, tova:", s["md"])
+
   def test_a_twin_is_paired_with_its_own_design(self):
     plan = experiment.Plan(tasks=("vt", "cwe"), n_examples=3, ratios=(0.5,),
                            designs=("h2o", "snapkv", "snapkv_cert"))

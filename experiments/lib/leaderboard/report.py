@@ -357,8 +357,9 @@ def _markdown(cell, c, regime, tasks, plan) -> list[str]:
               "ratio (bold; chosen on these same examples, so a design compared against it "
               "is judged against the luckiest of the candidates): score difference in points "
               "on the same examples, 95% bootstrap over examples within tasks"
-              + ("" if not tied else "; tied for best, the first listed taken: " + "; ".join(
-                  f"{r}: {', '.join(v)}" for r, v in tied.items())) + ":", "",
+              + ("" if not tied else "; tied for best, the bold one taken: " + "; ".join(
+                  f"{r}: {', '.join([cell['best_deterministic'][r]] + v)}"
+                  for r, v in tied.items())) + ":", "",
               "| design | " + " | ".join(str(r) for r in plan.ratios) + " |",
               "|---" * (len(plan.ratios) + 1) + "|"]
     for d, per in cell["paired_vs_best_deterministic"].items():
