@@ -91,9 +91,16 @@ def config_from_gguf(reader) -> LlamaConfig:
   if "rope_freqs.weight" in names:
     raise ValueError("GGUF tensor rope_freqs.weight (per-dimension RoPE scaling) is not "
                      "supported")
-  scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
-  if scaling not in ("none", None):
-    raise ValueError(f"GGUF {arch}.rope.scaling.type {scaling!r} is not supported")
+  # As llama.cpp reads them: the type defaults to "linear", the factor is
+  # rope.scaling.factor or the older rope.scale_linear (absent or 0: none).
+  scaling = metadata(reader, f"{arch}.rope.scaling.type", "linear")
+  if scaling not in ("none", "linear"):
+    raise ValueError(f"GGUF {arch}.rope.scaling.type {scaling!r} is not supported "
+                     "(supported: none, linear)")
+  factor = float(metadata(reader, f"{arch}.rope.scaling.factor",
+                          metadata(reader, f"{arch}.rope.scale_linear", 0.0)))
+  rope = ({"rope_scaling": "linear", "rope_factor": factor}
+          if scaling == "linear" and factor not in (0.0, 1.0) else {})
 
   def need(key):
     value = metadata(reader, f"{arch}.{key}")
@@ -122,6 +129,7 @@ def config_from_gguf(reader) -> LlamaConfig:
       ffn_dim=int(need("feed_forward_length")),
       rope_theta=float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
       rope_layout="interleaved",
+      **rope,
       rms_eps=float(need("attention.layer_norm_rms_epsilon")),
       tie_embeddings="output.weight" not in names,
       qkv_bias="blk.0.attn_q.bias" in names,

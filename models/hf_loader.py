@@ -56,6 +56,12 @@ def _rope_fields(cfg: dict) -> dict:
   or ``rope_parameters`` (transformers 5)."""
   params = dict(cfg.get("rope_parameters") or {})
   scaling = dict(cfg.get("rope_scaling") or {})
+  kinds = [d.get("rope_type", d.get("type", "default")) for d in (params, scaling)]
+  clash = [k for k in set(params) & set(scaling) if params[k] != scaling[k]]
+  if params and scaling and (kinds[0] != kinds[1] or clash):
+    raise ValueError(f"config.json: rope_parameters ({kinds[0]!r}) and rope_scaling "
+                     f"({kinds[1]!r}) disagree{' on ' + str(sorted(clash)) if clash else ''}; "
+                     "keep one")
   theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
   merged = {**scaling, **params}
   kind = merged.get("rope_type", merged.get("type", "default"))
@@ -207,5 +213,8 @@ def load_hf_checkpoint(path: str, dtype="float32") -> tuple[dict, LlamaConfig]:
   for file in _weight_files(path):
     with safe_open(file, framework="np") as f:
       for name in f.keys():
+        if name in tensors:  # the index names one file; a second copy would overwrite it
+          raise ValueError(f"checkpoint {path!r}: tensor {name!r} is stored in more than one "
+                           "shard file")
         tensors[name] = f.get_tensor(name)
   return params_from_tensors(tensors, config), config

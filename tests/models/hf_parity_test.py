@@ -10,6 +10,7 @@ at test time. Measured max abs error over real tokens: 1.2e-6 (tiny_llama),
 import functools
 import json
 import os
+import shutil
 import tempfile
 import types
 
@@ -37,6 +38,20 @@ def _load(name):
   params, config = hf_loader.load_hf_checkpoint(path)
   ref = np.load(os.path.join(path, "reference.npz"))
   return params, config, ref
+
+
+_GGUF_META = {"general.architecture": "llama", "llama.embedding_length": 256,
+              "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
+              "llama.block_count": 1, "llama.feed_forward_length": 512,
+              "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 100}
+
+
+def _gguf_reader(meta):
+  """A stand-in for gguf.GGUFReader holding ``meta`` and no output matrix (tied)."""
+  return types.SimpleNamespace(
+      fields={k: types.SimpleNamespace(contents=lambda v=v: v) for k, v in meta.items()},
+      tensors=[types.SimpleNamespace(name=n) for n in ("token_embd.weight",
+                                                      "output_norm.weight")])
 
 
 class HFParityTest(parameterized.TestCase):
@@ -123,6 +138,15 @@ class HFLoaderErrorsTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "rope type 'yarn'"):
       hf_loader.config_from_hf(cfg)
 
+  def test_rope_parameters_and_rope_scaling_that_disagree_are_refused(self):
+    cfg = self._config()  # transformers 5's rope_parameters (llama3) beside a linear one
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    with self.assertRaisesRegex(ValueError, r"rope_parameters \('llama3'\) and rope_scaling "
+                                r"\('linear'\) disagree"):
+      hf_loader.config_from_hf(cfg)  # before: rope_parameters won silently
+    cfg["rope_scaling"] = dict(cfg["rope_parameters"])  # the same settings twice: fine
+    self.assertEqual(hf_loader.config_from_hf(cfg).rope_scaling, "llama3")
+
   def test_a_missing_llama3_rope_field_is_named(self):
     cfg = self._config()  # transformers 5's rope_parameters, llama3
     del cfg["rope_parameters"]["low_freq_factor"]
@@ -130,18 +154,27 @@ class HFLoaderErrorsTest(absltest.TestCase):
       hf_loader.config_from_hf(cfg)  # before: KeyError
 
   def test_partial_rotary_gguf_is_refused(self):
-    meta = {"general.architecture": "llama", "llama.embedding_length": 256,
-            "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
-            "llama.block_count": 1, "llama.feed_forward_length": 512,
-            "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 100}
-    reader = lambda m: types.SimpleNamespace(
-        fields={k: types.SimpleNamespace(contents=lambda v=v: v) for k, v in m.items()},
-        tensors=[types.SimpleNamespace(name=n) for n in ("token_embd.weight",
-                                                          "output_norm.weight")])
-    self.assertEqual(gguf_loader.config_from_gguf(reader(meta)).head_dim, 64)
+    meta = dict(_GGUF_META)
+    self.assertEqual(gguf_loader.config_from_gguf(_gguf_reader(meta)).head_dim, 64)
     meta["llama.rope.dimension_count"] = 32  # 32 of 64: before, all 64 rotated silently
     with self.assertRaisesRegex(ValueError, r"rope.dimension_count \(32\) differs"):
-      gguf_loader.config_from_gguf(reader(meta))
+      gguf_loader.config_from_gguf(_gguf_reader(meta))
+
+  def test_gguf_rope_scaling_is_read_as_llama_cpp_reads_it(self):
+    # llama.cpp: no type means linear, the factor from rope.scaling.factor or the
+    # older rope.scale_linear; type none turns scaling off. Before, a factor was ignored.
+    for extra, want in (({}, (None, 1.0)),
+                        ({"llama.rope.scaling.factor": 4.0}, ("linear", 4.0)),
+                        ({"llama.rope.scale_linear": 4.0}, ("linear", 4.0)),
+                        ({"llama.rope.scaling.type": "linear",
+                          "llama.rope.scaling.factor": 2.0}, ("linear", 2.0)),
+                        ({"llama.rope.scaling.type": "none",
+                          "llama.rope.scaling.factor": 4.0}, (None, 1.0))):
+      c = gguf_loader.config_from_gguf(_gguf_reader({**_GGUF_META, **extra}))
+      self.assertEqual((c.rope_scaling, c.rope_factor), want, msg=str(extra))
+    with self.assertRaisesRegex(ValueError, r"rope.scaling.type 'yarn' is not supported"):
+      gguf_loader.config_from_gguf(_gguf_reader({**_GGUF_META,
+                                                 "llama.rope.scaling.type": "yarn"}))
 
   def test_missing_files(self):
     with tempfile.TemporaryDirectory() as d:
@@ -150,6 +183,18 @@ class HFLoaderErrorsTest(absltest.TestCase):
       with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(self._config(), f)
       with self.assertRaisesRegex(FileNotFoundError, "model.safetensors"):
+        hf_loader.load_hf_checkpoint(d)
+
+  def test_a_tensor_in_two_shards_is_refused(self):
+    # Before, the shard read last overwrote the copy the index names.
+    from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+    src = os.path.join(FIXTURES, "tiny_qwen2")
+    with tempfile.TemporaryDirectory() as d:
+      shutil.copytree(src, d, dirs_exist_ok=True)
+      first, second = (os.path.join(d, f"model-0000{i}-of-00002.safetensors") for i in (1, 2))
+      name = next(iter(load_file(first)))
+      save_file({**load_file(second), name: np.zeros_like(load_file(first)[name])}, second)
+      with self.assertRaisesRegex(ValueError, f"tensor '{name}' is stored in more than one"):
         hf_loader.load_hf_checkpoint(d)
 
   def test_shape_mismatch_and_missing_tensor(self):
