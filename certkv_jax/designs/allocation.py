@@ -72,8 +72,9 @@ class AdaKV:
   """kvpress's ``AdaKVPress`` (Feng et al., 2024) over any design with a score.
 
   Per (layer, row), each KV head keeps its own top ``alpha_safeguard`` share of
-  its target, then the layer's remaining total goes to the highest scores of
-  all heads flattened (method, section 12, "AdaKV").
+  its target (and, for a design with ``min_tail``, its certainty set and that many
+  tail tokens, which its eviction would keep anyway), then the layer's remaining
+  total goes to the highest scores of all heads flattened (method, section 12, "AdaKV").
   """
 
   alpha_safeguard: float = 0.2
@@ -110,9 +111,15 @@ class AdaKV:
                        jnp.floor(self.alpha_safeguard * t.astype(jnp.float32)).astype(jnp.int32))
     if self.alpha_safeguard > 0:  # kvpress: at least one safe token per head that keeps any
       n_safe = jnp.where(t > 0, jnp.maximum(n_safe, 1), 0)
+    if design.min_tail:  # the design keeps its certainty set and min_tail more regardless
+      n_certain = _pools(_per_head(lambda c: jnp.sum(design.certain(c) & c.valid), caches),
+                         "layer")
+      n_safe = jnp.maximum(n_safe, n_certain + design.min_tail)
     valid = jnp.isfinite(s)
     safe = sampling.top_k_mask(s, n_safe) & valid
-    rest = jnp.sum(t, axis=-1) - jnp.sum(n_safe, axis=-1)  # [pools]
+    # [pools]; the nominal counts, so no head exceeds max_target where another has fewer
+    # valid tokens than its safe count (the layer then keeps less than its total)
+    rest = jnp.maximum(jnp.sum(t, axis=-1) - jnp.sum(n_safe, axis=-1), 0)
     flat = jnp.where(safe, -jnp.inf, s).reshape(s.shape[0], -1)
     chosen = sampling.top_k_mask(flat, rest) & (valid & ~safe).reshape(flat.shape)
     counts = jnp.sum(chosen.reshape(s.shape), axis=-1) + jnp.sum(safe, axis=-1)
@@ -195,21 +202,26 @@ def _greedy(costs, n_certain, limit, pool, step, floor):
   """Targets of one pool's members minimising the summed cost (method, section 12).
 
   ``costs`` [M, J + 1], ``limit`` [M] the most tail slots a member can take,
-  ``pool`` the total, ``floor`` [M] tail slots given first. Each member keeps its
-  certainty set; the sum is ``pool`` unless all reach their limit or the
-  certainty sets alone exceed it.
+  ``pool`` the total, ``floor`` [M] tail slots given first (its whole grid steps
+  forced, the remainder set aside, so floors that fit the pool are all met). Each
+  member keeps its certainty set; the sum is ``pool`` unless all reach their limit
+  or the certainty sets alone exceed it.
   """
   M, J1 = costs.shape
   J = J1 - 1
   gain = costs[:, :-1] - costs[:, 1:]  # [M, J]
   j = jnp.arange(J)
   useful = (j[None, :] * step) < limit[:, None]
-  gain = jnp.where((j[None, :] * step) < floor[:, None], jnp.inf, gain)
+  floor = jnp.minimum(floor, limit)
+  forced = (floor.astype(jnp.float32) // step).astype(jnp.int32)  # whole steps, rounded down
+  gain = jnp.where(j[None, :] < forced[:, None], jnp.inf, gain)
   gain = jnp.where(useful, gain, -jnp.inf)
   rest = jnp.maximum(pool - jnp.sum(n_certain), 0)
-  n_steps = (rest.astype(jnp.float32) // step).astype(jnp.int32)
+  aside = jnp.sum(floor - forced * step.astype(jnp.int32))  # the floors' part steps
+  n_steps = (jnp.maximum(rest - aside, 0).astype(jnp.float32) // step).astype(jnp.int32)
   pick = sampling.top_k_mask(gain.reshape(-1), n_steps).reshape(M, J) & useful
   tail = jnp.minimum(jnp.sum(pick, axis=-1).astype(jnp.int32) * step.astype(jnp.int32), limit)
+  tail = jnp.maximum(tail, floor)
   left = rest - jnp.sum(tail)
   nxt = jnp.take_along_axis(gain, jnp.minimum(jnp.sum(pick, axis=-1), J - 1)[:, None],
                             axis=-1)[:, 0]
@@ -270,7 +282,7 @@ class CertificateTargeted:
     costs = costs * jnp.broadcast_to(gains[:, None, :, None], costs.shape)
     limit = jnp.maximum(jnp.minimum(n_tail, largest - n_certain), 0)
     floor = jnp.ceil(self.min_share * targets.astype(jnp.float32)).astype(jnp.int32)
-    floor = jnp.maximum(floor - n_certain, 0)
+    floor = jnp.maximum(floor - n_certain, design.min_tail)  # the design keeps min_tail anyway
     out = jax.vmap(_greedy)(_pools(costs, self.scope), _pools(n_certain, self.scope),
                             _pools(limit, self.scope), jnp.sum(pooled_t, axis=-1), step,
                             _pools(floor, self.scope))

@@ -123,6 +123,16 @@ class PoolTest(absltest.TestCase):
     self._check_bounds(alloc, t)
     np.testing.assert_array_equal(kept, t)
 
+  def test_a_design_min_tail_is_inside_the_layer_total(self):
+    # priority_floor keeps its 6 certain tokens and min_tail=2 more whatever its target:
+    # the allocations count them, so the heads' kept tokens still add up to the pool.
+    design = _design("priority_floor", min_tail=2)
+    for alloc in (allocation.AdaKV(), allocation.CertificateTargeted()):
+      _, t, kept, _ = _run(design, alloc)
+      np.testing.assert_array_equal(kept, t, err_msg=type(alloc).__name__)
+      np.testing.assert_array_equal(kept.sum(-1), H * T_UNIFORM, err_msg=type(alloc).__name__)
+      self.assertTrue((kept >= 6 + 2).all(), kept)
+
   @pytest.mark.slow  # a compile of the variance grid per test
   def test_certificate_targeted_model_poisson_tail(self):
     alloc = allocation.CertificateTargeted(scope="model")
@@ -230,13 +240,26 @@ class GreedyTest(absltest.TestCase):
 
   def test_floor_comes_first(self):
     # Member 1's costs barely fall: without a floor it gets nothing, with a floor of 4
-    # tail slots it gets two whole steps (of 3: rounded up) before costs are compared.
+    # tail slots it gets exactly 4 (a whole step of 3 and a part one) before costs are
+    # compared, and member 0 the rest.
     greedy = jax.jit(allocation._greedy)  # pylint: disable=protected-access
     costs = jnp.asarray([[9.0, 5.0, 3.0, 2.0, 1.5], [9.0, 8.9, 8.8, 8.7, 8.6]], jnp.float32)
     args = (costs, jnp.array([2, 2], jnp.int32), jnp.array([12, 12], jnp.int32), jnp.int32(16),
             jnp.float32(3.0))
     np.testing.assert_array_equal(greedy(*args, jnp.zeros(2, jnp.int32)), [14, 2])
-    np.testing.assert_array_equal(greedy(*args, jnp.array([0, 4], jnp.int32)), [8, 8])
+    np.testing.assert_array_equal(greedy(*args, jnp.array([0, 4], jnp.int32)), [10, 6])
+
+  def test_every_floor_that_fits_the_pool_is_met(self):
+    # Four like members, floors of 9 tail slots on a grid of 2: rounded up to whole
+    # steps (10 each) they need 40 of the 36 tail slots, and before, the last member
+    # got 6 (its target 9 < 3 + 9); now each gets its floor and the pool adds up.
+    greedy = jax.jit(allocation._greedy)  # pylint: disable=protected-access
+    costs = jnp.tile(jnp.linspace(10.0, 0.0, 25), (4, 1))
+    three, nine = jnp.full(4, 3, jnp.int32), jnp.full(4, 9, jnp.int32)
+    out = np.asarray(greedy(costs, three, jnp.full(4, 45, jnp.int32), jnp.int32(48),
+                            jnp.float32(2.0), nine))
+    self.assertTrue((out >= 3 + 9).all(), out)
+    self.assertEqual(out.sum(), 48)
 
   @pytest.mark.slow  # two compiles of the variance grid
   def test_high_variance_head_gets_more(self):
