@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
@@ -106,8 +108,8 @@ def _tile_update(carry, q, k_tile, v_tile, off_row, off_col, first_index, length
                           preferred_element_type=jnp.float32)  # [G, bk]
   idx_row = first_index + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
   idx_col = first_index + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
-  valid = (off_row >= 0.0) & (idx_row < length)  # [1, bk]
-  valid_col = (off_col >= 0.0) & (idx_col < length)  # [bk, 1]
+  valid = (off_row != -jnp.inf) & (idx_row < length)  # [1, bk]: -inf marks an empty slot
+  valid_col = (off_col != -jnp.inf) & (idx_col < length)  # [bk, 1]
   l = s * scale + jnp.where(valid, off_row, 0.0)
   w = reference.one_minus_pi(jnp.where(valid, off_row, 0.0))
   return reference.online_update(
@@ -277,9 +279,36 @@ def default_backend() -> str:
   return "mosaic" if jax.default_backend() == "tpu" else "triton"
 
 
+def _check_lengths(lengths, batch: int) -> None:
+  """``lengths``: None or int [B] (values: :func:`_checks_length_values`)."""
+  if lengths is not None and (lengths.shape != (batch,)
+                              or not jnp.issubdtype(lengths.dtype, jnp.integer)):
+    raise ValueError(f"lengths must be int [B] = ({batch},), got {lengths.dtype} "
+                     f"{lengths.shape}")
+
+
+def _checks_length_values(jitted):
+  """Raises before the jitted call when concrete ``lengths`` leave [0, n] (inside the
+  call they are traced, and a length out of range would act clipped)."""
+  signature = inspect.signature(jitted)
+
+  @functools.wraps(jitted)
+  def call(*args, **kwargs):
+    given = signature.bind(*args, **kwargs).arguments
+    lengths, n = given.get("lengths"), jnp.shape(given["k"])[1]
+    if lengths is not None and not isinstance(lengths, jax.core.Tracer):
+      found = np.asarray(lengths)
+      if found.dtype.kind in "iu" and ((found < 0) | (found > n)).any():
+        raise ValueError(f"lengths must be in [0, n={n}], got {found}")
+    return jitted(*args, **kwargs)
+
+  return call
+
+
 def _slot_validity(offset, lengths):
-  """[B, n] bool: a slot counts when its offset is >= 0 and it is within length."""
-  valid = offset >= 0.0
+  """[B, n] bool: a slot counts unless its offset is ``-inf`` (empty) or it is past its
+  length; a NaN or negative offset (pi > 1) stays in, to show as the XLA path shows it."""
+  valid = offset != -jnp.inf
   if lengths is not None:
     valid &= jnp.arange(offset.shape[1])[None, :] < lengths[:, None]
   return valid
@@ -324,6 +353,7 @@ def _exact_cache_range(q, k, v, offset, lengths, scale, fin):
   return reference.exact_range(l, v, reference.one_minus_pi(off), valid, fin.out, fin.lse)
 
 
+@_checks_length_values
 @functools.partial(jax.jit, static_argnames=("scale", "config", "with_stats"))
 def offset_decode_attention(q, k, v, offset, lengths=None, *, scale: Optional[float] = None,
                             config: KernelConfig = KernelConfig(), with_stats: bool = True):
@@ -334,7 +364,7 @@ def offset_decode_attention(q, k, v, offset, lengths=None, *, scale: Optional[fl
     k: [B, n, d]; v: [B, n, dv] (float32 or bfloat16; float32 accumulation).
     offset: [B, n] float32 ``-log pi`` (0 for certain tokens, ``-inf`` for empty
       slots).
-    lengths: optional [B] int32 ragged valid lengths (slots beyond are ignored).
+    lengths: optional [B] int ragged valid lengths in [0, n] (slots beyond are ignored).
     scale: logit scale (default 1/sqrt(d)).
     config: :class:`KernelConfig` (static); range_mode "exact" adds one XLA
       pass over the keys for b_hat (method, section 5).
@@ -355,8 +385,7 @@ def offset_decode_attention(q, k, v, offset, lengths=None, *, scale: Optional[fl
                      f"k {k.shape}, v {v.shape}")
   if offset.shape != (batch, n):
     raise ValueError(f"offset must be [B, n] = {(batch, n)}, got {offset.shape}")
-  if lengths is not None and lengths.shape != (batch,):
-    raise ValueError(f"lengths must be [B] = ({batch},), got {lengths.shape}")
+  _check_lengths(lengths, batch)
   if config.range_mode not in ("exact", "bound"):
     raise ValueError(f"range_mode must be 'exact' or 'bound', got {config.range_mode!r}")
   if scale is None:
@@ -388,6 +417,7 @@ class ChunkKV(NamedTuple):
   valid: Optional[jax.Array] = None
 
 
+@_checks_length_values
 @functools.partial(jax.jit, static_argnames=("scale", "config"))
 def offset_chunk_attention(q, k, v, offset, chunk: ChunkKV, lengths=None, *,
                            scale: Optional[float] = None,
@@ -414,6 +444,7 @@ def offset_chunk_attention(q, k, v, offset, chunk: ChunkKV, lengths=None, *,
                      f"got {k_chunk.shape}, {v_chunk.shape}")
   if scale is None:
     scale = 1.0 / math.sqrt(d)
+  _check_lengths(lengths, batch)
   rows = q.reshape(batch, t * groups, d)
   config = _resolve(config, k.shape[1], batch)
   rows_n = t * groups

@@ -78,6 +78,8 @@ def _check_shapes(q, k, v, log_pi, mask):
     if jnp.ndim(x) < min_ndim:
       raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {jnp.shape(x)}")
   d, n = q.shape[-1], k.shape[-2]
+  if n == 0:
+    raise ValueError(f"k must have at least one slot (n >= 1) on axis -2, got {k.shape}")
   if k.shape[-1] != d:
     raise ValueError(f"k's last dim ({k.shape[-1]}) must equal q's last dim ({d}); "
                      f"q {q.shape}, k {k.shape}")
@@ -225,12 +227,12 @@ def _implementation(config: AttentionConfig, k, v, log_pi, mask, value_sqnorm) -
   if implementation == "pallas" and value_sqnorm is not None:
     raise ValueError("value_sqnorm is for implementation='xla' (the Pallas kernel computes "
                      "the norms on its tiles)")
-  if implementation == "auto":  # an automatic "pallas" drops value_sqnorm: its tiles hold them
-    implementation = _auto(k, v, log_pi, mask, block_size, block_sizes)
   if implementation == "pallas" and block_size is not None:
     raise ValueError("block_size is for implementation='xla'; use block_sizes for 'pallas'")
   if implementation == "xla" and block_sizes is not None:
     raise ValueError("block_sizes is for implementation='pallas'; use block_size for 'xla'")
+  if implementation == "auto":  # an automatic "pallas" drops value_sqnorm: its tiles hold them
+    implementation = _auto(k, v, log_pi, mask, block_size, block_sizes)
   return implementation
 
 

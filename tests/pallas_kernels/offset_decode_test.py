@@ -173,6 +173,12 @@ class KernelTest(parameterized.TestCase):
     # -log(1e-6) = 13.8: the largest offset the default floor allows.
     self._check(*_inputs(2, 4, 200, 64, seed=4, max_offset=-math.log(1e-6)))
 
+  def test_an_offset_rounded_below_zero_is_a_kept_slot(self):
+    # A certain token whose pi rounds a hair above 1 has -log pi = -1e-7: before, the
+    # kernel read any offset below 0 (and NaN) as an empty slot and dropped it.
+    q, k, v, off = _inputs(2, 4, 200, 64, seed=5)
+    self._check(q, k, v, jnp.where(off == 0.0, -1e-7, off))
+
   def test_common_mode_values(self):
     # Values with a large common offset (as LLM value channels have): the
     # centred sums keep the error at the scale of ||v - mean||^2, which a
@@ -327,6 +333,18 @@ class DefaultsTest(parameterized.TestCase):
     with mock.patch.object(jax, "default_backend", return_value="gpu"):
       self.assertNotIn("pallas_call", self._attend_primitives(1))
 
+  def test_auto_with_a_kernel_tiling_runs_the_xla_path_on_a_cpu(self):
+    # A config written for a GPU: "auto" with the kernel's tiling. Before, on a CPU it
+    # raised about block_sizes, an option meant for the kernel "auto" did not pick.
+    q, k, v, off = _inputs(1, 4, 256, 64)
+    args = (q[0], k[0], v[0], jnp.where(jnp.isfinite(off[0]), -off[0], 0.0),
+            jnp.isfinite(off[0]))
+    config = certkv_jax.attention.AttentionConfig
+    got = certkv_jax.offset_attention(*args, config=config(
+        implementation="auto", block_sizes=od.BlockSizes(block_k=128, num_splits=2)))
+    want = certkv_jax.offset_attention(*args, config=config(implementation="xla"))
+    np.testing.assert_array_equal(got.out, want.out)
+
 
 class KernelErrorTest(absltest.TestCase):
 
@@ -349,9 +367,15 @@ class KernelErrorTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "lengths must be"):
       od.offset_decode_attention(q, k, v, off, jnp.zeros(3, jnp.int32),
                                  config=od.KernelConfig(interpret=True))
+    for bad in (jnp.array([-5, 10]), jnp.array([10, 1000]), jnp.array([2.9, 32.0])):
+      # before: clipped to [0, n] or truncated, silently
+      with self.assertRaisesRegex(ValueError, "lengths must be"):
+        od.offset_decode_attention(q, k, v, off, bad, config=od.KernelConfig(interpret=True))
     with self.assertRaisesRegex(ValueError, "backend"):
       od.offset_decode_attention(q, k, v, off,
                                  config=od.KernelConfig(backend="cuda", interpret=True))
+    with self.assertRaisesRegex(ValueError, r"at least one slot \(n >= 1\)"):
+      certkv_jax.offset_attention(q[0, 0], k[0, :0], v[0, :0], jnp.zeros(0), jnp.ones(0, bool))
     with self.assertRaisesRegex(ValueError, "implementation"):
       certkv_jax.offset_attention(
           q[0, 0], k[0], v[0], jnp.zeros(256), jnp.ones(256, bool),
