@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from certkv_jax import _validate
 from certkv_jax.certificate import damage
 from certkv_jax.designs import sampling
 from certkv_jax.kv.cache import KVCache
@@ -62,8 +63,9 @@ def _check_grid(allocation):
   steps, share = allocation.steps, allocation.max_share
   if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
     raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-  if isinstance(share, bool) or not isinstance(share, (int, float)) or not share >= 1.0:
-    raise ValueError(f"max_share must be a number >= 1.0, got {share!r}")
+  if (isinstance(share, bool) or not isinstance(share, (int, float))
+      or not 1.0 <= share < math.inf):
+    raise ValueError(f"max_share must be a finite number >= 1.0, got {share!r}")
   sampling.check_eps(allocation.eps)
 
 
@@ -360,6 +362,9 @@ def _check_gains(gains, shape):
   if gains.shape != (shape[0], shape[2]):
     raise ValueError(f"gains must be [n_layers={shape[0]}, n_kv_heads={shape[2]}], "
                      f"got {gains.shape}")
+  found = _validate.concrete_array(gains)  # None under jit
+  if found is not None and not (np.isfinite(found) & (found >= 0)).all():
+    raise ValueError(f"gains must be finite and >= 0, got {found.tolist()}")
   return gains
 
 
@@ -378,7 +383,10 @@ def kv_head_gains(w_o, n_heads: int, n_kv_heads: int, head_dim: int) -> Array:
 @dataclasses.dataclass(frozen=True)
 class Pyramid:
   """PyramidKV's layer schedule: layer ratios linear from ``2 - 1/beta`` down to
-  ``1/beta`` (mean 1), then ``within`` (e.g. :class:`AdaKV`) shares each layer's total."""
+  ``1/beta`` (mean 1), then ``within`` (:class:`AdaKV` or a layer-scoped
+  :class:`CertificateTargeted`) shares each layer's total. A row whose first layer
+  would get more than the tokens it has seen keeps uniform targets, as kvpress's
+  PyramidKV falls back to SnapKV."""
 
   beta: float = 20.0
   within: Optional[object] = None
@@ -387,6 +395,11 @@ class Pyramid:
     if (isinstance(self.beta, bool) or not isinstance(self.beta, (int, float))
         or not math.isfinite(self.beta) or self.beta <= 1):
       raise ValueError(f"beta must be a finite number > 1, got {self.beta!r}")
+    w = self.within
+    if w is not None and not (isinstance(w, AdaKV) or (isinstance(w, CertificateTargeted)
+                                                       and w.scope == "layer")):
+      raise ValueError("within must be None, AdaKV() or CertificateTargeted(scope='layer') "
+                       f"(an allocation that keeps each layer's total), got {w!r}")
 
   @property
   def needs_gains(self) -> bool:
@@ -404,4 +417,6 @@ class Pyramid:
   def __call__(self, design, caches: KVCache, targets, gains=None) -> Array:
     r = jnp.asarray(self.ratios(targets.shape[0]), jnp.float32)[:, None, None]
     t = jnp.floor(r * targets.astype(jnp.float32) * (1.0 + 1e-6)).astype(jnp.int32)
+    over = jnp.any(t > caches.n_seen, axis=(0, 2), keepdims=True)  # [1, B, 1]: unreachable
+    t = jnp.where(over, targets, t)
     return t if self.within is None else self.within(design, caches, t, gains)

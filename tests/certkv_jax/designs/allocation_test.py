@@ -354,6 +354,16 @@ class PyramidTest(absltest.TestCase):
     self.assertTrue(allocation.Pyramid(within=allocation.CertificateTargeted()).needs_gains)
     self.assertFalse(allocation.Pyramid(within=allocation.AdaKV()).needs_gains)
 
+  def test_a_first_layer_past_the_tokens_seen_falls_back_to_uniform(self):
+    # At a target of 30 of the 48 tokens seen, beta 4's first layer would get
+    # floor(1.75 * 30) = 52 > 48: as kvpress's PyramidKV, the row keeps uniform targets
+    # (before, the first layer kept its 48 and the layers' total fell short).
+    p = allocation.Pyramid(beta=4.0)
+    base = jnp.full((L, B, H), T_UNIFORM, jnp.int32).at[:, 1].set(30)  # row 1 only
+    t = np.asarray(p(_design("snapkv"), _caches(), base))
+    np.testing.assert_array_equal(t[:, 0], [[21] * H, [3] * H])  # row 0: the schedule
+    np.testing.assert_array_equal(t[:, 1], 30)
+
 
 class GainsTest(absltest.TestCase):
 
@@ -407,14 +417,26 @@ class BadInputTest(absltest.TestCase):
         allocation.CertificateTargeted(min_share=m)
     with self.assertRaisesRegex(ValueError, "steps"):
       allocation.CertificateTargeted(steps=0)
-    with self.assertRaisesRegex(ValueError, "max_share"):
-      allocation.CertificateTargeted(max_share=0.5)
+    for m in (0.5, math.inf):  # inf: before, an OverflowError in max_target
+      with self.assertRaisesRegex(ValueError, "max_share must be a finite number"):
+        allocation.CertificateTargeted(max_share=m)
     with self.assertRaisesRegex(ValueError, "radius"):
       allocation.TargetRadius(radius=0.0)
     with self.assertRaisesRegex(ValueError, "delta"):
       allocation.TargetRadius(delta=1.0)
     with self.assertRaisesRegex(ValueError, "beta"):
       allocation.Pyramid(beta=1.0)
+    # within must keep each layer's total (before, these erased the schedule or failed late)
+    for w in (allocation.CertificateTargeted(scope="model"), allocation.TargetRadius(), "adakv"):
+      with self.assertRaisesRegex(ValueError, "within must be None, AdaKV"):
+        allocation.Pyramid(within=w)
+
+  def test_gains_must_be_finite_and_nonnegative(self):
+    base = jnp.full((L, B, H), T_UNIFORM, jnp.int32)
+    for bad in (np.nan, np.inf, -1.0):
+      gains = GAINS.at[0, 1].set(bad)
+      with self.assertRaisesRegex(ValueError, "gains must be finite and >= 0"):
+        allocation.CertificateTargeted()(_design("priority_tail"), _caches(), base, gains)
 
 
 # --------------------------------------------------------------------------- capacity
