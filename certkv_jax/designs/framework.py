@@ -151,7 +151,9 @@ class EvictionDesign:
     target = self.budget.target(cache)
     if self.min_tail:  # never fewer than min_tail tail slots beside the certainty set
       target = jnp.maximum(target, n_certain + self.min_tail)
-    over_budget = n_certain > target
+    # A round that had to evict and whose certainty set alone exceeds the budget (spill
+    # below may raise the target to it, so the round would no longer count as triggered).
+    over_budget = (n_certain > target) & (cache.n_valid > target)
     if self.spill:  # no slot left for the tail: keep as many, the window's by the tail rule
       tight = target <= n_certain
       target = jnp.maximum(target, n_certain)
@@ -184,7 +186,7 @@ class EvictionDesign:
         rounds=state.rounds + t,
         n_redraws=state.n_redraws + t * choice.n_redraws,
         n_dropped=state.n_dropped + t * choice.n_dropped,
-        n_over_budget=state.n_over_budget + t * over_budget.astype(jnp.int32),
+        n_over_budget=state.n_over_budget + over_budget.astype(jnp.int32),
     )
     return new_cache, new_state, info
 
@@ -251,6 +253,8 @@ def certified(design: EvictionDesign, *, top_share: float = TWIN_SHARE,
 
 
 def _maybe_value_aware(score, value_aware: bool):
+  if value_aware not in (True, False):  # 0 and 1 too, as a design string writes them
+    raise ValueError(f"value_aware must be a bool, got {value_aware!r}")
   return scores.ValueAware(score) if value_aware else score
 
 

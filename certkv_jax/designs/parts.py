@@ -107,9 +107,18 @@ class CertaintySet:
     base = sink | recent
     if self.heavy == 0:
       return base
-    s = jnp.where(valid & ~base, self.heavy_score(cache), -jnp.inf)
+    s = rank_within(valid & ~base, self.heavy_score(cache))
     heavy = sampling.top_k_mask(s, self.heavy) & valid & ~base
     return base | heavy
+
+
+def rank_within(members, score) -> Array:
+  """``score`` on ``members``, ``-inf`` off them, for :func:`sampling.top_k_mask`: a member's
+  NaN or ``-inf`` is raised to the lowest finite float, so every member outranks every
+  non-member and a top-k of members keeps its count."""
+  s = score.astype(jnp.float32)
+  s = jnp.maximum(jnp.where(jnp.isnan(s), -jnp.inf, s), jnp.finfo(jnp.float32).min)
+  return jnp.where(members, s, -jnp.inf)
 
 
 class TailChoice(NamedTuple):
@@ -160,8 +169,7 @@ class TopK:
 
   def select(self, cache, tail, slots, key) -> TailChoice:
     del key
-    s = jnp.where(tail, self.score(cache).astype(jnp.float32), -jnp.inf)
-    keep = tail & sampling.top_k_mask(s, slots)
+    keep = tail & sampling.top_k_mask(rank_within(tail, self.score(cache)), slots)
     return _no_random(keep, keep.astype(jnp.float32), jnp.sum(keep).astype(jnp.float32))
 
 
@@ -278,7 +286,7 @@ class PriorityTail:
       if rank is None and self.focus_share:
         rank = self.score.window
       h = s if rank is None else rank(cache).astype(jnp.float32)
-      top = tail & sampling.top_k_mask(jnp.where(tail, h, -jnp.inf), n_top)
+      top = tail & sampling.top_k_mask(rank_within(tail, h), n_top)
       sampled = tail & ~top
       slots = slots - n_top
     draw = sampling.priority_draw(key, s, sampled, slots, self.eps)

@@ -262,7 +262,7 @@ def make_with_allocation(text: Union[str, Spec], budget, *, flag: str = "design"
   allocation = _allocation(spec, label, flag)
   try:
     design = _make_registered(spec.name, budget, settings, spec.settings)
-  except ValueError as err:  # the factory's own checks, e.g. a setting out of range
+  except (ValueError, TypeError) as err:  # the factory's own checks, e.g. a setting's type
     raise ValueError(f"{flag}: {err} (in {label!r})") from err
   if allocation is not None and allocation.needs_gains and design.observation_window < 1:
     design = dataclasses.replace(design, observation_window=OBSERVATION_WINDOW)

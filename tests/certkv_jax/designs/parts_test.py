@@ -57,6 +57,21 @@ class TopKTest(absltest.TestCase):
     np.testing.assert_array_equal(choice.keep, [0, 0, 1, 0, 1, 0, 0, 0])  # acc 0.5 and 0.3
     np.testing.assert_array_equal(np.asarray(choice.pi)[[2, 4]], [1.0, 1.0])
 
+  def test_a_tail_score_of_minus_inf_or_nan_still_fills_every_slot(self):
+    # A score such as log(acc) is -inf on tokens never attended: before, those tied with
+    # the slots off the tail (also -inf), lost to them on index and were not kept, so
+    # fewer than `slots` tokens stayed, with nothing recorded.
+    class LogAcc:
+      def __call__(self, cache):
+        return jnp.log(cache.acc).at[3].set(jnp.nan)  # -inf where never attended
+
+    c = _cache([0.9, 0.0, 0.5, 0.0, 0.0, 0.2])  # -inf at positions 1 and 4, NaN at 3
+    tail = jnp.array([0, 1, 1, 1, 1, 1, 0, 0], bool)
+    choice = parts.TopK(LogAcc()).select(c, tail, jnp.int32(4), jax.random.PRNGKey(0))
+    self.assertEqual(int(choice.keep.sum()), 4)
+    np.testing.assert_array_equal(np.asarray(choice.keep)[[2, 5]], [1, 1])  # the finite ones
+    self.assertFalse(bool((choice.keep & ~tail).any()))
+
 
 if __name__ == "__main__":
   absltest.main()

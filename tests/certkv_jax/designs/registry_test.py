@@ -81,6 +81,10 @@ class ParseTest(parameterized.TestCase):
       ("h2o+uniform:min_share=1", "--x: uniform budgets take no settings"),
       ("full+cert", "--x: 'full' .* takes no settings or allocation"),
       ("", "--x: a design must be a non-empty string"),
+      # before: 2 and 0.5 read as true; a wrong type escaped as a TypeError without the flag
+      ("keydiff_cert:value_aware=2", r"--x: value_aware must be a bool, got 2"),
+      ("h2o:value_aware=0.5", r"--x: value_aware must be a bool, got 0.5"),
+      ("h2o_cert:window=1.5", r"--x: window must be an int >= 0, got 1.5"),
   )
   def test_errors_name_the_flag(self, text, pattern):
     with self.assertRaisesRegex(ValueError, pattern):

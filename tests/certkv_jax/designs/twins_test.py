@@ -162,6 +162,18 @@ class TwinTest(absltest.TestCase):
                  c, jax.random.PRNGKey(seed))[2]
       np.testing.assert_array_equal(np.asarray(a.kept), np.asarray(b.kept))
 
+  def test_a_certainty_set_covering_every_token_counts_as_over_budget(self):
+    # A window of 44 over 40 tokens at a budget of 0.1 (4 tokens): spill raises the
+    # target to the 40 it keeps, and before, the round then did not count in
+    # n_over_budget (h2o's did).
+    c = _cache()
+    n = int(np.asarray(c.valid).sum())
+    for name in ("h2o", "h2o_cert"):
+      d = registry.make(name, 0.1, n_sink=N_SINK, window=n + 4)
+      _, state, info = _evict(d, c, jax.random.PRNGKey(0))
+      self.assertEqual(int(np.asarray(info.kept).sum()), n, name)
+      self.assertEqual(int(state.n_over_budget), 1, name)
+
   def test_spill_without_a_window_samples_the_sinks_too(self):
     # 4 sinks, no window, a budget of 3 of the 40 tokens: the certainty set (the sinks) is the
     # whole count kept, and no window can give up a slot. The twin keeps 4 as well,
