@@ -42,7 +42,8 @@ class Settings:
   (the layers and KV heads certified, the others NaN) or None (``stats`` None); True
   and False are kept as ``Subsample()`` and None. ``scale``: the logit scale (None:
   ``1/sqrt(head_dim)``). ``checked``: raise on overflow through ``checkify.check``
-  (eager calls raise; under ``jit`` wrap in ``checkify.checkify``). ``attention``: the
+  (eager calls raise; under ``jit`` wrap in ``checkify.checkify``; not on
+  sequence-sharded caches, where ``Attended.overflow`` holds it). ``attention``: the
   ``certkv_jax.AttentionConfig`` of every product (None: the default).
   """
 
@@ -144,14 +145,12 @@ def attend_layer(q, k, v, caches: Caches, i, slots: caches_lib.ChunkSlots, *,
   _, (k_new, v_new, _) = _new_tokens(q, k, v, valid)
   shadow, shadow_slots = (None, None) if shadow is None else shadow
   with jax.named_scope("append"):
-    caches = caches.write_kv(i, slots, k_new, v_new)
+    caches, overflow = _write(caches, i, slots, k_new, v_new)
     if shadow is not None:
-      shadow = shadow.write_kv(i, shadow_slots, k_new, v_new)
+      shadow, lost = _write(shadow, i, shadow_slots, k_new, v_new)
+      overflow = jnp.maximum(overflow, lost)
   cache = caches.layer(i)
-  overflow = _overflow(slots, i, cache.capacity)
   shadow_cache = None if shadow is None else shadow.layer(i)
-  if shadow is not None:
-    overflow = jnp.maximum(overflow, _overflow(shadow_slots, i, shadow_cache.capacity))
   _check_overflow(settings, overflow)
   out, folded, stats = _attend_appended(q, cache, shadow_cache, slots.positions, valid,
                                         settings, layer_flag)
@@ -174,16 +173,22 @@ def _layer_flag(settings: Settings, layer):
   return jnp.isin(layer, jnp.asarray(sub.layers, jnp.int32))
 
 
-def _overflow(slots: caches_lib.ChunkSlots, i, capacity: int) -> Array:
-  """[batch] real tokens of the chunk that layer ``i``'s slots could not store."""
-  if slots.idx is None:  # sequence-sharded: appended whole, counted in n_dropped
-    return jnp.zeros(slots.positions.shape[:1], jnp.int32)
+def _write(caches: Caches, i, slots: caches_lib.ChunkSlots, k_new, v_new):
+  """``caches.write_kv`` and the [batch] real tokens of the chunk layer ``i`` could not store."""
+  if slots.idx is None:  # sequence-sharded: appended whole, the loss counted in n_dropped
+    before = caches.layer(i).n_dropped
+    caches = caches.write_kv(i, slots, k_new, v_new)
+    return caches, jnp.max(caches.layer(i).n_dropped - before, axis=1)
   idx = jax.lax.dynamic_index_in_dim(slots.idx, i, axis=0, keepdims=False)  # [b, h, t]
-  lost = jnp.sum(slots.new_valid & (idx >= capacity), axis=-1).astype(jnp.int32)
-  return jnp.max(lost, axis=1)
+  lost = jnp.sum(slots.new_valid & (idx >= caches.capacity), axis=-1).astype(jnp.int32)
+  return caches.write_kv(i, slots, k_new, v_new), jnp.max(lost, axis=1)
 
 
 def _check_overflow(settings: Settings, overflow) -> None:
+  if settings.checked and distributed.cache_mesh() is not None:
+    raise ValueError("Settings.checked is not supported on sequence-sharded caches "
+                     "(checkify does not pass through their shard_map): read "
+                     "Attended.overflow instead")
   if settings.checked:
     checkify.check(jnp.all(overflow == 0), "attend: {} tokens of the chunk found no free "
                    "slot (per row) in the caches or the shadow; evict before appending or "

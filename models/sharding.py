@@ -305,6 +305,9 @@ def _prepare(mesh, params, config, batch, capacity, host_arrays):
   for x in host_arrays:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       placed.append(x)  # already global (multi-process)
+    elif isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      data = global_array(np.asarray(jax.random.key_data(x)), mesh, P())  # a typed key
+      placed.append(jax.random.wrap_key_data(data, impl=jax.random.key_impl(x)))
     else:
       x = np.asarray(x)
       placed.append(global_array(x, mesh, P(DATA) if x.ndim == 2 else P()))
@@ -316,6 +319,9 @@ def _sized(gen: decode.GenerationConfig, budget, **shapes) -> decode.GenerationC
   mesh's ``seq`` axis must divide it, so it is needed before the call)."""
   if not isinstance(gen, decode.GenerationConfig):
     raise TypeError(f"gen must be a GenerationConfig, got {type(gen).__name__}")
+  if gen.layer_loop == "unrolled" and gen.design is not None and gen.evict_each_step:
+    raise ValueError("gen.layer_loop='unrolled' with evict_each_step is not supported on a "
+                     "mesh (its eviction takes the stacked caches): use layer_loop='scan'")
   return decode._sized(gen, dict(shapes, budget=budget))  # pylint: disable=protected-access
 
 

@@ -120,7 +120,7 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
 
   On sequence-sharded caches (``certkv_jax.kv.distributed``) the per-device
   partials merge by the split-K combine, and the certificate cannot be
-  subsampled (ValueError).
+  subsampled nor take ``range_mode="bound"`` (ValueError).
 
   Args:
     qg: [b, h_kv, g, t, d] queries grouped by KV head.
@@ -147,6 +147,9 @@ def attend(qg, cache: KVCache, shadow: Optional[KVCache], positions, *, certific
   if certificate and (layer_flag is not None or heads is not None):
     raise ValueError("certificate_layers / certificate_heads are not supported on a "
                      "sequence-sharded cache")
+  if certificate and config.range_mode != "exact":  # the shards' partials give b_hat
+    raise ValueError(f"AttentionConfig.range_mode={config.range_mode!r} is not supported on "
+                     "a sequence-sharded cache: use 'exact'")
   # per-device partials, merged by the split-K combine
   probs_out = with_probs or not certificate
   res = distributed.cache_attention(qg, cache, positions, with_stats=certificate,

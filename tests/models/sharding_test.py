@@ -40,6 +40,7 @@ import pytest
 
 import certkv_jax
 from certkv_jax import designs
+from certkv_jax import layer as layer_lib
 from certkv_jax.attention.certified import SIGNAL_FIELDS
 from certkv_jax.kv import caches as caches_lib
 from certkv_jax.kv import distributed
@@ -173,7 +174,7 @@ class ShardingTest(absltest.TestCase):
 
   @pytest.mark.slow  # 279 s cold on the 2-core CI machine (2026-12-01)
   def test_child_process_with_12_devices(self):
-    self.assertRegex(self._run_child("ShardedChildTest"), r"Ran 14 tests")
+    self.assertRegex(self._run_child("ShardedChildTest"), r"Ran 16 tests")
 
   @pytest.mark.slow  # SmolLM2's real weights, 30 layers sharded over 12 devices
   @absltest.skipUnless(gguf_loader.smollm2_installed(), "SmolLM2 weights not installed: "
@@ -355,6 +356,47 @@ class ShardedChildTest(parameterized.TestCase):
       for f in ("valid", "pos", "v_sq", "v_ref", "n_seen"):
         np.testing.assert_allclose(np.asarray(getattr(got, f)), np.asarray(getattr(want, f)),
                                    rtol=1e-5, atol=1e-5, err_msg=f)
+
+  def test_overflow_is_counted_on_a_mesh(self):
+    # Capacity 4, a 6-token chunk, row 1 padded to 3 tokens: before, attend_layer reported
+    # no overflow on a mesh (only n_dropped held it), and checked=True died inside shard_map.
+    spec = caches_lib.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=4)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 6, h, 4)), jnp.float32) for h in (4, 2, 2))
+    valid = jnp.asarray([[True] * 6, [True] * 3 + [False] * 3])
+
+    def run(c, settings=layer_lib.Settings()):
+      c, slots = c.reserve(valid)
+      return layer_lib.attend_layer(q, k, v, c, 0, slots, settings=settings).overflow
+
+    c = caches_lib.init_caches(spec, 2, 4)
+    mesh = distributed.make_mesh(1, 1, 2)
+    np.testing.assert_array_equal(jax.jit(run)(c), [2, 0])
+    with jax.set_mesh(mesh):
+      sharded = distributed.shard_caches(c, mesh)
+      np.testing.assert_array_equal(jax.jit(run)(sharded), [2, 0])
+      with self.assertRaisesRegex(ValueError, "Settings.checked is not supported on "
+                                  "sequence-sharded"):
+        run(sharded, layer_lib.Settings(checked=True))
+
+  def test_mesh_refuses_the_range_bound_and_takes_a_typed_key(self):
+    mesh = distributed.make_mesh(1, 1, 2)
+    gen = self.kwargs["gen"]
+    bound = gen.replace(attention=certkv_jax.attention.AttentionConfig(range_mode="bound"))
+    with self.assertRaisesRegex(ValueError, r"range_mode='bound' is not supported on a "
+                                "sequence-sharded cache"):  # before: ignored, b_hat given
+      sharding.generate(mesh, self.params, self.tokens[:2], self.mask[:2], self.key,
+                        config=CONFIG, gen=bound)
+    typed = jax.random.key(7)  # before: np.asarray of a typed key raised a TypeError
+    want = decode.generate(self.params, self.tokens[:2], self.mask[:2], typed, config=CONFIG,
+                           gen=gen)
+    got = sharding.generate(mesh, self.params, self.tokens[:2], self.mask[:2], typed,
+                            config=CONFIG, gen=gen)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    unrolled = gen.replace(layer_loop="unrolled")  # before: an error about Caches.unstack
+    with self.assertRaisesRegex(ValueError, r"gen.layer_loop='unrolled' with evict_each_step"):
+      sharding.generate(mesh, self.params, self.tokens[:2], self.mask[:2], self.key,
+                        config=CONFIG, gen=unrolled)
 
   def test_aggregate_heads_with_collectives(self):
     mesh = distributed.make_mesh(2, 4, 1)
