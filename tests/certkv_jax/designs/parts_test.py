@@ -46,6 +46,13 @@ class CertaintySetTest(absltest.TestCase):
                                   [1, 1, 1, 0, 0, 0, 1, 1])
     self.assertEqual(parts.CertaintySet(n_sink=2, window=2, heavy=1).size, 5)
 
+  def test_heavy_hitters_fill_their_count_when_scores_are_minus_inf(self):
+    # log(acc) is -inf at positions 3 and 5: two heavy hitters among 2..5 are still two.
+    log_acc = lambda cache: jnp.log(cache.acc)
+    c = _cache([0.9, 0.1, 0.5, 0.0, 0.3, 0.0, 0.0, 0.4])
+    got = parts.CertaintySet(n_sink=2, window=2, heavy=3, heavy_score=log_acc)(c)
+    self.assertEqual(int(got.sum()), 2 + 2 + 3)
+
 
 class TopKTest(absltest.TestCase):
 
