@@ -80,12 +80,19 @@ def smoothed_radius(var_hat, range_hat, delta, window: int = SMOOTHING_WINDOW,
   return radius_from_stats(smoothed_variance(var_hat, window, axis), range_hat, delta, form)
 
 
+_DELTA_MIN = 1.1754944e-38  # float32's smallest normal number: a smaller delta reads as 0
+
+
 def _check_delta(delta):
   if isinstance(delta, (int, float)) and not isinstance(delta, bool):
     if not (0.0 < delta < 1.0) or not math.isfinite(delta):
       raise ValueError(f"delta must be in (0, 1), got {delta!r}")
   else:
     _validate.check_in_range("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
+  found = _validate.concrete_array(delta)
+  if found is not None and (found < _DELTA_MIN).any():
+    raise ValueError(f"delta must be at least {_DELTA_MIN} (below it float32 rounds it to 0 "
+                     f"and the radius to NaN or inf), got {found.min()!r}")
 
 
 def radius_from_stats(var_hat, range_hat, delta, form: str = "bernstein") -> Array:

@@ -34,6 +34,13 @@ class RadiusTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "delta"):
       certificate.radius_from_stats(0.1, 0.1, delta)
 
+  def test_a_delta_below_float32s_smallest_normal_raises(self):
+    # It passed the (0, 1) check and became 0 in float32: NaN where the radius is 0.
+    self.assertEqual(float(certificate.radius_from_stats(0.0, 0.0, 1e-30)), 0.0)
+    for delta in (1e-39, 1e-300, jnp.array([0.05, 1e-40])):
+      with self.assertRaisesRegex(ValueError, "delta must be at least 1.17"):
+        certificate.radius_from_stats(0.0, 0.0, delta)
+
   def test_bad_delta_array_and_form(self):
     with self.assertRaisesRegex(ValueError, "delta"):
       certificate.radius_from_stats(0.1, 0.1, jnp.array([0.1, 0.0]))
