@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from certkv_jax.designs import allocation as allocation_lib
 from certkv_jax.designs import budgets as budgets_lib
 from certkv_jax.kv.caches import Caches
+from certkv_jax import _validate
 from certkv_jax import layer as layer_lib
 from models import inputs
 from certkv_jax.attention.certified import check_certificate_subsample
@@ -264,11 +265,14 @@ def _check_inputs(given: dict, gen: GenerationConfig) -> None:
                 name="context", allow_empty_rows=True)
   _check_prompt(qst, given["question_mask"], n_steps, config=config.replace(max_positions=None),
                 name="question")
-  if config.max_positions is not None:
-    need = jnp.shape(ctx)[1] + jnp.shape(qst)[1] + n_steps
+  if config.max_positions is not None:  # padding takes no position: the longest real row
+    masks = [_validate.concrete_array(given[f"{n}_mask"]) for n in ("context", "question")]
+    rows = (jnp.shape(ctx)[1] + jnp.shape(qst)[1] if any(m is None for m in masks)
+            else int((masks[0].sum(axis=1) + masks[1].sum(axis=1)).max()))
+    need = rows + n_steps
     if need > config.max_positions:
-      raise ValueError(f"context ({jnp.shape(ctx)[1]}) + question ({jnp.shape(qst)[1]}) + "
-                       f"n_steps ({n_steps}) = {need} positions exceed the model's context, "
+      raise ValueError(f"the longest row's context and question ({rows} tokens) + n_steps "
+                       f"({n_steps}) = {need} positions exceed the model's context, "
                        f"max_positions {config.max_positions}")
 
 

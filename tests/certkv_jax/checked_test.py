@@ -381,10 +381,16 @@ class ModelInputsTest(absltest.TestCase):
       decode.generate(params, self.tokens, self.mask, key, **dict(kw, config=short))
     question, q_mask = self.tokens[:, :2], self.mask[:, :2]
     skw = dict(config=short, gen=decode.GenerationConfig(n_steps=2, capacity=8, chunk=2))
-    with self.assertRaisesRegex(ValueError, r"context \(3\) \+ question \(2\) \+ n_steps \(2\) "
-                                r"= 7 positions exceed .* max_positions 4"):
+    with self.assertRaisesRegex(ValueError, r"the longest row's context and question \(5 "
+                                r"tokens\) \+ n_steps \(2\) = 7 positions exceed .* "
+                                r"max_positions 4"):
       decode.generate_streaming(params, (self.tokens, self.mask), (question, q_mask), key,
                                 **skw)
+    # Padding takes no position: 3 real context tokens padded to 6 fit max_positions 7
+    # (before: refused, counting 6 + 2 + 2 = 10).
+    wide = (np.pad(self.tokens, ((0, 0), (0, 3))), np.pad(self.mask, ((0, 0), (0, 3))))
+    decode.generate_streaming(params, wide, (question, q_mask), key,
+                              **dict(skw, config=self.config.replace(max_positions=7)))
     with self.assertRaisesRegex(ValueError, r"question holds token id 64"):
       decode.generate_streaming(params, (self.tokens, self.mask), (bad[:, :2], q_mask), key,
                                 **dict(skw, config=self.config))
