@@ -189,16 +189,17 @@ class GenerateTextTest(absltest.TestCase):
 
   def test_hint_evicts_with_the_runs_allocation(self):
     # The hint's share is the share under the per-head allocation the run uses (before:
-    # computed for uniform budgets whatever the allocation). With pyramid budgets no budget
-    # reaches the target on this prompt, where uniform ones do at 0.21.
+    # computed for uniform budgets whatever the allocation). With pyramid budgets the target
+    # is reached only where the schedule falls back to uniform targets (a kept fraction
+    # above about 0.51, as kvpress's PyramidKV), much later than with uniform ones.
     ids = self.tok.encode(PROMPT)
     key = jax.random.PRNGKey(0)
     design, pyramid = registry.make_with_allocation("poisson_tail+pyramid", 0.25, n_sink=4,
                                                     window=16)
-    self.assertIsNotNone(hint.certifying_budget(self.params, self.config, ids, design,
-                                                key).budget)
+    uniform = hint.certifying_budget(self.params, self.config, ids, design, key).budget
+    self.assertLess(uniform, 0.5)
     got = hint.certifying_budget(self.params, self.config, ids, design, key, allocation=pyramid)
-    self.assertIsNone(got.budget)
+    self.assertGreater(got.budget, 0.5)
     design, cert = registry.make_with_allocation("poisson_tail+cert", 0.25, n_sink=4, window=16)
     got = hint.certifying_budget(self.params, self.config, ids, design, key, allocation=cert)
     self.assertIsNotNone(got.budget)
