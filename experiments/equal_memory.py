@@ -72,7 +72,13 @@ def main(argv):
   t0 = time.time()
   params, config, tok = model_loading.load_model(FLAGS.model)
   if FLAGS.report_only:
-    rows = results_io.read_rows(os.path.join(FLAGS.out, experiment.ROWS_FILE))
+    results = results_io.JsonlResults(os.path.join(FLAGS.out, experiment.ROWS_FILE),
+                                      experiment.KEY_FIELDS)
+    try:  # the report describes the rows' settings
+      experiment.check_rows(results, plan, model_loading.model_name(FLAGS.model))
+    except ValueError as err:
+      sys.exit(f"experiments.equal_memory: {err}")
+    rows = results.rows
   else:
     try:
       rows = experiment.run(params, config, tok, FLAGS.out, plan,

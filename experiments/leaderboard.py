@@ -21,6 +21,7 @@ The full leaderboard: every task at 4k tokens, a subset at 8k::
 """
 
 import os
+import sys
 import time
 
 from absl import app
@@ -47,12 +48,21 @@ flags.DEFINE_bool("report_only", False, "Write the report from the rows on file;
 def main(argv):
   del argv
   results_io.quiet_library_logs(FLAGS)
-  plan = plan_flags.plan_from_flags(experiment.Plan)
+  try:  # flag errors before the model loads: one line naming the flag
+    plan = plan_flags.plan_from_flags(experiment.Plan).check()
+  except ValueError as err:
+    sys.exit(f"experiments.leaderboard: {err}")
   t0 = time.time()
   params, config, tok = model_loading.load_model(FLAGS.model, plan.dtype)
   name = model_loading.model_name(FLAGS.model)
   if FLAGS.report_only:
-    rows = results_io.read_rows(os.path.join(FLAGS.out, experiment.ROWS_FILE))
+    results = results_io.JsonlResults(os.path.join(FLAGS.out, experiment.ROWS_FILE),
+                                      experiment.KEY_FIELDS)
+    try:  # the report describes the rows' settings
+      experiment.check_rows(results, plan, name)
+    except ValueError as err:
+      sys.exit(f"experiments.leaderboard: {err}")
+    rows = results.rows
   else:
     rows = experiment.run(params, config, tok, FLAGS.out, plan, model=name)
   summary = report.write(rows, FLAGS.out, plan, n_kv_heads=config.n_kv_heads, model=name)

@@ -20,6 +20,7 @@ import pytest
 from certkv_jax.kv import memory
 from experiments.lib import design_defaults
 from experiments.lib import model_loading
+from experiments.lib import results_io
 from experiments.lib import variants
 from experiments.lib.equal_memory import report as equal_memory_report
 from experiments.lib.leaderboard import experiment
@@ -101,6 +102,24 @@ class LeaderboardTest(_TinyModelCase):
     self.assertEqual(logs, [f"0 of 8 units to run; rows in "
                             f"{os.path.join(self.out, experiment.ROWS_FILE)}"])
     self.assertLen(rows, 16)
+
+  def test_rows_of_other_settings_are_refused(self):
+    # A resume or a --report_only (main calls check_rows before writing the report) with
+    # another answer length or window: before, the answer length was taken as it came
+    # and a report described the flags, not the rows.
+    results = results_io.JsonlResults(os.path.join(self.out, experiment.ROWS_FILE),
+                                      experiment.KEY_FIELDS)
+    experiment.check_rows(results, self.plan, "tiny")
+    for change, pattern in ((dict(max_new_tokens=8), r"--max_new_tokens=8 .* max_new_tokens=4"),
+                            (dict(window=self.plan.window + 1), r"--window=")):
+      with self.assertRaisesRegex(ValueError, pattern):
+        experiment.check_rows(results, dataclasses.replace(self.plan, **change), "tiny")
+    # More ratios: each unit would rerun whole and find its old rows on file; refused
+    # before any model work (before: after the unit ran, naming no flag).
+    more = dataclasses.replace(self.plan, ratios=(0.5, 0.25))
+    with self.assertRaisesRegex(ValueError, r"--ratios / --n_examples / --group: .* holds "
+                                "some of the rows of unit"):
+      experiment.run(self.params, self.config, self.tok, self.out, more, model="tiny")
 
   def test_report(self):
     s = report.write(self.rows, self.out, self.plan, n_kv_heads=self.config.n_kv_heads,

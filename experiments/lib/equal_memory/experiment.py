@@ -202,6 +202,24 @@ def sources_sha256(paths) -> str:
   return h.hexdigest()
 
 
+def row_settings(plan: Plan, model: str) -> dict:
+  """``{flag: (row field, value)}``: the run's settings every row records."""
+  return dict(model=("model", model), chunk=("chunk", plan.chunk),
+              n_sink=("n_sink", plan.n_sink), window=("window", plan.window),
+              coverage=("with_coverage", plan.coverage),
+              sources=("sources_sha256", sources_sha256(plan.sources)))
+
+
+def check_rows(results: results_io.JsonlResults, plan: Plan, model: str) -> None:
+  """Refuses rows on file made with other settings than ``plan``'s, on a resume and
+  before a report."""
+  other = {r.get("cache", "seen") for r in results.rows} - {plan.cache}
+  if other:
+    raise ValueError(f"--cache={plan.cache}, but {results.path} holds rows of --cache="
+                     f"{other.pop()}: write to another --out")
+  results_io.check_settings(results, row_settings(plan, model))
+
+
 def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
         log: Callable[[str], None] = print) -> list[dict]:
   """Runs every unit of ``plan`` with missing rows; returns the rows on file."""
@@ -226,15 +244,8 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
     return all(results.has(context_len=c, variant=v, memory=m, split=split, segment=s,
                            seed=plan.seed) for m, s in rows_of(unit))
 
-  other = {r.get("cache", "seen") for r in results.rows} - {plan.cache}
-  if other:
-    raise ValueError(f"--cache={plan.cache}, but {results.path} holds rows of --cache="
-                     f"{other.pop()}: write to another --out")
-  settings = dict(model=("model", model), chunk=("chunk", plan.chunk),
-                  n_sink=("n_sink", plan.n_sink), window=("window", plan.window),
-                  coverage=("with_coverage", plan.coverage),
-                  sources=("sources_sha256", sources_sha256(plan.sources)))
-  results_io.check_settings(results, settings)  # a resume reads rows of these settings only
+  check_rows(results, plan, model)  # a resume reads rows of these settings only
+  settings = row_settings(plan, model)
   todo = [u for u in todo_all if not done(u)]
   progress = results_io.Progress(len(todo_all), len(todo_all) - len(todo))
   log(f"{len(todo)} of {len(todo_all)} units to run; rows in {results.path}")

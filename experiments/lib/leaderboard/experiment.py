@@ -388,6 +388,19 @@ def row_settings(plan: Plan, model: str) -> dict:
               haystack=("haystack_sha256", haystack_sha256(plan)))
 
 
+def check_rows(results: results_io.JsonlResults, plan: Plan, model: str) -> None:
+  """Refuses rows on file made with other settings than ``plan``'s (:func:`row_settings`
+  and the answer length), on a resume and before a report."""
+  results_io.check_settings(results, row_settings(plan, model))
+  for r in results.rows:
+    want = plan.max_new_tokens or ruler.tokens_to_generate(r["task"])
+    if r.get("max_new_tokens", want) != want:
+      raise ValueError(f"--max_new_tokens={plan.max_new_tokens} in this run, but "
+                       f"{results.path} holds {r['task']} rows made with max_new_tokens="
+                       f"{r['max_new_tokens']}: rerun with the same settings or write to "
+                       "another --out")
+
+
 def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
         log: Callable[[str], None] = print) -> list[dict]:
   """Runs every unit of ``plan`` with missing rows; returns the rows on file."""
@@ -417,11 +430,17 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
 
   if config.dtype != plan.dtype:
     raise ValueError(f"--dtype={plan.dtype} but the model was loaded in {config.dtype}")
-  settings = row_settings(plan, model)
-  results_io.check_settings(results, settings)
-  settings = {field: value for field, value, *_ in settings.values()}  # the rows' fields
+  check_rows(results, plan, model)
+  settings = {field: value for field, value, *_ in row_settings(plan, model).values()}
   todo_all = plan.units()
   todo = [u for u in todo_all if not done(u)]
+  part = [u for u in todo if any(results.has(context_len=u[0], task=u[1], regime=u[2],
+                                             design=u[4], ratio=r, example=e, seed=plan.seed)
+                                 for e, r in rows_of(u))]
+  if part:  # a unit reruns whole: its rows on file would be written twice
+    raise ValueError(f"--ratios / --n_examples / --group: {results.path} holds some of the "
+                     f"rows of unit {part[0]} (another split of the work): rerun with the "
+                     "earlier settings or write to another --out")
   progress = results_io.Progress(len(todo_all), len(todo_all) - len(todo))
   log(f"{len(todo)} of {len(todo_all)} units to run; rows in {results.path}")
   group_id = None
