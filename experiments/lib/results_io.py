@@ -49,6 +49,9 @@ def atomic_write(path: str, write, binary: bool = False) -> None:
       write(f)
       f.flush()
       os.fsync(f.fileno())
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # as open() would make it (mkstemp makes 0600)
     os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):

@@ -10,6 +10,16 @@ from experiments.lib import results_io
 
 class JsonlResultsTest(absltest.TestCase):
 
+  def test_atomic_write_gives_the_mode_open_would(self):
+    # Before: 0600 (mkstemp's), so results in a shared folder were unreadable to others.
+    path = os.path.join(self.enter_context(tempfile.TemporaryDirectory()), "report.md")
+    umask = os.umask(0o022)
+    try:
+      results_io.atomic_write_text(path, "x")
+    finally:
+      os.umask(umask)
+    self.assertEqual(os.stat(path).st_mode & 0o777, 0o644)
+
   def test_add_many_is_one_write_and_a_rerun_finds_all_or_none(self):
     path = os.path.join(self.enter_context(tempfile.TemporaryDirectory()), "rows.jsonl")
     results = results_io.JsonlResults(path, ("unit", "row"))

@@ -122,6 +122,9 @@ class BootstrapTest(absltest.TestCase):
     # paired: the difference of identical arrays is 0 in every resample
     d = stats.bootstrap_ci(lambda a, b: np.mean(a - b), s, s, n_boot=50, seed=0)
     self.assertEqual((d.lo, d.hi), (0.0, 0.0))
+    # A NaN label matched no stratum, so its examples were never resampled (before).
+    with self.assertRaisesRegex(ValueError, "strata must be finite labels, got 1 non-finite"):
+      stats.bootstrap_ci(np.mean, s, strata=np.where(np.arange(80) == 3, np.nan, 1.0))
 
   def test_cluster(self):
     rng = np.random.default_rng(3)

@@ -80,6 +80,9 @@ def bootstrap_ci(stat_fn: Callable[..., float], *arrays, n_boot: int = 1000, see
     st = np.asarray(strata)
     if st.shape != (n,):
       raise ValueError(f"strata must have shape ({n},), got {st.shape}")
+    if st.dtype.kind == "f" and not np.isfinite(st).all():  # NaN == NaN is False: lost
+      raise ValueError(f"strata must be finite labels, got {int((~np.isfinite(st)).sum())} "
+                       "non-finite")
     groups = [np.flatnonzero(st == u) for u in np.unique(st)]
   stats = np.empty(n_boot)
   for b in range(n_boot):
