@@ -99,6 +99,8 @@ def append(cache: KVCache, k_new, v_new, new_valid=None) -> KVCache:
   new_valid = jnp.asarray(new_valid)
   if new_valid.shape != (t,) or new_valid.dtype != jnp.bool_:
     raise ValueError(f"new_valid must be bool [{t}], got {new_valid.dtype} {new_valid.shape}")
+  if t == 0:  # an empty chunk: nothing to write
+    return cache
   slots = slot_assignment(cache.valid, new_valid)
   if (_validate.is_concrete(slots.n_new) and _validate.is_concrete(slots.n_free)
       and int(slots.n_new) > int(slots.n_free)):
@@ -172,7 +174,8 @@ def write_slots(cache: KVCache, slots: SlotAssignment, idx, k_new, v_new,
   meta, counters = slot_metadata(cache, slots)
   if fresh is None:
     fresh = ~jnp.any(cache.valid)
-  kv, v_ref = slot_kv(cache, k_new, v_new, fresh & (slots.rank[0] == 0))
+  first = jnp.argmax(slots.rank == 0)  # the first real token (padding has rank -1)
+  kv, v_ref = slot_kv(cache, k_new, v_new, fresh & (slots.n_new > 0), first)
   new = dict(meta, **kv)
   return cache._replace(
       **{f: getattr(cache, f).at[idx].set(u, mode="drop") for f, u in new.items()},
@@ -193,14 +196,15 @@ def slot_metadata(cache: KVCache, slots: SlotAssignment) -> tuple[dict, dict]:
   return meta, counters
 
 
-def slot_kv(cache: KVCache, k_new, v_new, fresh) -> tuple[dict, Array]:
+def slot_kv(cache: KVCache, k_new, v_new, fresh, first=0) -> tuple[dict, Array]:
   """The new tokens' ``k``, ``v``, ``v_sq`` and the cache's ``v_ref`` after them.
 
-  ``v_ref`` becomes the chunk's first value when ``fresh`` (a traced bool).
+  ``v_ref`` becomes the value of the chunk's first real token (index ``first``, after
+  any padding) when ``fresh`` (a traced bool).
   """
   v_stored = v_new.astype(cache.v.dtype)
   v32 = v_stored.astype(jnp.float32)
-  v_ref = jnp.where(fresh, v32[0], cache.v_ref)
+  v_ref = jnp.where(fresh, v32[first], cache.v_ref)
   dv = v32 - v_ref
   return dict(k=k_new.astype(cache.k.dtype), v=v_stored, v_sq=jnp.sum(dv * dv, axis=-1)), v_ref
 

@@ -238,6 +238,8 @@ class Caches:
     """Layer ``i``'s (int or traced; per layer: int) keys [batch, n_kv_heads, t, head_dim]
     and values into the slots :meth:`reserve` gave them (one scatter per field, in place
     when donated)."""
+    if k_new.shape[-2] == 0:  # an empty chunk: nothing to write
+      return self
     if self.per_layer:
       if not isinstance(i, int):
         raise TypeError(f"Caches.write_kv on per-layer caches needs an int layer index i, "
@@ -251,8 +253,9 @@ class Caches:
     b, h = idx.shape[:2]
     one = self.layer(i)
     stored = jnp.sum(idx < one.capacity, axis=-1)
-    fresh = (jnp.sum(one.valid, axis=-1) == stored) & slots.new_valid[:, :, 0]  # v_ref: first
-    new, v_ref = over_heads(cache_lib.slot_kv)(one, k_new, v_new, fresh)
+    fresh = (jnp.sum(one.valid, axis=-1) == stored) & jnp.any(slots.new_valid, axis=-1)
+    first = jnp.argmax(slots.new_valid, axis=-1)  # v_ref: the first real token's value
+    new, v_ref = over_heads(cache_lib.slot_kv)(one, k_new, v_new, fresh, first)
     at = (i, jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], idx)
     kv = self.layers
     return Caches(kv._replace(

@@ -139,6 +139,31 @@ class StoredValueNormsTest(parameterized.TestCase):
     np.testing.assert_array_equal(stacked.v_ref[1, 0, 1], one.v_ref)
     np.testing.assert_allclose(stacked.v_sq[1, 0, 1], one.v_sq, rtol=1e-6)
 
+  def test_padding_before_the_first_real_token_changes_nothing(self):
+    # Before: a chunk starting with padding left v_ref at 0 (append and write_kv alike),
+    # so the norms of values offset by 100 lost precision until the next eviction.
+    v = jax.random.normal(jax.random.PRNGKey(3), (3, 4)) + 100.0
+    k = jnp.zeros((3, 4))
+    end = cache_lib.append(cache_lib.init_cache(8, 4), k, v, jnp.array([True, True, False]))
+    front = cache_lib.append(cache_lib.init_cache(8, 4), jnp.roll(k, 1, 0), jnp.roll(v, 1, 0),
+                             jnp.array([False, True, True]))
+    np.testing.assert_array_equal(front.v_ref, v[0])
+    np.testing.assert_array_equal(front.v_sq, end.v_sq)
+    spec = caches_lib.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=4)
+    mask = jnp.array([[False, True, True]])
+    stacked, slots = caches_lib.init_caches(spec, 1, 8).reserve(mask)
+    stacked = stacked.write_kv(0, slots, jnp.roll(k, 1, 0)[None, None],
+                               jnp.roll(v, 1, 0)[None, None])
+    np.testing.assert_array_equal(stacked.v_ref[0, 0, 0], v[0])
+
+  def test_an_empty_chunk_is_a_no_op(self):
+    c = cache_lib.append(cache_lib.init_cache(8, 4), jnp.ones((2, 4)), jnp.ones((2, 4)))
+    chex.assert_trees_all_equal(cache_lib.append(c, jnp.zeros((0, 4)), jnp.zeros((0, 4))), c)
+    spec = caches_lib.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=4)
+    stacked, slots = caches_lib.init_caches(spec, 1, 8).reserve(jnp.zeros((1, 0), bool))
+    got = stacked.write_kv(0, slots, jnp.zeros((1, 1, 0, 4)), jnp.zeros((1, 1, 0, 4)))
+    chex.assert_trees_all_equal(got.as_kvcache(), stacked.as_kvcache())
+
   @parameterized.parameters("stacked", "unrolled")
   def test_eviction_rebases_so_no_evicted_value_remains(self, layout):
     # A design without sinks evicts the oldest tokens, the first of which gave
