@@ -279,27 +279,23 @@ def default_backend() -> str:
   return "mosaic" if jax.default_backend() == "tpu" else "triton"
 
 
-def _check_lengths(lengths, batch: int) -> None:
-  """``lengths``: None or int [B] (values: :func:`_checks_length_values`)."""
-  if lengths is not None and (lengths.shape != (batch,)
-                              or not jnp.issubdtype(lengths.dtype, jnp.integer)):
-    raise ValueError(f"lengths must be int [B] = ({batch},), got {lengths.dtype} "
-                     f"{lengths.shape}")
-
-
-def _checks_length_values(jitted):
-  """Raises before the jitted call when concrete ``lengths`` leave [0, n] (inside the
-  call they are traced, and a length out of range would act clipped)."""
+def _checks_lengths(jitted):
+  """Checks ``lengths`` (None or int [B] in [0, n]) before the jitted call, where its
+  values are still concrete (inside, a length out of range would act clipped)."""
   signature = inspect.signature(jitted)
 
   @functools.wraps(jitted)
   def call(*args, **kwargs):
     given = signature.bind(*args, **kwargs).arguments
-    lengths, n = given.get("lengths"), jnp.shape(given["k"])[1]
-    if lengths is not None and not isinstance(lengths, jax.core.Tracer):
-      found = np.asarray(lengths)
-      if found.dtype.kind in "iu" and ((found < 0) | (found > n)).any():
-        raise ValueError(f"lengths must be in [0, n={n}], got {found}")
+    lengths, batch, n = given.get("lengths"), jnp.shape(given["q"])[0], jnp.shape(given["k"])[1]
+    if lengths is not None:
+      if jnp.shape(lengths) != (batch,) or not jnp.issubdtype(jnp.result_type(lengths),
+                                                               jnp.integer):
+        raise ValueError(f"lengths must be int [B] = ({batch},), got "
+                         f"{jnp.result_type(lengths)} {jnp.shape(lengths)}")
+      if not isinstance(lengths, jax.core.Tracer) and (
+          (np.asarray(lengths) < 0) | (np.asarray(lengths) > n)).any():
+        raise ValueError(f"lengths must be in [0, n={n}], got {np.asarray(lengths)}")
     return jitted(*args, **kwargs)
 
   return call
@@ -353,7 +349,7 @@ def _exact_cache_range(q, k, v, offset, lengths, scale, fin):
   return reference.exact_range(l, v, reference.one_minus_pi(off), valid, fin.out, fin.lse)
 
 
-@_checks_length_values
+@_checks_lengths
 @functools.partial(jax.jit, static_argnames=("scale", "config", "with_stats"))
 def offset_decode_attention(q, k, v, offset, lengths=None, *, scale: Optional[float] = None,
                             config: KernelConfig = KernelConfig(), with_stats: bool = True):
@@ -385,7 +381,6 @@ def offset_decode_attention(q, k, v, offset, lengths=None, *, scale: Optional[fl
                      f"k {k.shape}, v {v.shape}")
   if offset.shape != (batch, n):
     raise ValueError(f"offset must be [B, n] = {(batch, n)}, got {offset.shape}")
-  _check_lengths(lengths, batch)
   if config.range_mode not in ("exact", "bound"):
     raise ValueError(f"range_mode must be 'exact' or 'bound', got {config.range_mode!r}")
   if scale is None:
@@ -417,7 +412,7 @@ class ChunkKV(NamedTuple):
   valid: Optional[jax.Array] = None
 
 
-@_checks_length_values
+@_checks_lengths
 @functools.partial(jax.jit, static_argnames=("scale", "config"))
 def offset_chunk_attention(q, k, v, offset, chunk: ChunkKV, lengths=None, *,
                            scale: Optional[float] = None,
@@ -444,7 +439,6 @@ def offset_chunk_attention(q, k, v, offset, chunk: ChunkKV, lengths=None, *,
                      f"got {k_chunk.shape}, {v_chunk.shape}")
   if scale is None:
     scale = 1.0 / math.sqrt(d)
-  _check_lengths(lengths, batch)
   rows = q.reshape(batch, t * groups, d)
   config = _resolve(config, k.shape[1], batch)
   rows_n = t * groups
