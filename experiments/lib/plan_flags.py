@@ -59,9 +59,14 @@ def _kind(plan_cls, field) -> tuple[type, bool]:
   return base, optional
 
 
-def _item_type(field) -> type:
-  """Element type of a tuple field: that of its default's first entry (str if empty or
-  None)."""
+def _item_type(plan_cls, field) -> type:
+  """Element type of a tuple field: from its annotation (``tuple[int, ...]``), else that of
+  its default's first entry (str if empty or None)."""
+  hint = typing.get_type_hints(plan_cls)[field.name]
+  for h in (hint,) + typing.get_args(hint):  # Optional[tuple[int, ...]] too
+    args = typing.get_args(h)
+    if typing.get_origin(h) is tuple and args and args[0] in _SCALARS:
+      return args[0]
   items = field.default or ()
   return type(items[0]) if items else str
 
@@ -111,7 +116,7 @@ def plan_from_flags(plan_cls, flag_values: flags.FlagValues = flags.FLAGS, *, sk
     elif f.metadata.get("parse") is not None:
       values[f.name] = f.metadata["parse"](raw)
     elif kind is tuple:
-      item = _item_type(f)
+      item = _item_type(plan_cls, f)
       values[f.name] = tuple(_convert(item, x, f.name) for x in raw)
     else:
       values[f.name] = raw

@@ -32,6 +32,8 @@ class _Plan:
   limit: Optional[int] = plan_flags.setting(None, "Limit.")
   at: tuple = plan_flags.setting((), "CONTEXT:task pairs.", parse=_pairs)
   dims: Optional[tuple] = plan_flags.setting(None, "Dims (None: the backend's).")
+  sizes: Optional[tuple[int, ...]] = plan_flags.setting(None, "Sizes (typed by annotation).")
+  splits: tuple[int, ...] = plan_flags.setting((), "Splits (typed by annotation).")
   hidden: int = 3  # not a setting: no flag
 
   def check(self):
@@ -56,12 +58,14 @@ class PlanFlagsTest(absltest.TestCase):
   def test_values_are_typed_from_the_fields(self):
     fv = self._parse("--budget=0.5", "--steps=3", "--name=h2o", "--nochat",
                      "--ratios=0.125,0.875", "--lens=512,2048", "--tasks=c", "--limit=7",
-                     "--at=8192:vt,4096:qa", "--dims=64,128")
+                     "--at=8192:vt,4096:qa", "--dims=64,128", "--sizes=8,16",
+                     "--splits=2")
     plan = plan_flags.plan_from_flags(_Plan, fv)
     self.assertEqual(plan, _Plan(budget=0.5, steps=3, name="h2o", chat=False,
                                  ratios=(0.125, 0.875), lens=(512, 2048), tasks=("c",),
                                  limit=7, at=((8192, "vt"), (4096, "qa")),
-                                 dims=("64", "128")))  # no default to type them: strings
+                                 dims=("64", "128"),  # no default to type them: strings
+                                 sizes=(8, 16), splits=(2,)))
     self.assertIsInstance(plan.lens[0], int)
     self.assertIsInstance(plan.ratios[0], float)
 
@@ -80,6 +84,9 @@ class PlanFlagsTest(absltest.TestCase):
       self._parse("--steps=x")
     with self.assertRaisesRegex(ValueError, "--lens entries must be ints, got '1.5'"):
       plan_flags.plan_from_flags(_Plan, self._parse("--lens=1.5"))
+    for flag in ("--sizes=40x6", "--splits=a"):  # no default, typed by the annotation
+      with self.assertRaisesRegex(ValueError, "entries must be ints"):
+        plan_flags.plan_from_flags(_Plan, self._parse(flag))
     with self.assertRaisesRegex(ValueError, "--steps must be >= 1"):  # the Plan's check
       plan_flags.plan_from_flags(_Plan, self._parse("--steps=0"))
 

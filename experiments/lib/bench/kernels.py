@@ -392,9 +392,9 @@ class Plan:
   Fields left None take the backend's value in ``DEFAULTS`` (:meth:`resolve`).
   """
 
-  lengths: Optional[tuple] = plan_flags.setting(
+  lengths: Optional[tuple[int, ...]] = plan_flags.setting(
       None, "Cache lengths (default: 4096,32768 on a GPU/TPU; 1024,4096,16384,32768 on CPU).")
-  head_dims: Optional[tuple] = plan_flags.setting(None, "Head dimensions (default 64,128).")
+  head_dims: Optional[tuple[int, ...]] = plan_flags.setting(None, "Head dimensions (default 64,128).")
   batch: Optional[int] = plan_flags.setting(
       None, "Rows of (sequence, KV head) (default: 64 on a GPU/TPU, 8 on CPU).")
   groups: int = plan_flags.setting(4, "Query heads per KV head (GQA group).")
@@ -403,7 +403,7 @@ class Plan:
   pallas: Optional[bool] = plan_flags.setting(
       None, "Include the Pallas kernel (default: on GPU/TPU only; interpreted, slowly, on "
       "CPU).")
-  splits: tuple = plan_flags.setting(
+  splits: tuple[int, ...] = plan_flags.setting(
       (), "num_splits values of the Pallas kernel to sweep, beside its default tiling (e.g. "
       "1,2,4,8).")
   tilings: tuple = plan_flags.setting(
