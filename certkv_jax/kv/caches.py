@@ -140,12 +140,22 @@ class Caches:
     """These caches with layer ``i``'s ``fields`` (None: all) taken from ``cache``."""
     fields = KVCache._fields if fields is None else fields
     self._check_index(i)
+    old = self.layer(i) if self.per_layer else None
+
+    def given(f):  # the layer's own dtype; a shape that differs is refused, not padded
+      u = jnp.asarray(getattr(cache, f))
+      a = getattr(old, f) if self.per_layer else getattr(self.layers, f)
+      shape = a.shape if self.per_layer else a.shape[1:]
+      if u.shape != shape:
+        raise ValueError(f"cache.{f}: layer {i} holds shape {shape}, got {u.shape}")
+      return u.astype(a.dtype)
+
     if self.per_layer:
-      new = self.layers[i]._replace(**{f: getattr(cache, f) for f in fields})
+      new = old._replace(**{f: given(f) for f in fields})
       return Caches(self.layers[:i] + (new,) + self.layers[i + 1:])
-    put = lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, axis=0)
+    put = lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u, i, axis=0)
     kv = self.layers
-    return Caches(kv._replace(**{f: put(getattr(kv, f), getattr(cache, f)) for f in fields}))
+    return Caches(kv._replace(**{f: put(getattr(kv, f), given(f)) for f in fields}))
 
   def replace(self, **fields) -> "Caches":
     """Stacked caches with whole fields (``[n_layers, batch, n_kv_heads, ...]``) replaced."""

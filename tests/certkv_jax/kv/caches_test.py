@@ -80,6 +80,18 @@ class CachesTest(absltest.TestCase):
     np.testing.assert_array_equal(one.n_seen[:, 0, 0], [1, 7])
     self.assertIs(one.layer(1), per_layer.layer(1))
 
+  def test_with_layer_keeps_dtypes_and_checks_shapes_in_either_form(self):
+    c = caches_lib.init_caches(SPEC, batch=1, capacity=3)
+    for form in (c, c.unstack()):
+      wide = form.layer(1)._replace(acc=jnp.full((1, 1, 3), 0.5, jnp.bfloat16),
+                                    n_seen=jnp.full((1, 1), 2.0))  # float into int32
+      got = form.with_layer(1, wide)
+      self.assertEqual(got.acc.dtype, jnp.float32)
+      self.assertEqual(got.n_seen.dtype, jnp.int32)
+      np.testing.assert_array_equal(got.n_seen[:, 0, 0], [0, 2])
+      with self.assertRaises((ValueError, TypeError)):  # one slot short
+        form.with_layer(0, form.layer(0)._replace(acc=jnp.zeros((1, 1, 2))), fields=("acc",))
+
   def test_map_gives_caches_in_this_form_and_the_rest_stacked(self):
     c = caches_lib.init_caches(SPEC, batch=1, capacity=3)
     extra = jnp.array([10, 20], jnp.int32)[:, None, None]  # [n_layers, batch, n_kv_heads]
