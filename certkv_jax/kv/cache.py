@@ -273,16 +273,15 @@ def keep_only(cache: KVCache, keep, log_pi_round) -> KVCache:
 def apply_keep(cache: KVCache, keep, log_pi) -> KVCache:
   """:func:`keep_only` of an eviction decided elsewhere, given the new ``log_pi``.
 
-  For stacked per-layer caches (``certkv_jax.eviction``): only the scatters
-  read the decision, so every layer compiles to the same program.
+  For per-layer caches (``certkv_jax.eviction``), once per layer: elementwise
+  selects, which compile to one small loop each where :func:`zero_slots`'
+  scatters compile to several (the same values).
   """
-  gone = cache.valid & ~keep
-  rows = jnp.where(gone, jnp.arange(cache.capacity), cache.capacity)  # capacity: not written
-  clear = lambda x, fill: x.at[rows].set(jnp.asarray(fill, x.dtype), mode="drop")
-  valid = clear(cache.valid, False)  # = keep & valid
+  valid = cache.valid & keep
   f0 = jnp.zeros_like(cache.log_pi)
+  zero = lambda x: jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
   return cache._replace(
-      k=clear(cache.k, 0), v=clear(cache.v, 0), log_pi=jnp.asarray(log_pi, jnp.float32),
+      k=zero(cache.k), v=zero(cache.v), log_pi=jnp.asarray(log_pi, jnp.float32),
       pos=jnp.where(valid, cache.pos, -1), valid=valid,
       **{f: jnp.where(valid, getattr(cache, f), f0) for f in ("acc", "last", "obs", "v_sq")})
 
