@@ -12,6 +12,8 @@ import string
 from typing import Callable, Sequence
 
 _DIGIT_RUN = re.compile(r"\d+")
+_NUMBER = re.compile(r"\d(?:[ ,-]?\d)*")  # digits, single spaces, commas or hyphens between
+_LIST_MARKER = re.compile(r"^\s*\d+[.)](?=\s)", re.M)
 VAR_NAME_LEN = 5  # variable_tracking's names: this many upper-case letters
 _VAR_NAME = re.compile(r"\b[A-Z]{%d}\b" % VAR_NAME_LEN)
 
@@ -25,16 +27,19 @@ def normalize_answer(text: str) -> str:
 
 
 def score_digits(text: str, answers: Sequence[str]) -> bool:
-  """``digits``: the generation's digits, concatenated (separators ignored), start with
-  the answer's digits (the first answer-length span must match exactly)."""
+  """``digits``: the generation's first number, its digits joined across single
+  separators (``"1 2 3"``, ``"12,345"``, ``"12-345"``), is exactly the answer's digits; a
+  longer number or a list's ``1.`` is wrong."""
   want = "".join(_DIGIT_RUN.findall(answers[0]))
-  return bool(want) and "".join(_DIGIT_RUN.findall(text))[:len(want)] == want
+  first = _NUMBER.search(text)
+  return bool(want) and first is not None and "".join(_DIGIT_RUN.findall(first[0])) == want
 
 
 def score_numbers_all(text: str, answers: Sequence[str]) -> bool:
   """``numbers_all``: the first ``len(answers)`` numbers (maximal digit runs) of the
-  generation are exactly the answers, in any order."""
-  got = _DIGIT_RUN.findall(text)[:len(answers)]
+  generation, list markers (a line's ``1.`` or ``2)``) left out, are exactly the
+  answers, in any order."""
+  got = _DIGIT_RUN.findall(_LIST_MARKER.sub(" ", text))[:len(answers)]
   return sorted(got) == sorted(answers)
 
 

@@ -163,6 +163,14 @@ class TasksTest(parameterized.TestCase):
     self.assertTrue(tasks.score_digits(" 1 2 3 4 5 and more", ["12345"]))
     self.assertFalse(tasks.score_digits(" 1234", ["12345"]))
     self.assertFalse(tasks.score_digits(" 123465", ["12345"]))
+    self.assertTrue(tasks.score_digits("The pass key is 12,345.", ["12345"]))
+    self.assertFalse(tasks.score_digits(" 542422.", ["54242"]))  # a longer number
+    self.assertFalse(tasks.score_digits("1. fig 2. plum 3. kiwi 4. pear 5. yam", ["12345"]))
+    self.assertFalse(tasks.score_digits("no digits", ["12345"]))
+    listed = ":\n\n1. 4653837\n2. 1111\n3. 222"  # SmolLM2 answers in a numbered list
+    self.assertTrue(tasks.score_numbers_all(listed, ["222", "4653837", "1111"]))
+    self.assertTrue(tasks.score_numbers_all("4653837, 1111, 222", ["222", "4653837", "1111"]))
+    self.assertFalse(tasks.score_numbers_all(listed, ["4653837", "1111", "223"]))
     self.assertTrue(tasks.contains_match("It is The Eiffel Tower!", ["eiffel tower"]))
     self.assertFalse(tasks.contains_match("towering", ["tower"]))
     self.assertTrue(tasks.exact_match(" The answer.", ["answer"]))
