@@ -255,8 +255,10 @@ def apply_scales(radii, groups, scales) -> Array:
     if bad.any():
       raise ValueError(f"groups must be in [0, n_groups={scales.shape[0]}); got "
                        f"{np.unique(g[bad])[:5]}")
-  s = jnp.take(scales, groups, mode="fill", fill_value=jnp.nan)
-  return jnp.where(jnp.isinf(s) | jnp.isinf(radii), jnp.inf, s * radii)
+  n = scales.shape[0]  # take(mode="fill") would wrap a negative group: masked here
+  s = jnp.where((groups < 0) | (groups >= n), jnp.nan, jnp.take(scales, groups, mode="fill"))
+  return jnp.where(jnp.isnan(s), jnp.nan,
+                   jnp.where(jnp.isinf(s) | jnp.isinf(radii), jnp.inf, s * radii))
 
 
 def coverage_and_sharpness(errors, radii) -> tuple[float, float]:

@@ -251,6 +251,9 @@ def fit(calls: FitCalls, *, regimes: Sequence[str], budgets: Sequence[float],
   Every (regime, budget) needs calls; ``n_bins`` radius bins per (regime,
   budget, delta); ``model`` and ``design`` are checked when applied.
   """
+  if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 2:
+    raise ValueError(f"n_bins must be an int >= 2 (one bin has no edges, which the saved "
+                     f"artifact cannot hold), got {n_bins!r}")
   (errors, radii, regimes_per_call, budgets_per_call, sources_per_call,
    context_tokens_per_call) = calls
   e = np.asarray(errors, np.float64)

@@ -83,6 +83,8 @@ class RocTest(parameterized.TestCase):
     self.assertAlmostEqual(stats.stratified_auc(s, y, g), num / den, places=12)
     with self.assertRaisesRegex(ValueError, "no stratum contains both classes"):
       stats.stratified_auc([1, 2], [True, False], ["a", "b"])
+    with self.assertRaisesRegex(ValueError, "strata must be finite labels"):
+      stats.stratified_auc([1, 2, 3, 4], [True, False, True, False], [0, 0, np.nan, np.nan])
 
   def test_stratified_attribution_separates_task_from_score(self):
     # Task A's failures are all cache-induced, task B's all inherent: a score that
@@ -146,6 +148,10 @@ class BootstrapTest(absltest.TestCase):
       stats.bootstrap_ci(lambda a, b: 0.0, [1.0, 2.0], [1.0])
     with self.assertRaisesRegex(ValueError, "groups"):
       stats.cluster_bootstrap_ci(np.mean, [1.0, 2.0], groups=[0, 0])
+    # A NaN group was never resampled while the estimate used its rows.
+    with self.assertRaisesRegex(ValueError, "groups must be finite labels, got 2 non-finite"):
+      stats.cluster_bootstrap_ci(np.mean, [0.0, 0.0, 1.0, 1.0, 99.0, 99.0],
+                                 groups=[0, 0, 1, 1, np.nan, np.nan])
 
 
 class IntervalAndCoverageTest(parameterized.TestCase):
@@ -207,6 +213,19 @@ class IntervalAndCoverageTest(parameterized.TestCase):
     self.assertTrue(math.isnan(stats.sharpness(err, np.zeros(8))))
     with self.assertRaisesRegex(ValueError, "bins"):
       stats.coverage_by_bins(err, radii, R, bins=[3, 1])
+    # NaN would count as a miss, or fall out of every bin, unseen; an infinite R has no
+    # quantile edges.
+    nan_at = lambda x, i: np.where(np.arange(8) == i, np.nan, x)
+    with self.assertRaisesRegex(ValueError, "radii must not contain NaN, got 1"):
+      stats.sharpness(err, nan_at(radii, 2))
+    with self.assertRaisesRegex(ValueError, "errors must not contain NaN"):
+      stats.coverage_curve(nan_at(err, 0), [0.05], radii_fn=lambda d: radii)
+    with self.assertRaisesRegex(ValueError, "R must not contain NaN"):
+      stats.coverage_by_bins(err, radii, nan_at(R, 1), bins=[0, 4.5, 8])
+    with self.assertRaisesRegex(ValueError, "R must be finite with bins=int"):
+      stats.coverage_by_bins(err, radii, np.where(R == 8, np.inf, R), bins=2)
+    inf_r = stats.coverage_by_bins(err, radii, np.where(R == 8, np.inf, R), bins=[0, 5, np.inf])
+    np.testing.assert_array_equal(inf_r.count, [4, 4])
 
 
 class RegressionTest(absltest.TestCase):

@@ -80,9 +80,7 @@ def bootstrap_ci(stat_fn: Callable[..., float], *arrays, n_boot: int = 1000, see
     st = np.asarray(strata)
     if st.shape != (n,):
       raise ValueError(f"strata must have shape ({n},), got {st.shape}")
-    if st.dtype.kind == "f" and not np.isfinite(st).all():  # NaN == NaN is False: lost
-      raise ValueError(f"strata must be finite labels, got {int((~np.isfinite(st)).sum())} "
-                       "non-finite")
+    validation.finite_labels(st, "strata")
     groups = [np.flatnonzero(st == u) for u in np.unique(st)]
   stats = np.empty(n_boot)
   for b in range(n_boot):
@@ -109,6 +107,7 @@ def cluster_bootstrap_ci(stat_fn: Callable[..., float], *arrays, groups, n_boot:
   if g.ndim != 1 or n == 0 or any(a.ndim == 0 or len(a) != n for a in arrays):
     raise ValueError(f"groups and arrays must share a non-zero first-axis length, got groups "
                      f"{g.shape}, arrays {[a.shape for a in arrays]}")
+  validation.finite_labels(g, "groups")
   members = [np.flatnonzero(g == u) for u in np.unique(g)]
   if len(members) < 2:
     raise ValueError(f"groups must have >= 2 distinct values, got {len(members)}")

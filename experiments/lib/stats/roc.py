@@ -109,6 +109,7 @@ def stratified_auc(scores, labels, strata) -> float:
   lab = validation.labels(labels)
   g = np.asarray(strata)
   validation.same_length(scores=s, labels=lab, strata=g)
+  validation.finite_labels(g, "strata")
   if not np.all(np.isfinite(s)):
     raise ValueError("scores must be finite")
   total, pairs = 0.0, 0

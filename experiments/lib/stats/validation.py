@@ -35,3 +35,11 @@ def labels(values, name: str = "labels") -> np.ndarray:
       raise ValueError(f"{name} must be boolean or 0/1")
     lab = lab.astype(bool)
   return lab
+
+
+def finite_labels(labels: np.ndarray, name: str) -> None:
+  """Group or stratum labels must be finite: ``NaN == NaN`` is False, so a NaN label's rows
+  would be left out of every resample (or stratum) while the estimate still used them."""
+  if labels.dtype.kind == "f" and not np.isfinite(labels).all():
+    raise ValueError(f"{name} must be finite labels, got "
+                     f"{int((~np.isfinite(labels)).sum())} non-finite")

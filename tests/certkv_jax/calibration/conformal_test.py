@@ -266,6 +266,12 @@ class ApplyScalesTest(parameterized.TestCase):
     out = jax.jit(calibration.apply_scales)(jnp.ones(2), jnp.array([0, 2]), scales)
     self.assertEqual(float(out[0]), 1.0)
     self.assertTrue(bool(jnp.isnan(out[1])))
+    # A negative group is not wrapped to the last one, and an infinite radius does not
+    # turn a bad group's NaN into +inf.
+    out = jax.jit(calibration.apply_scales)(jnp.array([1.0, jnp.inf, 1.0]),
+                                            jnp.array([-1, 5, 1]), scales)
+    np.testing.assert_array_equal(np.isnan(out), [True, True, False])
+    self.assertEqual(float(out[2]), 2.0)
 
   def test_bad_inputs(self):
     with self.assertRaisesRegex(ValueError, "scales must be 1-D"):

@@ -106,6 +106,14 @@ class BinnedCalibrationTest(absltest.TestCase):
     return rc.fit(calls, regimes=("question_aware", "streaming"), budgets=(0.25, 0.5),
                   deltas=(0.05, 0.1), model="m", design="poisson_tail", n_bins=4)
 
+  def test_one_bin_is_refused_before_fitting(self):  # its empty edges cannot be saved
+    calls = rc.FitCalls(np.ones(4), np.ones((1, 4)), regimes_per_call=["q"] * 4,
+                        budgets_per_call=[0.5] * 4, sources_per_call=["a"] * 4,
+                        context_tokens_per_call=[10] * 4)
+    with self.assertRaisesRegex(ValueError, "n_bins must be an int >= 2"):
+      rc.fit(calls, regimes=("q",), budgets=(0.5,), deltas=(0.05,), model="m",
+             design="poisson_tail", n_bins=1)
+
   def test_round_trip_and_radius(self):
     cal = self._fit()
     self.assertEqual(cal.scales.shape, (2, 2, 2, 4))
