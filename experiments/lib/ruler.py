@@ -189,8 +189,9 @@ def make_examples(name: str, tokenizer, num_examples: int, context_len: int, see
 
   Returns:
     Examples with ``metric="ruler_all"``; ``meta`` has ``max_new_tokens``,
-    ``n_haystack`` (noise lines, essay words, needles, list words or coded words)
-    and ``n_prompt_tokens``.
+    ``n_haystack`` (the size the length search settled on: noise lines, essay words,
+    needles, list words, or for fwe the ``num_words`` asked for, of which the coded
+    words in the context may be fewer) and ``n_prompt_tokens``.
   """
   _check_name(name)
   prompts.check_int(num_examples, "num_examples", 1)
