@@ -46,11 +46,15 @@ def split_prompt(tokenizer, prompt: str, *, chat: bool, question_tokens: int = 0
 
   The question is the prompt's last line when it has several lines and
   ``question_tokens`` is 0; else its last ``question_tokens`` tokens (0: at
-  most :data:`FALLBACK_QUESTION_TOKENS`, leaving one context token).
+  most :data:`FALLBACK_QUESTION_TOKENS`), taken from the prompt's own tokens:
+  the chat template's opening stays in the context, which keeps at least one
+  token. Trailing whitespace of the prompt is dropped here (question-aware
+  feeds the prompt as given), and the context and question are tokenized
+  apart, so the two regimes can differ by a token or two where they meet.
 
   Raises:
-    ValueError naming ``question_tokens`` when it leaves no context, or
-    ``prompt`` when the prompt is a single token.
+    ValueError naming ``question_tokens`` when it leaves no context or reaches
+    into the template, or ``prompt`` when it has no token to ask.
   """
   prefix, suffix, applied = _chat_parts(tokenizer, chat)
   body = prompt.rstrip()
@@ -60,19 +64,24 @@ def split_prompt(tokenizer, prompt: str, *, chat: bool, question_tokens: int = 0
     question = list(tokenizer.encode(body[cut + 1:] + suffix, add_bos=False))
     return context, question, "the prompt's last line", applied
   ids = list(tokenizer.encode(prefix + body))
-  if len(ids) < 2:
+  opening = list(tokenizer.encode(prefix))  # BOS and the template's opening, if any
+  n_fixed = next((i for i, (a, b) in enumerate(zip(ids, opening)) if a != b),
+                 min(len(ids), len(opening)))
+  room = len(ids) - max(n_fixed, 1)  # the prompt's own tokens, one context token kept
+  if room < 1:
     raise ValueError(f"prompt: the streaming regime splits the prompt into a context and a "
-                     f"question, which needs at least 2 tokens; got {len(ids)}")
+                     f"question, which needs at least 2 tokens, one of them the prompt's; "
+                     f"got {len(ids)} tokens, {n_fixed} of them before the prompt")
   if question_tokens == 0:
-    n_q = min(FALLBACK_QUESTION_TOKENS, len(ids) - 1)
+    n_q = min(FALLBACK_QUESTION_TOKENS, room)
     rule = f"the prompt's last {n_q} tokens (it has one line)"
-  elif question_tokens <= len(ids) - 1:
+  elif question_tokens <= room:
     n_q = question_tokens
     rule = f"the prompt's last {n_q} tokens (question_tokens)"
   else:
-    raise ValueError(f"question_tokens must be in [0, {len(ids) - 1}] for this prompt "
-                     f"({len(ids)} tokens; at least one must stay context), got "
-                     f"{question_tokens}")
+    raise ValueError(f"question_tokens must be in [0, {room}] for this prompt ({room} "
+                     f"tokens of its own that the question can take, at least one token "
+                     f"staying context), got {question_tokens}")
   question = ids[-n_q:] + (list(tokenizer.encode(suffix, add_bos=False)) if suffix else [])
   return ids[:-n_q], question, rule, applied
 

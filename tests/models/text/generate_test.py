@@ -323,6 +323,15 @@ class TokenizerTest(absltest.TestCase):
     _, question, _, applied = prompt_encoding.split_prompt(plain, PROMPT, chat=True)
     self.assertFalse(applied)
     self.assertEqual(plain.decode(question), "where does the fox sleep?")
+    # One line, by tokens: the question is the prompt's own, the template's opening context.
+    one = "where?"
+    ctx, question, _, _ = prompt_encoding.split_prompt(tok, one, chat=True)
+    self.assertEqual(tok.decode(ctx[1:]), "q: ")
+    self.assertEqual(tok.decode(question), "where?\na:")
+    ctx, question, _, _ = prompt_encoding.split_prompt(tok, one, chat=True, question_tokens=2)
+    self.assertEqual(tok.decode(question), "e?\na:")
+    with self.assertRaisesRegex(ValueError, r"question_tokens must be in \[0, 6\]"):
+      prompt_encoding.split_prompt(tok, one, chat=True, question_tokens=7)  # into "q: "
 
 
 class CalibrationTest(absltest.TestCase):
