@@ -43,6 +43,13 @@ def truncate_at_stop(tokens, stops: Sequence[int]) -> tuple[np.ndarray, bool, Op
   return tokens[:j], True, int(tokens[j])
 
 
+def answer(tokenizer, tokens) -> str:
+  """The text of ``tokens`` before the first of :func:`stop_ids`: what a task scores
+  (a fixed-length generation runs on past the end of its turn)."""
+  ids, _, _ = truncate_at_stop(tokens, stop_ids(tokenizer))
+  return tokenizer.decode(ids.tolist())
+
+
 class WholeChars:
   """Incremental decoding into whole characters: :meth:`push` a token, get the
   text it completes (``""`` while a character is still open)."""

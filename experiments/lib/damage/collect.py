@@ -44,6 +44,7 @@ from experiments.lib import tasks as tasks_lib
 from experiments.lib.damage import tokens as damage_tokens
 from experiments.lib.streaming_loss.core import StreamConfig
 from experiments.lib.validity import collect as validity_collect
+from models.text import answer_text
 from certkv_jax.attention.certified import SIGNAL_FIELDS
 
 FORMAT_VERSION = 1
@@ -210,7 +211,7 @@ def run_task_unit(params, config, tok, setting: str, plan: Plan, key) -> dict:
                                  **kw)
   shape = batching.pad_shape(examples)
   full = _generate(params, config, examples, "full", plan, key, shape)
-  arrays = {"full_correct": np.asarray([ex.score(tok.decode(t.tolist()))
+  arrays = {"full_correct": np.asarray([ex.score(answer_text.answer(tok, t))
                                         for ex, t in zip(examples, full["tokens"])]),
             "full_tokens": full["tokens"], "full_logprobs": full["logprobs"]}
   for run in (0, 1):
@@ -221,7 +222,7 @@ def run_task_unit(params, config, tok, setting: str, plan: Plan, key) -> dict:
                                       axis=1).astype(bool)], axis=1)
     kl = np.sum(np.exp(full["logp"]) * (full["logp"] - ev["logp"]), axis=-1)
     arrays.update({
-        f"run{run}_correct": np.asarray([ex.score(tok.decode(t.tolist()))
+        f"run{run}_correct": np.asarray([ex.score(answer_text.answer(tok, t))
                                          for ex, t in zip(examples, ev["tokens"])]),
         f"run{run}_tokens": ev["tokens"], f"run{run}_logprobs": ev["logprobs"],
         f"run{run}_kl": kl.astype(np.float32), f"run{run}_same_prefix": same,

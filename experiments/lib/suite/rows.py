@@ -48,6 +48,7 @@ from experiments.lib import results_io
 from experiments.lib import stats
 from experiments.lib import tasks as tasks_lib
 from experiments.lib.suite import settings as settings_lib
+from models.text import answer_text
 
 MOVING_WINDOW = 6  # decode steps (the paper's window)
 KEY_FIELDS = ("model", "task", "regime", "design", "budget", "run", "example", "seed",
@@ -191,7 +192,7 @@ def collect(params, config, tok, settings: settings_lib.Settings, out_dir: str, 
       ex = examples[t][i]
       toks = gen_np["tokens"][j].tolist()
       text = tok.decode(toks)
-      correct = bool(ex.score(text))
+      correct = bool(ex.score(answer_text.answer(tok, toks)))  # the turn, not what follows
       n_correct += correct
       if (b, t, i) not in todo_rows:
         continue

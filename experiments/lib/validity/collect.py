@@ -40,6 +40,7 @@ from experiments.lib import model_loading
 from experiments.lib import plan_flags
 from experiments.lib import results_io
 from experiments.lib import tasks as tasks_lib
+from models.text import answer_text
 
 TEXT = "text"  # the data-source name of natural-text examples
 # experiments/data/gpl-3.0.txt (this file is experiments/lib/validity/collect.py)
@@ -414,7 +415,7 @@ def collect(params, config, tok, plan: Plan, out_dir: str, *, text: str,
     t0 = time.time()
     arrays = run_unit(params, config, exs, d, regime, key, plan, shapes[group])
     seconds = time.time() - t0
-    correct = [bool(exs[int(i)].score(tok.decode(t.tolist())))
+    correct = [bool(exs[int(i)].score(answer_text.answer(tok, t)))
                for t, i in zip(arrays["tokens"], arrays["example"])]
     arrays["correct"] = np.asarray(correct)
     arrays["n_prompt"] = np.asarray([len(exs[int(i)].context_ids) + len(exs[int(i)].question_ids)

@@ -309,6 +309,13 @@ class TokenizerTest(absltest.TestCase):
 
     self.assertEqual(answer_text.stop_ids(GgufLike()), (0, 2))  # SmolLM2-Instruct's
 
+    class Digits(GgufLike):  # token i decodes to str(i); 2 ends the turn
+      decode = staticmethod(lambda ids: "".join(str(i) for i in ids))
+
+    # What a task scores: the turn only, not digits generated after its end.
+    self.assertEqual(answer_text.answer(Digits(), np.array([5, 7, 2, 9, 3])), "57")
+    self.assertEqual(answer_text.answer(Digits(), [5, 7]), "57")
+
   def test_chat_template_wraps_context_and_question(self):
     template = ("{% for m in messages %}q: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}a:{% endif %}")
