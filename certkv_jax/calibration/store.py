@@ -203,19 +203,26 @@ def write_checkpoint(path, arrays: dict, metadata: dict, *, overwrite: bool = Fa
 
   Raises:
     FileExistsError: ``path`` exists and ``overwrite`` is False.
+    ValueError: an array with no elements (orbax cannot save one).
   """
   path = os.path.abspath(os.fspath(path))
   if os.path.lexists(path) and not overwrite:
     raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+  for name, a in arrays.items():  # orbax refuses one only after its writer has started
+    if np.asarray(a).size == 0:
+      raise ValueError(f"arrays[{name!r}] has no elements (shape {np.shape(a)}): an "
+                       "artifact cannot hold an empty array")
   parent = os.path.dirname(path)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
   try:
     staged = os.path.join(tmp, "calibration")
     ckpt = _checkpointer()
-    ckpt.save(staged, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
-                                              metadata=ocp.args.JsonSave(metadata)))
-    ckpt.close()
+    try:
+      ckpt.save(staged, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
+                                                metadata=ocp.args.JsonSave(metadata)))
+    finally:  # closed on a failed save too
+      ckpt.close()
     if os.path.lexists(path):
       os.rename(path, os.path.join(tmp, "replaced"))
     os.rename(staged, path)

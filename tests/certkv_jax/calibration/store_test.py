@@ -155,6 +155,13 @@ class StoreTest(parameterized.TestCase):
     self.assertEqual(store.load(path).model, "other")
     self.assertEqual(os.listdir(os.path.dirname(path)), ["cal"])
 
+  def test_failed_write_leaves_nothing_behind(self):
+    parent = test_util.temp_dir(self, "calibration_store_test-")
+    with self.assertRaisesRegex(ValueError, r"arrays\['edges'\] has no elements"):
+      store.write_checkpoint(os.path.join(parent, "cal"), {"edges": np.zeros((1, 0))},
+                             {"kind": "x"})
+    self.assertEqual(os.listdir(parent), [])  # refused before orbax's writer started
+
   def test_load_errors(self):
     tmp = test_util.temp_dir(self, "calibration_store_test-")
     with self.assertRaisesRegex(FileNotFoundError, "no calibration at"):
