@@ -72,9 +72,11 @@ class CoverageIntervalTest(absltest.TestCase):
       f.write(TEXT)
     plan = experiment.Plan(sources=(src,), context_lens=(32,), memories=(0.5,), n_eval=3,
                            n_calib=0, chunk=8, variants=("h2o", "snapkv",
-                                                         "snapkv_cert:top_share=0.5"))
+                                                         "snapkv_cert:top_share=0.5",
+                                                         "snapkv_cert:top_share=0.75"))
     nll = {"h2o": (0.5, 0.5, 0.5), "snapkv": (0.1, 0.2, 0.3),
-           "snapkv_cert:top_share=0.5": (0.05, 0.3, 0.1)}
+           "snapkv_cert:top_share=0.5": (0.05, 0.3, 0.1),
+           "snapkv_cert:top_share=0.75": (0.1, 0.2, 0.4)}
     rows = [dict(seed=0, context_len=32, split="eval", segment=s, unit_seconds=1.0,
                  variant=v, memory=0.5, delta_nll=d[s], held_memory=0.5)
             for v, d in nll.items() for s in range(3)]
@@ -85,8 +87,12 @@ class CoverageIntervalTest(absltest.TestCase):
     self.assertAlmostEqual(twin["value"], (-0.05 + 0.1 - 0.2) / 3, places=12)
     self.assertEqual((twin["twin"], twin["wins"], twin["n"]),
                      ("snapkv_cert:top_share=0.5", 2, 3))
-    self.assertEqual(list(s["paired_twin"]), ["snapkv"])  # h2o has no twin here
+    # h2o has no twin here; snapkv's second twin is keyed by its own name, and the
+    # report names the design it is paired with, not the twin twice.
+    self.assertEqual(list(s["paired_twin"]), ["snapkv", "snapkv_cert:top_share=0.75"])
+    self.assertEqual(s["paired_twin"]["snapkv_cert:top_share=0.75"]["0.5"]["design"], "snapkv")
     self.assertIn("| snapkv | snapkv_cert:top_share=0.5 |", s["md"])
+    self.assertIn("| snapkv | snapkv_cert:top_share=0.75 |", s["md"])
     self.assertEqual(s["paired_twin_by_quarter"], {})  # rows without chunk_nll
 
   def test_stored_scores_keep_inf_for_radius_zero_only(self):

@@ -12,7 +12,8 @@ Per context length and memory, over the evaluation segments:
   cluster: one row per segment and variant);
 * ``paired_twin[design][memory]``: a certified twin (``<design>_cert``) minus
   its own deterministic design on the same segments, bootstrapped likewise
-  (keyed by the deterministic variant; ``"twin"`` names the twin), and
+  (keyed by the deterministic variant, or by the twin where a design has
+  several; ``"design"`` and ``"twin"`` name the pair), and
   ``paired_twin_by_quarter`` the same by quarter of the evicted chunks;
 * for randomized variants, raw coverage of the per-call radius at delta 0.05
   and calibrated coverage with per-(layer, KV head) split-conformal scales
@@ -290,7 +291,7 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, n_kv_heads: int = 3) -> 
       for m in plan.memories:
         seg, ref = by(v, m), by(base, m)
         diffs = [seg[s]["delta_nll"] - ref[s]["delta_nll"] for s in range(plan.n_eval)]
-        entry = dict(_ci(diffs, seed=plan.seed + 2), twin=v)
+        entry = dict(_ci(diffs, seed=plan.seed + 2), design=base, twin=v)
         entry["wins"] = int(np.sum(np.asarray(diffs) < 0))
         ctx["paired_twin"].setdefault(key, {})[str(m)] = entry
         parts = _by_quarter(seg, ref, plan)
@@ -396,9 +397,9 @@ def _markdown(ctx, c, plan) -> list[str]:
               "segments (twin minus design, nats/token; negative: the twin loses less):", "",
               "| design | twin | " + " | ".join(f"memory {m}" for m in plan.memories) + " |",
               "|---" * (2 + len(plan.memories)) + "|"]
-    for base, per in ctx["paired_twin"].items():
-      twin = next(iter(per.values()))["twin"]
-      lines.append(f"| {base} | {twin} | " + " | ".join(
+    for key, per in ctx["paired_twin"].items():
+      first = next(iter(per.values()))
+      lines.append(f"| {first.get('design', key)} | {first['twin']} | " + " | ".join(
           f"{_fmt_ci(per[str(m)])} ({per[str(m)]['wins']}/{per[str(m)]['n']})"
           for m in plan.memories) + " |")
   if ctx["paired_twin_by_quarter"]:

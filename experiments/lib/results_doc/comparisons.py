@@ -3,6 +3,7 @@ RULER-style leaderboard."""
 
 from __future__ import annotations
 
+from experiments.lib import variants
 from experiments.lib.leaderboard import pooled
 from experiments.lib.results_doc import markdown as fmt
 
@@ -73,7 +74,7 @@ def twins(root: str) -> list[str]:
             f"{plan['chunk']}; twin minus design in nats/token, paired over segments (95% "
             "bootstrap; segments where the twin is better):", ""]
     out += fmt.table(["design", "twin"] + [fmt.pct(float(m)) for m in mems], [
-        [d, per[mems[0]]["twin"]] + [fmt.ci((per[m]["value"], *per[m]["ci"]), "+.3f")
+        [variants.twin_base(per[mems[0]]["twin"]), per[mems[0]]["twin"]] + [fmt.ci((per[m]["value"], *per[m]["ci"]), "+.3f")
                                      + f" ({per[m]['wins']}/{per[m]['n']})" for m in mems]
         for d, per in ctx["paired_twin"].items()])
     quarters = ctx.get("paired_twin_by_quarter", {})
