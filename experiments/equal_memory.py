@@ -74,8 +74,11 @@ def main(argv):
   if FLAGS.report_only:
     results = results_io.JsonlResults(os.path.join(FLAGS.out, experiment.ROWS_FILE),
                                       experiment.KEY_FIELDS)
-    try:  # the report describes the rows' settings
+    try:  # the report describes the rows' settings and segments
       experiment.check_rows(results, plan, model_loading.model_name(FLAGS.model))
+      experiment.check_segments(results, plan, {
+          c: experiment.source_segments(tok, plan.sources, c, plan.n_eval + plan.n_calib)[0]
+          for c in plan.context_lens})
     except ValueError as err:
       sys.exit(f"experiments.equal_memory: {err}")
     rows = results.rows

@@ -95,6 +95,32 @@ class CoverageIntervalTest(absltest.TestCase):
     self.assertIn("| snapkv | snapkv_cert:top_share=0.75 |", s["md"])
     self.assertEqual(s["paired_twin_by_quarter"], {})  # rows without chunk_nll
 
+  def test_rows_of_another_segment_split_are_refused(self):
+    """Calibration segment 0 is the file after the evaluation ones: rows made under
+    --n_eval=2 name another file than --n_eval=3 gives it, and a resume must not mix them."""
+    root = test_util.temp_dir(self)
+    results = results_io.JsonlResults(os.path.join(root, "rows.jsonl"), experiment.KEY_FIELDS)
+    base = dict(seed=0, context_len=32, variant="full", memory=1.0)
+    results.add_many([dict(base, split="eval", segment=0, source="a.txt"),
+                      dict(base, split="eval", segment=1, source="b.txt"),
+                      dict(base, split="calib", segment=0, source="c.txt")])
+    names = {32: ["a.txt", "b.txt", "c.txt", "d.txt"]}
+    plan = lambda n_eval, n_calib: experiment.Plan(sources=("x",), context_lens=(32,),
+                                                   n_eval=n_eval, n_calib=n_calib)
+    experiment.check_segments(results, plan(2, 1), names)  # the run's own counts
+    experiment.check_segments(results, plan(2, 0), names)  # calibration rows not in the plan
+    with self.assertRaisesRegex(ValueError, "calib segment 0 at 32 tokens was made from c.txt, "
+                                "which is d.txt under --n_eval=3"):
+      experiment.check_segments(results, plan(3, 1), names)
+
+  def test_scores_read_only_the_plans_segments(self):
+    root = test_util.temp_dir(self)
+    os.makedirs(os.path.join(root, "calls"))
+    calls = {f"m0.5_s{s}": np.ones((2, 1, 1)) for s in range(3)}  # a run with 3 segments
+    np.savez(os.path.join(root, "calls", "32_snapkv_cert_eval_0_seed0.npz"), **calls)
+    plan = experiment.Plan(sources=("x",), context_lens=(32,), n_eval=2, n_calib=0)
+    self.assertLen(report._scores(root, 32, "snapkv_cert", "eval", 0.5, plan), 2)  # pylint: disable=protected-access
+
   def test_stored_scores_keep_inf_for_radius_zero_only(self):
     got = experiment.stored_scores(np.array([0.5, 7e4, np.inf, 0.0]))
     self.assertEqual(got.dtype, np.float16)

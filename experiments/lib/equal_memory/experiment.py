@@ -71,8 +71,9 @@ DEFAULT_VARIANTS = ("snapkv", "tova", "h2o", "pyramidkv", "snapkv+adakv", "tova+
 
 
 def source_segments(tok, paths: Sequence[str], context_len: int, n_needed: int):
-  """``(names, segments)``: the first ``context_len`` tokens (BOS first) of each
-  file with enough tokens, in order, ``n_needed`` of them.
+  """``(names, segments)``: the first ``context_len`` tokens of each file with enough
+  tokens (after the tokenizer's own prefix: BOS where it adds one, none for SmolLM2's
+  GGUF), in order, ``n_needed`` of them; shorter files are passed over.
 
   Raises:
     ValueError naming --sources when fewer files are long enough.
@@ -133,7 +134,7 @@ class Plan:
   """What :func:`run` runs (validated by :meth:`check`; errors name the flag)."""
 
   sources: tuple
-  context_lens: tuple = plan_flags.setting((1024,), "Tokens per segment (BOS included).")
+  context_lens: tuple = plan_flags.setting((1024,), "Tokens per segment (the tokenizer's prefix included).")
   variants: tuple = plan_flags.setting(
       DEFAULT_VARIANTS, "Design strings design[:setting=value...][+allocation[:setting="
       "value...]] (certkv_jax.designs.registry.parse, as generate and the leaderboard read them): "
@@ -220,6 +221,24 @@ def check_rows(results: results_io.JsonlResults, plan: Plan, model: str) -> None
   results_io.check_settings(results, row_settings(plan, model))
 
 
+def check_segments(results: results_io.JsonlResults, plan: Plan, names: dict) -> None:
+  """Refuses rows whose segment number reads another file than ``plan``'s: which file a
+  calibration segment is depends on ``--n_eval`` (``names[context_len]``: the files in
+  segment order, evaluation first)."""
+  for r in results.rows:
+    c, n = r["context_len"], plan.n_eval if r["split"] == "eval" else plan.n_calib
+    if c not in names or "source" not in r or r["segment"] >= n:  # not in this plan
+      continue
+    i = r["segment"] + (0 if r["split"] == "eval" else plan.n_eval)
+    want = names[c][i] if i < len(names[c]) else None
+    if r["source"] != want:
+      raise ValueError(
+          f"{results.path}: {r['split']} segment {r['segment']} at {c} tokens was made from "
+          f"{r['source']}, which is {want} under --n_eval={plan.n_eval} "
+          f"--n_calib={plan.n_calib}: rerun with the run's own counts or write to another "
+          "--out")
+
+
 def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
         log: Callable[[str], None] = print) -> list[dict]:
   """Runs every unit of ``plan`` with missing rows; returns the rows on file."""
@@ -245,6 +264,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
                            seed=plan.seed) for m, s in rows_of(unit))
 
   check_rows(results, plan, model)  # a resume reads rows of these settings only
+  check_segments(results, plan, {c: names for c, (names, _) in segs.items()})
   settings = row_settings(plan, model)
   todo = [u for u in todo_all if not done(u)]
   progress = results_io.Progress(len(todo_all), len(todo_all) - len(todo))

@@ -69,9 +69,10 @@ def _scores(out_dir, c, variant, split, memory, plan, prefix="m", rows=()) -> Op
       return None
     with np.load(path) as z:
       for k in z.files:
-        if k.startswith(f"{prefix}{memory}_"):
-          parts.append(_from_first_eviction(z[k].astype(np.float64),
-                                            by_seg.get(int(k.rsplit("_s", 1)[1])), c, plan))
+        seg = int(k.rsplit("_s", 1)[1]) if k.startswith(f"{prefix}{memory}_") else n
+        if seg < n:  # a group file of a run with more segments holds some beyond the plan
+          parts.append(_from_first_eviction(z[k].astype(np.float64), by_seg.get(seg), c,
+                                            plan))
   return parts or None
 
 
@@ -469,7 +470,7 @@ stay partly empty). Delta NLL is per token against the full cache on the same
 segment. The paired column is the variant minus the best deterministic
 variant with uniform budgets (bold) on the same segments, with a 95%
 bootstrap over segments. Coverage: the per-call radius at delta 0.05 over
-every attention call after the first chunk; calibrated with per-(layer, KV
+every attention call from each row's first eviction on; calibrated with per-(layer, KV
 head) conformal scales fitted on the calibration segments (other source
 files), pooled (one quantile of all their calls) or robust (the largest of
 the segments' own quantiles; cells computed before it existed have none;
