@@ -173,6 +173,14 @@ class LeaderboardTest(_TinyModelCase):
     self.assertEqual(s["not_run"], ["h2o"])
     self.assertNotIn("h2o", s["score"])
 
+  def test_a_report_of_fewer_tasks_counts_only_their_calls(self):
+    plan = experiment.Plan(**dict(PLAN, tasks=TASKS[:1]))
+    s = report.summarize(self.rows, self.out, plan, n_kv_heads=self.config.n_kv_heads)
+    rows = [r for r in self.rows if r["task"] == TASKS[0] and r["design"] == "poisson_tail"
+            and r["regime"] == "streaming"]
+    cov = s["cells"]["1024/streaming"]["coverage"]["poisson_tail"]["0.5"]
+    self.assertEqual(cov["n_calls"], sum(r["n_calls"] for r in rows))  # not the other task's
+
 
 @pytest.mark.slow  # compiles the prefill, an allocated eviction and decode (~1 min on CPU)
 class EqualMemoryTest(absltest.TestCase):
@@ -457,6 +465,9 @@ class PlanTest(absltest.TestCase):
     self.assertTrue(all(l <= y <= h for l, y, h in zip(lo, ys, hi)))
     self.assertEqual(lines["design"][1], [100 / 3, 100 / 3])
     self.assertEqual(lines["full"], ([0.5, 0.75], [100.0, 100.0]))
+    no_full = dict(cell, score={d: v for d, v in cell["score"].items() if d != "full"})
+    panels = report._score_panels({"4096/streaming": no_full}, plan)  # pylint: disable=protected-access
+    self.assertEqual(list(panels["4096 tokens, streaming: snapkv"]), ["design", "certified twin"])
     del cell["paired_twin"]["snapkv"]  # no twin: one panel with every design
     panels = report._score_panels({"4096/streaming": cell}, plan)  # pylint: disable=protected-access
     self.assertEqual(list(panels), ["4096 tokens, streaming"])

@@ -268,7 +268,8 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, *, n_kv_heads: int = 3,
   for c in plan.context_lens:
     tasks = plan.tasks_for(c)
     for regime in plan.regimes:
-      cell_rows = [r for r in rows if r["context_len"] == c and r["regime"] == regime]
+      cell_rows = [r for r in rows if r["context_len"] == c and r["regime"] == regime
+                   and r["task"] in tasks]  # coverage and timings: the scored tasks only
       ran = [d for d in plan.all_designs if _complete(cell_rows, plan, c, regime, d)]
       cell = {"score": {}, "score_by_task": {}, "coverage": {},
               "not_run": [d for d in plan.all_designs if d not in ran],
@@ -431,10 +432,11 @@ def _score_panels(cells: dict, plan) -> dict:
       return (list(plan.ratios), ys, bands) if band else (list(plan.ratios), ys)
 
     twins = [next(iter(per.values()))["twin"] for per in cell.get("paired_twin", {}).values()]
-    for twin in twins:
-      panels[f"{where}: {variants.twin_base(twin)}"] = {
-          design_defaults.FULL: curve(design_defaults.FULL, band=False),
-          "design": curve(variants.twin_base(twin)), "certified twin": curve(twin)}
+    for twin in twins:  # the full cache's curve where it ran (a stopped run may lack it)
+      full = ({design_defaults.FULL: curve(design_defaults.FULL, band=False)}
+              if design_defaults.FULL in score else {})
+      panels[f"{where}: {variants.twin_base(twin)}"] = dict(
+          full, design=curve(variants.twin_base(twin)), **{"certified twin": curve(twin)})
     if not twins and score:
       panels[where] = {d: curve(d, band=False) for d in score}
   return panels
