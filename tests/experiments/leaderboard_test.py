@@ -114,6 +114,18 @@ class LeaderboardTest(_TinyModelCase):
                             (dict(window=self.plan.window + 1), r"--window=")):
       with self.assertRaisesRegex(ValueError, pattern):
         experiment.check_rows(results, dataclasses.replace(self.plan, **change), "tiny")
+    # Rows from before the settings were recorded hold the defaults (as every committed
+    # run's): a run with another chat setting or window is refused, not mixed in.
+    legacy = results_io.JsonlResults(os.path.join(self.root, "legacy_rows.jsonl"),
+                                     experiment.KEY_FIELDS)
+    legacy.add_many([{k: v for k, v in r.items() if k not in ("n_sink", "window", "use_chat")}
+                     for r in results.rows])
+    default = dataclasses.replace(self.plan, n_sink=design_defaults.N_SINK,
+                                  window=design_defaults.WINDOW)
+    experiment.check_rows(legacy, default, "tiny")
+    for change in (dict(use_chat=False), dict(window=design_defaults.WINDOW + 1)):
+      with self.assertRaisesRegex(ValueError, "holds rows made with"):
+        experiment.check_rows(legacy, dataclasses.replace(default, **change), "tiny")
     # More ratios: each unit would rerun whole and find its old rows on file; refused
     # before any model work (before: after the unit ran, naming no flag).
     more = dataclasses.replace(self.plan, ratios=(0.5, 0.25))

@@ -383,8 +383,12 @@ def row_settings(plan: Plan, model: str) -> dict:
   return dict(model=("model", model), dtype=("dtype", plan.dtype, "float32"),
               chunk=("chunk", plan.chunk),
               equal_memory=("equal_memory", plan.equal_memory, False),
-              n_sink=("n_sink", plan.n_sink), window=("window", plan.window),
-              use_chat=("use_chat", plan.use_chat), coverage=("with_coverage", plan.coverage),
+              # rows from before these fields were made with the defaults (no committed
+              # run changed them); coverage and the haystack differ between committed runs
+              n_sink=("n_sink", plan.n_sink, design_defaults.N_SINK),
+              window=("window", plan.window, design_defaults.WINDOW),
+              use_chat=("use_chat", plan.use_chat, True),
+              coverage=("with_coverage", plan.coverage),
               haystack=("haystack_sha256", haystack_sha256(plan)))
 
 
