@@ -69,6 +69,18 @@ class PooledTest(absltest.TestCase):
       with self.assertRaisesRegex(ValueError, r"2 \(context_len, regime\) settings"):
         pool(ROWS + longer)
 
+  def test_runs_of_other_settings_are_an_error(self):
+    seed2 = lambda r: r["seed"] == 2
+    for change, pattern in ((dict(model="other"), "2 values of model"),
+                            (dict(equal_memory=True), "2 values of equal_memory"),
+                            (dict(use_chat=False), "2 values of use_chat"),
+                            (dict(max_new_tokens=30), "more than one max_new_tokens")):
+      mixed = [dict(r, **change) if seed2(r) else dict(r, model="m") for r in ROWS]
+      with self.assertRaisesRegex(ValueError, pattern):
+        pooled.summarize(mixed, against="b")
+    # A field that older rows lack and that has no assumed value is compared where held.
+    pooled.summarize([dict(r, model="m") if seed2(r) else r for r in ROWS], against="b")
+
   def test_summarize_defaults_and_markdown(self):
     s = pooled.summarize(ROWS + [_row("full", 0, "t1", 0, 1, ratio=0.0)], against="b")
     self.assertEqual(list(s["paired"]), ["a"])

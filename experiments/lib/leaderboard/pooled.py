@@ -15,10 +15,12 @@ its examples at two lengths are not independent draws.
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 import numpy as np
 
+from experiments.lib import design_defaults
 from experiments.lib import stats
 
 N_BOOT = 2000  # bootstrap resamples of each interval
@@ -45,13 +47,33 @@ def example_scores(rows: Sequence[dict], design: str, ratio: float) -> dict:
   return out
 
 
+# Settings every pooled run must share: row field -> value of rows written before it
+# was recorded (None: such rows are not compared on it).
+SHARED = {"model": None, "dtype": "float32", "equal_memory": False, "chunk": None,
+          "n_sink": design_defaults.N_SINK, "window": design_defaults.WINDOW,
+          "use_chat": True, "haystack_sha256": None}
+
+
 def check_one_setting(rows: Sequence[dict]) -> None:
-  """Raises ValueError unless every row has the same context length and regime."""
+  """Raises ValueError unless every row has the same context length and regime, the
+  same :data:`SHARED` settings, and one answer length per task."""
   settings = sorted({(r["context_len"], r["regime"]) for r in rows}, key=str)
   if len(settings) > 1:
     raise ValueError(f"rows hold {len(settings)} (context_len, regime) settings {settings}: "
                      "pool one at a time (a seed's examples at two settings share their "
                      "needles, so they are not independent)")
+  for field, assumed in SHARED.items():
+    held = {json.dumps(r.get(field, assumed)) for r in rows
+            if field in r or assumed is not None}
+    if len(held) > 1:
+      raise ValueError(f"rows were made with {len(held)} values of {field} "
+                       f"({', '.join(sorted(held))}): pool runs of one setting only")
+  lengths = {}
+  for r in rows:
+    lengths.setdefault(r["task"], set()).add(r.get("max_new_tokens"))
+  mixed = {t: sorted(v, key=str) for t, v in lengths.items() if len(v) > 1}
+  if mixed:
+    raise ValueError(f"rows answer a task with more than one max_new_tokens: {mixed}")
 
 
 def paired(rows: Sequence[dict], design: str, against: str, ratio: float, *,
