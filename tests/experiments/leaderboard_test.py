@@ -185,6 +185,15 @@ class LeaderboardTest(_TinyModelCase):
     self.assertEqual(s["not_run"], ["h2o"])
     self.assertNotIn("h2o", s["score"])
 
+  def test_calls_are_found_whatever_the_reports_group(self):
+    cell = report.Cell(1024, "streaming", "poisson_tail", 0.5)
+    made = report._load_calls(self.out, self.plan, cell, TASKS[0])  # pylint: disable=protected-access
+    other = report._load_calls(self.out, dataclasses.replace(self.plan, group=1), cell,  # pylint: disable=protected-access
+                               TASKS[0])
+    self.assertEqual(made[0].shape[0], other[0].shape[0])  # not just the first unit's
+    for a, b in zip(made, other):
+      np.testing.assert_array_equal(a, b)
+
   def test_a_report_of_fewer_tasks_counts_only_their_calls(self):
     plan = experiment.Plan(**dict(PLAN, tasks=TASKS[:1]))
     s = report.summarize(self.rows, self.out, plan, n_kv_heads=self.config.n_kv_heads)

@@ -70,22 +70,25 @@ class Cell:
 
 
 def _load_calls(out_dir, plan, cell: Cell, task) -> Optional[tuple]:
-  """``(errors, radii)`` ``[calls, layers, heads]`` kept for one task's rows, or None."""
-  errs, rads = [], []
-  ratio = cell.ratio
-  for start in range(0, plan.n_examples, plan.group):
-    unit = (cell.context_len, task, cell.regime, start, cell.design)
-    path = experiment.calls_path(out_dir, unit, plan.seed)
+  """``(errors, radii)`` ``[calls, layers, heads]`` kept for one task's rows, or None.
+
+  Each unit's file is named by its first example, which depends on the run's
+  ``--group``: every name a unit can have is tried, so a report with another
+  group reads every example."""
+  found = {}
+  for start in range(plan.n_examples):
+    path = experiment.calls_path(out_dir, (cell.context_len, task, cell.regime, start,
+                                           cell.design), plan.seed)
     if not os.path.exists(path):
       continue
     with np.load(path) as z:
-      for e in range(start, min(start + plan.group, plan.n_examples)):
-        k = f"e{e}_r{ratio}_"
-        if k + "error" in z.files:
-          errs.append(z[k + "error"].astype(np.float64))
-          rads.append(z[k + "radius"].astype(np.float64))
-  if not errs:
+      for e in range(start, plan.n_examples):
+        k = f"e{e}_r{cell.ratio}_"
+        if e not in found and k + "error" in z.files:
+          found[e] = (z[k + "error"].astype(np.float64), z[k + "radius"].astype(np.float64))
+  if not found:
     return None
+  errs, rads = zip(*(found[e] for e in sorted(found)))
   return np.concatenate(errs), np.concatenate(rads)
 
 
