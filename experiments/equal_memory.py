@@ -43,7 +43,9 @@ flags.DEFINE_string("sources", experiment.DEFAULT_SOURCES, "Comma-separated "
 plan_flags.define_flags(experiment.Plan)
 flags.DEFINE_integer("skip_sources", 0, "Leave out the first this many files of --sources "
                      "(a tuning run on files the default evaluation and calibration never "
-                     "read: --skip_sources=20).", lower_bound=0)
+                     "read at up to 2,048 tokens: --skip_sources=20; at longer contexts files "
+                     "too short are passed over and the default sets reach further).",
+                     lower_bound=0)
 flags.DEFINE_bool("report_only", False, "Write the report from the rows on file; run nothing "
                   "(variants without every row are listed as not run).")
 
