@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import numpy as np
 
 from experiments.lib.stats import intervals
+from experiments.lib.stats import validation
 
 
 def radius_bernstein(var_hat, range_hat, delta, form: str = "bernstein") -> np.ndarray:
@@ -68,20 +69,13 @@ def coverage_curve(errors, deltas: Sequence[float], *,
                            form).ravel()
     if r.shape != e.shape:
       raise ValueError(f"radii have {r.size} entries for {e.size} errors")
-    _check_not_nan(errors=e, radii=r)
+    validation.no_nan(errors=e, radii=r)
     k = int(np.sum(e <= r))
     emp.append(k / e.size)
     a, b = intervals.wilson_interval(k, e.size, alpha)
     lo.append(a)
     hi.append(b)
   return CoverageCurve(1.0 - ds, np.array(emp), np.array(lo), np.array(hi), int(e.size))
-
-
-def _check_not_nan(**arrays) -> None:
-  """A NaN error, radius or ratio would count as a miss (or drop out of a bin) unseen."""
-  for name, x in arrays.items():
-    if np.isnan(x).any():
-      raise ValueError(f"{name} must not contain NaN, got {int(np.isnan(x).sum())}")
 
 
 class BinnedCoverage(NamedTuple):
@@ -107,7 +101,7 @@ def coverage_by_bins(errors, radii, R, bins: Union[int, Sequence[float]] = 5, *,
   if e.size == 0 or not e.shape == r.shape == rr.shape:
     raise ValueError(f"errors, radii, R must be equal non-empty sizes, got {e.size}, {r.size}, "
                      f"{rr.size}")
-  _check_not_nan(errors=e, radii=r, R=rr)
+  validation.no_nan(errors=e, radii=r, R=rr)
   if isinstance(bins, (int, np.integer)):
     if not np.isfinite(rr).all():  # quantile edges of an infinite R are NaN
       raise ValueError("R must be finite with bins=int (pass edges to bin infinite ratios)")
@@ -139,7 +133,7 @@ def sharpness(errors, radii) -> float:
   e, r = np.asarray(errors, np.float64).ravel(), np.asarray(radii, np.float64).ravel()
   if e.shape != r.shape or e.size == 0:
     raise ValueError(f"errors and radii must be equal non-empty sizes, got {e.size}, {r.size}")
-  _check_not_nan(errors=e, radii=r)
+  validation.no_nan(errors=e, radii=r)
   sel = (e <= r) & (e > 0)
   return float(np.median(r[sel] / e[sel])) if sel.any() else float("nan")
 

@@ -43,3 +43,10 @@ def finite_labels(labels: np.ndarray, name: str) -> None:
   if labels.dtype.kind == "f" and not np.isfinite(labels).all():
     raise ValueError(f"{name} must be finite labels, got "
                      f"{int((~np.isfinite(labels)).sum())} non-finite")
+
+
+def no_nan(**arrays) -> None:
+  """A NaN error, radius or ratio would count as a miss (or drop out of a bin) unseen."""
+  for name, x in arrays.items():
+    if np.isnan(x).any():
+      raise ValueError(f"{name} must not contain NaN, got {int(np.isnan(x).sum())}")
