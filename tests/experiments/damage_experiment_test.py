@@ -140,6 +140,12 @@ class TaskStepAlignmentTest(absltest.TestCase):
                                   [-a[f"run{r}_logprobs"][e][s] for r, e, s in rows])
     read = np.round(table["radius"] / (shape[2] * shape[3])) - 1  # the step whose radius
     np.testing.assert_array_equal(read, [s - 1 for _, _, s in rows])
+    # Per example: the mean over generated steps 1, ..., S - 1 of the radius behind each
+    # (radii 1, ..., S - 1), and the log-probabilities of the same steps.
+    ex = damage_analysis.example_scores({"task_agent_memory_d5": a}, norms, None)
+    per = np.round(ex["radius"] / (shape[2] * shape[3]), 4)
+    np.testing.assert_array_equal(per, np.full(shape[0], np.mean(np.arange(1, shape[1]))))
+    np.testing.assert_allclose(ex["confidence"], -a["run0_logprobs"][:, 1:].mean(axis=1))
 
 
 @pytest.mark.slow  # three runs of the command: in the full suite

@@ -167,7 +167,10 @@ def add_learned(table: dict, predictor: damage_predictor.DamagePredictor) -> dic
 def example_scores(units: dict, norms: dict, predictor: Optional[damage_predictor.DamagePredictor],
                    run: int = 0) -> dict:
   """Per task example of run ``run``: correctness (full, evicted, other run), the setting,
-  and the scores, each the mean over the decode steps of its per-step value."""
+  and the scores, each the mean of its per-step value over decode steps 1, ..., S - 1:
+  step s's statistics are the generator's at s - 1 (as in :func:`token_table`), step 0
+  (the prefill's logits) has no certificate, and the statistics at S - 1 are behind a
+  step never generated."""
   rows = {k: [] for k in ("setting", "full_correct", "evicted_correct", "two_run",
                           "confidence", "damage_bound", "damage_rms", "radius", "learned",
                           "first_kl")}
@@ -175,7 +178,7 @@ def example_scores(units: dict, norms: dict, predictor: Optional[damage_predicto
   for u, a in sorted(units.items()):
     if not u.startswith("task_"):
       continue
-    r = a[f"run{run}_radius"]  # [E, S, L, H]
+    r = a[f"run{run}_radius"][:, :-1]  # [E, S - 1, L, H]: behind steps 1, ..., S - 1
     s = _per_step_scores(r, norms)
     n = r.shape[0]
     rows["setting"] += [u[5:]] * n
@@ -183,14 +186,14 @@ def example_scores(units: dict, norms: dict, predictor: Optional[damage_predicto
     rows["evicted_correct"].append(a[f"run{run}_correct"])
     rows["two_run"].append(np.any(a[f"run{run}_tokens"] != a[f"run{other}_tokens"], axis=1)
                            .astype(np.float64))
-    rows["confidence"].append(-a[f"run{run}_logprobs"].mean(axis=1))
+    rows["confidence"].append(-a[f"run{run}_logprobs"][:, 1:].mean(axis=1))  # same steps
     for k in ("damage_bound", "damage_rms", "radius"):
       rows[k].append(s[k].mean(axis=1))
     rows["first_kl"].append(a[f"run{run}_kl"][:, 0])
     if predictor is not None:
       tab = {"d_layer": s["d_layer"].reshape(-1, s["d_layer"].shape[-1])}
       for name in FEATURE_SIGNALS:
-        tab["sig_" + name] = a[f"run{run}_sig_{name}"].reshape(-1, r.shape[2])
+        tab["sig_" + name] = a[f"run{run}_sig_{name}"][:, :-1].reshape(-1, r.shape[2])
       x, _, ok = features({**tab, **{"sig_" + k: tab["sig_" + k].mean(-1)
                                      for k in FEATURE_SIGNALS}})
       pred = np.full(len(x), np.nan)
