@@ -172,8 +172,10 @@ def failure_analysis(rows, plot_dir: Optional[str] = None) -> dict:
                                        title="Failure prediction (evicted run wrong)"))
   # gating, per regime
   md += ["", f"Gated recomputation: fraction of the recoverable gain (that of re-running "
-         f"every example the full cache gets right and the evicted run wrong) captured when "
-         f"re-running the top-k examples with the full cache (k = floor(budget n)), at a "
+         f"every row the full cache gets right and the evicted run wrong) captured when "
+         f"re-running the top-k rows with the full cache (a row is one example at one "
+         f"eviction budget, pooled over the budgets; k = floor(budget n) of the regime's n "
+         f"rows, so an example can be re-run at each of its budgets), at a "
          f"recompute budget of {GATING_BUDGET}; oracle gating re-runs the best k. The "
          f"paper's \"about 36%\" is the certificate's gain over oracle gating's at the same "
          f"budget; a gating claim that even oracle gating's interval falls short of is "
