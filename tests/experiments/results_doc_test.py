@@ -69,6 +69,13 @@ class ResultsDocTest(absltest.TestCase):
     for old, new in ((old_sharp, new_sharp), (old_ms, new_ms)):
       self.assertTrue(new in edited and old not in edited, f"{old!r} -> {new!r}")
 
+  def test_in_sample_coverage_at_another_length_is_marked_a_shift(self):
+    # The shipped artifact was fitted at 1,024 tokens: a failing cell at 2,048 is not
+    # in-sample, and the reading counts only the cells at 1,024.
+    self.assertIn("| 2,048 | 0.933 | 0.948 (shift) |", self.rendered)
+    self.assertIn("6 of the 6 of these cells at the calibration's own context (1,024 "
+                  "tokens) reach 0.95", self.rendered)
+
   def test_a_twin_that_loses_is_bold(self):
     row = "| keydiff | keydiff_cert | +1.4 [-6.2, +9.0] |"
     self.assertIn(row, self.rendered)

@@ -119,6 +119,25 @@ class SyntheticCallsTest(absltest.TestCase):
     self.assertTrue(np.isfinite(floor["sharpness_median"]))
     self.assertBetween(floor["sharpness_median"], 1.0, 5.0)
 
+  def test_calibrated_on_names_the_sources_the_fit_had(self):
+    # Source c has calls at 256 tokens only: a fit at 1,024 never saw it, so its label
+    # must not name it (before: the labels listed every other source of the study).
+    rng = np.random.default_rng(1)
+    n = 3000
+    data = np.array(["a", "b", "c"] * (n // 3))
+    cols = dict(true_error=rng.uniform(0, 1, n), var_hat=rng.uniform(0.01, 1, n),
+                range_hat=rng.uniform(0.01, 1, n), design=np.full(n, "d"),
+                context_len=np.where(data == "c", 256, 1024), data=data,
+                regime=np.full(n, "streaming"), budget=np.full(n, 0.5),
+                n_prompt=np.where(data == "c", 270, 1040), layer=np.zeros(n, int),
+                kv_head=np.zeros(n, int))
+    calls = validity_calls.Calls(cols, 1, 1, 1, "m")
+    _, label, fitted = validity_report.scheme_radii(calls, "d", ("a", "b", "c"), 1024, (0.5,),
+                                                     (0.05,))["calibrated"]
+    self.assertEqual(set(label[data == "a"]), {"b"})
+    self.assertEqual(set(label[data == "c"]), {"a+b"})
+    self.assertNotIn(("b", "c"), fitted)
+
   """Fit and score on a made-up call table (2 layers, 1 KV head, two text sources)."""
 
   def _calls(self, budgets):

@@ -34,7 +34,11 @@ class Plan:
   context_len: int = plan_flags.setting(1024, "Context length in tokens.")
   num_examples: int = plan_flags.setting(_COLLECT.num_examples, "Examples per data source.")
   n_steps: int = plan_flags.setting(_COLLECT.n_steps, "Decode steps per example.")
-  seed: int = plan_flags.setting(1, "Seed (use another than the evaluation's).")
+  seed: int = plan_flags.setting(
+      1, "Seed (use another than the evaluation's). It draws the tasks' examples and the "
+      "designs' samples only: natural-text prompts are the text's first segments whatever "
+      "the seed, so calibrating on 'text' from the evaluation's --text fits on its prompts "
+      "(pass another --text).")
   max_batch: Optional[int] = plan_flags.setting(
       None, "Rows per call (unset: a unit's whole batch).")
 

@@ -100,6 +100,12 @@ def _folds(data_sources: Sequence[str]) -> list[tuple[tuple, tuple]]:
 SCHEMES = ("calibrated", "binned_text_fold", "per_head_text_fold")
 
 
+def _with_calls(dcalls, sources, calib_context) -> tuple:
+  """The ``sources`` that have calls at ``calib_context``: what a fit on them was fitted on
+  (a label naming the others would claim sources the fit never had)."""
+  return tuple(x for x in sources if np.any(dcalls.where(data=x, context_len=calib_context)))
+
+
 def scheme_radii(dcalls, design, sources, calib_context, budgets, deltas):
   """scheme -> (delta -> radius of every call (NaN where the scheme has no held-out
   calibration for it), calibrated_on label per call, fitted calibrations)."""
@@ -116,12 +122,13 @@ def scheme_radii(dcalls, design, sources, calib_context, budgets, deltas):
         continue
       cal = calls_lib.fit_binned(dcalls, design=design, data=others, context_len=calib_context,
                                  budgets=budgets, deltas=deltas)
-      fitted[others] = cal
+      used = _with_calls(dcalls, others, calib_context)
+      fitted[used] = cal
       m = dcalls.where(data=src)
       sub = dcalls.select(m)
       for d in deltas:
         radii[d][m] = calls_lib.binned_radii(sub, cal, d, budgets)
-      label[m] = "+".join(others)
+      label[m] = "+".join(used)
   out["calibrated"] = (radii, label, fitted)
   for scheme in ("binned_text_fold", "per_head_text_fold"):
     radii = {d: np.full(n, np.nan) for d in deltas}
@@ -142,8 +149,9 @@ def scheme_radii(dcalls, design, sources, calib_context, budgets, deltas):
                                  budgets=budgets, deltas=deltas)
         for d in deltas:
           radii[d][m] = calls_lib.calibrated_radii(sub, cal, d, budgets)
-      fitted[fit_on] = cal
-      label[m] = "+".join(fit_on)
+      used = _with_calls(dcalls, fit_on, calib_context)
+      fitted[used] = cal
+      label[m] = "+".join(used)
     out[scheme] = (radii, label, fitted)
   return out
 
