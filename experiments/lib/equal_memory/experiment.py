@@ -134,7 +134,8 @@ class Plan:
   """What :func:`run` runs (validated by :meth:`check`; errors name the flag)."""
 
   sources: tuple
-  context_lens: tuple = plan_flags.setting((1024,), "Tokens per segment (the tokenizer's prefix included).")
+  context_lens: tuple = plan_flags.setting(
+      (1024,), "Tokens per segment (the tokenizer's prefix included).")
   variants: tuple = plan_flags.setting(
       DEFAULT_VARIANTS, "Design strings design[:setting=value...][+allocation[:setting="
       "value...]] (certkv_jax.designs.registry.parse, as generate and the leaderboard read them): "

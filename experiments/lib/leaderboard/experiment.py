@@ -376,18 +376,22 @@ def haystack_sha256(plan: Plan) -> str:
   return hashlib.sha256(plan.haystack_text().encode("utf-8")).hexdigest()
 
 
+# What rows written before a setting was recorded were made with (no committed run
+# changed these); coverage and the haystack differ between committed runs: not here.
+OLDER_ROWS = {"dtype": "float32", "equal_memory": False, "n_sink": design_defaults.N_SINK,
+              "window": design_defaults.WINDOW, "use_chat": True}
+
+
 def row_settings(plan: Plan, model: str) -> dict:
   """``{flag: (row field, value[, value of older rows without the field])}``: what every
   row records of the run's settings besides its key; a resume must match them
   (``results_io.check_settings``)."""
-  return dict(model=("model", model), dtype=("dtype", plan.dtype, "float32"),
+  older = lambda field, value: (field, value, OLDER_ROWS[field])
+  return dict(model=("model", model), dtype=older("dtype", plan.dtype),
               chunk=("chunk", plan.chunk),
-              equal_memory=("equal_memory", plan.equal_memory, False),
-              # rows from before these fields were made with the defaults (no committed
-              # run changed them); coverage and the haystack differ between committed runs
-              n_sink=("n_sink", plan.n_sink, design_defaults.N_SINK),
-              window=("window", plan.window, design_defaults.WINDOW),
-              use_chat=("use_chat", plan.use_chat, True),
+              equal_memory=older("equal_memory", plan.equal_memory),
+              n_sink=older("n_sink", plan.n_sink), window=older("window", plan.window),
+              use_chat=older("use_chat", plan.use_chat),
               coverage=("with_coverage", plan.coverage),
               haystack=("haystack_sha256", haystack_sha256(plan)))
 

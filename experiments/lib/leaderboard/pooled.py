@@ -20,8 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-from experiments.lib import design_defaults
 from experiments.lib import stats
+from experiments.lib.leaderboard import experiment
 
 N_BOOT = 2000  # bootstrap resamples of each interval
 
@@ -49,9 +49,7 @@ def example_scores(rows: Sequence[dict], design: str, ratio: float) -> dict:
 
 # Settings every pooled run must share: row field -> value of rows written before it
 # was recorded (None: such rows are not compared on it).
-SHARED = {"model": None, "dtype": "float32", "equal_memory": False, "chunk": None,
-          "n_sink": design_defaults.N_SINK, "window": design_defaults.WINDOW,
-          "use_chat": True, "haystack_sha256": None}
+SHARED = {"model": None, "chunk": None, "haystack_sha256": None, **experiment.OLDER_ROWS}
 
 
 def check_one_setting(rows: Sequence[dict]) -> None:

@@ -74,9 +74,10 @@ def twins(root: str) -> list[str]:
             f"{plan['chunk']}; twin minus design in nats/token, paired over segments (95% "
             "bootstrap; segments where the twin is better):", ""]
     out += fmt.table(["design", "twin"] + [fmt.pct(float(m)) for m in mems], [
-        [variants.twin_base(per[mems[0]]["twin"]), per[mems[0]]["twin"]] + [fmt.ci((per[m]["value"], *per[m]["ci"]), "+.3f")
-                                     + f" ({per[m]['wins']}/{per[m]['n']})" for m in mems]
-        for d, per in ctx["paired_twin"].items()])
+        [variants.twin_base(per[mems[0]]["twin"]), per[mems[0]]["twin"]]
+        + [fmt.ci((per[m]["value"], *per[m]["ci"]), "+.3f")
+           + f" ({per[m]['wins']}/{per[m]['n']})" for m in mems]
+        for per in ctx["paired_twin"].values()])
     quarters = ctx.get("paired_twin_by_quarter", {})
     if quarters:
       m = mems[0]

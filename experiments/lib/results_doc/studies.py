@@ -14,12 +14,6 @@ from experiments.lib.results_doc import markdown as fmt
 # --- the validity study -------------------------------------------------------------------
 
 
-
-def _at_fit(why_row: dict, plan: dict) -> bool:
-  """Whether a failing cell is at the context the shipped calibration was fitted at (its
-  in-sample coverage is then in-sample; elsewhere it is a length shift)."""
-  return why_row.get("in_sample", why_row["context_len"] == plan["calib_context"])
-
 def _cells(cells, **kw):
   return [c for c in cells if all(c[k] == v for k, v in kw.items())]
 
@@ -118,7 +112,7 @@ def validity(root: str) -> list[str]:
                     "in-sample coverage", "radius must grow by", "raw miss rate", "median R"],
                 [[w["regime"], w["data"], fmt.pct(w["budget"]), f"{w['context_len']:,}",
                   f"{w['held_out_coverage']:.3f}",
-                  f"{w['in_sample_coverage']:.3f}" + ("" if _at_fit(w, plan) else " (shift)"),
+                  f"{w['in_sample_coverage']:.3f}" + ("" if w["in_sample"] else " (shift)"),
                   f"x{w['must_grow_by']:.2f}", f"{w['raw_miss_rate']:.3f}",
                   fmt.num(r_median(w), ".2f")] for w in why])
   sig = d["signals"]
@@ -134,7 +128,7 @@ def validity(root: str) -> list[str]:
   res = d["default_result"]
   met = res["n_below"] == 0 and res["sharpness"] is not None and res["sharpness"] <= max_sharp
   by_data = collections.Counter(w["data"] for w in why)
-  at_fit = [w for w in why if _at_fit(w, plan)]
+  at_fit = [w for w in why if w["in_sample"]]  # at the artifact's own context
   covered_in = sum(w["in_sample_coverage"] >= cov_t for w in at_fit)
   grow = fmt.span([w["must_grow_by"] for w in why], ".2f")
   out += ["", "Reading:", ""]
