@@ -80,22 +80,6 @@ def positions(cache: KVCache, valid) -> Array:
   return start[:, None] + jnp.cumsum(valid, axis=1).astype(jnp.int32) - 1
 
 
-def shadow_caches(config, batch: int, n_tokens: int, dtype=jnp.float32) -> Caches:
-  """Evaluation mode's never-evicted caches: room for all ``n_tokens``, so slot = position.
-
-  Pass a layer's (``.layer(i)``) to :func:`attend` (``shadow=``; the statistics then hold the
-  true error) and all to
-  ``eviction.evict_and_record`` (each token's inclusion record; method, section 9). Under a
-  mesh (``jax.set_mesh``) the slots are rounded up to a multiple of its ``seq`` axis, the
-  extra ones left empty.
-  """
-  mesh = distributed.cache_mesh()
-  if mesh is not None:
-    seq = distributed.axis_size(mesh, distributed.SEQ)
-    n_tokens = -(-n_tokens // seq) * seq
-  return caches_lib.init_caches(config, batch, n_tokens, dtype)
-
-
 def stack_stats(per_layer: Sequence[Optional[ChunkStats]]) -> Optional[ChunkStats]:
   """Per-layer statistics stacked on a new leading layer axis (None without the certificate)."""
   if per_layer[0] is None:
@@ -112,7 +96,7 @@ def attend(q, k, v, cache: KVCache, *, valid=None, shadow: Optional[KVCache] = N
     k, v: [batch, t, n_kv_heads, head_dim]; ValueError unless ``n_kv_heads`` divides ``n_heads``.
     cache: this layer's caches, leaves ``[batch, n_kv_heads, cap, ...]``.
     valid: [batch, t] bool, False on right padding; None = all real.
-    shadow: evaluation only: the layer's :func:`shadow_caches` (truth, audit).
+    shadow: evaluation only: the layer's ``caches.shadow_caches`` (truth, audit).
     settings: the design, observe, certificate and scale (:class:`Settings`).
     layer: this layer's index in the model (int or traced), which a certificate's
       layer subsample (``settings.certificate.layers``) needs.

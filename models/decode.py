@@ -51,6 +51,7 @@ from certkv_jax.attention.certified import SIGNAL_FIELDS
 from certkv_jax.attention.certified import Subsample
 from certkv_jax.designs.budgets import check_budget
 from certkv_jax.kv.caches import init_caches
+from certkv_jax.kv.caches import shadow_caches
 from models.config import LlamaConfig
 from certkv_jax.eviction import evict
 from certkv_jax.eviction import evict_and_record
@@ -387,7 +388,7 @@ def generate(params, tokens, mask, key, *, config: LlamaConfig, gen: GenerationC
                      f"{'' if design is not None else f' plus {gen.n_steps} decoded tokens'}")
   kv_dtype = precision.cache_dtype(config)  # keys and values; the statistics are float32
   caches = init_caches(config, batch, capacity, kv_dtype)
-  shadow = (layer_lib.shadow_caches(config, batch, prompt_len + gen.n_steps, kv_dtype)
+  shadow = (shadow_caches(config, batch, prompt_len + gen.n_steps, kv_dtype)
             if gen.evaluate else None)
   state = None if design is None else init_state(design, caches)
   logits, carry = _prompt_chunk(params, config, gen, budget, (caches, shadow, state, key),
@@ -460,7 +461,7 @@ def generate_streaming(params, context, question, key, *, config: LlamaConfig,
   shadow = None
   if gen.evaluate:
     n_tokens = n_chunks * chunk + question.shape[1] + gen.n_steps
-    shadow = layer_lib.shadow_caches(config, batch, n_tokens, kv_dtype)
+    shadow = shadow_caches(config, batch, n_tokens, kv_dtype)
   (caches, shadow, state, key), _ = jax.lax.scan(
       feed, (caches, shadow, state, key), (as_chunks(context), as_chunks(context_mask)))
   logits, caches, _, shadow = forward_chunk(

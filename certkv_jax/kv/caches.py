@@ -319,6 +319,21 @@ def abstract_caches(config, batch: int, capacity: int, dtype=jnp.float32) -> Cac
   return jax.eval_shape(lambda: init_caches(config, batch, capacity, dtype))
 
 
+def shadow_caches(config, batch: int, n_tokens: int, dtype=jnp.float32) -> Caches:
+  """Evaluation mode's never-evicted caches: room for all ``n_tokens``, so slot = position.
+
+  Pass a layer's (``.layer(i)``) to ``certkv_jax.layer.attend`` (``shadow=``; the
+  statistics then hold the true error) and all to ``eviction.evict_and_record`` (each
+  token's inclusion record; method, section 9). Under a mesh (``jax.set_mesh``) the slots
+  are rounded up to a multiple of its ``seq`` axis, the extra ones left empty.
+  """
+  mesh = distributed.cache_mesh()
+  if mesh is not None:
+    seq = distributed.axis_size(mesh, SEQ)
+    n_tokens = -(-n_tokens // seq) * seq
+  return init_caches(config, batch, n_tokens, dtype)
+
+
 def append(cache: KVCache, k_new, v_new, new_valid) -> KVCache:
   """Appends keys and values ``[batch, n_kv_heads, t, head_dim]`` to one layer's caches.
 

@@ -119,7 +119,7 @@ def forward(params, config: GPT2Config, tokens, valid, caches, *,
       Positions beyond ``n_positions`` are not checked.
     settings: ``certkv_jax.layer.Settings``: the design whose slot statistics
       are folded, ``observe`` (False on decode steps), the certificate.
-    shadow: evaluation mode: ``layer.shadow_caches(config, b, n_tokens)``,
+    shadow: evaluation mode: ``certkv_jax.kv.caches.shadow_caches(config, b, n_tokens)``,
       never evicted; the statistics then hold the true error.
 
   Returns:

@@ -92,7 +92,7 @@ class LayerTest(absltest.TestCase):
     # silently, in attend and attend_layer alike.
     q, k, v = _qkv(jax.random.PRNGKey(8))
     valid = jnp.asarray([[True] * T, [True, True, False, False, False]])
-    kv, shadow = caches_lib.init_caches(SIZES, B, 8), layer.shadow_caches(SIZES, B, 3)
+    kv, shadow = caches_lib.init_caches(SIZES, B, 8), caches_lib.shadow_caches(SIZES, B, 3)
     attend = jax.jit(layer.attend, static_argnames=("settings",))
     res = attend(q, k, v, kv.layer(0), valid=valid, shadow=shadow.layer(0))
     np.testing.assert_array_equal(res.overflow, [2, 0])
@@ -126,7 +126,7 @@ class LayerTest(absltest.TestCase):
   def test_shadow_caches_hold_every_token_at_its_position(self):
     design = registry.make("poisson_tail", 0.5, n_sink=1, window=1)
     kv = caches_lib.init_caches(SIZES, B, 6)
-    shadow = layer.shadow_caches(SIZES, B, 6)
+    shadow = caches_lib.shadow_caches(SIZES, B, 6)
     q, k, v = _qkv(jax.random.PRNGKey(5))
     res = [layer.attend(q, k, v, kv.layer(i), shadow=shadow.layer(i),
                         settings=layer.Settings(design)) for i in range(SIZES.n_layers)]

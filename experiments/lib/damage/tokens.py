@@ -82,7 +82,7 @@ def _token_damage(params, tokens, mask, key, budget, *, config,
 
   caches = caches_lib.init_caches(config, b, stream.capacity)
   full = caches_lib.init_caches(config, b, n_chunks * chunk)
-  shadow = layer_lib.shadow_caches(config, b, n_chunks * chunk)
+  shadow = caches_lib.shadow_caches(config, b, n_chunks * chunk)
   state = eviction.init_state(design, caches)
   (caches, _, _, _, _), out = jax.lax.scan(step, (caches, full, shadow, state, key), xs)
   kl, dnll, ent, r, err, sig = out

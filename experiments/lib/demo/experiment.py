@@ -221,7 +221,7 @@ def run_one(params, config, tok, examples, plan: Plan, design_name: str, budget:
                                                      gen=gen_cfg, budget=b))
 
     def prefill(p, k, b):  # generate() up to the first decode step
-      shadow = layer_lib.shadow_caches(config, batch, prompt.shape[1] + N_STEPS)
+      shadow = caches_lib.shadow_caches(config, batch, prompt.shape[1] + N_STEPS)
       logits, caches, _, shadow = forward.forward_chunk(
           p, config, prompt, p_mask, caches_lib.init_caches(config, batch, capacity),
           settings=layer_lib.Settings(design=design, certificate=False), shadow=shadow)
@@ -262,7 +262,7 @@ def run_one(params, config, tok, examples, plan: Plan, design_name: str, budget:
         return (caches, shadow, state, k), None
       caches = caches_lib.init_caches(config, batch, capacity)
       state = None if design is None else eviction.init_state(design, caches)
-      shadow = layer_lib.shadow_caches(config, batch, n_chunks * chunk + qst.shape[1] + N_STEPS)
+      shadow = caches_lib.shadow_caches(config, batch, n_chunks * chunk + qst.shape[1] + N_STEPS)
       (caches, shadow, state, k), _ = jax.lax.scan(
           feed, (caches, shadow, state, k), (as_chunks(ctx), as_chunks(ctx_mask)))
       logits, caches, _, shadow = forward.forward_chunk(

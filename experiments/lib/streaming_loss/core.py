@@ -208,7 +208,7 @@ def _streaming_nll(params, tokens, mask, key, budget, *, config,
     return (caches, shadow, key), (lp, r, kept, calls)
 
   caches = caches_lib.init_caches(config, b, stream.capacity)
-  shadow = layer_lib.shadow_caches(config, b, n_chunks * chunk) if stream.evaluate else None
+  shadow = caches_lib.shadow_caches(config, b, n_chunks * chunk) if stream.evaluate else None
   (caches, _, _), (lp, r, kept, calls) = jax.lax.scan(step, (caches, shadow, key), xs)
   unchunk = lambda a: a.swapaxes(0, 1).reshape((b, n_chunks * chunk) + a.shape[3:])[:, :n]
   n_dropped = jnp.sum(caches.n_dropped, axis=(0, 2)).astype(jnp.int32)

@@ -123,7 +123,7 @@ def run_theorem1(params, config, examples, out_dir: str, plan: Plan, *,
 
     @jax.jit
     def prefill(p):
-      shadow = layer_lib.shadow_caches(config, batch, plen + n_steps)
+      shadow = caches_lib.shadow_caches(config, batch, plen + n_steps)
       logits, caches, _, shadow = forward.forward_chunk(
           p, config, prompt, mask, caches_lib.init_caches(config, batch, capacity),
           settings=layer_lib.Settings(design=design, certificate=False), shadow=shadow)

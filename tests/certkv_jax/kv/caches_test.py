@@ -3,7 +3,9 @@
 import types
 
 from absl.testing import absltest
+import jax
 import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType
 import numpy as np
 
 from certkv_jax.kv import cache as cache_lib
@@ -21,6 +23,14 @@ class CachesTest(absltest.TestCase):
     np.testing.assert_array_equal(c.pos, -1)
     self.assertFalse(bool(c.valid.any()))
     np.testing.assert_array_equal(c.n_seen, 0)
+
+  def test_shadow_caches_hold_every_token_and_round_up_to_the_seq_axis(self):
+    c = caches_lib.shadow_caches(SPEC, batch=1, n_tokens=6)
+    self.assertEqual(c.capacity, 6)  # slot = position for all 6 tokens
+    self.assertFalse(bool(c.valid.any()))
+    mesh = AbstractMesh((1, 1, 4), ("data", "model", "seq"), axis_types=(AxisType.Auto,) * 3)
+    with jax.sharding.use_abstract_mesh(mesh):  # a seq axis of 4: 6 slots -> 8
+      self.assertEqual(caches_lib.shadow_caches(SPEC, batch=1, n_tokens=6).capacity, 8)
 
   def test_reserve_then_write_kv_places_a_right_padded_chunk(self):
     new_valid = jnp.array([[True, True, False]])  # two tokens and one padding slot
