@@ -26,10 +26,10 @@ CKPT_ARGS=()
 # splits, 128-key tiles.
 BK_TILINGS="${BK_TILINGS:-64:16:4,64:16:4:split,32:16:2:split,64:32:4:3:split,32:32:4:3:split,128:16:4:3:split}"
 BK_ARGS=(--lengths=32768 --head_dims=128 --batch=64 --groups=4 --dtype=bfloat16
-         --repeats=5 --splits=1,4 --tilings="$BK_TILINGS")
+         --repeats=6 --splits=1,4 --tilings="$BK_TILINGS")
 DECODE_DESIGNS="${DECODE_DESIGNS:-poisson_tail}"
 DECODE_ARGS=(--contexts=8192 --designs="$DECODE_DESIGNS" --budgets=0.125 --evict_every=16
-             --certificate=with --layer_loop=unrolled --noplain_prefill --repeats=5)
+             --certificate=with --layer_loop=unrolled --noplain_prefill --repeats=6)
 BATCH_135M="${BATCH_135M:-1}"
 BATCH_1B="${BATCH_1B:-4}"
 DECODE_DTYPES="${DECODE_DTYPES:-bfloat16}"  # float32,bfloat16 adds the float32 parts
@@ -39,7 +39,7 @@ DECODE_DTYPES="${DECODE_DTYPES:-bfloat16}"  # float32,bfloat16 adds the float32 
 # 1B decode's first calls 47 s. Phase 1 runs concurrently (checkpoints on the CPU, tests on
 # the GPU): at most max(L_CKPT_135M + L_CKPT_1B, L_KERNEL_TESTS, L_FAST) = 150 s. Phase 2 runs
 # alone (it times): 125 + 95 + 95 = 315 s. With the backend check (<= 15 s): 480 s of limits, plus
-# up to 10 s to stop each part that runs over (timeout -k 10) and the packing at the end. Each float32 decode part (DECODE_DTYPES) or
+# up to 10 s to stop each part that runs over (SIGINT, then SIGKILL) and the packing at the end. Each float32 decode part (DECODE_DTYPES) or
 # batch (BATCH_135M=1,8) adds about one decode limit. A timed-out benchmark that wrote its
 # finished cells is "partial". Each limit can be set from the environment (L_FAST=200 ...).
 if [[ "$TINY" == 1 ]]; then
@@ -105,6 +105,30 @@ case "${1:-}" in
   *) usage >&2; echo "device_check.sh: unknown argument ${1}" >&2; exit 2 ;;
 esac
 
+ORDER=(ckpt_135m ckpt_1b kernel_tests fast_tier_a fast_tier_b fast_tier_c bench_kernels
+       decode_135m_float32 decode_135m_bfloat16 decode_1b_float32 decode_1b_bfloat16)
+
+bad_setting() {  # bad_setting MESSAGE: one line, exit status 2 (nothing run, nothing written)
+  echo "device_check.sh: $1" >&2
+  exit 2
+}
+for v in L_CKPT_135M L_CKPT_1B L_KERNEL_TESTS L_FAST L_BENCH_KERNELS L_DECODE_135M L_DECODE_1B; do
+  [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || bad_setting "$v must be a whole number of seconds > 0, got '${!v}'"
+done
+for v in BATCH_135M BATCH_1B; do  # comma-separated batch sizes
+  [[ "${!v}" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || \
+    bad_setting "$v must be batch sizes > 0, comma-separated, got '${!v}'"
+done
+for d in ${DECODE_DTYPES//,/ }; do
+  [[ "$d" == float32 || "$d" == bfloat16 ]] || \
+    bad_setting "DECODE_DTYPES must list float32 and/or bfloat16, got '$DECODE_DTYPES'"
+done
+for p in ${ONLY//,/ }; do  # a prefix that names no part would run nothing
+  match=0
+  for name in "${ORDER[@]}"; do [[ "$name" == "$p"* ]] && match=1; done
+  (( match )) || bad_setting "ONLY: '$p' names no part (parts: ${ORDER[*]})"
+done
+
 want() {  # want NAME: whether ONLY selects part NAME (by prefix)
   [[ -z "$ONLY" ]] && return 0
   local p
@@ -130,9 +154,12 @@ if [[ -z "${SCRATCH:-}" ]]; then
 fi
 WORK="$SCRATCH/work"
 CKPT="$SCRATCH/ckpt"
+# A SCRATCH or OUT given again (a warm machine keeps /tmp) must not pass off an earlier
+# run's results as this one's: its work dir and our files in OUT go (the checkpoints stay).
+rm -rf "$WORK"
+rm -f "$OUT"/{parts.json,kernel_tests.xml,fast_tier.xml,bench_kernels.md,bench_kernels.json} \
+  "$OUT"/{decode.md,device_check.tar.gz}
 mkdir -p "$WORK/logs" "$WORK/parts" "$WORK/junit" "$WORK/decode" "$CKPT"
-ORDER=(ckpt_135m ckpt_1b kernel_tests fast_tier_a fast_tier_b fast_tier_c bench_kernels
-       decode_135m_float32 decode_135m_bfloat16 decode_1b_float32 decode_1b_bfloat16)
 
 write_parts() {  # $OUT/parts.json from the parts finished so far (atomic rename)
   local name sep="" tmp="$OUT/.parts.json.$BASHPID"
@@ -155,14 +182,15 @@ record() {  # record NAME SECONDS RC STATUS LIMIT [NOTE]
   write_parts
 }
 
-# part NAME LIMIT CMD...: runs CMD under a time limit (then SIGKILL 10 s later), its output in
-# $WORK/logs/NAME.log; records its seconds, rc and status; always returns 0.
+# part NAME LIMIT CMD...: runs CMD under a time limit, its output in $WORK/logs/NAME.log;
+# records its seconds, rc and status; always returns 0. At the limit CMD gets SIGINT (pytest
+# then still writes its junit file of the tests run so far), SIGKILL 10 s later.
 part() {
   local name=$1 limit=$2 t0 rc=0 status=ok secs
   shift 2
   echo "=== [$name] start (limit ${limit}s):$(printf ' %q' "$@")"
   t0=$(date +%s)
-  timeout -k 10 "$limit" "$@" > "$WORK/logs/$name.log" 2>&1 || rc=$?
+  timeout -s INT -k 10 "$limit" "$@" > "$WORK/logs/$name.log" 2>&1 || rc=$?
   if (( rc == 124 || rc == 137 )); then
     status=timeout
   elif (( rc != 0 )); then

@@ -63,6 +63,25 @@ class ScriptTest(absltest.TestCase):
     self.assertEqual(bad.returncode, 2)
     self.assertIn("unknown argument --bogus", bad.stderr)
 
+  def test_bad_settings_are_refused_before_anything_runs(self):
+    out = os.path.join(self.create_tempdir().full_path, "device_out")
+    for env, named in ((dict(L_FAST="60s"), "L_FAST must be a whole number of seconds"),
+                       (dict(BATCH_1B="4,0"), "BATCH_1B must be batch sizes > 0"),
+                       (dict(DECODE_DTYPES="float16"), "DECODE_DTYPES must list float32"),
+                       (dict(ONLY="bench_kernels,decode_2b"), "ONLY: 'decode_2b' names no part")):
+      with self.subTest(env=env):
+        done = _script(dict(env, OUT=out))
+        self.assertEqual(done.returncode, 2)
+        (line,) = done.stderr.strip().splitlines()
+        self.assertIn(named, line)
+        self.assertFalse(os.path.exists(out))  # nothing run, nothing written
+
+  def test_a_part_at_its_limit_is_interrupted_so_pytest_writes_its_junit(self):
+    with open(SCRIPT) as f:
+      text = f.read()
+    self.assertIn('timeout -s INT -k 10 "$limit" "$@"', text)  # the one place parts run
+    self.assertNotRegex(text, r"timeout (-k|-s (TERM|KILL))")  # SIGTERM: pytest writes nothing
+
   def test_refuses_without_an_accelerator(self):
     if jax.default_backend() in ("gpu", "tpu"):
       self.skipTest("this machine has an accelerator: the script would run")
@@ -77,7 +96,15 @@ class ScriptTest(absltest.TestCase):
   @pytest.mark.slow  # a child process per part: about 90 s on the 2-core machine
   def test_tiny_dry_run_layout(self):
     out = os.path.join(self.create_tempdir().full_path, "device_out")
-    done = _script({"OUT": out, "DEVICE_CHECK_ALLOW_CPU": "1",
+    scratch = self.create_tempdir().full_path
+    # An earlier run's files in a SCRATCH and OUT given again are not this run's results.
+    os.makedirs(os.path.join(scratch, "work", "parts"))
+    with open(os.path.join(scratch, "work", "parts", "kernel_tests.json"), "w") as f:
+      f.write('{"seconds": 1, "rc": 0, "status": "ok", "limit": 1, "note": ""}')
+    os.makedirs(out)
+    with open(os.path.join(out, "fast_tier.xml"), "w") as f:
+      f.write("<testsuites/>")
+    done = _script({"OUT": out, "SCRATCH": scratch, "DEVICE_CHECK_ALLOW_CPU": "1",
                     "ONLY": "ckpt_135m,bench_kernels,decode_135m_bfloat16"}, timeout=600)
     self.assertEqual(done.returncode, 0, done.stdout[-3000:] + done.stderr[-3000:])
     self.assertEqual(sorted(os.listdir(out)), ["bench_kernels.json", "bench_kernels.md",
@@ -86,6 +113,7 @@ class ScriptTest(absltest.TestCase):
     with open(os.path.join(out, "parts.json")) as f:
       parts = json.load(f)
     self.assertTrue(parts["_run"]["tiny"])
+    self.assertNotIn("kernel_tests", parts)
     with open(os.path.join(out, "decode.md")) as f:
       self.assertIn("weights and caches in bfloat16", f.read())
     for name in ("ckpt_135m", "bench_kernels", "decode_135m_bfloat16"):
@@ -152,7 +180,11 @@ class KernelBenchCommandTest(absltest.TestCase):
     self.assertGreater(row["bandwidth_gbps"], 0)
     self.assertGreater(row["gbps"]["stats_stored"], 0)
     self.assertGreater(row["fraction_of_bandwidth"]["offset"], 0)
-    self.assertIn("probe GB/s", open(out).read())
+    text = open(out).read()
+    self.assertIn("probe GB/s", text)
+    # One round: the median's interval is the single sample, coverage 0 (said, not ">= 95%").
+    self.assertEqual(row["stats_over_offset_interval"][2], 0.0)
+    self.assertIn("coverage 0.000 with 1 rounds", text)
 
 
 if __name__ == "__main__":

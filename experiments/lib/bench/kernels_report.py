@@ -32,6 +32,7 @@ def render(rows, device: str, plan) -> str:
   """The markdown report: a summary per cell, every method, the split sweep."""
   r0 = rows[0]
   pallas = "pallas_gbps" in r0
+  levels = ", ".join(f"{x:.3f}" for x in sorted({r["stats_over_offset_interval"][2] for r in rows}))
   lines = ["# Decode attention: bandwidth and the cost of the certificate statistics", "",
            f"Device: {device}. Rows {r0['batch']} (sequence, KV head), GQA group "
            f"{r0['groups']}, dtype {r0['dtype']}; {plan.repeats} interleaved rounds after "
@@ -42,7 +43,8 @@ def render(rows, device: str, plan) -> str:
            "`of probe`: as a fraction of the streaming-read bandwidth of a read-reduce of "
            f"a {r0['probe_bytes'] / 2**20:.0f} MiB buffer in the same rounds. "
            "`stats/offset`: median over rounds of the per-round ratio `stats_stored / "
-           "xla_offset` [order-statistic interval, >= 95% from 6 rounds]; `exact` and "
+           f"xla_offset` [order-statistic interval of the median, coverage {levels} with "
+           f"{plan.repeats} rounds; >= 0.95 from 6 rounds on]; `exact` and "
            "`recompute`: the same for `stats_stored_exact` and `stats_bound`.", "",
            "## Summary", "",
            "| n | d | MB/call | iters | probe GB/s | stats/offset | exact | recompute |"
