@@ -29,6 +29,8 @@ from experiments.lib import model_loading
 from experiments.lib import plan_flags
 from experiments.lib.bench import decode as bench_decode
 from experiments.lib.bench import decode_report as bench_decode_report
+from models import forward
+from models import llama
 from tests import test_util
 
 SCRIPT = os.path.join(test_util.ROOT, "scripts", "device_check.sh")
@@ -351,6 +353,24 @@ class FloorTest(absltest.TestCase):
     self.assertGreater(config.n_layers, 1)
     np.testing.assert_allclose(got, want, rtol=1e-4)
     self.assertEqual(bench_decode.attention_bytes(caches), k.nbytes + v.nbytes)
+
+  def test_matvec_probe_multiplies_every_kernel_of_the_model(self):
+    config = test_util.tiny_config()
+    rng = np.random.default_rng(3)
+    qkv = rng.normal(size=(config.hidden, 2, 3, 4)).astype(np.float32)  # a fused projection
+    params = {"params": {"layers": ({"qkv_proj": {"kernel": qkv}},)}}
+    want = (np.ones((2, config.hidden), np.float32) @ qkv.reshape(config.hidden, -1)).sum()
+    np.testing.assert_allclose(bench_decode._matvec_fn(config, 2)(params), want, rtol=1e-5)
+    # The model's own per-layer params: one product per kernel, the fused qkv_proj included.
+    model = llama.LlamaModel(config)
+    real = forward.unstack_layers(
+        model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32)), config)
+    kernels = [w for w in jax.tree_util.tree_leaves(real) if w.ndim >= 2]
+    self.assertTrue(any(w.ndim == 4 for w in kernels))  # qkv_proj
+    jaxpr = jax.make_jaxpr(bench_decode._matvec_fn(config, 2))(real)
+    products = [e for e in jaxpr.jaxpr.eqns[0].params["jaxpr"].eqns
+                if e.primitive.name == "dot_general"]
+    self.assertLen(products, len(kernels) - (0 if config.tie_embeddings else 1))
 
   def test_matvec_probe_chains_each_product_on_the_latest_of_its_width(self):
     config = test_util.tiny_config()

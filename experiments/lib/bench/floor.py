@@ -41,9 +41,10 @@ def _read_fn():
 
 
 def _matvec_fn(config, batch: int):
-  """A jitted chain of ``[batch, in] @ W`` over every weight matrix of per-layer
-  params (the tied embedding as the output projection; an untied one, of which a
-  step reads one row, skipped): the weight reads of a step with nothing else,
+  """A jitted chain of ``[batch, in] @ W`` over every weight kernel of per-layer
+  params (a kernel of more dims, such as the fused ``qkv_proj``, as ``[in, out]``; the
+  tied embedding as the output projection; an untied one, of which a step reads one
+  row, skipped; norms summed): the weight reads of a step with nothing else,
   what this backend's matrix-vector products attain against the floor. Each
   product's input is the latest output of its width (RMS-normalized; ones for
   the first), so they run one after another as a step's do: independent
@@ -55,9 +56,11 @@ def _matvec_fn(config, batch: int):
       embed = "embed" in jax.tree_util.keystr(path)
       if embed and not config.tie_embeddings:
         continue
-      if w.ndim != 2:  # norms
+      if w.ndim < 2:  # norms
         total += jnp.sum(w)
         continue
+      if not embed:  # a kernel [in, ...]: fused projections (qkv_proj) are one product too
+        w = w.reshape(w.shape[0], -1)
       width = w.shape[1] if embed else w.shape[0]
       x = latest.get(width, jnp.ones((batch, width), w.dtype))
       y = x @ w.T if embed else x @ w
