@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import certkv_jax
+from certkv_jax.attention.offset import AttentionConfig
 from certkv_jax.kv import cache as cache_lib
 from certkv_jax.kv import memory as memory_lib
 from experiments.lib import model_loading
@@ -32,6 +33,17 @@ from experiments.lib.bench import decode_report as bench_decode_report
 from models import forward
 from models import llama
 from tests import test_util
+
+
+def _eqns(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs nested in it (loops, jit calls)."""
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _eqns(inner)
 
 SCRIPT = os.path.join(test_util.ROOT, "scripts", "device_check.sh")
 TINY_PLAN = ["--contexts=64", "--batches=1", "--repeats=3", "--designs=poisson_tail,h2o",
@@ -368,9 +380,47 @@ class FloorTest(absltest.TestCase):
     kernels = [w for w in jax.tree_util.tree_leaves(real) if w.ndim >= 2]
     self.assertTrue(any(w.ndim == 4 for w in kernels))  # qkv_proj
     jaxpr = jax.make_jaxpr(bench_decode._matvec_fn(config, 2))(real)
-    products = [e for e in jaxpr.jaxpr.eqns[0].params["jaxpr"].eqns
-                if e.primitive.name == "dot_general"]
+    products = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
     self.assertLen(products, len(kernels) - (0 if config.tie_embeddings else 1))
+
+  def test_probes_make_iters_passes_in_one_call_with_nothing_hoisted(self):
+    config = test_util.tiny_config()
+    model = llama.LlamaModel(config)
+    params = forward.unstack_layers(
+        model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32)), config)
+    caches = certkv_jax.kv.caches.init_caches(config, 2, 6)
+    caches = caches.replace(
+        k=jax.random.normal(jax.random.PRNGKey(1), caches.k.shape),
+        v=jax.random.normal(jax.random.PRNGKey(2), caches.v.shape),
+        valid=caches.valid.at[..., :4].set(True),
+        pos=jnp.broadcast_to(jnp.arange(6, dtype=caches.pos.dtype), caches.pos.shape))
+    att_args = bench_decode.attention_inputs(caches, config, 4, jax.random.PRNGKey(3))
+    buf = jnp.arange(10, dtype=jnp.float32)
+    for name, make, args in (("read", bench_decode._read_fn, (buf,)),
+                             ("matvec", lambda i: bench_decode._matvec_fn(config, 2, i),
+                              (params,)),
+                             ("attention", bench_decode._attention_fn, att_args)):
+      with self.subTest(name):
+        one, three = float(make(1)(*args)), float(make(3)(*args))
+        np.testing.assert_allclose(three, 3 * one, rtol=1e-5)
+        # All the work is in the loop's body: the entry computation only starts it (a
+        # hoisted read or product would be a fusion, dot or reduce there).
+        text = make(3).lower(*args).compile().as_text()
+        entry = text[text.index("\nENTRY"):]
+        self.assertNotRegex(entry, r"= [^=]*\b(fusion|dot|reduce|convolution|custom-call)\(")
+        self.assertIn("while", entry)
+
+  def test_attention_probe_reads_values_as_the_step_does(self):
+    config = test_util.tiny_config()
+    caches = certkv_jax.kv.caches.init_caches(config, 1, 6, jnp.bfloat16)
+    args = bench_decode.attention_inputs(caches, config, 4, jax.random.PRNGKey(0))
+    float32_products = lambda split: sum(  # probabilities times values, per layer
+        1 for e in _eqns(jax.make_jaxpr(bench_decode._attention_fn(
+            1, AttentionConfig(split_values=split)))(*args).jaxpr)
+        if e.primitive.name == "dot_general"
+        and all(v.aval.dtype == jnp.float32 for v in e.invars))
+    self.assertEqual(float32_products(False), config.n_layers)  # a float32 copy of the values
+    self.assertEqual(float32_products(True), 0)  # the values multiplied as stored
 
   def test_matvec_probe_chains_each_product_on_the_latest_of_its_width(self):
     config = test_util.tiny_config()

@@ -345,14 +345,18 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
         for cert in plan.certificate_modes:
           add(name, design, cert, b, caches, d_logits, kept, every)
     del d_caches
-  read, buf = _read_fn(), jnp.ones((max(probe_bytes // 4, 1),), jnp.float32)
-  probe = _Timed(dict(base, part="read probe", bytes=int(buf.nbytes)), lambda: _timed_call(read, buf)[1])
+  # The probes, like a step's call, make per_call passes in one call: a sample is one pass.
+  one_pass = lambda fn, *args: _timed_call(fn, *args)[1] / per_call
+  read, buf = _read_fn(per_call), jnp.ones((max(probe_bytes // 4, 1),), jnp.float32)
+  probe = _Timed(dict(base, part="read probe", bytes=int(buf.nbytes), passes=per_call),
+                 lambda: one_pass(read, buf))
   per_layer = loop_params.get("unrolled") or forward.unstack_layers(params, config)
-  matvec = _memo(steps, ("matvec", batch), lambda: _matvec_fn(config, batch))
-  mv = _Timed(dict(base, part="matvec probe", bytes=matvec_bytes(per_layer, config)),
-              lambda: _timed_call(matvec, per_layer)[1])
-  attention = _memo(steps, ("attention",), _attention_fn)
-  att = _Timed(dict(base, part="attention probe", bytes=att_bytes), lambda: _timed_call(attention, *att_args)[1])
+  matvec = _memo(steps, ("matvec", batch), lambda: _matvec_fn(config, batch, per_call))
+  mv = _Timed(dict(base, part="matvec probe", bytes=matvec_bytes(per_layer, config),
+                   passes=per_call), lambda: one_pass(matvec, per_layer))
+  att_fn = _memo(steps, ("attention",), lambda: _attention_fn(per_call, attention))
+  att = _Timed(dict(base, part="attention probe", bytes=att_bytes, passes=per_call),
+               lambda: one_pass(att_fn, *att_args))
   _round_robin(timed + [probe, mv, att], plan.repeats, log=log)
   dropped = [int(jnp.sum(s["carry"][0].n_dropped)) for s in states]
   if any(dropped):

@@ -35,12 +35,27 @@ def floor_bytes(params, config, design, capacity: int, batch: int, dtype=jnp.flo
       design, config.head_dim, dtype=dtype)
 
 
-def _read_fn():
-  """A jitted streaming read: the sum of a float32 buffer (the bandwidth probe)."""
-  return jax.jit(jnp.sum)
+def _looped(body, iters: int):
+  """``iters`` calls of ``body(*args) -> float32`` in one ``fori_loop``, each reading its
+  arguments again (an ``optimization_barrier`` ties them to the running total, so
+  nothing is hoisted out of the loop): a probe timed as a step's call is, its launch
+  and dispatch amortized over ``iters``."""
+
+  def run(*args):
+    def one(_, total):
+      a, t = jax.lax.optimization_barrier((args, total))
+      return t + body(*a)
+    return jax.lax.fori_loop(0, iters, one, jnp.float32(0.0))
+  return run
 
 
-def _matvec_fn(config, batch: int):
+def _read_fn(iters: int = 1):
+  """A jitted streaming read: ``iters`` sums of a float32 buffer (the bandwidth probe);
+  its time over ``iters`` is one read's."""
+  return jax.jit(_looped(lambda buf: jnp.sum(buf, dtype=jnp.float32), iters))
+
+
+def _matvec_fn(config, batch: int, iters: int = 1):
   """A jitted chain of ``[batch, in] @ W`` over every weight kernel of per-layer
   params (a kernel of more dims, such as the fused ``qkv_proj``, as ``[in, out]``; the
   tied embedding as the output projection; an untied one, of which a step reads one
@@ -48,7 +63,8 @@ def _matvec_fn(config, batch: int):
   what this backend's matrix-vector products attain against the floor. Each
   product's input is the latest output of its width (RMS-normalized; ones for
   the first), so they run one after another as a step's do: independent
-  products would overlap on the CPU's cores, which a step's cannot."""
+  products would overlap on the CPU's cores, which a step's cannot. ``iters`` chains in
+  one call (:func:`_looped`)."""
 
   def matvecs(params):
     total, latest = jnp.float32(0.0), {}
@@ -67,7 +83,7 @@ def _matvec_fn(config, batch: int):
       latest[y.shape[-1]] = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
       total += jnp.sum(y)
     return total
-  return jax.jit(matvecs)
+  return jax.jit(_looped(matvecs, iters))
 
 
 def matvec_bytes(per_layer_params, config) -> int:
@@ -76,23 +92,24 @@ def matvec_bytes(per_layer_params, config) -> int:
              if config.tie_embeddings or "embed" not in jax.tree_util.keystr(path))
 
 
-def _attention_fn():
+def _attention_fn(iters: int = 1, config=None):
   """A jitted attention of one query per head over every layer's caches, as the
   full cache's decode step attends (``certkv_jax.attention.certified.attend``
-  without the certificate) with nothing else: what this backend's attention
-  attains against its floor, the caches' key and value bytes
-  (:func:`attention_bytes`). Each layer's output is the next layer's query, so
-  the layers attend one after another as in a step, not overlapped."""
+  without the certificate, ``config`` the step's ``AttentionConfig``) with nothing
+  else: what this backend's attention attains against its floor, the caches' key and
+  value bytes (:func:`attention_bytes`). Each layer's output is the next layer's
+  query, so the layers attend one after another as in a step, not overlapped;
+  ``iters`` passes in one call (:func:`_looped`)."""
 
   def attention(per_layer_caches, qg, positions):
     total = jnp.float32(0.0)
     for cache in per_layer_caches:
       out, _, _ = certified.attend(qg, cache, None, positions, certificate=False,
-                                             with_probs=False)
+                                   with_probs=False, config=config)
       qg = out.astype(qg.dtype)  # [batch, n_kv_heads, group, 1, head_dim], as qg
       total += jnp.sum(out)
     return total
-  return jax.jit(attention)
+  return jax.jit(_looped(attention, iters))
 
 
 def attention_inputs(caches, config, context: int, key):
