@@ -41,17 +41,21 @@ _FEW_ROWS = 64
 
 
 def _dot_f32(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-  """``lax.dot_general`` accumulating in float32 (a Flax ``dot_general``)."""
-  del preferred_element_type
-  return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+  """``lax.dot_general`` of narrow operands accumulating in float32 (a Flax ``dot_general``)."""
+  del precision, preferred_element_type
+  return jax.lax.dot_general(lhs, rhs, dimension_numbers,
+                             precision=jax.lax.Precision.DEFAULT,
                              preferred_element_type=jnp.float32)
 
 
 def _dense_kw(dtype) -> dict:
-  """Flax ``Dense`` arguments: operands in ``dtype``, float32 accumulation if narrower."""
+  """Flax ``Dense`` arguments: operands in ``dtype``, float32 accumulation if narrower;
+  float32 products at ``HIGHEST`` (a GPU's default is TF32)."""
   kw = dict(dtype=dtype, param_dtype=jnp.float32)
   if precision.is_low_precision(dtype):
     kw["dot_general"] = _dot_f32
+  else:
+    kw["precision"] = jax.lax.Precision.HIGHEST
   return kw
 
 
@@ -98,10 +102,12 @@ def grouped_attention(q, k, v, allowed) -> Array:
   b, s, h, d = q.shape
   h_kv = k.shape[2]
   qg = q.astype(jnp.float32).reshape(b, s, h_kv, h // h_kv, d)
-  logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) / math.sqrt(d)
+  hp = jax.lax.Precision.HIGHEST
+  logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32),
+                      precision=hp) / math.sqrt(d)
   logits = jnp.where(allowed[:, None, None], logits, _NEG)
   probs = jax.nn.softmax(logits, axis=-1)
-  out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(jnp.float32))
+  out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(jnp.float32), precision=hp)
   return out.reshape(b, s, h, d)
 
 
@@ -182,7 +188,7 @@ class LlamaModel(nn.Module):
         if rows == 1:  # XLA's CPU bf16 matrix-vector product is fast only this way round
           return jnp.matmul(h, emb.T, **dot)
       else:
-        emb, dot = emb.astype(jnp.float32), {}
+        emb, dot = emb.astype(jnp.float32), dict(precision=jax.lax.Precision.HIGHEST)
       if rows <= _FEW_ROWS:  # decode: the embedding as it lies, no copy
         return jnp.einsum("vd,...d->...v", emb, h, **dot)
       return jnp.matmul(h, emb.T, **dot)

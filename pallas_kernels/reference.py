@@ -92,8 +92,7 @@ class UpdateOptions:
 def _split(a, dtype):
   """float32 ``a`` [..., r, m] as bfloat16 rows ``[hi; lo]`` [..., 2r, m], ``hi + lo = a`` to
   16 significant bits (relative error below 2^-16)."""
-  hi = a.astype(dtype)
-  return jnp.concatenate([hi, (a - hi.astype(jnp.float32)).astype(dtype)], axis=-2)
+  return jnp.concatenate(precision_lib.split_parts(a, dtype), axis=-2)
 
 
 def split_matmul(a, v, stacked: bool = True):
@@ -104,8 +103,8 @@ def split_matmul(a, v, stacked: bool = True):
   dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.DEFAULT,
                           preferred_element_type=jnp.float32)
   if not stacked:
-    hi = a.astype(v.dtype)
-    return dot(hi, v) + dot((a - hi.astype(jnp.float32)).astype(v.dtype), v)
+    hi, lo = precision_lib.split_parts(a, v.dtype)
+    return dot(hi, v) + dot(lo, v)
   both = dot(_split(a, v.dtype), v)
   rows = a.shape[-2]
   return both[..., :rows, :] + both[..., rows:, :]

@@ -105,12 +105,15 @@ def param_shapes(spec: PredictorSpec) -> dict:
   return shapes
 
 
+_HIGHEST = jax.lax.Precision.HIGHEST  # not TF32 on a GPU
+
+
 def _forward(params: dict, z: Array, activation: str) -> Array:
   """Standardized prediction from standardized features z [n, F] -> [n]."""
   if "w_hidden" in params:
     act = jnp.tanh if activation == "tanh" else jax.nn.gelu
-    z = act(z @ params["w_hidden"] + params["b_hidden"])
-  return z @ params["w_out"] + params["b_out"]
+    z = act(jnp.matmul(z, params["w_hidden"], precision=_HIGHEST) + params["b_hidden"])
+  return jnp.matmul(z, params["w_out"], precision=_HIGHEST) + params["b_out"]
 
 
 @functools.partial(jax.jit, static_argnames=("activation",))

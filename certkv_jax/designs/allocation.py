@@ -14,6 +14,7 @@ Caches must be sized for the largest target it gives (:meth:`max_target`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -150,9 +151,11 @@ def _window_costs(design, cache: KVCache, step, n_grid: int, eps: float):
   total = jnp.sum(obs)
   a = obs / jnp.where(total > 0, total, 1.0)
   v = cache.v.astype(jnp.float32)
-  o = a @ v
+  dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)  # not TF32 (GPU)
+  o = dot(a, v)
   o_r = o - cache.v_ref  # v_sq is ||v - v_ref||^2: distances to o about the same reference
-  d2 = jnp.maximum(cache.v_sq - 2.0 * (v @ o_r - cache.v_ref @ o_r) + o_r @ o_r, 0.0)
+  d2 = jnp.maximum(cache.v_sq - 2.0 * (dot(v, o_r) - dot(cache.v_ref, o_r)) + dot(o_r, o_r),
+                   0.0)
   x = jnp.where(tail, a * a * d2, 0.0)
   w = jnp.where(tail, _design_score(design)(cache).astype(jnp.float32), 0.0)
   w = jnp.where(jnp.sum(w) > 0, w, tail.astype(jnp.float32))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from certkv_jax.designs import framework
@@ -26,7 +27,9 @@ class KeyDiff:
     norm = jnp.linalg.norm(k, axis=-1, keepdims=True)
     unit = jnp.where(cache.valid[:, None], k / jnp.maximum(norm, 1e-12), 0.0)
     anchor = jnp.sum(unit, axis=0) / jnp.maximum(jnp.sum(cache.valid), 1)
-    cos = (k / jnp.maximum(norm, 1e-8)) @ (anchor / jnp.maximum(jnp.linalg.norm(anchor), 1e-8))
+    cos = jnp.matmul(k / jnp.maximum(norm, 1e-8),
+                     anchor / jnp.maximum(jnp.linalg.norm(anchor), 1e-8),
+                     precision=jax.lax.Precision.HIGHEST)  # not TF32 on a GPU
     return -cos
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from certkv_jax import _validate
+from pallas_kernels import precision as precision_lib
 
 Array = jax.Array
 
@@ -202,8 +203,12 @@ def slot_kv(cache: KVCache, k_new, v_new, fresh, first=0) -> tuple[dict, Array]:
   ``v_ref`` becomes the value of the chunk's first real token (index ``first``, after
   any padding) when ``fresh`` (a traced bool).
   """
-  v_stored = v_new.astype(cache.v.dtype)
-  v32 = v_stored.astype(jnp.float32)
+  if cache.v.dtype == jnp.bfloat16:  # as stored, without a round trip XLA may fold (GPU)
+    v32 = precision_lib.bf16_rounded(v_new)
+    v_stored = v32.astype(jnp.bfloat16)
+  else:
+    v_stored = v_new.astype(cache.v.dtype)
+    v32 = v_stored.astype(jnp.float32)
   v_ref = jnp.where(fresh, v32[first], cache.v_ref)
   dv = v32 - v_ref
   return dict(k=k_new.astype(cache.k.dtype), v=v_stored, v_sq=jnp.sum(dv * dv, axis=-1)), v_ref

@@ -35,16 +35,6 @@ from models import llama
 from tests import test_util
 
 
-def _eqns(jaxpr):
-  """Every equation of ``jaxpr`` and of the jaxprs nested in it (loops, jit calls)."""
-  for e in jaxpr.eqns:
-    yield e
-    for p in e.params.values():
-      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          yield from _eqns(inner)
-
 SCRIPT = os.path.join(test_util.ROOT, "scripts", "device_check.sh")
 TINY_PLAN = ["--contexts=64", "--batches=1", "--repeats=3", "--designs=poisson_tail,h2o",
              "--budgets=0.25,0.5", "--n_sink=2", "--window=4", "--evict_every=1",
@@ -380,7 +370,8 @@ class FloorTest(absltest.TestCase):
     kernels = [w for w in jax.tree_util.tree_leaves(real) if w.ndim >= 2]
     self.assertTrue(any(w.ndim == 4 for w in kernels))  # qkv_proj
     jaxpr = jax.make_jaxpr(bench_decode._matvec_fn(config, 2))(real)
-    products = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    products = [e for _, e in test_util.equations(jaxpr.jaxpr)
+                if e.primitive.name == "dot_general"]
     self.assertLen(products, len(kernels) - (0 if config.tie_embeddings else 1))
 
   def test_probes_make_iters_passes_in_one_call_with_nothing_hoisted(self):
@@ -415,7 +406,7 @@ class FloorTest(absltest.TestCase):
     caches = certkv_jax.kv.caches.init_caches(config, 1, 6, jnp.bfloat16)
     args = bench_decode.attention_inputs(caches, config, 4, jax.random.PRNGKey(0))
     float32_products = lambda split: sum(  # probabilities times values, per layer
-        1 for e in _eqns(jax.make_jaxpr(bench_decode._attention_fn(
+        1 for _, e in test_util.equations(jax.make_jaxpr(bench_decode._attention_fn(
             1, AttentionConfig(split_values=split)))(*args).jaxpr)
         if e.primitive.name == "dot_general"
         and all(v.aval.dtype == jnp.float32 for v in e.invars))

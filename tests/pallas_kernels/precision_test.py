@@ -194,5 +194,94 @@ class BfloatModelTest(parameterized.TestCase):
     self.assertTrue(all(d == {"float32"} for d in operands(False)))
 
 
+class ModelPrecisionTest(parameterized.TestCase):
+  """The model around the attention, the designs' scores and the allocations: no float32
+  product at the default precision (TF32 on a GPU), in float32 and in bfloat16 models."""
+
+  @parameterized.product(dtype=("float32", "bfloat16"), loop=("scan", "unrolled"))
+  def test_forward_and_a_decode_step_with_keydiff_and_the_certificate(self, dtype, loop):
+    from experiments.lib import design_defaults  # pylint: disable=import-outside-toplevel
+    from models import forward, llama  # pylint: disable=import-outside-toplevel
+    from models.config import LlamaConfig  # pylint: disable=import-outside-toplevel
+    config = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                         head_dim=16, ffn_dim=48, dtype=dtype)
+    params = jax.eval_shape(lambda: llama.init_params(config, jax.random.PRNGKey(0)))
+    tokens = jnp.zeros((1, 5), jnp.int32)
+    bad, n = imprecise(lambda p: llama.LlamaModel(config).apply(p, tokens), params)
+    self.assertGreater(n, 0)
+    self.assertEqual(bad, [])
+    caches = jax.eval_shape(lambda: certkv_jax.kv.caches.init_caches(
+        config, 1, 9, jnp.dtype(dtype)))
+    if loop == "unrolled":
+      params = jax.eval_shape(lambda p: forward.unstack_layers(p, config), params)
+      caches = jax.eval_shape(lambda c: c.unstack(), caches)
+    design = design_defaults.make_design("keydiff", 0.5, n_sink=1, window=2)
+    settings = certkv_jax.layer.Settings(design=design, observe=False, certificate=True)
+    step = lambda p, c: forward.forward_chunk(p, config, jnp.zeros((1, 1), jnp.int32),
+                                              jnp.ones((1, 1), bool), c, settings=settings,
+                                              layer_loop=loop)
+    bad, n = imprecise(step, params, caches)
+    self.assertGreater(n, 0)
+    self.assertEqual(bad, [])
+    evict = lambda c: certkv_jax.eviction.evict(design, c, jax.random.PRNGKey(0)).caches
+    self.assertEqual(imprecise(evict, caches)[0], [])  # the KeyDiff score
+
+  def test_certificate_targeted_allocation(self):
+    from certkv_jax.designs import allocation  # pylint: disable=import-outside-toplevel
+    from experiments.lib import design_defaults  # pylint: disable=import-outside-toplevel
+    spec = certkv_jax.kv.caches.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=8)
+    caches = jax.eval_shape(lambda: certkv_jax.kv.caches.init_caches(spec, 1, 16))
+    design = design_defaults.make_design("snapkv_cert", 0.5, n_sink=1, window=2)
+    gains = jnp.ones((2, 2), jnp.float32)
+    evict = lambda c: certkv_jax.eviction.evict(
+        design, c, jax.random.PRNGKey(0), allocation=allocation.CertificateTargeted(),
+        gains=gains).caches
+    bad, n = imprecise(evict, caches)
+    self.assertGreater(n, 0)
+    self.assertEqual(bad, [])
+
+
+  def test_damage_predictor(self):
+    from certkv_jax.calibration import damage_predictor  # pylint: disable=import-outside-toplevel
+    params = {"w_hidden": jnp.ones((3, 4)), "b_hidden": jnp.ones(4),
+              "w_out": jnp.ones(4), "b_out": jnp.ones(())}
+    bad, n = imprecise(lambda p, z: damage_predictor._forward(p, z, "tanh"), params,
+                       jnp.ones((5, 3)))
+    self.assertEqual((bad, n), ([], 2))
+
+
+class SplitRoundingTest(absltest.TestCase):
+  """The bfloat16 split of a float32 row keeps its low part where XLA may fold a
+  float32 -> bfloat16 -> float32 round trip of converts (GPU, excess precision)."""
+
+  def test_bf16_rounded_is_the_round_trip_for_finite_values(self):
+    from pallas_kernels import precision  # pylint: disable=import-outside-toplevel
+    x = jax.random.normal(jax.random.PRNGKey(0), (4096,)) * jnp.logspace(-40, 38, 4096)
+    ties = jnp.asarray([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130, 3.3e38, 0.0, -0.0])
+    for a in (x, ties, jnp.asarray([jnp.inf, -jnp.inf])):
+      want = a.astype(jnp.bfloat16).astype(jnp.float32)
+      got = precision.bf16_rounded(a)
+      self.assertTrue(bool(jnp.all(jax.lax.bitcast_convert_type(got, jnp.uint32)
+                                   == jax.lax.bitcast_convert_type(want, jnp.uint32))))
+
+  def test_no_convert_round_trip_in_the_split_products_or_the_stored_values(self):
+    from certkv_jax.kv import cache as cache_lib  # pylint: disable=import-outside-toplevel
+    from pallas_kernels import reference  # pylint: disable=import-outside-toplevel
+    a = jax.ShapeDtypeStruct((3, 5), jnp.float32)
+    v = jax.ShapeDtypeStruct((5, 4), jnp.bfloat16)
+    bf16_cache = cache_lib.init_cache(8, 4, dtype=jnp.bfloat16)
+    for fn in (lambda a, v: reference.split_matmul(a, v),
+               lambda a, v: reference.split_matmul(a, v, stacked=False),
+               lambda a, v: reference.split_rows(v, a[:, :4]),
+               lambda a, v: cache_lib.slot_kv(bf16_cache, a[:, :4], a[:, :4], True)):
+      eqns = [e for _, e in test_util.equations(jax.make_jaxpr(fn)(a, v).jaxpr)]
+      made_bf16 = {id(o) for e in eqns if e.primitive.name == "convert_element_type"
+                   and e.params["new_dtype"] == jnp.bfloat16 for o in e.outvars}
+      back = [e for e in eqns if e.primitive.name == "convert_element_type"
+              and e.params["new_dtype"] == jnp.float32
+              and any(id(i) in made_bf16 for i in e.invars)]
+      self.assertEqual(back, [])
+
+
 if __name__ == "__main__":
   absltest.main()
