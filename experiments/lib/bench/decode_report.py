@@ -211,11 +211,11 @@ def render(results: dict, summary: dict) -> str:
         f"{headline_loop(results)}.",
         "- Floor: a step's bytes (every weight; per cache, its capacity in slots of "
         "`certkv_jax.kv.memory.slot_bytes(design, head_dim)`: key, value and the design's "
-        "metadata; not the 4 bytes of `log_pi` that this implementation also reads for the "
-        "full cache and deterministic designs, whose offsets are all 0) over this machine's "
-        "streaming-read bandwidth, measured in the same "
-        "round-robin (a jitted `jnp.sum` of a float32 buffer of the full cache's step "
-        "bytes). Floor multiple: median of the per-round ratios of step time to floor; "
+        "metadata; not what this implementation also reads: `pos` and `valid` (5 bytes a "
+        "slot) for every cache's mask, and `log_pi` (4, all 0) for the full cache and "
+        "deterministic designs) over this machine's streaming-read bandwidth, measured in "
+        "the same round-robin (a jitted loop of `jnp.sum`s of a float32 buffer of the full "
+        "cache's step bytes, as many per call as a timed call makes steps). Floor multiple: median of the per-round ratios of step time to floor; "
         "bandwidth (GB/s, median) per cell: "
         + ", ".join(f"batch {x['batch']} n={x['context']}: {x['gbps']:.1f}"
                     for x in results.get("bandwidth", [])) + ".",
