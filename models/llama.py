@@ -25,6 +25,7 @@ import math
 from typing import Optional
 
 import flax.linen as nn
+from flax.linen import dtypes as flax_dtypes
 import jax
 import jax.numpy as jnp
 
@@ -48,12 +49,20 @@ def _dot_f32(lhs, rhs, dimension_numbers, precision=None, preferred_element_type
                              preferred_element_type=jnp.float32)
 
 
+def _promote_keep_bias(inputs, kernel, bias, dtype=None, inexact=True):
+  """Flax's ``promote_dtype`` for narrow operands: inputs and kernel in ``dtype``, the
+  (float32) bias left as it is, so it is added to the float32 product unrounded."""
+  inputs, kernel = flax_dtypes.promote_dtype(inputs, kernel, dtype=dtype, inexact=inexact)
+  return inputs, kernel, bias
+
+
 def _dense_kw(dtype) -> dict:
-  """Flax ``Dense`` arguments: operands in ``dtype``, float32 accumulation if narrower;
-  float32 products at ``HIGHEST`` (a GPU's default is TF32)."""
+  """Flax ``Dense`` arguments: operands in ``dtype``, float32 accumulation and bias if
+  narrower; float32 products at ``HIGHEST`` (a GPU's default is TF32)."""
   kw = dict(dtype=dtype, param_dtype=jnp.float32)
   if precision.is_low_precision(dtype):
     kw["dot_general"] = _dot_f32
+    kw["promote_dtype"] = _promote_keep_bias
   else:
     kw["precision"] = jax.lax.Precision.HIGHEST
   return kw

@@ -19,6 +19,7 @@ import os
 
 from absl import flags
 from absl.testing import absltest
+import flax.linen
 import jax
 import jax.extend  # noqa: F401 (jax.extend.core: Jaxpr, ClosedJaxpr)
 import jax.numpy as jnp
@@ -237,6 +238,18 @@ class TinyBfloat16Test(absltest.TestCase):
                                     layer_loop="unrolled"))
     self.assertEqual((gen.caches.k.dtype, gen.caches.acc.dtype), (BF16, F32))
     self.assertTrue(np.all(np.isfinite(np.asarray(gen.var_hat))))
+
+  def test_biases_are_added_in_float32(self):
+    # 37.3 is 37.25 in bfloat16; the product is float32, so the bias need not be rounded.
+    for kw in (dict(features=2), dict(features=(1, 2))):
+      cls = flax.linen.Dense if isinstance(kw["features"], int) else flax.linen.DenseGeneral
+      layer = cls(use_bias=True, **kw, **llama._dense_kw(jnp.bfloat16))
+      variables = layer.init(jax.random.PRNGKey(0), jnp.ones((1, 3), BF16))
+      variables = jax.tree_util.tree_map(jnp.zeros_like, variables)
+      variables["params"]["bias"] = jnp.full_like(variables["params"]["bias"], 37.3)
+      out = layer.apply(variables, jnp.ones((1, 3), BF16))
+      self.assertEqual(out.dtype, F32)
+      np.testing.assert_array_equal(out, np.float32(37.3))
 
   def test_products_accumulate_in_float32_and_the_embedding_is_not_upcast(self):
     c16 = self.c16
