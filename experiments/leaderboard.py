@@ -33,6 +33,7 @@ from experiments.lib import plan_flags
 from experiments.lib import results_io
 from experiments.lib import ruler
 from experiments.lib.leaderboard import experiment
+from experiments.lib.leaderboard import rows as rows_lib
 from experiments.lib.leaderboard import report
 
 FLAGS = flags.FLAGS
@@ -59,7 +60,7 @@ def main(argv):
     results = results_io.JsonlResults(os.path.join(FLAGS.out, experiment.ROWS_FILE),
                                       experiment.KEY_FIELDS)
     try:  # the report describes the rows' settings
-      experiment.check_rows(results, plan, name)
+      rows_lib.check_rows(results, plan, name)
     except ValueError as err:
       sys.exit(f"experiments.leaderboard: {err}")
     rows = results.rows

@@ -24,6 +24,7 @@ from experiments.lib import results_io
 from experiments.lib import variants
 from experiments.lib.equal_memory import report as equal_memory_report
 from experiments.lib.leaderboard import experiment
+from experiments.lib.leaderboard import rows as rows_lib
 from experiments.lib.leaderboard import report
 from models import decode
 from models.text import certificate as certificate_lib
@@ -109,11 +110,11 @@ class LeaderboardTest(_TinyModelCase):
     # and a report described the flags, not the rows.
     results = results_io.JsonlResults(os.path.join(self.out, experiment.ROWS_FILE),
                                       experiment.KEY_FIELDS)
-    experiment.check_rows(results, self.plan, "tiny")
+    rows_lib.check_rows(results, self.plan, "tiny")
     for change, pattern in ((dict(max_new_tokens=8), r"--max_new_tokens=8 .* max_new_tokens=4"),
                             (dict(window=self.plan.window + 1), r"--window=")):
       with self.assertRaisesRegex(ValueError, pattern):
-        experiment.check_rows(results, dataclasses.replace(self.plan, **change), "tiny")
+        rows_lib.check_rows(results, dataclasses.replace(self.plan, **change), "tiny")
     # Rows from before the settings were recorded hold the defaults (as every committed
     # run's): a run with another chat setting or window is refused, not mixed in.
     legacy = results_io.JsonlResults(os.path.join(self.root, "legacy_rows.jsonl"),
@@ -122,10 +123,10 @@ class LeaderboardTest(_TinyModelCase):
                      for r in results.rows])
     default = dataclasses.replace(self.plan, n_sink=design_defaults.N_SINK,
                                   window=design_defaults.WINDOW)
-    experiment.check_rows(legacy, default, "tiny")
+    rows_lib.check_rows(legacy, default, "tiny")
     for change in (dict(use_chat=False), dict(window=design_defaults.WINDOW + 1)):
       with self.assertRaisesRegex(ValueError, "holds rows made with"):
-        experiment.check_rows(legacy, dataclasses.replace(default, **change), "tiny")
+        rows_lib.check_rows(legacy, dataclasses.replace(default, **change), "tiny")
     # More ratios: each unit would rerun whole and find its old rows on file; refused
     # before any model work (before: after the unit ran, naming no flag).
     more = dataclasses.replace(self.plan, ratios=(0.5, 0.25))

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import os
 import time
 import zlib
@@ -62,6 +61,7 @@ from experiments.lib import design_defaults
 from experiments.lib import model_loading
 from experiments.lib import plan_flags
 from experiments.lib import results_io
+from experiments.lib.leaderboard import rows as rows_lib
 from experiments.lib import ruler
 from experiments.lib import variants
 from models import decode
@@ -367,48 +367,6 @@ def row_certificate(out, j: int, used: int) -> tuple[dict, Optional[dict]]:
   return fields, {"error": err[pick].astype(np.float32), "radius": radius[pick].astype(np.float32)}
 
 
-def calls_path(out_dir: str, unit, seed: int) -> str:
-  c, task, regime, start, design = unit
-  return os.path.join(out_dir, "calls", f"{c}_{task}_{regime}_{start}_{design}_seed{seed}.npz")
-
-
-def haystack_sha256(plan: Plan) -> str:
-  return hashlib.sha256(plan.haystack_text().encode("utf-8")).hexdigest()
-
-
-# What rows written before a setting was recorded were made with (no committed run
-# changed these); coverage and the haystack differ between committed runs: not here.
-OLDER_ROWS = {"dtype": "float32", "equal_memory": False, "n_sink": design_defaults.N_SINK,
-              "window": design_defaults.WINDOW, "use_chat": True}
-
-
-def row_settings(plan: Plan, model: str) -> dict:
-  """``{flag: (row field, value[, value of older rows without the field])}``: what every
-  row records of the run's settings besides its key; a resume must match them
-  (``results_io.check_settings``)."""
-  older = lambda field, value: (field, value, OLDER_ROWS[field])
-  return dict(model=("model", model), dtype=older("dtype", plan.dtype),
-              chunk=("chunk", plan.chunk),
-              equal_memory=older("equal_memory", plan.equal_memory),
-              n_sink=older("n_sink", plan.n_sink), window=older("window", plan.window),
-              use_chat=older("use_chat", plan.use_chat),
-              coverage=("with_coverage", plan.coverage),
-              haystack=("haystack_sha256", haystack_sha256(plan)))
-
-
-def check_rows(results: results_io.JsonlResults, plan: Plan, model: str) -> None:
-  """Refuses rows on file made with other settings than ``plan``'s (:func:`row_settings`
-  and the answer length), on a resume and before a report."""
-  results_io.check_settings(results, row_settings(plan, model))
-  for r in results.rows:
-    want = plan.max_new_tokens or ruler.tokens_to_generate(r["task"])
-    if r.get("max_new_tokens", want) != want:
-      raise ValueError(f"--max_new_tokens={plan.max_new_tokens} in this run, but "
-                       f"{results.path} holds {r['task']} rows made with max_new_tokens="
-                       f"{r['max_new_tokens']}: rerun with the same settings or write to "
-                       "another --out")
-
-
 def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
         log: Callable[[str], None] = print) -> list[dict]:
   """Runs every unit of ``plan`` with missing rows; returns the rows on file."""
@@ -438,8 +396,8 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
 
   if config.dtype != plan.dtype:
     raise ValueError(f"--dtype={plan.dtype} but the model was loaded in {config.dtype}")
-  check_rows(results, plan, model)
-  settings = {field: value for field, value, *_ in row_settings(plan, model).values()}
+  rows_lib.check_rows(results, plan, model)
+  settings = {field: value for field, value, *_ in rows_lib.row_settings(plan, model).values()}
   todo_all = plan.units()
   todo = [u for u in todo_all if not done(u)]
   part = [u for u in todo if any(results.has(context_len=u[0], task=u[1], regime=u[2],
@@ -494,7 +452,7 @@ def run(params, config, tok, out_dir: str, plan: Plan, *, model: str,
           calls.update({f"e{e}_r{r}_{k}": v for k, v in arrays.items()})
       rows.append(row)
     if calls:  # before the rows: a row on file always has its calls
-      results_io.atomic_write(calls_path(out_dir, unit, plan.seed),
+      results_io.atomic_write(rows_lib.calls_path(out_dir, unit, plan.seed),
                               lambda f: np.savez_compressed(f, **calls), binary=True)
     results.add_many(rows)  # the unit's rows at once: a killed unit reruns whole
     mean = np.mean([row["score"] for row in rows])

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from experiments.lib import stats
-from experiments.lib.leaderboard import experiment
+from experiments.lib.leaderboard import rows as rows_lib
 
 N_BOOT = 2000  # bootstrap resamples of each interval
 
@@ -49,7 +49,7 @@ def example_scores(rows: Sequence[dict], design: str, ratio: float) -> dict:
 
 # Settings every pooled run must share: row field -> value of rows written before it
 # was recorded (None: such rows are not compared on it).
-SHARED = {"model": None, "chunk": None, "haystack_sha256": None, **experiment.OLDER_ROWS}
+SHARED = {"model": None, "chunk": None, "haystack_sha256": None, **rows_lib.OLDER_ROWS}
 
 
 def check_one_setting(rows: Sequence[dict]) -> None:

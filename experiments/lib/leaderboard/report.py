@@ -43,6 +43,7 @@ from experiments.lib import stats
 from experiments.lib import variants
 from experiments.lib.equal_memory import report as equal_memory_report
 from experiments.lib.leaderboard import experiment
+from experiments.lib.leaderboard import rows as rows_lib
 from models.text import certificate as certificate_lib
 
 SHIPPED_REGIME = {"query_aware": "question_aware", "streaming": "streaming"}
@@ -77,7 +78,7 @@ def _load_calls(out_dir, plan, cell: Cell, task) -> Optional[tuple]:
   group reads every example."""
   found = {}
   for start in range(plan.n_examples):
-    path = experiment.calls_path(out_dir, (cell.context_len, task, cell.regime, start,
+    path = rows_lib.calls_path(out_dir, (cell.context_len, task, cell.regime, start,
                                            cell.design), plan.seed)
     if not os.path.exists(path):
       continue
@@ -264,7 +265,7 @@ def summarize(rows: Sequence[dict], out_dir: str, plan, *, n_kv_heads: int = 3,
                   "max_new_tokens": {t: plan.max_new_tokens or ruler.tokens_to_generate(t)
                                      for t in plan.tasks},
                   "haystack": os.path.basename(plan.haystack or ruler.DEFAULT_HAYSTACK),
-                  "haystack_sha256": experiment.haystack_sha256(plan)},
+                  "haystack_sha256": rows_lib.haystack_sha256(plan)},
          "metric": "string_match_all (RULER), percent", "delta": experiment.DELTA,
          "left_out": dict(ruler.LEFT_OUT), "cells": {}}
   md = []
