@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import certkv_jax
 from experiments.lib import plan_flags
 from experiments.lib import results_io
+from experiments.lib.bench import floor
 from experiments.lib.bench.kernels_report import TARGETS, render, row_text
 from experiments.lib.stats import intervals
 from pallas_kernels import offset_decode
@@ -129,14 +130,10 @@ def _looped(fn, iters):
 
 def _probe(iters):
   """A jitted ``(eps, buf) -> float32``: ``iters`` read-reduces of ``buf`` (the
-  streaming-read bandwidth probe), looped as :func:`_looped` loops attention."""
-
-  def run(eps, buf):
-    def body(_, c):
-      b, c_b = jax.lax.optimization_barrier((buf, c))
-      return c_b + eps * jnp.sum(b, dtype=jnp.float32)
-    return jax.lax.fori_loop(0, iters, body, jnp.float32(0.0))
-  return jax.jit(run)
+  streaming-read bandwidth probe, the decode bench's ``floor._read_fn``), taking the
+  methods' arguments."""
+  read = floor._read_fn(iters)
+  return lambda eps, buf: read(buf)
 
 
 def _inputs(n, d, batch, groups, dtype):
