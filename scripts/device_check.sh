@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device check: the GPU-only checks in one run of about 8 minutes on one H200, needing nothing
+# Device check: the GPU-only checks in one run of at most 8 minutes on one H200, needing nothing
 # but the repository (random-weight checkpoints of real shapes are written to a scratch dir).
 #   OUT=/tmp/device_out bash scripts/device_check.sh      (--help: the parts, their time limits)
 # Parts: random checkpoints; tests/pallas_kernels/offset_decode_test.py::KernelTest (compiled Pallas kernels) and the
@@ -38,10 +38,13 @@ DECODE_DTYPES="${DECODE_DTYPES:-bfloat16}"  # float32,bfloat16 adds the float32 
 # first calls 33 s without a split sweep (the tiling sweep adds 12 kernel variants), and the
 # 1B decode's first calls 47 s. Phase 1 runs concurrently (checkpoints on the CPU, tests on
 # the GPU): at most max(L_CKPT_135M + L_CKPT_1B, L_KERNEL_TESTS, L_FAST) = 150 s. Phase 2 runs
-# alone (it times): 125 + 95 + 95 = 315 s. With the backend check (<= 15 s): 480 s of limits, plus
-# up to 10 s to stop each part that runs over (SIGINT, then SIGKILL) and the packing at the end. Each float32 decode part (DECODE_DTYPES) or
-# batch (BATCH_135M=1,8) adds about one decode limit. A timed-out benchmark that wrote its
-# finished cells is "partial". Each limit can be set from the environment (L_FAST=200 ...).
+# alone (it times): 125 + 95 + 95 = 315 s. With the backend check (<= 15 s) that is 480 s, and
+# a part that runs over gets up to 10 s more to stop (SIGINT, then SIGKILL): so the whole run
+# has a limit of its own, L_RUN (470 s), and each part's limit is cut to what is left of it,
+# less those 10 s; a part with under 5 s left is not started (status no_time). Each float32
+# decode part (DECODE_DTYPES) or batch (BATCH_135M=1,8) needs about one decode limit more of
+# L_RUN. A timed-out benchmark that wrote its finished cells is "partial". Each limit can be
+# set from the environment (L_FAST=200 ...).
 if [[ "$TINY" == 1 ]]; then
   FAST_A="tests/certkv_jax/designs/priority_sampling_test.py" FAST_B="tests/certkv_jax/designs/sampling_test.py" FAST_C=""
   CKPT_ARGS=(--layers=2 --vocab=512)
@@ -52,10 +55,10 @@ if [[ "$TINY" == 1 ]]; then
                --repeats=3)
   BATCH_135M=1 BATCH_1B=1 DECODE_DTYPES=float32,bfloat16
   : "${L_CKPT_135M:=60}" "${L_CKPT_1B:=60}" "${L_KERNEL_TESTS:=60}" "${L_FAST:=120}"
-  : "${L_BENCH_KERNELS:=90}" "${L_DECODE_135M:=150}" "${L_DECODE_1B:=150}"
+  : "${L_BENCH_KERNELS:=90}" "${L_DECODE_135M:=150}" "${L_DECODE_1B:=150}" "${L_RUN:=900}"
 fi
 : "${L_CKPT_135M:=30}" "${L_CKPT_1B:=60}" "${L_KERNEL_TESTS:=150}" "${L_FAST:=150}"
-: "${L_BENCH_KERNELS:=125}" "${L_DECODE_135M:=95}" "${L_DECODE_1B:=95}"
+: "${L_BENCH_KERNELS:=125}" "${L_DECODE_135M:=95}" "${L_DECODE_1B:=95}" "${L_RUN:=470}"
 LAST_STATUS="" LAST_SECS=0 LAST_RC=0 LAST_LIMIT=0  # of the latest part run in the foreground
 
 usage() {
@@ -64,8 +67,8 @@ Usage: OUT=DIR [PYTHON=python3] [ONLY=part,...] [SCRATCH=DIR] [DECODE_DTYPES=...
        [DECODE_DESIGNS=...] [BATCH_135M=...] [BATCH_1B=...] [BK_TILINGS=...]
        bash scripts/device_check.sh
 
-Runs on a GPU (or TPU) only, in about 8 minutes, needing nothing but the repository; refuses
-with one line and exit status 2 elsewhere. Parts, each under its time limit, its result files
+Runs on a GPU (or TPU) only, in at most L_RUN=${L_RUN}s (and the packing after it), needing
+nothing but the repository; refuses with one line and exit status 2 elsewhere. Parts, each under its time limit, its result files
 written as it finishes; a failing part does not stop the later ones but makes the exit status 1
 (a benchmark stopped at its limit after finishing a cell is "partial", not a failure):
 
@@ -94,7 +97,9 @@ per-group junit files, the checkpoints' config.json; never their weights). The c
 (about 6 GB) go to SCRATCH (default: a new temporary dir, removed at the end).
 ONLY=bench_kernels,decode_1b runs those parts (a decode part also makes its checkpoint);
 L_CKPT_135M, L_CKPT_1B, L_KERNEL_TESTS, L_FAST, L_BENCH_KERNELS, L_DECODE_135M, L_DECODE_1B
-set the limits (seconds).
+set the parts' limits (seconds); L_RUN the whole run's: each part's limit is cut to what is left
+of it less 10 s (the time a part gets to stop), and a part with under 5 s left is not started
+(status no_time, a failure). Raise L_RUN with the float32 decode parts or more batches.
 DEVICE_CHECK_ALLOW_CPU=1: for testing this script only, on any backend at tiny sizes.
 EOF
 }
@@ -112,7 +117,8 @@ bad_setting() {  # bad_setting MESSAGE: one line, exit status 2 (nothing run, no
   echo "device_check.sh: $1" >&2
   exit 2
 }
-for v in L_CKPT_135M L_CKPT_1B L_KERNEL_TESTS L_FAST L_BENCH_KERNELS L_DECODE_135M L_DECODE_1B; do
+for v in L_CKPT_135M L_CKPT_1B L_KERNEL_TESTS L_FAST L_BENCH_KERNELS L_DECODE_135M L_DECODE_1B \
+         L_RUN; do
   [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || bad_setting "$v must be a whole number of seconds > 0, got '${!v}'"
 done
 for v in BATCH_135M BATCH_1B; do  # comma-separated batch sizes
@@ -182,12 +188,20 @@ record() {  # record NAME SECONDS RC STATUS LIMIT [NOTE]
   write_parts
 }
 
-# part NAME LIMIT CMD...: runs CMD under a time limit, its output in $WORK/logs/NAME.log;
-# records its seconds, rc and status; always returns 0. At the limit CMD gets SIGINT (pytest
+# part NAME LIMIT CMD...: runs CMD under LIMIT cut to what is left of L_RUN, its output in
+# $WORK/logs/NAME.log; records its seconds, rc and status; always returns 0. At the limit CMD gets SIGINT (pytest
 # then still writes its junit file of the tests run so far), SIGKILL 10 s later.
 part() {
-  local name=$1 limit=$2 t0 rc=0 status=ok secs
+  local name=$1 limit=$2 t0 rc=0 status=ok secs left
   shift 2
+  left=$(( T_ALL + L_RUN - $(date +%s) - 10 ))  # what is left of L_RUN once this part stops
+  if (( left < 5 )); then
+    echo "=== [$name] not started: ${left}s left of L_RUN=${L_RUN}s"
+    record "$name" 0 0 no_time 0 "not started: the run's limit L_RUN=${L_RUN}s was spent"
+    LAST_STATUS=no_time LAST_SECS=0 LAST_RC=0 LAST_LIMIT=0
+    return 0
+  fi
+  if (( left < limit )); then limit=$left; fi
   echo "=== [$name] start (limit ${limit}s):$(printf ' %q' "$@")"
   t0=$(date +%s)
   timeout -s INT -k 10 "$limit" "$@" > "$WORK/logs/$name.log" 2>&1 || rc=$?

@@ -1,10 +1,11 @@
 """The device check (scripts/device_check.sh) off a GPU, and what it needs from the repository.
 
 The GPU parts cannot run here; what is checked: ``--help`` names every part with its time
-limit, the script refuses a CPU backend with one line before writing anything, the random
-checkpoints of scripts/make_random_checkpoint.py load through the experiments' loader and
-run a forward, the kernel benchmark's tiny CPU plan writes its bandwidth fields, and (slow)
-a tiny dry run (DEVICE_CHECK_ALLOW_CPU=1) leaves at most 8 plain files in ``OUT``.
+limit, the whole run's limit (L_RUN) cuts or skips the parts it has no time for, the script
+refuses a CPU backend with one line before writing anything, the random checkpoints of
+scripts/make_random_checkpoint.py load through the experiments' loader and run a forward, the
+kernel benchmark's tiny CPU plan writes its bandwidth fields, and (slow) a tiny dry run
+(DEVICE_CHECK_ALLOW_CPU=1) leaves at most 8 plain files in ``OUT``.
 """
 
 import importlib.util
@@ -66,6 +67,7 @@ class ScriptTest(absltest.TestCase):
   def test_bad_settings_are_refused_before_anything_runs(self):
     out = os.path.join(self.create_tempdir().full_path, "device_out")
     for env, named in ((dict(L_FAST="60s"), "L_FAST must be a whole number of seconds"),
+                       (dict(L_RUN="0"), "L_RUN must be a whole number of seconds"),
                        (dict(BATCH_1B="4,0"), "BATCH_1B must be batch sizes > 0"),
                        (dict(DECODE_DTYPES="float16"), "DECODE_DTYPES must list float32"),
                        (dict(ONLY="bench_kernels,decode_2b"), "ONLY: 'decode_2b' names no part")):
@@ -81,6 +83,25 @@ class ScriptTest(absltest.TestCase):
       text = f.read()
     self.assertIn('timeout -s INT -k 10 "$limit" "$@"', text)  # the one place parts run
     self.assertNotRegex(text, r"timeout (-k|-s (TERM|KILL))")  # SIGTERM: pytest writes nothing
+
+  def test_the_run_limit_cuts_and_skips_parts(self):
+    out = os.path.join(self.create_tempdir().full_path, "device_out")
+    env = {"OUT": out, "DEVICE_CHECK_ALLOW_CPU": "1", "ONLY": "ckpt_135m,bench_kernels"}
+    # 12 s: the backend check leaves under 5 s once the 10 s to stop a part are set aside.
+    done = _script(dict(env, L_RUN="12"))
+    self.assertEqual(done.returncode, 1, done.stdout[-3000:] + done.stderr[-3000:])
+    with open(os.path.join(out, "parts.json")) as f:
+      parts = json.load(f)
+    for name in ("ckpt_135m", "bench_kernels"):
+      self.assertEqual((parts[name]["status"], parts[name]["limit"]), ("no_time", 0))
+      self.assertIn("L_RUN=12s was spent", parts[name]["note"])
+    # 30 s: the checkpoint's 60 s limit is cut to what is left of the run less those 10 s.
+    done = _script(dict(env, ONLY="ckpt_135m", L_RUN="30"))
+    with open(os.path.join(out, "parts.json")) as f:
+      parts = json.load(f)
+    self.assertBetween(parts["ckpt_135m"]["limit"], 5, 20)
+    self.assertLessEqual(parts["ckpt_135m"]["seconds"], parts["ckpt_135m"]["limit"] + 10)
+    self.assertLessEqual(parts["_run"]["seconds"], 30)
 
   def test_refuses_without_an_accelerator(self):
     if jax.default_backend() in ("gpu", "tpu"):
