@@ -88,7 +88,7 @@ written as it finishes; a failing part does not stop the later ones but makes th
                  for each dtype of DECODE_DTYPES ($DECODE_DTYPES; float32,bfloat16 adds the
                  float32 parts, about ${L_DECODE_135M}s + ${L_DECODE_1B}s more)
                  python -m experiments.bench_decode ${DECODE_ARGS[*]}
-                 (and --model, --batches, --dtype, --max_seconds=half its limit)
+                 (and --model, --batches, --dtype, --max_seconds=half the limit it gets)
 
 Writes under OUT (default ./device_out; at most 7 files, no folders): parts.json (seconds, rc,
 status, limit of each part), kernel_tests.xml, fast_tier.xml, bench_kernels.md/.json, decode.md
@@ -191,10 +191,14 @@ record() {  # record NAME SECONDS RC STATUS LIMIT [NOTE]
 # part NAME LIMIT CMD...: runs CMD under LIMIT cut to what is left of L_RUN, its output in
 # $WORK/logs/NAME.log; records its seconds, rc and status; always returns 0. At the limit CMD gets SIGINT (pytest
 # then still writes its junit file of the tests run so far), SIGKILL 10 s later.
+run_left() {  # seconds left of L_RUN for a part, less the 10 s it may take to stop
+  echo $(( T_ALL + L_RUN - $(date +%s) - 10 ))
+}
+
 part() {
   local name=$1 limit=$2 t0 rc=0 status=ok secs left
   shift 2
-  left=$(( T_ALL + L_RUN - $(date +%s) - 10 ))  # what is left of L_RUN once this part stops
+  left=$(run_left)
   if (( left < 5 )); then
     echo "=== [$name] not started: ${left}s left of L_RUN=${L_RUN}s"
     record "$name" 0 0 no_time 0 "not started: the run's limit L_RUN=${L_RUN}s was spent"
@@ -290,9 +294,12 @@ decode() {  # decode NAME SHAPE DTYPE BATCHES LIMIT
     skip "$name" "no checkpoint $shape (see ckpt parts)"
     return 0
   fi
+  local left
+  left=$(run_left)  # the benchmark stops itself at half of the limit the part will get
+  if (( left < limit )); then limit=$(( left > 0 ? left : 0 )); fi
   part "$name" "$limit" "$PYTHON" -m experiments.bench_decode --model="$CKPT/$shape" \
     --out="$WORK/decode/$name" --batches="$batches" "${DECODE_ARGS[@]}" --dtype="$dtype" \
-    --max_seconds=$(( limit / 2 ))
+    --max_seconds=$(( limit > 3 ? limit / 2 : 1 ))
   partial_if "$name" "$WORK/decode/$name/summary.json"
   publish
 }

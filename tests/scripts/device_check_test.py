@@ -95,13 +95,19 @@ class ScriptTest(absltest.TestCase):
     for name in ("ckpt_135m", "bench_kernels"):
       self.assertEqual((parts[name]["status"], parts[name]["limit"]), ("no_time", 0))
       self.assertIn("L_RUN=12s was spent", parts[name]["note"])
-    # 30 s: the checkpoint's 60 s limit is cut to what is left of the run less those 10 s.
-    done = _script(dict(env, ONLY="ckpt_135m", L_RUN="30"))
+    # 45 s: the checkpoint's 60 s limit is cut to what is left of the run less those 10 s,
+    # and the decode benchmark stops itself at half of the limit its part gets.
+    done = _script(dict(env, ONLY="decode_135m_bfloat16", L_RUN="45"))
     with open(os.path.join(out, "parts.json")) as f:
       parts = json.load(f)
-    self.assertBetween(parts["ckpt_135m"]["limit"], 5, 20)
-    self.assertLessEqual(parts["ckpt_135m"]["seconds"], parts["ckpt_135m"]["limit"] + 10)
-    self.assertLessEqual(parts["_run"]["seconds"], 30)
+    self.assertLessEqual(parts["ckpt_135m"]["limit"], 35)
+    limit = parts["decode_135m_bfloat16"]["limit"]
+    self.assertBetween(limit, 5, 35)
+    self.assertIn(f"(limit {limit}s)", done.stdout)
+    self.assertIn(f"--max_seconds={limit // 2}\n", done.stdout)
+    for name in ("ckpt_135m", "decode_135m_bfloat16"):
+      self.assertLessEqual(parts[name]["seconds"], parts[name]["limit"] + 10)
+    self.assertLessEqual(parts["_run"]["seconds"], 45)
 
   def test_refuses_without_an_accelerator(self):
     if jax.default_backend() in ("gpu", "tpu"):
