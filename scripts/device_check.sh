@@ -295,7 +295,9 @@ decode() {  # decode NAME SHAPE DTYPE BATCHES LIMIT
     return 0
   fi
   local left
-  left=$(run_left)  # the benchmark stops itself at half of the limit the part will get
+  # The benchmark stops itself at half of the limit the part gets: cut here as part() would,
+  # 2 s early so that part() (a clock tick later) keeps this limit.
+  left=$(( $(run_left) - 2 ))
   if (( left < limit )); then limit=$(( left > 0 ? left : 0 )); fi
   part "$name" "$limit" "$PYTHON" -m experiments.bench_decode --model="$CKPT/$shape" \
     --out="$WORK/decode/$name" --batches="$batches" "${DECODE_ARGS[@]}" --dtype="$dtype" \
