@@ -68,9 +68,10 @@ Usage: OUT=DIR [PYTHON=python3] [ONLY=part,...] [SCRATCH=DIR] [DECODE_DTYPES=...
        bash scripts/device_check.sh
 
 Runs on a GPU (or TPU) only, in at most L_RUN=${L_RUN}s (and the packing after it), needing
-nothing but the repository; refuses with one line and exit status 2 elsewhere. Parts, each under its time limit, its result files
-written as it finishes; a failing part does not stop the later ones but makes the exit status 1
-(a benchmark stopped at its limit after finishing a cell is "partial", not a failure):
+nothing but the repository; refuses with one line and exit status 2 elsewhere. Parts, each
+under its time limit, its result files written as it finishes; a failing part does not stop
+the later ones but makes the exit status 1 (a benchmark stopped at its limit after finishing
+a cell is "partial", not a failure):
 
  phase 1, concurrently (at most $L_FAST s):
   ckpt_135m      ${L_CKPT_135M}s   random-weight HF checkpoint of SmolLM2-135M's shape (scratch
@@ -188,13 +189,14 @@ record() {  # record NAME SECONDS RC STATUS LIMIT [NOTE]
   write_parts
 }
 
-# part NAME LIMIT CMD...: runs CMD under LIMIT cut to what is left of L_RUN, its output in
-# $WORK/logs/NAME.log; records its seconds, rc and status; always returns 0. At the limit CMD gets SIGINT (pytest
-# then still writes its junit file of the tests run so far), SIGKILL 10 s later.
 run_left() {  # seconds left of L_RUN for a part, less the 10 s it may take to stop
   echo $(( T_ALL + L_RUN - $(date +%s) - 10 ))
 }
 
+# part NAME LIMIT CMD...: runs CMD under LIMIT cut to what is left of L_RUN, its output in
+# $WORK/logs/NAME.log; records its seconds, rc and status; always returns 0. At the limit
+# CMD gets SIGINT (pytest then still writes its junit file of the tests run so far),
+# SIGKILL 10 s later.
 part() {
   local name=$1 limit=$2 t0 rc=0 status=ok secs left
   shift 2
