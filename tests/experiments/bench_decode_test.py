@@ -310,6 +310,14 @@ class FloorTest(absltest.TestCase):
         0.5, certain=certkv_jax.designs.CertaintySet(n_sink=1, window=2))
     self.assertEqual(bench_decode.floor_bytes(params, config, design, 7, 3),
                      weights + caches * 7 * memory_lib.slot_bytes(design, config.head_dim))
+    # v_sq (4 bytes a slot) is read by the certificate, whichever design runs it.
+    self.assertEqual(bench_decode.floor_bytes(params, config, design, 7, 3, certificate=False),
+                     weights + caches * 7 * (memory_lib.slot_bytes(design, config.head_dim) - 4))
+    snapkv = certkv_jax.designs.snapkv(0.5)
+    for cert, extra in ((None, 0), (False, 0), (True, 4)):
+      self.assertEqual(
+          bench_decode.floor_bytes(params, config, snapkv, 7, 3, certificate=cert),
+          weights + caches * 7 * (memory_lib.slot_bytes(snapkv, config.head_dim) + extra))
 
   def test_matvec_probe_reads_what_the_floor_counts(self):
     config = test_util.tiny_config()  # untied: the embedding is not a matvec

@@ -305,7 +305,7 @@ def time_cell(params, config, plan: Plan, cell: tuple, steps: dict, executables:
                  new_executable=shape_key not in executables,
                  step_bytes=param_bytes + memory.caches_bytes(caches)["total"],
                  floor_bytes=floor_bytes(params, config, design, cap, batch,
-                                         caches.k.dtype))
+                                         caches.k.dtype, certificate=cert))
       executables.add(shape_key)
       carry = jax.tree_util.tree_map(jnp.copy, (caches, first_logits, key))  # donated: own
       if loop == "unrolled":

@@ -23,16 +23,21 @@ def weight_bytes(params, config) -> int:
   return total
 
 
-def floor_bytes(params, config, design, capacity: int, batch: int, dtype=jnp.float32) -> int:
+def floor_bytes(params, config, design, capacity: int, batch: int, dtype=jnp.float32,
+                certificate=None) -> int:
   """A decode step's floor bytes: :func:`weight_bytes` plus ``capacity`` slots of
   ``certkv_jax.kv.memory.slot_bytes(design, head_dim)`` in each of the
   ``n_layers x batch x n_kv_heads`` caches (``design`` None: the full cache, keys and
-  values only). What a design needs, not all this implementation reads: the attention's
+  values only). ``certificate`` (None: as the design, randomized designs certify) says
+  whether the step reads ``v_sq``, 4 bytes a slot, which only the certificate needs.
+  What a design needs, not all this implementation reads: the attention's
   mask also reads ``pos`` and ``valid`` (5 bytes a slot) of every cache, and its offsets
   ``log_pi`` (4 bytes a slot, all 0) for the full cache and deterministic designs."""
   caches = config.n_layers * batch * config.n_kv_heads
-  return weight_bytes(params, config) + caches * capacity * memory_lib.slot_bytes(
-      design, config.head_dim, dtype=dtype)
+  slot = memory_lib.slot_bytes(design, config.head_dim, dtype=dtype)
+  if design is not None and certificate is not None and certificate != design.randomized:
+    slot += memory_lib.V_SQ_BYTES if certificate else -memory_lib.V_SQ_BYTES
+  return weight_bytes(params, config) + caches * capacity * slot
 
 
 def _looped(body, iters: int):
