@@ -114,8 +114,16 @@ def _twin_coverage(root: str, rel: str) -> list[str]:
 
 
 def leaderboard(root: str) -> list[str]:
-  """The RULER-style leaderboard of the certified twins beside their designs."""
-  return _ruler(root, "leaderboard", "## RULER-style leaderboard: certified twins")
+  """The RULER-style leaderboard of the certified twins beside their designs, at equal
+  kept bytes (``--equal_memory``)."""
+  return _ruler(root, "leaderboard", "## RULER-style leaderboard: certified twins at equal memory")
+
+
+def leaderboard_tokens(root: str) -> list[str]:
+  """The same leaderboard at equal tokens (no ``--equal_memory``): a twin holds about
+  1.5% more bytes than its design."""
+  return _ruler(root, "leaderboard_tokens",
+                "## RULER-style leaderboard: certified twins at equal tokens")
 
 
 def leaderboard_coverage(root: str) -> list[str]:
