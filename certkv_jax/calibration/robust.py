@@ -28,6 +28,7 @@ KIND = "certkv_jax.robust_calibration"  # the artifact format name, kept from be
 FORMAT_VERSION = 2
 OUTSIDE_RANGE = ("raise", "warn")
 DEFAULT_BINS = 8
+DTYPES = ("float32", "bfloat16")  # models.precision.DTYPES
 
 
 def bin_edges(radii, n_bins: int) -> np.ndarray:
@@ -80,6 +81,8 @@ class BinnedCalibration:
     n_calls: [n_regimes, n_budgets, n_deltas, n_sources, n_bins] int64.
     regimes, budgets, deltas, data: the axes (``data`` = calibration sources).
     context_range: ``(lo, hi)`` prompt tokens (context + question) of the fitted calls.
+    dtype: the weights and caches of the fitted calls ("float32" or "bfloat16"):
+      rounding changes the errors, so calls of another dtype are a shift.
   """
 
   scales: np.ndarray
@@ -93,6 +96,7 @@ class BinnedCalibration:
   model: str
   design: str
   created: str
+  dtype: str = "float32"
   format_version: int = FORMAT_VERSION
 
   def __post_init__(self):
@@ -115,6 +119,8 @@ class BinnedCalibration:
     for name in ("model", "design"):
       if not isinstance(getattr(self, name), str) or not getattr(self, name):
         raise ValueError(f"{name} must be a non-empty str")
+    if self.dtype not in DTYPES:
+      raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
     datetime.datetime.fromisoformat(self.created)
     object.__setattr__(self, "context_range", _check_range(self.context_range))
     for name, arr in (("scales", scales), ("edges", edges),
@@ -207,7 +213,7 @@ class BinnedCalibration:
     return {"kind": KIND, "format_version": self.format_version, "model": self.model,
             "design": self.design, "regimes": list(self.regimes), "data": list(self.data),
             "budgets": list(self.budgets), "deltas": list(self.deltas),
-            "context_range": list(self.context_range),
+            "context_range": list(self.context_range), "dtype": self.dtype,
             "created": self.created, "shapes": {k: list(getattr(self, k).shape)
                                                 for k in ("scales", "edges", "n_calls")}}
 
@@ -245,11 +251,12 @@ class FitCalls(NamedTuple):
 
 def fit(calls: FitCalls, *, regimes: Sequence[str], budgets: Sequence[float],
         deltas: Sequence[float], model: str, design: str, n_bins: int = DEFAULT_BINS,
-        created: Optional[str] = None) -> BinnedCalibration:
+        created: Optional[str] = None, dtype: str = "float32") -> BinnedCalibration:
   """Fits a :class:`BinnedCalibration` on the calls of ``regimes`` x ``budgets``.
 
   Every (regime, budget) needs calls; ``n_bins`` radius bins per (regime,
-  budget, delta); ``model`` and ``design`` are checked when applied.
+  budget, delta); ``model`` and ``design`` are checked when applied, ``dtype``
+  (the calls' weights and caches) by ``models.text.certificate.calibrated``.
   """
   if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 2:
     raise ValueError(f"n_bins must be an int >= 2 (one bin has no edges, which the saved "
@@ -294,7 +301,7 @@ def fit(calls: FitCalls, *, regimes: Sequence[str], budgets: Sequence[float],
                            budgets=tuple(float(x) for x in budgets),
                            deltas=tuple(float(x) for x in deltas), data=names,
                            context_range=(int(ctx[used].min()), int(ctx[used].max())),
-                           model=model, design=design, created=created)
+                           model=model, design=design, created=created, dtype=dtype)
 
 
 def save(path, cal: BinnedCalibration, *, overwrite: bool = False) -> str:
@@ -328,4 +335,7 @@ def load(path) -> BinnedCalibration:
       n_calls=np.asarray(arrays["n_calls"]), regimes=tuple(meta["regimes"]),
       budgets=tuple(meta["budgets"]), deltas=tuple(meta["deltas"]), data=tuple(meta["data"]),
       context_range=tuple(meta["context_range"]), model=meta["model"], design=meta["design"],
-      created=meta["created"], format_version=meta["format_version"])
+      created=meta["created"], format_version=meta["format_version"],
+      # Artifacts from before the field: the validity and calibration studies that
+      # wrote them run float32 only.
+      dtype=meta.get("dtype", "float32"))

@@ -97,6 +97,7 @@ class Run(NamedTuple):
   n_sink: int = N_SINK
   window: int = WINDOW
   chunk: int = CHUNK
+  dtype: str = "float32"  # the weights and caches; must be the calibration's
 
 
 def calibrated(raw, run: Run, *, calibration: Optional[str], context_tokens: int
@@ -129,6 +130,10 @@ def calibrated(raw, run: Run, *, calibration: Optional[str], context_tokens: int
     return None, (f"the calibration was fitted with {fitted}, this run uses {used}"), None
   try:
     cal = robust.load(calibration)
+    if cal.dtype != run.dtype:
+      return None, (f"dtype: the calibration was fitted on {cal.dtype} weights and caches, "
+                    f"this run uses {run.dtype}; rounding changes the errors, so its scales "
+                    "are not established for these calls (method, section 10)"), None
     out = cal.radius(raw, model=run.model_name, design=run.design_name, regime=run.regime,
                      budget=float(run.budget), delta=float(run.delta),
                      context_len=int(context_tokens), outside_range="warn")

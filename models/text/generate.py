@@ -435,7 +435,8 @@ def generate_text(prompt: str, *, params, config, tokenizer,
   if certified:
     run_key = generate_certificate.Run(model_name=model_name, design_name=design,
                                        regime=regime, budget=budget, delta=delta,
-                                       n_sink=s.n_sink, window=s.window, chunk=s.chunk)
+                                       n_sink=s.n_sink, window=s.window, chunk=s.chunk,
+                                       dtype=config.dtype)
     cal_radius, cal_note, cal_in_range = generate_certificate.calibrated(
         radius, run_key, calibration=s.calibration, context_tokens=encoded.n_tokens)
   return TextResult(

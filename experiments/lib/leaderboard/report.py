@@ -158,7 +158,8 @@ def _shipped(calls, plan, cell: Cell, rows, model) -> dict:
   run = certificate_lib.Run(model_name=model, design_name=design,
                             regime=SHIPPED_REGIME[regime], budget=budgets.pop(),
                             delta=experiment.DELTA, n_sink=plan.n_sink, window=plan.window,
-                            chunk=plan.chunk or c)  # chunk 0: the whole context at once
+                            chunk=plan.chunk or c,  # chunk 0: the whole context at once
+                            dtype=plan.dtype)
   lengths = [row["n_prompt_tokens"] for row in rows]
   radius, note, in_range = certificate_lib.calibrated(r, run, calibration=path,
                                                       context_tokens=int(max(lengths)))

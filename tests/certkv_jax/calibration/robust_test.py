@@ -6,6 +6,7 @@ exact scale that covers each (source, bin) at 1 - delta is known:
 ``sigma * z`` with ``z`` the (1 - delta / 2) normal quantile.
 """
 
+import dataclasses
 import math
 import os
 import tempfile
@@ -179,6 +180,22 @@ class BinnedCalibrationTest(absltest.TestCase):
                      "contexts of 64 tokens from sources a")
     with self.assertRaisesRegex(ValueError, "context_range"):
       rc.BinnedCalibration(**{**cal.__dict__, "context_range": (1200, 1100)})
+
+  def test_dtype_is_recorded_and_defaults_to_float32_for_older_artifacts(self):
+    from certkv_jax.calibration import store  # pylint: disable=g-import-not-at-top
+    cal = self._fit()
+    self.assertEqual(cal.dtype, "float32")
+    half = dataclasses.replace(cal, dtype="bfloat16")
+    with self.assertRaisesRegex(ValueError, "dtype must be one of"):
+      dataclasses.replace(cal, dtype="float16")
+    old = cal.metadata()
+    del old["dtype"]  # written before the field existed (float32-only studies)
+    with tempfile.TemporaryDirectory() as d:
+      rc.save(os.path.join(d, "half"), half)
+      self.assertEqual(rc.load(os.path.join(d, "half")).dtype, "bfloat16")
+      store.write_checkpoint(os.path.join(d, "old"), {
+          "scales": cal.scales, "edges": cal.edges, "n_calls": cal.n_calls}, old)
+      self.assertEqual(rc.load(os.path.join(d, "old")).dtype, "float32")
 
   def test_old_format_is_refused_with_how_to_refit(self):
     from certkv_jax.calibration import store  # pylint: disable=g-import-not-at-top

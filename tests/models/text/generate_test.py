@@ -380,6 +380,7 @@ class CalibrationTest(absltest.TestCase):
                           (dict(design_name="poisson_flat"), "design"),
                           (dict(model_name="other"), "model"), (dict(window=8), "window"),
                           (dict(model_name=None), "model_name"),
+                          (dict(dtype="bfloat16"), "fitted on float32 weights and caches"),
                           (dict(calibration="/nonexistent"), "no calibration artifact")):
       where = {k: v for k, v in change.items() if k in kw}
       changed = run._replace(**{k: v for k, v in change.items() if k not in kw})
