@@ -31,7 +31,7 @@ SECTIONS = (studies.validity, studies.validity_long, studies.min_tail, suite.des
             comparisons.equal_memory, comparisons.twins, comparisons.equal_memory_tasks,
             comparisons.equal_memory_tasks_pooled,
             comparisons.leaderboard, comparisons.leaderboard_tokens,
-            comparisons.leaderboard_coverage,
+            comparisons.leaderboard_coverage, comparisons.leaderboard_coverage_bytes,
             comparisons.leaderboard_keydiff_bytes,
             comparisons.leaderboard_smoke, comparisons.leaderboard_8k,
             benchmarks.kernels, benchmarks.gpu_h200, benchmarks.gpu_h100, benchmarks.bench_decode, benchmarks.bench_decode_parts,

@@ -131,6 +131,12 @@ def leaderboard_coverage(root: str) -> list[str]:
   return _ruler(root, "leaderboard_coverage", "## RULER-style leaderboard: the twins' coverage")
 
 
+def leaderboard_coverage_bytes(root: str) -> list[str]:
+  """The same coverage subset at equal kept bytes (``--equal_memory``), the leaderboard's."""
+  return _ruler(root, "leaderboard_coverage_bytes",
+                "## RULER-style leaderboard: the twins' coverage at equal memory")
+
+
 def leaderboard_keydiff_bytes(root: str) -> list[str]:
   """KeyDiff and its twin at equal kept bytes (``--equal_memory``), a leaderboard subset."""
   return _ruler(root, "leaderboard_keydiff_bytes",
