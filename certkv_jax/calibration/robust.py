@@ -159,10 +159,14 @@ class BinnedCalibration:
         return ((lo, 1.0 - t), (hi, t))
     return None
 
-  def _entry(self, model, design, regime, budget, delta):
+  def _entry(self, model, design, regime, budget, delta, dtype):
     for name, want, got in (("model", self.model, model), ("design", self.design, design)):
       if got != want:
         raise ValueError(f"{name}: this calibration was made for {want!r}, got {got!r}")
+    if dtype != self.dtype:
+      raise ValueError(f"dtype: this calibration was fitted on {self.dtype} weights and "
+                       f"caches, got {dtype!r}; rounding changes the errors, so its scales "
+                       "are not established for these calls (method, section 10)")
     if regime not in self.regimes:
       raise ValueError(f"regime: this calibration was made for {list(self.regimes)}, got "
                        f"{regime!r}")
@@ -180,18 +184,19 @@ class BinnedCalibration:
 
   def radius(self, raw, *, model: str, design: str, regime: str, budget: float,
              delta: float, context_len: Optional[int] = None,
-             outside_range: str = "raise") -> Array:
+             outside_range: str = "raise", dtype: str = "float32") -> Array:
     """Calibrated radii of raw radii ``raw [...]`` at ``delta`` (jnp; may be traced).
 
-    ``model``, ``design``, ``regime``, ``budget``, ``delta`` must be ones this
-    calibration was made for (ValueError naming the field). ``context_len``:
+    ``model``, ``design``, ``regime``, ``budget``, ``delta`` and ``dtype`` (the
+    calls' weights and caches) must be ones this calibration was made for
+    (ValueError naming the field). ``context_len``:
     prompt tokens of the calls, None to skip the check; outside
     :attr:`context_range` it raises (naming the range and sources) or, with
     ``outside_range="warn"``, returns the radius and the caller must warn.
     """
     if outside_range not in OUTSIDE_RANGE:
       raise ValueError(f"outside_range must be one of {OUTSIDE_RANGE}, got {outside_range!r}")
-    i, b, d = self._entry(model, design, regime, budget, delta)
+    i, b, d = self._entry(model, design, regime, budget, delta, dtype)
     if context_len is not None:
       if isinstance(context_len, (bool, np.bool_)) or not isinstance(context_len,
                                                                      (int, np.integer)):
@@ -239,6 +244,7 @@ class FitCalls(NamedTuple):
     radii: [n_deltas, n_calls] raw radii, row j at the fit's ``deltas[j]``.
     regimes_per_call, budgets_per_call, sources_per_call: [n_calls] labels.
     context_tokens_per_call: [n_calls] int prompt tokens (context + question).
+    dtype: the weights and caches that made the calls (one of :data:`DTYPES`).
   """
 
   errors: object
@@ -247,22 +253,23 @@ class FitCalls(NamedTuple):
   budgets_per_call: object
   sources_per_call: object
   context_tokens_per_call: object
+  dtype: str = "float32"
 
 
 def fit(calls: FitCalls, *, regimes: Sequence[str], budgets: Sequence[float],
         deltas: Sequence[float], model: str, design: str, n_bins: int = DEFAULT_BINS,
-        created: Optional[str] = None, dtype: str = "float32") -> BinnedCalibration:
+        created: Optional[str] = None) -> BinnedCalibration:
   """Fits a :class:`BinnedCalibration` on the calls of ``regimes`` x ``budgets``.
 
   Every (regime, budget) needs calls; ``n_bins`` radius bins per (regime,
-  budget, delta); ``model`` and ``design`` are checked when applied, ``dtype``
-  (the calls' weights and caches) by ``models.text.certificate.calibrated``.
+  budget, delta); ``model``, ``design`` and the calls' ``dtype`` are checked when
+  applied.
   """
   if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 2:
     raise ValueError(f"n_bins must be an int >= 2 (one bin has no edges, which the saved "
                      f"artifact cannot hold), got {n_bins!r}")
   (errors, radii, regimes_per_call, budgets_per_call, sources_per_call,
-   context_tokens_per_call) = calls
+   context_tokens_per_call, dtype) = calls
   e = np.asarray(errors, np.float64)
   r = np.asarray(radii, np.float64)
   if r.shape != (len(deltas), e.size):

@@ -130,13 +130,9 @@ def calibrated(raw, run: Run, *, calibration: Optional[str], context_tokens: int
     return None, (f"the calibration was fitted with {fitted}, this run uses {used}"), None
   try:
     cal = robust.load(calibration)
-    if cal.dtype != run.dtype:
-      return None, (f"dtype: the calibration was fitted on {cal.dtype} weights and caches, "
-                    f"this run uses {run.dtype}; rounding changes the errors, so its scales "
-                    "are not established for these calls (method, section 10)"), None
     out = cal.radius(raw, model=run.model_name, design=run.design_name, regime=run.regime,
                      budget=float(run.budget), delta=float(run.delta),
-                     context_len=int(context_tokens), outside_range="warn")
+                     context_len=int(context_tokens), outside_range="warn", dtype=run.dtype)
   except ValueError as err:
     return None, str(err), None
   radius = np.asarray(out, np.float64)
