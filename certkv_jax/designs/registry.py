@@ -65,18 +65,18 @@ OBSERVATION_WINDOW = 16
 
 TWIN_SUFFIX = "_cert"
 # The settings a twin adds to its design's, with their defaults.
-TWIN_SETTINGS = (("spill", True), ("spill_slots", 0),
+TWIN_SETTINGS = (("eps", framework.TWIN_EPS), ("spill", True), ("spill_slots", 0),
                  ("top_share", framework.TWIN_SHARE))
 
 
 def _twin(factory):
   """The factory of ``factory``'s certified twin (:func:`framework.certified`), with
-  ``top_share``, ``spill`` and ``spill_slots``."""
+  ``top_share``, ``eps``, ``spill`` and ``spill_slots``."""
 
-  def twin(budget, *, top_share: float = framework.TWIN_SHARE, spill: bool = True,
-           spill_slots: int = 0, **settings):
-    return framework.certified(factory(budget, **settings), top_share=top_share, spill=spill,
-                               spill_slots=spill_slots)
+  def twin(budget, *, top_share: float = framework.TWIN_SHARE, eps: float = framework.TWIN_EPS,
+           spill: bool = True, spill_slots: int = 0, **settings):
+    return framework.certified(factory(budget, **settings), top_share=top_share, eps=eps,
+                               spill=spill, spill_slots=spill_slots)
   params = list(inspect.signature(factory).parameters.values())
   at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
   for name, default in TWIN_SETTINGS:

@@ -497,6 +497,7 @@ class PlanTest(absltest.TestCase):
 
   def test_twin_base_drops_the_twin_settings_only(self):
     self.assertEqual(variants.twin_base("snapkv_cert:top_share=0.5:spill=1"), "snapkv")
+    self.assertEqual(variants.twin_base("keydiff_cert:eps=0.2:window=8"), "keydiff:window=8")
     self.assertEqual(variants.twin_base("h2o_cert:window=8:spill=0+adakv"), "h2o:window=8+adakv")
     self.assertIsNone(variants.twin_base("priority_floor+cert"))
 

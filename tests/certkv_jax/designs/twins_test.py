@@ -111,10 +111,10 @@ class TwinTest(absltest.TestCase):
     registry.register("first_value", factory)
     self.addCleanup(registry._FACTORIES.pop, "first_value")  # pylint: disable=protected-access
     self.assertIn("first_value_cert", registry.twins())
-    twin = registry.make("first_value_cert:top_share=0.7", BUDGET, n_sink=N_SINK,
+    twin = registry.make("first_value_cert:top_share=0.7:eps=0.2", BUDGET, n_sink=N_SINK,
                          window=WINDOW)
-    self.assertEqual((twin.name, twin.randomized, twin.tail.heavy_share),
-                     ("first_value_cert", True, 0.7))
+    self.assertEqual((twin.name, twin.randomized, twin.tail.heavy_share, twin.tail.eps),
+                     ("first_value_cert", True, 0.7, 0.2))
     c = _cache()
     info = _evict(twin, c, jax.random.PRNGKey(0))[2]
     self.assertEqual(int(np.asarray(info.kept).sum()), BUDGET)
@@ -214,6 +214,8 @@ class TwinTest(absltest.TestCase):
       designs.certified(registry.make("h2o", BUDGET), top_share=1.0)
     with self.assertRaisesRegex(ValueError, "spill must be a bool"):
       designs.certified(registry.make("h2o", BUDGET), spill=2)
+    with self.assertRaisesRegex(ValueError, "eps must be a float in \\(0, 1\\]"):
+      registry.make("h2o_cert:eps=0", BUDGET)
     with self.assertRaisesRegex(ValueError, "unknown design 'poisson_tail_cert'"):
       registry.make("poisson_tail_cert", BUDGET)
 
