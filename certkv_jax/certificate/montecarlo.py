@@ -127,7 +127,7 @@ def run_trials(problem: Problem, design, keys, question_aware: bool = True
 
 class Summary(NamedTuple):
   bias_norm: float  # ||mean(o_hat) - o||
-  bias_se: float  # Monte Carlo standard error of that norm's components (rms)
+  bias_se: float  # that norm's Monte Carlo scale: sqrt(sum of the mean's squared SEs)
   mse: float  # mean ||o_hat - o||^2
   mean_var_hat: float  # mean V_hat
   var_ratio: float  # mean V_hat / mse
@@ -154,7 +154,7 @@ def summarize(o, trials: Trial, deltas=(0.05, 0.2), form: str = "bernstein") -> 
   mvh = float(np.mean(np.asarray(trials.var_hat, np.float64)))
   return Summary(
       bias_norm=float(np.linalg.norm(mean - np.asarray(o, np.float64))),
-      bias_se=float(np.sqrt(np.mean(se**2))),
+      bias_se=float(np.sqrt(np.sum(se**2))),  # E bias_norm^2 = bias_se^2 where unbiased
       mse=mse,
       mean_var_hat=mvh,
       var_ratio=mvh / mse if mse > 0 else float("nan"),

@@ -132,18 +132,24 @@ def _fmt(x, spec):
 
 
 def render_summary(rows, deltas) -> str:
-  head = ("| problem | regime | design | budget | kept | MSE | E[V_hat]/MSE | "
+  head = ("| problem | regime | design | budget | kept | MSE | bias/MC | E[V_hat]/MSE | "
           + " | ".join(f"cov@{d}" for d in deltas) + " | sharp@0.05 | median R |")
   lines = ["# Synthetic Monte Carlo: certificate by design", "", head,
-           "|" + "---|" * (9 + len(deltas))]
+           "|" + "---|" * (10 + len(deltas))]
   for r in sorted(rows, key=lambda r: (r["problem"], r["regime"], r["budget"],
                                        r["randomized"], r["design"])):
     cov = " | ".join(_fmt(r["coverage"].get(str(d)), ".3f") for d in deltas)
+    se = r.get("bias_se")
+    z = r["bias_norm"] / se if se else None  # None: one trial (deterministic)
     lines.append(
         f"| {r['problem']} | {r['regime']} | {r['design']} | {r['budget']} | "
-        f"{r['mean_kept']:.1f} | {_fmt(r['mse'], '.4g')} | {_fmt(r['var_ratio'], '.3f')} | "
+        f"{r['mean_kept']:.1f} | {_fmt(r['mse'], '.4g')} | {_fmt(z, '.2f')} | "
+        f"{_fmt(r['var_ratio'], '.3f')} | "
         f"{cov} | {_fmt(r['sharpness'].get('0.05'), '.2f')} | {_fmt(r['median_R'], '.3g')} |")
-  lines += ["", "kept: mean tokens kept of the budget; MSE: E||o_hat - o||^2; cov@delta: "
+  lines += ["", "kept: mean tokens kept of the budget; MSE: E||o_hat - o||^2; bias/MC: "
+            "||mean(o_hat) - o|| over its Monte Carlo scale sqrt(sum of the mean's squared "
+            "standard errors), about 1 (chi_dv / sqrt(dv)) for an unbiased design, n/a for one "
+            "trial; cov@delta: "
             "fraction of draws with ||e|| <= r(delta) (Bernstein radius); sharp: median "
             "r/||e|| over covered draws; R: Assumption-2 ratio (method, section 6). "
             "Deterministic designs have V_hat = 0, hence radius 0."]

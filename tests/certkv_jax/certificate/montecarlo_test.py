@@ -79,6 +79,10 @@ class HajekTest(absltest.TestCase):
     # 16 components, two-sided 4.5 sigma each: family-wise false alarm ~1e-4.
     # Measured: max |z| = 1.7; ||mean - o|| = 0.0079, predicted Hajek bias 0.0030.
     self.assertLess(np.max(np.abs(z)), 4.5, z)
+    # Summary.bias_se is the norm's scale: unbiased, bias_norm / bias_se is about chi_16 / 4,
+    # over 1.57 with probability 1e-3 (the Hajek bias adds a little). Measured: 1.25.
+    s = montecarlo.summarize(o, trials)
+    self.assertLess(s.bias_norm / s.bias_se, 2.0, s)
 
   def test_variance_estimator(self):
     problem, pi, _, trials, _ = _run("prop")
@@ -268,6 +272,8 @@ class UniformAblationTest(absltest.TestCase):
     outs = np.asarray(trials.out, np.float64)
     se = outs.std(0, ddof=1) / math.sqrt(N_TRIALS)
     self.assertGreater(np.max(np.abs((outs.mean(0) - o) / se)), 8.0)
+    s = montecarlo.summarize(o, trials)  # measured: bias_norm / bias_se = 22.8
+    self.assertGreater(s.bias_norm / s.bias_se, 8.0, s)
 
 
 if __name__ == "__main__":
