@@ -71,6 +71,17 @@ def robust_scales(errors, radii, sources, edges, delta: float) -> tuple[np.ndarr
   return scales, counts
 
 
+class Calls(NamedTuple):
+  """What a batch of raw radii came from; :meth:`BinnedCalibration.radius` checks each
+  field against what the calibration was fitted on (ValueError naming the field)."""
+  model: str
+  design: str
+  regime: str
+  budget: float
+  delta: float
+  dtype: str = "float32"  # the calls' weights and caches
+
+
 @dataclasses.dataclass(frozen=True)
 class BinnedCalibration:
   """Scales per (regime, budget, delta, radius bin) of one (model, design).
@@ -182,13 +193,11 @@ class BinnedCalibration:
     d = store._index_of("delta", delta, self.deltas)  # pylint: disable=protected-access
     return i, b, d
 
-  def radius(self, raw, *, model: str, design: str, regime: str, budget: float,
-             delta: float, context_len: Optional[int] = None,
-             outside_range: str = "raise", dtype: str = "float32") -> Array:
-    """Calibrated radii of raw radii ``raw [...]`` at ``delta`` (jnp; may be traced).
+  def radius(self, raw, calls: Calls, *, context_len: Optional[int] = None,
+             outside_range: str = "raise") -> Array:
+    """Calibrated radii of raw radii ``raw [...]`` at ``calls.delta`` (jnp; may be traced).
 
-    ``model``, ``design``, ``regime``, ``budget``, ``delta`` and ``dtype`` (the
-    calls' weights and caches) must be ones this calibration was made for
+    Every field of ``calls`` must be one this calibration was made for
     (ValueError naming the field). ``context_len``:
     prompt tokens of the calls, None to skip the check; outside
     :attr:`context_range` it raises (naming the range and sources) or, with
@@ -196,7 +205,7 @@ class BinnedCalibration:
     """
     if outside_range not in OUTSIDE_RANGE:
       raise ValueError(f"outside_range must be one of {OUTSIDE_RANGE}, got {outside_range!r}")
-    i, b, d = self._entry(model, design, regime, budget, delta, dtype)
+    i, b, d = self._entry(*calls)
     if context_len is not None:
       if isinstance(context_len, (bool, np.bool_)) or not isinstance(context_len,
                                                                      (int, np.integer)):

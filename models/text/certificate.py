@@ -130,9 +130,9 @@ def calibrated(raw, run: Run, *, calibration: Optional[str], context_tokens: int
     return None, (f"the calibration was fitted with {fitted}, this run uses {used}"), None
   try:
     cal = robust.load(calibration)
-    out = cal.radius(raw, model=run.model_name, design=run.design_name, regime=run.regime,
-                     budget=float(run.budget), delta=float(run.delta),
-                     context_len=int(context_tokens), outside_range="warn", dtype=run.dtype)
+    calls = robust.Calls(run.model_name, run.design_name, run.regime, float(run.budget),
+                         float(run.delta), run.dtype)
+    out = cal.radius(raw, calls, context_len=int(context_tokens), outside_range="warn")
   except ValueError as err:
     return None, str(err), None
   radius = np.asarray(out, np.float64)

@@ -328,8 +328,8 @@ class ValidityEndToEndTest(absltest.TestCase):
     self.assertEqual(calib.design, "poisson_tail")
     self.assertEqual(calib.data, ("passkey", "text"))
     with self.assertRaisesRegex(ValueError, "design"):
-      calib.radius(np.ones(2), model="tiny", design="poisson_envelope",
-                   regime="streaming", budget=0.25, delta=0.05)
+      calib.radius(np.ones(2), robust.Calls("tiny", "poisson_envelope", "streaming", 0.25,
+                                            0.05))
     # A rerun resumes: nothing left to run, the same cells.
     logs.clear()
     again = validity_run.run(*self.model, plan, out, text=TEXT, log=logs.append)

@@ -213,6 +213,6 @@ def binned_radii(calls: Calls, cal: robust.BinnedCalibration, delta: float,
     for b in budgets:
       m = (calls["regime"] == regime) & (np.abs(calls["budget"] - b) < 1e-6)
       if m.any():
-        out[m] = np.asarray(cal.radius(raw[m], model=calls.model, design=cal.design,
-                                       regime=regime, budget=b, delta=delta))
+        out[m] = np.asarray(cal.radius(raw[m], robust.Calls(calls.model, cal.design, regime,
+                                                            b, delta)))
   return out

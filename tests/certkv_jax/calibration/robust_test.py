@@ -135,8 +135,8 @@ class BinnedCalibrationTest(absltest.TestCase):
     self.assertEqual(back.metadata()["context_range"], [1040, 1156])
     self.assertEqual(back.format_version, 2)
     raw = np.array([0.05, 0.5, 5.0, 50.0])
-    got = np.asarray(back.radius(raw, model="m", design="poisson_tail", regime="streaming",
-                                 budget=0.25, delta=0.05))
+    got = np.asarray(back.radius(raw, rc.Calls("m", "poisson_tail", "streaming", 0.25,
+                                                  0.05)))
     edges, scales = cal.edges[1, 0, 0], cal.scales[1, 0, 0]
     want = scales[np.searchsorted(edges, raw, side="right")] * raw
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -145,9 +145,9 @@ class BinnedCalibrationTest(absltest.TestCase):
     cal = self._fit()
     kw = dict(model="m", design="poisson_tail", regime="streaming", budget=0.25, delta=0.05)
     raw = np.array([0.05, 0.5, 5.0, 50.0])
-    unchecked = np.asarray(cal.radius(raw, **kw))
+    unchecked = np.asarray(cal.radius(raw, rc.Calls(**kw)))
     for inside in (1040, 1100, 1156):
-      np.testing.assert_array_equal(np.asarray(cal.radius(raw, context_len=inside, **kw)),
+      np.testing.assert_array_equal(np.asarray(cal.radius(raw, rc.Calls(**kw), context_len=inside)),
                                     unchecked)
       self.assertTrue(cal.covers_context(inside))
     for outside in (272, 1039, 1157, 2064):
@@ -156,15 +156,15 @@ class BinnedCalibrationTest(absltest.TestCase):
         with self.assertRaisesRegex(
             ValueError, rf"context_len: this calibration was fitted on contexts of 1040-1156 "
                         rf"tokens from sources passkey, text, got context_len={outside}"):
-          cal.radius(raw, context_len=outside, **kw)
+          cal.radius(raw, rc.Calls(**kw), context_len=outside)
         # The explicit opt-in returns the same radius; warning is the caller's job.
         np.testing.assert_array_equal(
-            np.asarray(cal.radius(raw, context_len=outside, outside_range="warn", **kw)),
+            np.asarray(cal.radius(raw, rc.Calls(**kw), context_len=outside, outside_range="warn")),
             unchecked)
     with self.assertRaisesRegex(ValueError, "outside_range"):
-      cal.radius(raw, context_len=1100, outside_range="ignore", **kw)
+      cal.radius(raw, rc.Calls(**kw), context_len=1100, outside_range="ignore")
     with self.assertRaisesRegex(ValueError, "context_len must be an int"):
-      cal.radius(raw, context_len=1100.0, **kw)
+      cal.radius(raw, rc.Calls(**kw), context_len=1100.0)
     # fit needs the prompt lengths, one int per call.
     axes = dict(regimes=("streaming",), budgets=(0.25,), deltas=(0.05,), model="m", design="d")
 
@@ -215,7 +215,7 @@ class BinnedCalibrationTest(absltest.TestCase):
     cal = self._fit()  # fitted at budgets 0.25 and 0.5
     raw = np.array([0.05, 0.5, 5.0, 50.0])
     kw = dict(model="m", design="poisson_tail", regime="streaming", delta=0.05)
-    at = lambda b: np.asarray(cal.radius(raw, budget=b, **kw), np.float64)
+    at = lambda b: np.asarray(cal.radius(raw, rc.Calls(budget=b, **kw)), np.float64)
     lo, hi = at(0.25), at(0.5)
     # 0.25 * sqrt(2) is halfway in log budget: the mean of the two calibrated radii.
     np.testing.assert_allclose(at(0.25 * math.sqrt(2.0)), 0.5 * (lo + hi), rtol=1e-6)
@@ -225,7 +225,7 @@ class BinnedCalibrationTest(absltest.TestCase):
     for outside in (0.125, 0.75):
       self.assertIsNone(cal.budget_neighbours(outside))
       with self.assertRaisesRegex(ValueError, r"budget: .*outside \[0.25, 0.5\]"):
-        cal.radius(raw, budget=outside, **kw)
+        cal.radius(raw, rc.Calls(budget=outside, **kw))
 
   def test_misuse_names_the_field(self):
     cal = self._fit()
@@ -234,7 +234,7 @@ class BinnedCalibrationTest(absltest.TestCase):
                        ("budget", 0.125), ("delta", 0.01)):
       with self.subTest(field=field):
         with self.assertRaisesRegex(ValueError, field):
-          cal.radius(np.ones(2), **dict(ok, **{field: bad}))
+          cal.radius(np.ones(2), rc.Calls(**dict(ok, **{field: bad})))
     with self.assertRaisesRegex(ValueError, "regime 'streaming', budget 0.125"):
       rc.fit(rc.FitCalls(np.ones(40), np.ones((1, 40)), np.array(["streaming"] * 40),
                          np.full(40, 0.25), np.array(["a"] * 40), np.full(40, 100)),
