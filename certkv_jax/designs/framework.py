@@ -218,8 +218,9 @@ def compose(certain: CertaintySet, tail, budget, name: str = "custom",
 # "Certified twins"); the rest are sampled.
 TWIN_SHARE = 0.5
 # Their sampling weights' floor, relative to the tail's mean weight: no tail token is
-# nearly never drawn, so no Horvitz-Thompson term 1 / pi is nearly unbounded.
-TWIN_EPS = 0.05
+# nearly never drawn, so no Horvitz-Thompson term 1 / pi is nearly unbounded. At 1 half
+# the sampled weight is spread uniformly (method, section 3, "The floor's size").
+TWIN_EPS = 1.0
 
 
 def certified(design: EvictionDesign, *, top_share: float = TWIN_SHARE,
