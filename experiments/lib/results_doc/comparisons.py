@@ -49,16 +49,22 @@ def equal_memory(root: str) -> list[str]:
   return out
 
 
-TWIN_RUNS = ("equal_memory_twins_by_quarter", "equal_memory_twins_by_quarter_2048",
-             "equal_memory_fixed", "equal_memory_fixed_segments", "equal_memory_fixed_2048",
-             "equal_memory_fixed_segments_2048")
+# (run, the twins' weight floor eps it used): 0.05 was the default until f09151b.
+_EPS_EVAL = "equal_memory_twin_eps_eval/"
+TWIN_RUNS = (("equal_memory_twins_by_quarter", 0.05),
+             ("equal_memory_twins_by_quarter_2048", 0.05),
+             ("equal_memory_fixed", 0.05), ("equal_memory_fixed_segments", 0.05),
+             ("equal_memory_fixed_2048", 0.05), ("equal_memory_fixed_segments_2048", 0.05),
+             (_EPS_EVAL + "files_1024", 1.0), (_EPS_EVAL + "segments_1024", 1.0),
+             (_EPS_EVAL + "files_2048", 1.0), (_EPS_EVAL + "segments_2048", 1.0))
+TWIN_COVERAGE_RUNS = (("equal_memory_fixed_coverage", 0.05), (_EPS_EVAL + "coverage_1024", 1.0))
 
 
 def twins(root: str) -> list[str]:
   """Each certified twin against its own design, overall and by quarter of the stream, in
-  the runs of :data:`TWIN_RUNS` (losses only)."""
+  the runs of :data:`TWIN_RUNS` (losses only), then their coverage."""
   out = ["## Certified twins against their own designs", ""]
-  for rel in TWIN_RUNS:
+  for rel, eps in TWIN_RUNS:
     s = fmt.read_json(root, f"{rel}/summary.json")
     plan = s["plan"]
     c, ctx = next(iter(s["contexts"].items()))
@@ -66,7 +72,7 @@ def twins(root: str) -> list[str]:
     cache = ("a fixed cache of each memory's share of the segment's tokens (filled, then "
              "held)" if plan.get("cache") == "fixed" else
              "the memory's share of the tokens seen so far")
-    out += [f"### {int(c):,} tokens, {cache}", ""]
+    out += [f"### {int(c):,} tokens, {cache}, twins' floor eps = {eps:g}", ""]
     out += fmt.run_source(root, rel)
     used = sorted({r["source"] for r in fmt.read_rows(root, f"{rel}/rows.jsonl")
                    if r["split"] == "eval"})
@@ -89,15 +95,17 @@ def twins(root: str) -> list[str]:
           [d] + [fmt.ci((q["value"], *q["ci"]), "+.3f") for q in per[m]["delta"]]
           for d, per in quarters.items()])
     out += [""]
-  return out + _twin_coverage(root, "equal_memory_fixed_coverage")
+  for rel, eps in TWIN_COVERAGE_RUNS:
+    out += _twin_coverage(root, rel, eps) + [""]
+  return out[:-1]
 
 
-def _twin_coverage(root: str, rel: str) -> list[str]:
+def _twin_coverage(root: str, rel: str, eps: float) -> list[str]:
   """The twins' coverage at delta 0.05 in one evaluation-mode run."""
   s = fmt.read_json(root, f"{rel}/summary.json")
   plan = s["plan"]
   c, ctx = next(iter(s["contexts"].items()))
-  out = [f"### Coverage, {int(c):,} tokens, a fixed cache", ""]
+  out = [f"### Coverage, {int(c):,} tokens, a fixed cache, twins' floor eps = {eps:g}", ""]
   out += fmt.run_source(root, rel)
   out += [f"{plan['n_eval']} evaluation segments, calibrated on {plan['n_calib']} other "
           "files; coverage of each call from the first eviction on at delta "
@@ -119,28 +127,35 @@ def leaderboard(root: str) -> list[str]:
   return _ruler(root, "leaderboard", "## RULER-style leaderboard: certified twins at equal memory")
 
 
+def leaderboard_eps005(root: str) -> list[str]:
+  """The same leaderboard with the twins' earlier weight floor, ``eps = 0.05``."""
+  return _ruler(root, "leaderboard_eps005",
+                "## RULER-style leaderboard: certified twins at equal memory, floor 0.05")
+
+
 def leaderboard_tokens(root: str) -> list[str]:
   """The same leaderboard at equal tokens (no ``--equal_memory``): a twin holds about
   1.5% more bytes than its design."""
   return _ruler(root, "leaderboard_tokens",
-                "## RULER-style leaderboard: certified twins at equal tokens")
+                "## RULER-style leaderboard: certified twins at equal tokens, floor 0.05")
 
 
 def leaderboard_coverage(root: str) -> list[str]:
   """The twins' coverage on a subset of the leaderboard, in evaluation mode."""
-  return _ruler(root, "leaderboard_coverage", "## RULER-style leaderboard: the twins' coverage")
+  return _ruler(root, "leaderboard_coverage",
+                "## RULER-style leaderboard: the twins' coverage, floor 0.05")
 
 
 def leaderboard_coverage_bytes(root: str) -> list[str]:
   """The same coverage subset at equal kept bytes (``--equal_memory``), the leaderboard's."""
   return _ruler(root, "leaderboard_coverage_bytes",
-                "## RULER-style leaderboard: the twins' coverage at equal memory")
+                "## RULER-style leaderboard: the twins' coverage at equal memory, floor 0.05")
 
 
 def leaderboard_keydiff_bytes(root: str) -> list[str]:
   """KeyDiff and its twin at equal kept bytes (``--equal_memory``), a leaderboard subset."""
   return _ruler(root, "leaderboard_keydiff_bytes",
-                "## RULER-style leaderboard: KeyDiff's twin at equal bytes")
+                "## RULER-style leaderboard: KeyDiff's twin at equal bytes, floor 0.05")
 
 
 def leaderboard_smoke(root: str) -> list[str]:
