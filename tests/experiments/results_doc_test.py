@@ -77,7 +77,7 @@ class ResultsDocTest(absltest.TestCase):
                   "tokens) reach 0.95", self.rendered)
 
   def test_a_twin_that_loses_is_bold(self):
-    row = "| keydiff | keydiff_cert | +1.4 [-6.1, +8.9] |"
+    row = "| keydiff | keydiff_cert | -3.6 [-11.2, +3.9] |"
     self.assertIn(row, self.rendered)
 
     def loses(d):
