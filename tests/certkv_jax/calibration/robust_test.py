@@ -143,11 +143,12 @@ class BinnedCalibrationTest(absltest.TestCase):
 
   def test_context_len_outside_the_fitted_range_is_refused_or_warned(self):
     cal = self._fit()
-    kw = dict(model="m", design="poisson_tail", regime="streaming", budget=0.25, delta=0.05)
+    calls = rc.Calls(model="m", design="poisson_tail", regime="streaming", budget=0.25,
+                     delta=0.05)
     raw = np.array([0.05, 0.5, 5.0, 50.0])
-    unchecked = np.asarray(cal.radius(raw, rc.Calls(**kw)))
+    unchecked = np.asarray(cal.radius(raw, calls))
     for inside in (1040, 1100, 1156):
-      np.testing.assert_array_equal(np.asarray(cal.radius(raw, rc.Calls(**kw), context_len=inside)),
+      np.testing.assert_array_equal(np.asarray(cal.radius(raw, calls, context_len=inside)),
                                     unchecked)
       self.assertTrue(cal.covers_context(inside))
     for outside in (272, 1039, 1157, 2064):
@@ -156,15 +157,15 @@ class BinnedCalibrationTest(absltest.TestCase):
         with self.assertRaisesRegex(
             ValueError, rf"context_len: this calibration was fitted on contexts of 1040-1156 "
                         rf"tokens from sources passkey, text, got context_len={outside}"):
-          cal.radius(raw, rc.Calls(**kw), context_len=outside)
+          cal.radius(raw, calls, context_len=outside)
         # The explicit opt-in returns the same radius; warning is the caller's job.
         np.testing.assert_array_equal(
-            np.asarray(cal.radius(raw, rc.Calls(**kw), context_len=outside, outside_range="warn")),
+            np.asarray(cal.radius(raw, calls, context_len=outside, outside_range="warn")),
             unchecked)
     with self.assertRaisesRegex(ValueError, "outside_range"):
-      cal.radius(raw, rc.Calls(**kw), context_len=1100, outside_range="ignore")
+      cal.radius(raw, calls, context_len=1100, outside_range="ignore")
     with self.assertRaisesRegex(ValueError, "context_len must be an int"):
-      cal.radius(raw, rc.Calls(**kw), context_len=1100.0)
+      cal.radius(raw, calls, context_len=1100.0)
     # fit needs the prompt lengths, one int per call.
     axes = dict(regimes=("streaming",), budgets=(0.25,), deltas=(0.05,), model="m", design="d")
 
